@@ -1,0 +1,35 @@
+"""The decode worker's :class:`KvReceiverSink`: reservation checks + cache writes."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from decode_worker.scheduler import DecodeScheduler
+from engine.logprobs import from_dict
+from kvtransfer import KvReceiverSink, StaleTransferError
+
+
+class DecodeKvSink(KvReceiverSink):
+    """Bridges the KV transport to the scheduler's :class:`TransferTable` and inbox."""
+
+    def __init__(self, scheduler: DecodeScheduler) -> None:
+        self.scheduler = scheduler
+        self.table = scheduler.transfers
+
+    def begin(self, transfer_id: str, generation: int, request_id: str) -> bool:
+        return self.table.is_open(transfer_id, generation)
+
+    def write(self, transfer_id: str, generation: int, layer_start: int, layer_end: int,
+              block_ids: Sequence[int], tensor: torch.Tensor) -> None:
+        self.table.write(transfer_id, generation, layer_start, layer_end, list(block_ids), tensor)
+
+    def complete(self, transfer_id: str, generation: int, first_token_id: int,
+                 first_token_logprobs: dict[Any, Any] | None) -> None:
+        if not self.table.is_open(transfer_id, generation):
+            raise StaleTransferError(f"transfer {transfer_id} generation {generation} is not open")
+        self.scheduler.kv_complete(transfer_id, generation, first_token_id, from_dict(first_token_logprobs))
+
+    def fail(self, transfer_id: str, generation: int, reason: str) -> None:
+        self.scheduler.kv_failed(transfer_id, generation, reason)

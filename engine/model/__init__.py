@@ -1,0 +1,45 @@
+"""Model construction and weight loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from engine.attention import get_attention_backend
+from engine.config import ModelConfig
+from engine.model.llama import LlamaForCausalLM
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """``auto`` device = cuda when available else cpu; ``auto`` dtype = float32 on CPU
+    (bf16 matmul on AVX2 CPUs is ~200x slower), bfloat16 on CUDA."""
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if device == "auto" else device))
+    if dtype == "auto":
+        return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    return dev, _DTYPES[dtype]
+
+
+def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+               attention_backend: str = "torch") -> LlamaForCausalLM:
+    """Build the model on ``device`` in ``dtype`` and load every ``*.safetensors`` in ``cfg.path``.
+
+    Raises:
+        FileNotFoundError: no safetensors file in the folder.
+        KeyError: a parameter missing from the checkpoint.
+    """
+    files = sorted(Path(cfg.path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {cfg.path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg, get_attention_backend(attention_backend)).to(dtype)
+    model.rope.to(torch.float32)
+    model.load_weights(state)
+    return model.eval()

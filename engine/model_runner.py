@@ -1,0 +1,69 @@
+"""Stateless executor: takes a :class:`StepPlan`, returns a :class:`StepOutput`.
+
+It owns the model weights and the KV cache tensor but no request state; every
+block id and position comes from the scheduler's plan (vLLM v1 ``GPUModelRunner``
+/ nano-vllm ``ModelRunner`` split).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.attention import SeqSlice, build_attention_metadata
+from engine.model.llama import LlamaForCausalLM
+from engine.sampling import Sampler
+from engine.step import StepOutput, StepPlan, TokenLogprobs
+
+
+class ModelRunner:
+    """Runs steps of ``model`` over ``kv_cache``.
+
+    Args:
+        model: the loaded decoder.
+        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        block_size: tokens per KV block.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
+                 seed: int = 0) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = kv_cache.device
+        self.sampler = Sampler(seed=seed)
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Run one step: write the new tokens' K/V into their slots and sample.
+
+        Raises:
+            ValueError: a malformed plan (empty, block table too short).
+        """
+        t0 = time.perf_counter()
+        meta = build_attention_metadata(
+            [SeqSlice(s.num_computed, len(s.token_ids), s.block_table) for s in plan.seqs],
+            self.block_size, self.device,
+        )
+        flat = [t for s in plan.seqs for t in s.token_ids]
+        input_ids = torch.tensor(flat, dtype=torch.int64, device=self.device)
+        hidden = self.model(input_ids, meta, self.kv_cache)
+        rows = [i for i, s in enumerate(plan.seqs) if s.sample]
+        if not rows:
+            return StepOutput([], [], [], time.perf_counter() - t0)
+        idx = meta.logits_index[torch.tensor(rows, device=self.device)]
+        logits = self.model.compute_logits(hidden[idx])
+        seqs = [plan.seqs[i] for i in rows]
+        out = self.sampler.sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        token_ids = out.token_ids.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        if out.logprobs is not None:
+            lp = out.logprobs.tolist()
+            top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+            top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+            for j, s in enumerate(seqs):
+                n = s.sampling.logprobs
+                if n > 0:
+                    top = list(zip(top_ids[j][:n], top_lp[j][:n])) if top_ids is not None else []
+                    logprobs[j] = TokenLogprobs(lp[j], top)
+        return StepOutput([s.request_id for s in seqs], token_ids, logprobs, time.perf_counter() - t0)

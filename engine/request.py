@@ -1,0 +1,90 @@
+"""Per-request state owned by a worker's scheduler."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_pool import blocks_needed
+from engine.sampling import SamplingOptions, make_generator
+from pdcluster.v1 import worker_pb2
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """Resolved generation limits and sampling of one request (router applied defaults).
+
+    Attributes:
+        max_tokens: new tokens to generate at most (>= 1).
+        sampling: temperature / top-p / top-k / seed / logprobs.
+        stop_token_ids: ids that end generation (included in the output).
+        ignore_eos: keep going past EOS.
+    """
+
+    max_tokens: int
+    sampling: SamplingOptions
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"              # queued for prefill (prefill) / for blocks (decode)
+    PREFILLING = "prefilling"        # some prompt chunks computed
+    TRANSFERRING = "transferring"    # KV on the wire (both sides)
+    RUNNING = "running"              # in the decode batch
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """A request inside one worker. Only its scheduler mutates it.
+
+    Attributes:
+        prompt_token_ids: prompt tokens.
+        output_token_ids: tokens generated so far (decode side includes the first
+            token sampled by the prefill worker).
+        block_table: KV blocks, append-only.
+        num_computed: tokens whose K/V are in the cache.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: RequestParams
+    transfer_id: str = ""
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    generator: torch.Generator | None = None
+    arrival_s: float = field(default_factory=time.monotonic)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def max_blocks(self, block_size: int) -> int:
+        """Blocks this request can ever need (prompt + max_tokens; the last sampled
+        token never enters the cache)."""
+        return blocks_needed(len(self.prompt_token_ids) + self.params.max_tokens - 1, block_size)
+
+
+def request_from_proto(msg: worker_pb2.WorkerRequest, transfer_id: str, device: torch.device) -> Request:
+    """Build a worker-side request from the router's resolved :class:`WorkerRequest`."""
+    s = msg.sampling
+    options = SamplingOptions(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None, logprobs=s.logprobs,
+    )
+    params = RequestParams(
+        max_tokens=s.max_tokens, sampling=options,
+        stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+    )
+    gen = make_generator(options.seed, device) if options.seed is not None else None
+    return Request(msg.request_id, list(msg.prompt_token_ids), params, transfer_id=transfer_id, generator=gen)

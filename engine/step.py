@@ -1,0 +1,65 @@
+"""Step contracts between a scheduler and its stateless model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling import SamplingOptions
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's work in a step.
+
+    Attributes:
+        request_id: owner of the sequence.
+        token_ids: the new tokens to run (a whole prompt, a prompt chunk, or the one
+            last sampled token in decode).
+        num_computed: tokens of the sequence already in the KV cache.
+        block_table: KV blocks covering ``num_computed + len(token_ids)`` tokens.
+        sample: sample a next token after this step (False for a non-final prefill chunk).
+        sampling: sampling options of the request.
+        generator: the request's own RNG when it carries a seed, else None.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_computed: int
+    block_table: list[int]
+    sample: bool
+    sampling: SamplingOptions
+    generator: torch.Generator | None = None
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    seqs: list[ScheduledSeq]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprob of the sampled token and the top-n alternatives (natural log)."""
+
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Sampled tokens, one per sequence with ``sample=True``, in plan order.
+
+    Attributes:
+        request_ids / token_ids / logprobs: aligned lists.
+        forward_s: seconds spent in the model forward + sampling (wall clock).
+    """
+
+    request_ids: list[str]
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    forward_s: float

@@ -1,0 +1,26 @@
+"""Token-level finish rules shared by every worker kind (EOS, stop ids, length).
+
+Stop *strings* need text and are matched by the router's detokenizer, which
+aborts the request on a match (vLLM's output-processor split).
+"""
+
+from __future__ import annotations
+
+from engine.request import Request
+
+STOP = "stop"
+LENGTH = "length"
+
+
+def check_finish(req: Request, eos_token_ids: tuple[int, ...], max_model_len: int) -> str | None:
+    """Finish reason after ``req``'s newest output token, or None to keep going.
+
+    EOS (unless ``ignore_eos``) and ``stop_token_ids`` give ``"stop"``;
+    ``max_tokens`` new tokens or ``max_model_len`` total tokens give ``"length"``.
+    """
+    last = req.output_token_ids[-1]
+    if (not req.params.ignore_eos and last in eos_token_ids) or last in req.params.stop_token_ids:
+        return STOP
+    if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= max_model_len:
+        return LENGTH
+    return None

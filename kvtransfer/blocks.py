@@ -1,0 +1,106 @@
+"""Gather and scatter whole KV blocks of a paged cache for a layer range.
+
+The cache of one worker is a single tensor ``kv_cache`` of shape
+``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 of
+dim 1 is K, 1 is V), any floating dtype, on any device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def check_kv_cache(kv_cache: torch.Tensor) -> None:
+    """Validate the layout of a paged KV cache.
+
+    Args:
+        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``,
+            floating dtype.
+
+    Raises:
+        ValueError: wrong rank, dim 1 is not 2, or the dtype is not floating point.
+    """
+    if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+        raise ValueError(
+            "kv_cache must have shape [num_layers, 2, num_blocks, block_size, "
+            f"num_kv_heads, head_dim], got {tuple(kv_cache.shape)}"
+        )
+    if not kv_cache.dtype.is_floating_point:
+        raise ValueError(f"kv_cache must have a floating dtype, got {kv_cache.dtype}")
+
+
+def _index(block_ids: Sequence[int] | torch.Tensor, num_blocks: int, device: torch.device) -> torch.Tensor:
+    idx = torch.as_tensor(block_ids, dtype=torch.long).reshape(-1)
+    if idx.numel() == 0:
+        raise ValueError("block_ids must not be empty")
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < 0 or hi >= num_blocks:
+        raise ValueError(f"block ids must lie in [0, {num_blocks}), got min {lo} max {hi}")
+    return idx.to(device)
+
+
+def _check_layers(kv_cache: torch.Tensor, layer_start: int, layer_end: int) -> None:
+    if not 0 <= layer_start < layer_end <= kv_cache.shape[0]:
+        raise ValueError(
+            f"layer range [{layer_start}, {layer_end}) outside [0, {kv_cache.shape[0]})"
+        )
+
+
+def gather_blocks(
+    kv_cache: torch.Tensor,
+    layer_start: int,
+    layer_end: int,
+    block_ids: Sequence[int] | torch.Tensor,
+) -> torch.Tensor:
+    """Copy the given blocks of layers ``[layer_start, layer_end)`` into a new tensor.
+
+    Args:
+        kv_cache: ``[L, 2, num_blocks, block_size, H, D]`` paged cache.
+        layer_start: first layer (inclusive).
+        layer_end: last layer (exclusive).
+        block_ids: block ids of ``kv_cache``, in the order wanted (any order,
+            need not be contiguous).
+
+    Returns:
+        Contiguous ``[layer_end - layer_start, 2, len(block_ids), block_size, H, D]``
+        tensor, same dtype and device as ``kv_cache``.
+
+    Raises:
+        ValueError: bad cache layout, layer range or block id.
+    """
+    check_kv_cache(kv_cache)
+    _check_layers(kv_cache, layer_start, layer_end)
+    idx = _index(block_ids, kv_cache.shape[2], kv_cache.device)
+    return kv_cache[layer_start:layer_end].index_select(2, idx).contiguous()
+
+
+def scatter_blocks(
+    kv_cache: torch.Tensor,
+    layer_start: int,
+    layer_end: int,
+    block_ids: Sequence[int] | torch.Tensor,
+    blocks: torch.Tensor,
+) -> None:
+    """Write ``blocks`` into the given blocks of layers ``[layer_start, layer_end)`` in place.
+
+    Args:
+        kv_cache: ``[L, 2, num_blocks, block_size, H, D]`` paged cache (modified).
+        layer_start: first layer (inclusive).
+        layer_end: last layer (exclusive).
+        block_ids: destination block ids, one per entry of ``blocks`` dim 2.
+        blocks: ``[layer_end - layer_start, 2, len(block_ids), block_size, H, D]``,
+            any floating dtype and device; cast/copied to the cache's.
+
+    Raises:
+        ValueError: bad cache layout, layer range, block id or ``blocks`` shape.
+    """
+    check_kv_cache(kv_cache)
+    _check_layers(kv_cache, layer_start, layer_end)
+    idx = _index(block_ids, kv_cache.shape[2], kv_cache.device)
+    want = (layer_end - layer_start, 2, idx.numel(), *kv_cache.shape[3:])
+    if tuple(blocks.shape) != want:
+        raise ValueError(f"blocks shape {tuple(blocks.shape)} != expected {want}")
+    src = blocks.to(device=kv_cache.device, dtype=kv_cache.dtype)
+    kv_cache[layer_start:layer_end].index_copy_(2, idx, src)

@@ -1,0 +1,421 @@
+"""Python client for the public ``pdcluster.v1.Router`` gRPC API.
+
+:class:`PdclusterClient` wraps one insecure gRPC channel to a router::
+
+    with PdclusterClient("127.0.0.1:50051", timeout_s=60) as client:
+        client.wait_ready(30)
+        result = client.generate("Hello", max_tokens=32, temperature=0)
+        for chunk in client.stream([{"role": "user", "content": "Hi"}]):
+            print(chunk.text, end="", flush=True)
+
+Errors reported by the server (and transport failures) propagate unchanged
+as :class:`grpc.RpcError`; ``err.code()`` and ``err.details()`` carry the
+status, e.g. ``INVALID_ARGUMENT`` for bad sampling parameters or
+``ALREADY_EXISTS`` for a duplicate running request id.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+ROUTER_SERVICE = "pdcluster.v1.Router"
+_FINISH_PREFIX = "FINISH_REASON_"
+# Reconnect quickly after a router restart instead of gRPC's 120 s backoff cap.
+_CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+_HEALTH_POLL_S = 0.1
+_HEALTH_CALL_S = 1.0
+
+ChatMessageLike = Union[Mapping[str, str], common_pb2.ChatMessage]
+Prompt = Union[str, Sequence[int], Sequence[ChatMessageLike]]
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of one finished request."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Natural-log probability of one generated token and its top alternatives.
+
+    ``top`` lists ``(token_id, logprob)`` pairs in the server's order.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class GenerationResult:
+    """The whole result of one request.
+
+    ``finish_reason`` is the enum name without its prefix: ``"STOP"``,
+    ``"LENGTH"``, ``"ABORT"`` (``"UNSPECIFIED"`` if the server never set it).
+    ``logprobs`` is ``None`` unless the server returned log-probabilities.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    usage: Usage
+    logprobs: list[TokenLogprob] | None = None
+
+
+def finish_reason_name(value: int) -> str:
+    """Map a ``FinishReason`` enum value to its short name (``1`` -> ``"STOP"``).
+
+    Values unknown to this client map to their decimal string.
+    """
+    try:
+        name = common_pb2.FinishReason.Name(value)
+    except ValueError:
+        return str(value)
+    return name.removeprefix(_FINISH_PREFIX)
+
+
+def accumulate(chunks: Iterable[router_pb2.GenerateResponse]) -> GenerationResult:
+    """Fold ``GenerateResponse`` messages (one, or a stream of deltas) into a result.
+
+    Raises:
+        ValueError: ``chunks`` is empty.
+        grpc.RpcError: iterating a live call failed.
+    """
+    request_id, text_parts, token_ids = "", [], []
+    logprobs: list[TokenLogprob] = []
+    finish, usage, seen = 0, Usage(), False
+    for chunk in chunks:
+        seen = True
+        request_id = chunk.request_id or request_id
+        token_ids.extend(chunk.token_ids)
+        text_parts.append(chunk.text)
+        logprobs.extend(
+            TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+            for lp in chunk.logprobs
+        )
+        if chunk.finish_reason:
+            finish = chunk.finish_reason
+        if chunk.HasField("usage"):
+            u = chunk.usage
+            usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+    if not seen:
+        raise ValueError("no GenerateResponse message to accumulate")
+    return GenerationResult(
+        request_id=request_id,
+        token_ids=token_ids,
+        text="".join(text_parts),
+        finish_reason=finish_reason_name(finish),
+        usage=usage,
+        logprobs=logprobs or None,
+    )
+
+
+def _chat_message(msg: ChatMessageLike) -> common_pb2.ChatMessage:
+    if isinstance(msg, common_pb2.ChatMessage):
+        return msg
+    if not isinstance(msg, Mapping):
+        raise TypeError(f"chat message must be a mapping, got {type(msg).__name__}")
+    role, content = msg.get("role"), msg.get("content")
+    if not isinstance(role, str) or not isinstance(content, str):
+        raise ValueError(f"chat message needs string 'role' and 'content': {msg!r}")
+    return common_pb2.ChatMessage(role=role, content=content)
+
+
+def _set_prompt(req: router_pb2.GenerateRequest, prompt: Prompt) -> None:
+    if isinstance(prompt, str):
+        req.text = prompt
+        return
+    if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
+        raise TypeError(f"prompt must be str, list[int] or list[dict], got {type(prompt).__name__}")
+    if not prompt:
+        raise ValueError("prompt list is empty (cannot tell token ids from chat messages)")
+    if all(isinstance(m, (Mapping, common_pb2.ChatMessage)) for m in prompt):
+        req.messages.messages.extend(_chat_message(m) for m in prompt)
+        return
+    if any(isinstance(t, bool) for t in prompt):
+        raise TypeError("token ids must be integers, not bools")
+    try:
+        req.token_ids.ids.extend(operator.index(t) for t in prompt)
+    except TypeError as exc:
+        raise TypeError("prompt list must hold only ints or only chat messages") from exc
+
+
+def build_request(
+    prompt: Prompt,
+    *,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: str | Iterable[str] = (),
+    stop_token_ids: Iterable[int] = (),
+    ignore_eos: bool = False,
+    logprobs: int = 0,
+    request_id: str = "",
+    stream: bool = False,
+) -> router_pb2.GenerateRequest:
+    """Build a ``GenerateRequest``.
+
+    ``prompt`` selects the oneof: ``str`` -> ``text``, a list of ints ->
+    ``token_ids``, a list of ``{"role", "content"}`` dicts (or ``ChatMessage``)
+    -> ``messages``. Optional sampling fields left ``None`` stay unset so the
+    server applies its defaults (16 tokens, temperature 1.0, top_p 1.0, random
+    seed). A single ``str`` passed as ``stop`` is one stop string. Value ranges
+    are checked by the server (``INVALID_ARGUMENT``).
+
+    Raises:
+        TypeError: the prompt or a message/token has the wrong type.
+        ValueError: the prompt list is empty, a message lacks role/content, or
+            a number does not fit its protobuf field (e.g. a negative seed).
+    """
+    req = router_pb2.GenerateRequest(request_id=request_id, stream=stream)
+    _set_prompt(req, prompt)
+    sp = req.sampling
+    if max_tokens is not None:
+        sp.max_tokens = max_tokens
+    if temperature is not None:
+        sp.temperature = temperature
+    if top_p is not None:
+        sp.top_p = top_p
+    if seed is not None:
+        sp.seed = seed
+    sp.top_k = top_k
+    sp.stop.extend([stop] if isinstance(stop, str) else stop)
+    sp.stop_token_ids.extend(stop_token_ids)
+    sp.ignore_eos = ignore_eos
+    sp.logprobs = logprobs
+    return req
+
+
+class GenerationStream:
+    """Iterator over the ``GenerateResponse`` deltas of one streaming call.
+
+    :meth:`cancel` (safe from any thread) cancels the gRPC call; the server
+    sees the cancellation and frees the request. After a local cancel the
+    iteration ends quietly instead of raising ``CANCELLED``. Any other
+    failure raises :class:`grpc.RpcError` from ``next()``.
+    """
+
+    def __init__(self, call: Any):
+        self._call = call
+        self._cancelled = False
+
+    def __iter__(self) -> GenerationStream:
+        return self
+
+    def __next__(self) -> router_pb2.GenerateResponse:
+        if self._cancelled:
+            raise StopIteration
+        try:
+            return next(self._call)
+        except grpc.RpcError as exc:
+            if self._cancelled and exc.code() == grpc.StatusCode.CANCELLED:
+                raise StopIteration from None
+            raise
+
+    def cancel(self) -> bool:
+        """Cancel the call; returns False if it had already terminated."""
+        self._cancelled = True
+        return self._call.cancel()
+
+    @property
+    def cancelled(self) -> bool:
+        """True once :meth:`cancel` was called."""
+        return self._cancelled
+
+    def __enter__(self) -> GenerationStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+
+class PdclusterClient:
+    """Blocking client of one router at ``address`` (``"host:port"``).
+
+    ``timeout_s`` is the deadline in seconds of every RPC (for streams: of
+    the whole stream); ``None`` means no deadline. Use as a context manager
+    or call :meth:`close` to release the channel. All RPC methods raise
+    :class:`grpc.RpcError` with the server's status code on failure
+    (``DEADLINE_EXCEEDED`` when ``timeout_s`` elapses, ``UNAVAILABLE`` when
+    the router cannot be reached).
+    """
+
+    def __init__(self, address: str, timeout_s: float | None = None):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    def close(self) -> None:
+        """Close the channel; in-flight calls are cancelled."""
+        self._channel.close()
+
+    def __enter__(self) -> PdclusterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def generate(
+        self,
+        prompt: Prompt,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Iterable[str] = (),
+        stop_token_ids: Iterable[int] = (),
+        ignore_eos: bool = False,
+        logprobs: int = 0,
+        request_id: str = "",
+    ) -> GenerationResult:
+        """Generate a whole completion (``stream=false``) and return it.
+
+        Sampling arguments are those of :func:`build_request`; ``None`` leaves
+        a field unset (server default). ``request_id`` empty: server-minted.
+
+        Raises:
+            grpc.RpcError: the server rejected or failed the request.
+            TypeError, ValueError: see :func:`build_request`.
+            RuntimeError: the server closed the call without a response.
+        """
+        req = build_request(
+            prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            logprobs=logprobs,
+            request_id=request_id,
+            stream=False,
+        )
+        call = self._stub.Generate(req, timeout=self.timeout_s)
+        try:
+            return accumulate(call)
+        except ValueError:
+            raise RuntimeError("router closed Generate without a response") from None
+
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Iterable[str] = (),
+        stop_token_ids: Iterable[int] = (),
+        ignore_eos: bool = False,
+        logprobs: int = 0,
+        request_id: str = "",
+    ) -> GenerationStream:
+        """Start a streaming generation (``stream=true``); one chunk per step.
+
+        Each chunk carries the new ``token_ids`` and ``text`` delta; the last
+        one has ``finish_reason`` and ``usage``. Call ``.cancel()`` on the
+        returned :class:`GenerationStream` to stop early. Parameters as in
+        :meth:`generate`.
+
+        Raises:
+            TypeError, ValueError: see :func:`build_request` (at call time).
+            grpc.RpcError: from iteration, when the call fails.
+        """
+        req = build_request(
+            prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            logprobs=logprobs,
+            request_id=request_id,
+            stream=True,
+        )
+        return GenerationStream(self._stub.Generate(req, timeout=self.timeout_s))
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a running request; returns False if no running request has that id.
+
+        Raises:
+            grpc.RpcError: the call failed.
+        """
+        resp = self._stub.Abort(router_pb2.AbortRequest(request_id=request_id), timeout=self.timeout_s)
+        return resp.found
+
+    def model_info(self) -> router_pb2.ModelInfo:
+        """Return the served model's ``ModelInfo`` (name, max_model_len, vocab, EOS ids, block size).
+
+        Raises:
+            grpc.RpcError: the call failed.
+        """
+        return self._stub.GetModelInfo(router_pb2.GetModelInfoRequest(), timeout=self.timeout_s)
+
+    def wait_ready(self, timeout_s: float, *, service: str | None = None) -> None:
+        """Block until the router's gRPC health status is ``SERVING``.
+
+        Polls ``grpc.health.v1.Health/Check`` for ``service`` or, by default,
+        for ``"pdcluster.v1.Router"`` falling back to the server-wide ``""``
+        when the router service is not registered. Unreachable servers are
+        retried until ``timeout_s`` seconds have passed.
+
+        Raises:
+            TimeoutError: not ``SERVING`` within ``timeout_s`` seconds.
+            grpc.RpcError: the health check failed for another reason than
+                unavailability/not-found (e.g. ``UNIMPLEMENTED``: no health service).
+        """
+        health = health_pb2_grpc.HealthStub(self._channel)
+        names = (ROUTER_SERVICE, "") if service is None else (service,)
+        deadline = time.monotonic() + timeout_s
+        last = "no response"
+        while (remaining := deadline - time.monotonic()) > 0:
+            for name in names:
+                try:
+                    resp = health.Check(
+                        health_pb2.HealthCheckRequest(service=name),
+                        timeout=min(remaining, _HEALTH_CALL_S),
+                        wait_for_ready=True,
+                    )
+                except grpc.RpcError as exc:
+                    code = exc.code()
+                    last = f"{code.name} for service {name!r}"
+                    if code == grpc.StatusCode.NOT_FOUND:
+                        continue
+                    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        break
+                    raise
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = f"{health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)} for service {name!r}"
+                break
+            time.sleep(max(0.0, min(_HEALTH_POLL_S, deadline - time.monotonic())))
+        raise TimeoutError(f"router at {self.address} not SERVING after {timeout_s}s ({last})")

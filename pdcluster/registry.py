@@ -1,0 +1,542 @@
+"""Worker registry on Redis: who is alive, where it listens, how loaded it is.
+
+Key layout, under the namespace ``pdcluster:<cluster>:``:
+
+* ``workers`` - set of registered worker ids.
+* ``worker:<id>:info`` - hash of :class:`WorkerInfo` fields (TTL'd).
+* ``worker:<id>:hb`` - liveness key holding the :class:`WorkerLoadSnapshot`
+  as JSON (TTL'd); a worker is live exactly while this key exists.
+* ``state:<key>`` - small JSON documents (e.g. the router address).
+
+Workers keep themselves registered with a :class:`Heartbeater`; the router
+reads the live set through a :class:`RegistryView`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Callable
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "router")
+
+# Drop a set member whose info and liveness keys both vanished (atomic, so a
+# worker registering concurrently is never dropped).
+_PRUNE_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 0 and redis.call('EXISTS', KEYS[3]) == 0 then
+  return redis.call('SREM', KEYS[1], ARGV[1])
+end
+return 0
+"""
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Static description of one registered process.
+
+    Attributes:
+        worker_id: unique id within the cluster.
+        role: ``"prefill"``, ``"decode"`` or ``"router"``.
+        address: ``host:port`` of its gRPC server.
+        kv_endpoint: ``host:port`` of its KvTransfer service (decode only, else ``""``).
+        node_id: machine / Ray node it runs on.
+        model: model name it serves.
+        block_size: tokens per KV block.
+        num_total_blocks: KV blocks in its pool.
+        started_at: start time, unix seconds.
+    """
+
+    worker_id: str
+    role: str
+    address: str
+    kv_endpoint: str = ""
+    node_id: str = ""
+    model: str = ""
+    block_size: int = 0
+    num_total_blocks: int = 0
+    started_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("worker_id must be non-empty")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+
+    def to_hash(self) -> dict[str, str]:
+        """Field values as strings, for a Redis hash."""
+        return {k: str(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_hash(cls, h: dict[str, str]) -> "WorkerInfo":
+        """Inverse of :meth:`to_hash`.
+
+        Raises:
+            KeyError: a required field is missing.
+            ValueError: a numeric field does not parse.
+        """
+        kwargs: dict[str, object] = {}
+        for f in fields(cls):
+            if f.name not in h:
+                continue
+            raw = h[f.name]
+            kwargs[f.name] = int(raw) if f.type == "int" else float(raw) if f.type == "float" else raw
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class WorkerLoadSnapshot:
+    """Load reported with each heartbeat.
+
+    Attributes:
+        num_waiting: requests queued, not yet scheduled.
+        num_running: requests holding KV blocks.
+        num_free_blocks: free KV blocks.
+        num_total_blocks: KV blocks in the pool.
+        draining: the worker accepts no new requests.
+        updated_at: when the snapshot was taken, unix seconds (worker clock).
+    """
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    draining: bool = False
+    updated_at: float = 0.0
+
+    def to_json(self) -> str:
+        """JSON text of the snapshot."""
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "WorkerLoadSnapshot":
+        """Inverse of :meth:`to_json`; unknown keys are ignored.
+
+        Raises:
+            ValueError: ``text`` is not a JSON object.
+        """
+        d = json.loads(text)
+        if not isinstance(d, dict):
+            raise ValueError(f"load snapshot must be a JSON object, got {text!r}")
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+class WorkerRegistry:
+    """Registry operations on one Redis for one cluster namespace.
+
+    Every method talks to Redis directly and raises
+    ``redis.exceptions.ConnectionError`` / ``redis.exceptions.TimeoutError``
+    within about ``socket_timeout_s`` (x2: one reconnect attempt) when Redis is
+    unreachable; none blocks indefinitely.
+
+    Args:
+        redis_url: ``redis://host:port/db``.
+        cluster: namespace; several clusters may share one Redis.
+        socket_timeout_s: connect and read timeout of each Redis call (seconds).
+
+    Raises:
+        ValueError: empty cluster name or one containing ``:``.
+    """
+
+    def __init__(self, redis_url: str, cluster: str = "default", socket_timeout_s: float = 2.0) -> None:
+        if not cluster or ":" in cluster:
+            raise ValueError(f"cluster name must be non-empty and contain no ':', got {cluster!r}")
+        self.redis_url = redis_url
+        self.cluster = cluster
+        self.prefix = f"pdcluster:{cluster}:"
+        # One retry lets a pooled connection broken by a Redis restart reconnect;
+        # no backoff, so a dead Redis fails fast.
+        self._r = redis.Redis.from_url(
+            redis_url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            retry=Retry(NoBackoff(), 1),
+            decode_responses=True,
+        )
+        self._prune = self._r.register_script(_PRUNE_LUA)
+
+    # -- keys ---------------------------------------------------------------
+    @property
+    def _set_key(self) -> str:
+        return self.prefix + "workers"
+
+    def _info_key(self, worker_id: str) -> str:
+        return f"{self.prefix}worker:{worker_id}:info"
+
+    def _hb_key(self, worker_id: str) -> str:
+        return f"{self.prefix}worker:{worker_id}:hb"
+
+    def _state_key(self, key: str) -> str:
+        return f"{self.prefix}state:{key}"
+
+    # -- workers ------------------------------------------------------------
+    def register(self, info: WorkerInfo, ttl_s: float) -> None:
+        """Write (or overwrite) a worker's info; it stays for ``ttl_s`` seconds
+        unless heartbeats refresh it. It is not live until its first heartbeat.
+
+        Raises:
+            ValueError: ``ttl_s`` is not positive.
+            redis.exceptions.RedisError: Redis unreachable or failing.
+        """
+        ttl_ms = _ttl_ms(ttl_s)
+        key = self._info_key(info.worker_id)
+        with self._r.pipeline(transaction=True) as p:
+            p.delete(key)
+            p.hset(key, mapping=info.to_hash())
+            p.pexpire(key, ttl_ms)
+            p.sadd(self._set_key, info.worker_id)
+            p.execute()
+
+    def heartbeat(self, worker_id: str, load: WorkerLoadSnapshot, ttl_s: float) -> bool:
+        """Mark ``worker_id`` live for ``ttl_s`` seconds with ``load``, and extend
+        its info's TTL.
+
+        Returns:
+            ``True`` if the worker's info exists; ``False`` if it is missing
+            (expired, or Redis restarted and lost it) - call :meth:`register`.
+
+        Raises:
+            ValueError: ``ttl_s`` is not positive.
+            redis.exceptions.RedisError: Redis unreachable or failing.
+        """
+        ttl_ms = _ttl_ms(ttl_s)
+        with self._r.pipeline(transaction=True) as p:
+            p.pexpire(self._info_key(worker_id), ttl_ms)
+            p.set(self._hb_key(worker_id), load.to_json(), px=ttl_ms)
+            p.sadd(self._set_key, worker_id)
+            info_present, _, _ = p.execute()
+        return bool(info_present)
+
+    def deregister(self, worker_id: str) -> None:
+        """Remove a worker at once (info, liveness key, set membership).
+
+        Raises:
+            redis.exceptions.RedisError: Redis unreachable or failing.
+        """
+        with self._r.pipeline(transaction=True) as p:
+            p.delete(self._info_key(worker_id), self._hb_key(worker_id))
+            p.srem(self._set_key, worker_id)
+            p.execute()
+
+    def live_workers(self, role: str | None = None) -> list[tuple[WorkerInfo, WorkerLoadSnapshot]]:
+        """Workers whose liveness key exists (and whose info is present),
+        sorted by worker id, optionally only those of ``role``.
+
+        Raises:
+            redis.exceptions.RedisError: Redis unreachable or failing.
+        """
+        ids = sorted(self._r.smembers(self._set_key))
+        if not ids:
+            return []
+        with self._r.pipeline(transaction=False) as p:
+            for wid in ids:
+                p.hgetall(self._info_key(wid))
+                p.get(self._hb_key(wid))
+            replies = p.execute()
+        out: list[tuple[WorkerInfo, WorkerLoadSnapshot]] = []
+        for i, wid in enumerate(ids):
+            info_h, hb = replies[2 * i], replies[2 * i + 1]
+            if not info_h and hb is None:
+                self._prune(keys=[self._set_key, self._info_key(wid), self._hb_key(wid)], args=[wid])
+                continue
+            if not info_h or hb is None:
+                continue  # registered but not beating yet, or info lost until re-registration
+            try:
+                info, load = WorkerInfo.from_hash(info_h), WorkerLoadSnapshot.from_json(hb)
+            except (KeyError, TypeError, ValueError) as e:
+                log.warning("skipping malformed registry entry %r: %s", wid, e)
+                continue
+            if role is None or info.role == role:
+                out.append((info, load))
+        return out
+
+    def get(self, worker_id: str) -> WorkerInfo | None:
+        """The registered info of ``worker_id``, live or not; ``None`` if absent.
+
+        Raises:
+            redis.exceptions.RedisError: Redis unreachable or failing.
+        """
+        h = self._r.hgetall(self._info_key(worker_id))
+        return WorkerInfo.from_hash(h) if h else None
+
+    # -- small cluster-wide state -------------------------------------------
+    def set_cluster_state(self, key: str, value: dict, ttl_s: float | None = None) -> None:
+        """Store a small JSON document under ``key`` (optionally expiring after
+        ``ttl_s`` seconds).
+
+        Raises:
+            TypeError: ``value`` is not JSON-serialisable.
+            ValueError: ``ttl_s`` is given and not positive.
+            redis.exceptions.RedisError: Redis unreachable or failing.
+        """
+        text = json.dumps(value)
+        px = _ttl_ms(ttl_s) if ttl_s is not None else None
+        self._r.set(self._state_key(key), text, px=px)
+
+    def get_cluster_state(self, key: str) -> dict | None:
+        """The document stored under ``key``, or ``None``.
+
+        Raises:
+            redis.exceptions.RedisError: Redis unreachable or failing.
+        """
+        text = self._r.get(self._state_key(key))
+        return json.loads(text) if text is not None else None
+
+    def delete_cluster_state(self, key: str) -> None:
+        """Remove the document stored under ``key`` (no error if absent).
+
+        Raises:
+            redis.exceptions.RedisError: Redis unreachable or failing.
+        """
+        self._r.delete(self._state_key(key))
+
+    def close(self) -> None:
+        """Release the connection pool."""
+        self._r.close()
+
+
+def _ttl_ms(ttl_s: float) -> int:
+    if ttl_s <= 0:
+        raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+    return max(1, int(round(ttl_s * 1000)))
+
+
+class Heartbeater:
+    """Keeps one worker registered and live: a daemon thread that calls
+    :meth:`WorkerRegistry.heartbeat` every ``period_s`` seconds.
+
+    Redis outages do not stop it: the first failure of an outage is logged as a
+    warning, it retries every period, and once Redis answers again it
+    re-registers ``info`` (a restarted Redis has lost it) and logs the recovery.
+
+    Args:
+        registry: where to register.
+        info: this worker's description (re-sent on re-registration).
+        load_fn: returns the current load; called once per period. A snapshot
+            with ``updated_at`` unset (0) is stamped with the current time.
+        period_s: seconds between heartbeats.
+        ttl_s: liveness TTL in seconds; default ``3 * period_s``.
+
+    Raises:
+        ValueError: non-positive ``period_s`` or ``ttl_s``.
+    """
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        info: WorkerInfo,
+        load_fn: Callable[[], WorkerLoadSnapshot],
+        period_s: float = 1.0,
+        ttl_s: float | None = None,
+    ) -> None:
+        if period_s <= 0:
+            raise ValueError(f"period_s must be positive, got {period_s}")
+        ttl_s = 3.0 * period_s if ttl_s is None else ttl_s
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        self.registry = registry
+        self.info = info
+        self.load_fn = load_fn
+        self.period_s = period_s
+        self.ttl_s = ttl_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing = False
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the last heartbeat reached Redis."""
+        return not self._failing
+
+    def start(self) -> "Heartbeater":
+        """Register and send the first heartbeat synchronously, then start the
+        background thread.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            RuntimeError: already started.
+            redis.exceptions.RedisError: Redis unreachable at start (fail fast
+                on a wrong URL); the thread is not started then.
+        """
+        if self._thread is not None:
+            raise RuntimeError("Heartbeater already started")
+        load = self._current_load()
+        self.registry.register(self.info, self.ttl_s)
+        self.registry.heartbeat(self.info.worker_id, load, self.ttl_s)
+        self._thread = threading.Thread(
+            target=self._run, name=f"heartbeat-{self.info.worker_id}", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def _current_load(self) -> WorkerLoadSnapshot:
+        load = self.load_fn()
+        return load if load.updated_at > 0 else replace(load, updated_at=time.time())
+
+    def beat(self) -> bool:
+        """Send one heartbeat now (re-registering if needed); never raises.
+
+        Returns:
+            ``True`` if it reached Redis.
+        """
+        try:
+            load = self._current_load()
+            if self._failing or not self.registry.heartbeat(self.info.worker_id, load, self.ttl_s):
+                self.registry.register(self.info, self.ttl_s)
+                self.registry.heartbeat(self.info.worker_id, load, self.ttl_s)
+        except Exception as e:  # Redis down, or load_fn failed: retry next period
+            if not self._failing:
+                log.warning("heartbeat of %s failed (%s: %s); retrying every %.2f s",
+                            self.info.worker_id, type(e).__name__, e, self.period_s)
+            self._failing = True
+            return False
+        if self._failing:
+            log.info("heartbeat of %s restored; re-registered", self.info.worker_id)
+        self._failing = False
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.beat()
+
+    def stop(self, deregister: bool = True, timeout_s: float = 5.0) -> None:
+        """Stop the thread (joining it for up to ``timeout_s`` seconds) and,
+        if ``deregister``, remove the worker from the registry (best effort:
+        a Redis error is logged, not raised).
+        """
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        if deregister:
+            try:
+                self.registry.deregister(self.info.worker_id)
+            except redis.exceptions.RedisError as e:
+                log.warning("could not deregister %s: %s", self.info.worker_id, e)
+
+
+class RegistryView:
+    """The router's cached view of live workers.
+
+    A daemon thread refreshes :meth:`WorkerRegistry.live_workers` every
+    ``period_s`` seconds. While Redis is unreachable the last good view is
+    kept (already-registered workers stay routable); the first failure of an
+    outage is logged as a warning.
+
+    :meth:`mark_unreachable` excludes a worker at once, until it reports a
+    heartbeat whose ``updated_at`` is newer than the moment of marking
+    (``time.time()`` here; worker and router clocks are assumed in sync).
+
+    Args:
+        registry: where to read.
+        period_s: seconds between refreshes.
+
+    Raises:
+        ValueError: non-positive ``period_s``.
+    """
+
+    def __init__(self, registry: WorkerRegistry, period_s: float = 0.5) -> None:
+        if period_s <= 0:
+            raise ValueError(f"period_s must be positive, got {period_s}")
+        self.registry = registry
+        self.period_s = period_s
+        self._lock = threading.Lock()
+        self._view: list[tuple[WorkerInfo, WorkerLoadSnapshot]] = []
+        self._marked: dict[str, float] = {}
+        self._last_ok_at: float | None = None
+        self._failing = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "RegistryView":
+        """Refresh once synchronously (a failure is logged, not raised), then
+        start the background thread.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            RuntimeError: already started.
+        """
+        if self._thread is not None:
+            raise RuntimeError("RegistryView already started")
+        self.refresh()
+        self._thread = threading.Thread(target=self._run, name="registry-view", daemon=True)
+        self._thread.start()
+        return self
+
+    def refresh(self) -> bool:
+        """Read the live workers now; never raises.
+
+        Returns:
+            ``True`` if Redis answered (the view was replaced), ``False`` if the
+            previous view was kept.
+        """
+        try:
+            fresh = self.registry.live_workers()
+        except Exception as e:
+            if not self._failing:
+                log.warning("registry refresh failed (%s: %s); keeping last view of %d workers",
+                            type(e).__name__, e, len(self._view))
+            self._failing = True
+            return False
+        if self._failing:
+            log.info("registry refresh restored (%d workers)", len(fresh))
+        self._failing = False
+        with self._lock:
+            self._view = fresh
+            self._last_ok_at = time.time()
+            present = {info.worker_id: load for info, load in fresh}
+            for wid, marked_at in list(self._marked.items()):
+                load = present.get(wid)
+                # Absent: its liveness key expired, so any later entry is a new
+                # heartbeat. Newer: it beat after being marked.
+                if load is None or load.updated_at > marked_at:
+                    del self._marked[wid]
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.refresh()
+
+    def workers(self, role: str | None = None) -> list[tuple[WorkerInfo, WorkerLoadSnapshot]]:
+        """Live workers (of ``role`` if given) from the last good view, minus
+        those marked unreachable and not heard from since."""
+        with self._lock:
+            return [
+                (info, load)
+                for info, load in self._view
+                if (role is None or info.role == role)
+                and not (info.worker_id in self._marked and load.updated_at <= self._marked[info.worker_id])
+            ]
+
+    def mark_unreachable(self, worker_id: str) -> None:
+        """Exclude ``worker_id`` now, until a heartbeat newer than this call."""
+        with self._lock:
+            self._marked[worker_id] = time.time()
+
+    @property
+    def last_ok_at(self) -> float | None:
+        """Unix seconds of the last successful refresh, ``None`` if none yet."""
+        return self._last_ok_at
+
+    @property
+    def stale(self) -> bool:
+        """Whether the last refresh failed (the view may be out of date)."""
+        return self._failing
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the refresh thread, joining it for up to ``timeout_s`` seconds."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)

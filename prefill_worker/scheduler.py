@@ -1,0 +1,273 @@
+"""Prefill scheduler: the one owner of a prefill worker's requests and KV blocks.
+
+Each step packs the prompts waiting at that moment into one flat varlen batch
+under a token budget (``max_num_batched_tokens``); a prompt longer than what is
+left of the budget is cut into chunks that attend to the earlier chunks' KV in
+the paged cache (chunked prefill, as in vLLM v1 / Sarathi-Serve). After a
+prompt's last chunk its first token is sampled and its KV blocks are handed to
+the KV sender; the blocks are freed only when the decode side acknowledged (or
+the transfer failed).
+
+Thread model: gRPC handlers call ``submit_*``; sender threads report back through
+the inbox; only :meth:`step` (the loop thread) changes state or touches the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+
+from engine.block_pool import BlockPool, NoFreeBlocksError, blocks_needed
+from engine.config import CacheConfig, SchedulerConfig
+from engine.model_runner import ModelRunner
+from engine.request import Request, RequestStatus
+from engine.step import ScheduledSeq, StepPlan, TokenLogprobs
+
+log = logging.getLogger(__name__)
+
+
+class PrefillError(RuntimeError):
+    """A prefill that ended without a delivered KV; ``code`` is the gRPC status to return."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token_id: int
+    first_logprobs: TokenLogprobs | None
+    kv_bytes_sent: int
+    prefill_s: float
+    transfer_s: float
+
+
+# send_fn(request, first_token_id, first_logprobs) -> bytes sent; raises on failure.
+SendFn = Callable[[Request, int, "TokenLogprobs | None"], int]
+
+
+@dataclass(frozen=True)
+class _Add:
+    request: Request
+    send: SendFn
+    future: Future
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _SendDone:
+    request_id: str
+    error: BaseException | None
+    kv_bytes: int
+    transfer_s: float
+
+
+@dataclass
+class _Entry:
+    request: Request
+    send: SendFn
+    future: Future
+    first_token: int = -1
+    first_logprobs: TokenLogprobs | None = None
+    prefill_s: float = 0.0
+    aborted: bool = False
+
+
+class PrefillScheduler:
+    """Batched, chunked prefill; one scheduler per prefill worker.
+
+    Args:
+        runner: the stateless model runner.
+        cache: pool geometry.
+        sched: ``max_num_batched_tokens`` (token budget per step), ``max_num_seqs``.
+        sender_threads: concurrent KV transfers.
+    """
+
+    def __init__(self, runner: ModelRunner, cache: CacheConfig, sched: SchedulerConfig,
+                 sender_threads: int = 4) -> None:
+        self.runner = runner
+        self.block_size = cache.block_size
+        self.sched = sched
+        self.pool = BlockPool(cache.num_blocks)
+        self._inbox: "queue.Queue[object]" = queue.Queue()
+        self._entries: dict[str, _Entry] = {}
+        self._queue: deque[str] = deque()  # not fully prefilled, FIFO
+        self._senders = ThreadPoolExecutor(sender_threads, thread_name_prefix="kv-send")
+        self.num_finished = 0
+        self.num_failed_transfers = 0
+
+    # ---- called from other threads -------------------------------------------------
+    def submit(self, request: Request, send: SendFn) -> Future:
+        """Queue a request; the future resolves to :class:`PrefillResult` or raises
+        :class:`PrefillError`."""
+        fut: Future = Future()
+        self._inbox.put(_Add(request, send, fut))
+        return fut
+
+    def submit_abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._entries
+
+    def load(self) -> dict:
+        return {
+            "num_waiting": len(self._queue),
+            "num_running": len(self._entries),
+            "num_free_blocks": self.pool.num_free,
+            "num_total_blocks": self.pool.num_usable,
+            "num_finished": self.num_finished,
+            "num_failed_transfers": self.num_failed_transfers,
+        }
+
+    def shutdown(self) -> None:
+        self._senders.shutdown(wait=False, cancel_futures=True)
+
+    # ---- the loop ------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - keep serving everyone else
+                log.exception("prefill step failed; failing the scheduled requests")
+                for rid in [r for r in self._queue if self._entries[r].request.num_computed > 0]:
+                    self._fail(rid, PrefillError(grpc.StatusCode.INTERNAL, "prefill step failed"))
+
+    def step(self) -> None:
+        self._drain_inbox(block=not self._queue)
+        if self._queue:
+            self._prefill_step()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            msg = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(msg, _Add):
+                self._on_add(msg)
+            elif isinstance(msg, _Abort):
+                self._on_abort(msg.request_id)
+            elif isinstance(msg, _SendDone):
+                self._on_send_done(msg)
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _on_add(self, msg: _Add) -> None:
+        rid = msg.request.request_id
+        need = blocks_needed(len(msg.request.prompt_token_ids), self.block_size)
+        if rid in self._entries:
+            msg.future.set_exception(PrefillError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is running"))
+        elif need > self.pool.num_usable:
+            msg.future.set_exception(PrefillError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"prompt needs {need} KV blocks, the prefill pool has {self.pool.num_usable}"))
+        else:
+            self._entries[rid] = _Entry(msg.request, msg.send, msg.future)
+            self._queue.append(rid)
+
+    def _schedule(self) -> list[ScheduledSeq]:
+        budget = self.sched.max_num_batched_tokens
+        seqs: list[ScheduledSeq] = []
+        for rid in self._queue:
+            if budget <= 0 or len(seqs) >= self.sched.max_num_seqs:
+                break
+            req = self._entries[rid].request
+            prompt = req.prompt_token_ids
+            if not req.block_table:
+                try:
+                    req.block_table = self.pool.allocate(blocks_needed(len(prompt), self.block_size))
+                except NoFreeBlocksError:
+                    break  # FIFO: wait until transfers finish and free blocks
+            n = min(len(prompt) - req.num_computed, budget)
+            last = req.num_computed + n == len(prompt)
+            seqs.append(ScheduledSeq(rid, prompt[req.num_computed:req.num_computed + n], req.num_computed,
+                                     req.block_table, last, req.params.sampling, req.generator))
+            budget -= n
+        return seqs
+
+    def _prefill_step(self) -> None:
+        seqs = self._schedule()
+        if not seqs:
+            self._drain_inbox(block=True)  # out of blocks: wait for a transfer to finish
+            return
+        t0 = time.perf_counter()
+        out = self.runner.execute(StepPlan(seqs))
+        for s in seqs:
+            entry = self._entries[s.request_id]
+            entry.request.num_computed += len(s.token_ids)
+            entry.request.status = RequestStatus.PREFILLING
+        elapsed = time.perf_counter() - t0
+        for rid, tok, lp in zip(out.request_ids, out.token_ids, out.logprobs):
+            entry = self._entries[rid]
+            entry.first_token, entry.first_logprobs, entry.prefill_s = tok, lp, elapsed
+            entry.request.status = RequestStatus.TRANSFERRING
+            self._queue.remove(rid)
+            self._senders.submit(self._send, entry)
+
+    def _send(self, entry: _Entry) -> None:
+        """Sender thread: push the KV, then report back to the loop."""
+        t0 = time.perf_counter()
+        try:
+            nbytes = entry.send(entry.request, entry.first_token, entry.first_logprobs)
+            err = None
+        except BaseException as e:  # noqa: BLE001 - reported to the loop
+            nbytes, err = 0, e
+        self._inbox.put(_SendDone(entry.request.request_id, err, nbytes, time.perf_counter() - t0))
+
+    def _on_send_done(self, msg: _SendDone) -> None:
+        entry = self._entries.get(msg.request_id)
+        if entry is None:
+            return
+        if entry.aborted:
+            self._fail(msg.request_id, PrefillError(grpc.StatusCode.CANCELLED, "request aborted"))
+        elif msg.error is not None:
+            self.num_failed_transfers += 1
+            code = msg.error.code if isinstance(msg.error, PrefillError) else grpc.StatusCode.UNAVAILABLE
+            self._fail(msg.request_id, PrefillError(code, f"KV transfer failed: {msg.error}"))
+        else:
+            self._release(msg.request_id)
+            self.num_finished += 1
+            entry.future.set_result(PrefillResult(entry.first_token, entry.first_logprobs, msg.kv_bytes,
+                                                  entry.prefill_s, msg.transfer_s))
+
+    def _on_abort(self, request_id: str) -> None:
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return
+        if entry.request.status == RequestStatus.TRANSFERRING:
+            entry.aborted = True  # the sender reads the blocks: free them when it returns
+        else:
+            self._fail(request_id, PrefillError(grpc.StatusCode.CANCELLED, "request aborted"))
+
+    def _fail(self, request_id: str, err: PrefillError) -> None:
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return
+        self._release(request_id)
+        if not entry.future.done():
+            entry.future.set_exception(err)
+
+    def _release(self, request_id: str) -> None:
+        entry = self._entries.pop(request_id)
+        if request_id in self._queue:
+            self._queue.remove(request_id)
+        if entry.request.block_table:
+            self.pool.free(entry.request.block_table)
+            entry.request.block_table = []
+        entry.request.status = RequestStatus.FINISHED

@@ -1,0 +1,52 @@
+"""gRPC front of a prefill worker: ``PrefillWorker`` (router-facing)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.logprobs import to_dict
+from engine.request import Request, request_from_proto
+from engine.step import TokenLogprobs
+from kvtransfer import KvSender
+from pdcluster.v1 import worker_pb2, worker_pb2_grpc
+from prefill_worker.scheduler import PrefillError, PrefillScheduler
+
+
+class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
+    """``Prefill`` queues the request and waits until its KV was acknowledged."""
+
+    def __init__(self, scheduler: PrefillScheduler, sender: KvSender, worker_id: str,
+                 device: torch.device, layers_per_chunk: int) -> None:
+        self.scheduler = scheduler
+        self.sender = sender
+        self.worker_id = worker_id
+        self.device = device
+        self.layers_per_chunk = layers_per_chunk
+
+    def Prefill(self, request, context):
+        req = request_from_proto(request.request, request.transfer_id, self.device)
+        dest = request.destination
+        kv_cache = self.scheduler.runner.kv_cache
+
+        def send(r: Request, first_token: int, lp: TokenLogprobs | None) -> int:
+            result = self.sender.send(r.request_id, r.transfer_id, dest, kv_cache, list(r.block_table),
+                                      first_token, to_dict(lp), layers_per_chunk=self.layers_per_chunk)
+            return result.bytes_sent
+
+        fut = self.scheduler.submit(req, send)
+        context.add_callback(lambda: None if fut.done() else self.scheduler.submit_abort(req.request_id))
+        try:
+            res = fut.result()
+        except PrefillError as e:
+            context.abort(e.code, str(e))
+        return worker_pb2.PrefillResponse(
+            first_token_id=res.first_token_id, cached_prompt_tokens=0, kv_bytes_sent=res.kv_bytes_sent,
+            prefill_seconds=res.prefill_s, transfer_seconds=res.transfer_s)
+
+    def Abort(self, request, context):
+        found = self.scheduler.has_request(request.request_id)
+        self.scheduler.submit_abort(request.request_id)
+        return worker_pb2.WorkerAbortResponse(found=found)
+
+    def GetLoad(self, request, context):
+        return worker_pb2.WorkerLoad(worker_id=self.worker_id, role="prefill", **self.scheduler.load())

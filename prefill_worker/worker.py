@@ -1,0 +1,28 @@
+"""Assemble a prefill worker: model runner, scheduler, KV sender, gRPC server."""
+
+from __future__ import annotations
+
+from engine.builder import build_runner
+from engine.config import WorkerConfig
+from kvtransfer import GrpcKvSender
+from pdcluster.v1 import worker_pb2_grpc
+from pdcluster.worker_host import WorkerHost
+from prefill_worker.scheduler import PrefillScheduler
+from prefill_worker.server import PrefillWorkerServicer
+
+SERVICES = ["pdcluster.v1.PrefillWorker"]
+
+
+def create_prefill_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "",
+                          layers_per_chunk: int = 6, transfer_timeout_s: float = 30.0) -> WorkerHost:
+    """Build (not start) a prefill worker."""
+    _, runner = build_runner(cfg)
+    sched = PrefillScheduler(runner, cfg.cache, cfg.scheduler)
+    sender = GrpcKvSender(timeout_s=transfer_timeout_s)
+    servicer = PrefillWorkerServicer(sched, sender, cfg.worker_id, runner.device, layers_per_chunk)
+
+    def add(server):
+        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
+
+    return WorkerHost(cfg, sched, add, SERVICES, port=port, block_size=cfg.cache.block_size,
+                      num_total_blocks=sched.pool.num_usable, node_id=node_id)

@@ -1,0 +1,75 @@
+"""Turns a decode worker's token deltas into client responses.
+
+Detokenizes incrementally, matches stop strings (holding back text that may be
+the start of one) and builds ``GenerateResponse`` messages: one per delta when
+streaming, one in total otherwise. The concatenated streamed text equals the
+non-streamed text and never contains a stop string.
+"""
+
+from __future__ import annotations
+
+from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
+
+
+class OutputAssembler:
+    """Per-request output state on the router.
+
+    Args:
+        tokenizer: the model's HF tokenizer.
+        request_id: echoed in every response.
+        prompt_token_ids: the prompt (detokenizer context, usage).
+        stop: stop strings.
+    """
+
+    def __init__(self, tokenizer, request_id: str, prompt_token_ids: list[int], stop: list[str]) -> None:
+        self.request_id = request_id
+        self.num_prompt = len(prompt_token_ids)
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self.stops = StopStringMatcher(stop) if stop else None
+        self.token_ids: list[int] = []
+        self.text_parts: list[str] = []
+        self.logprobs: list[common_pb2.TokenLogprob] = []
+        self.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
+        self.cached_prompt_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+
+    def add(self, delta: worker_pb2.TokenDelta) -> router_pb2.GenerateResponse:
+        """Consume one delta; returns the response carrying its tokens and text.
+
+        When a stop string matches, ``finished`` becomes True with reason STOP and the
+        text is cut before the stop string (the caller aborts the decode worker).
+        """
+        ids = list(delta.token_ids)
+        self.token_ids.extend(ids)
+        self.logprobs.extend(delta.logprobs)
+        text = self.detok.add(ids)
+        reason = delta.finish_reason
+        if reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            text += self.detok.finish()
+        if self.stops is not None:
+            text, stopped = self.stops.feed(text)
+            if stopped:
+                reason = common_pb2.FINISH_REASON_STOP
+            elif reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                text += self.stops.flush()
+        self.text_parts.append(text)
+        self.finish_reason = reason
+        msg = router_pb2.GenerateResponse(request_id=self.request_id, token_ids=ids, text=text,
+                                          finish_reason=reason, logprobs=delta.logprobs)
+        if self.finished:
+            msg.usage.CopyFrom(self.usage())
+        return msg
+
+    def usage(self) -> common_pb2.Usage:
+        return common_pb2.Usage(prompt_tokens=self.num_prompt, completion_tokens=len(self.token_ids),
+                                cached_prompt_tokens=self.cached_prompt_tokens)
+
+    def whole(self) -> router_pb2.GenerateResponse:
+        """The single message of a non-streamed request."""
+        return router_pb2.GenerateResponse(
+            request_id=self.request_id, token_ids=self.token_ids, text="".join(self.text_parts),
+            finish_reason=self.finish_reason, usage=self.usage(), logprobs=self.logprobs)

@@ -1,0 +1,86 @@
+"""Build and run the router: tokenizer, registry view, Router + health + reflection."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from grpc_reflection.v1alpha import reflection
+from transformers import AutoTokenizer
+
+from engine.config import ModelConfig
+from engine.model_loader import resolve_model
+from pdcluster.registry import RegistryView, WorkerRegistry
+from pdcluster.serving import bind, make_server, set_serving
+from pdcluster.v1 import router_pb2, router_pb2_grpc
+from router.policy import get_policy
+from router.service import RouterServicer
+from router.validation import Limits, RequestValidator
+
+SERVICE = "pdcluster.v1.Router"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Router settings.
+
+    Attributes:
+        model: model spec (resolved like the workers'; the router only reads its
+            config and tokenizer).
+        redis_url / cluster: the worker registry.
+        host / port: where clients connect (port 0 = any free port).
+        max_model_len: prompt + max_tokens limit (tokens).
+        block_size: decode workers' KV block size, reported by GetModelInfo.
+        policy: worker choice, ``least_loaded`` or ``round_robin``.
+        view_period_s: how often the registry view refreshes (seconds).
+    """
+
+    model: str
+    redis_url: str
+    cluster: str = "default"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_model_len: int = 2048
+    block_size: int = 16
+    policy: str = "least_loaded"
+    view_period_s: float = 0.25
+    model_cache_dir: str | None = None
+    max_workers: int = 128
+
+    def __post_init__(self) -> None:
+        if self.max_model_len <= 0 or self.view_period_s <= 0:
+            raise ValueError("max_model_len and view_period_s must be positive")
+        get_policy(self.policy)
+
+
+class RouterServer:
+    """The router process' server. ``start()`` returns ``host:port``."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        folder = resolve_model(cfg.model, cfg.model_cache_dir)
+        model_cfg = ModelConfig.from_hf_folder(folder, name=cfg.model)
+        max_len = min(cfg.max_model_len, model_cfg.max_position_embeddings)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.view = RegistryView(WorkerRegistry(cfg.redis_url, cfg.cluster), period_s=cfg.view_period_s)
+        info = router_pb2.ModelInfo(model_name=cfg.model, max_model_len=max_len, vocab_size=model_cfg.vocab_size,
+                                    eos_token_ids=list(model_cfg.eos_token_ids), block_size=cfg.block_size)
+        self.servicer = RouterServicer(
+            RequestValidator(tokenizer, Limits(max_len, model_cfg.vocab_size)), tokenizer, self.view,
+            get_policy(cfg.policy), get_policy(cfg.policy), info)
+        self.server, self.health = make_server(cfg.max_workers)
+        router_pb2_grpc.add_RouterServicer_to_server(self.servicer, self.server)
+        reflection.enable_server_reflection(
+            (router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, reflection.SERVICE_NAME,
+             "grpc.health.v1.Health"), self.server)
+        self.port = bind(self.server, cfg.host, cfg.port)
+        self.address = f"{cfg.host}:{self.port}"
+
+    def start(self) -> str:
+        self.view.start()
+        self.server.start()
+        set_serving(self.health, [SERVICE])
+        return self.address
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        set_serving(self.health, [SERVICE], serving=False)
+        self.server.stop(grace_s).wait()
+        self.view.stop()

@@ -1,0 +1,192 @@
+"""The ``Router`` gRPC service: validate, place, relay, abort.
+
+Per request (DESIGN.md "decode-led reservation, prefill push"): pick a decode
+worker D and a prefill worker P; ``D.Reserve`` allocates blocks and opens the
+token stream; ``P.Prefill`` (with D's block ids) computes the prompt and pushes
+its KV to D; D's token stream is detokenized here and relayed to the client.
+An abort, a client disconnect or a worker failure cancels both calls, which
+makes both workers free the request's blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+
+import grpc
+
+from pdcluster.registry import RegistryView
+from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
+from router.output import OutputAssembler
+from router.policy import InFlight, NoWorkerError, Policy
+from router.stubs import StubCache
+from router.validation import InvalidRequest, PreparedRequest, RequestValidator
+
+log = logging.getLogger(__name__)
+
+
+class _Handle:
+    """One in-flight request on the router."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.decode = None
+        self.prefill = None
+        self.d_call = None
+        self.p_future = None
+        self.aborted = False
+        self.prefill_error: grpc.RpcError | None = None
+
+    def cancel_calls(self) -> None:
+        """Cancel both worker calls; each worker then frees the request's blocks."""
+        if self.d_call is not None:
+            self.d_call.cancel()
+        if self.p_future is not None and not self.p_future.done():
+            self.p_future.cancel()
+
+    def on_prefill_done(self, fut) -> None:
+        if fut.cancelled() or self.aborted:
+            return
+        err = fut.exception()
+        if err is not None:
+            self.prefill_error = err
+            if self.d_call is not None:
+                self.d_call.cancel()
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """Front door. Handlers block only on their own request's calls.
+
+    Args:
+        validator: request validation and tokenization.
+        tokenizer: for detokenization.
+        view: live workers from the Redis registry.
+        prefill_policy / decode_policy: worker choice.
+        model_info: answer of ``GetModelInfo``.
+    """
+
+    def __init__(self, validator: RequestValidator, tokenizer, view: RegistryView,
+                 prefill_policy: Policy, decode_policy: Policy, model_info: router_pb2.ModelInfo) -> None:
+        self.validator = validator
+        self.tokenizer = tokenizer
+        self.view = view
+        self.policies = {"prefill": prefill_policy, "decode": decode_policy}
+        self.model_info = model_info
+        self.stubs = StubCache()
+        self.inflight = InFlight()
+        self._lock = threading.Lock()
+        self._table: dict[str, _Handle] = {}
+
+    # ---- RPCs ---------------------------------------------------------------------
+    def Generate(self, request, context):
+        try:
+            prep = self.validator.prepare(request)
+        except InvalidRequest as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        handle = _Handle(prep.request_id)
+        with self._lock:
+            if prep.request_id in self._table:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {prep.request_id!r} is already running")
+            self._table[prep.request_id] = handle
+        try:
+            yield from self._serve(prep, handle, context)
+        finally:
+            with self._lock:
+                self._table.pop(prep.request_id, None)
+
+    def Abort(self, request, context):
+        with self._lock:
+            handle = self._table.get(request.request_id)
+        if handle is None:
+            return router_pb2.AbortResponse(found=False)
+        handle.aborted = True
+        for role, info in (("decode", handle.decode), ("prefill", handle.prefill)):
+            if info is None:
+                continue
+            try:
+                self.stubs.get(role, info.address).Abort(
+                    worker_pb2.WorkerAbortRequest(request_id=request.request_id), timeout=2.0)
+            except grpc.RpcError as e:
+                log.warning("abort on %s worker %s failed: %s", role, info.worker_id, e.code())
+        return router_pb2.AbortResponse(found=True)
+
+    def GetModelInfo(self, request, context):
+        return self.model_info
+
+    # ---- the relay ----------------------------------------------------------------
+    def _pick(self, role: str, context):
+        try:
+            return self.policies[role](self.view.workers(role), self.inflight)
+        except NoWorkerError:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"no live {role} worker")
+
+    def _serve(self, prep: PreparedRequest, h: _Handle, context):
+        h.decode = self._pick("decode", context)
+        h.prefill = self._pick("prefill", context)
+        self.inflight.acquire(h.decode.worker_id)
+        self.inflight.acquire(h.prefill.worker_id)
+        context.add_callback(h.cancel_calls)  # client cancelled or disconnected
+        try:
+            yield from self._relay(prep, h, context)
+        finally:
+            self.inflight.release(h.decode.worker_id)
+            self.inflight.release(h.prefill.worker_id)
+
+    def _relay(self, prep: PreparedRequest, h: _Handle, context):
+        transfer_id = uuid.uuid4().hex
+        out = OutputAssembler(self.tokenizer, prep.request_id, prep.prompt_token_ids, prep.stop)
+        h.d_call = self.stubs.get("decode", h.decode.address).Reserve(
+            worker_pb2.ReserveRequest(request=prep.worker_request, transfer_id=transfer_id))
+        try:
+            first = next(h.d_call)
+            if h.aborted:
+                h.cancel_calls()
+                yield from self._final(out, prep, common_pb2.FINISH_REASON_ABORT)
+                return
+            h.p_future = self.stubs.get("prefill", h.prefill.address).Prefill.future(
+                worker_pb2.PrefillRequest(request=prep.worker_request, transfer_id=transfer_id,
+                                          destination=first.reservation))
+            h.p_future.add_done_callback(h.on_prefill_done)
+            decode_finished = False
+            for ev in h.d_call:
+                msg = out.add(ev.tokens)
+                decode_finished = ev.tokens.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                if prep.stream and (msg.token_ids or msg.text or out.finished):
+                    yield msg
+                if out.finished:
+                    break
+                if h.aborted:
+                    yield from self._final(out, prep, common_pb2.FINISH_REASON_ABORT)
+                    break
+        except grpc.RpcError as e:
+            self._fail(h, e, context)
+            return
+        if not out.finished:
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"decode worker {h.decode.worker_id} closed the stream before finishing")
+        if not decode_finished:
+            h.d_call.cancel()  # stopped here (stop string / abort): the decode worker frees
+        if not prep.stream:
+            yield out.whole()
+
+    def _final(self, out: OutputAssembler, prep: PreparedRequest, reason: int):
+        out.finish_reason = reason
+        if prep.stream:
+            yield router_pb2.GenerateResponse(request_id=prep.request_id, finish_reason=reason, usage=out.usage())
+
+    def _fail(self, h: _Handle, e: grpc.RpcError, context) -> None:
+        """Map a worker failure onto the client's status; never returns."""
+        h.cancel_calls()
+        if h.prefill_error is not None:
+            pe = h.prefill_error
+            code = pe.code() if hasattr(pe, "code") else grpc.StatusCode.UNAVAILABLE
+            if code == grpc.StatusCode.UNAVAILABLE:
+                self.view.mark_unreachable(h.prefill.worker_id)
+            details = pe.details() if hasattr(pe, "details") else str(pe)
+            context.abort(code, f"prefill worker {h.prefill.worker_id}: {details}")
+        if e.code() == grpc.StatusCode.CANCELLED and not context.is_active():
+            context.abort(grpc.StatusCode.CANCELLED, "client cancelled")
+        if e.code() == grpc.StatusCode.UNAVAILABLE and "KV" not in (e.details() or ""):
+            self.view.mark_unreachable(h.decode.worker_id)
+        context.abort(e.code(), f"decode worker {h.decode.worker_id}: {e.details()}")
