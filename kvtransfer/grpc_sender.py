@@ -26,11 +26,24 @@ DEFAULT_MAX_CHUNK_BYTES = 4 * 1024 * 1024 - 64 * 1024
 """Payload bytes per chunk by default: fits gRPC's default 4 MiB receive limit with header room."""
 
 
-@dataclass
-class _StreamStats:
-    bytes_sent: int = 0
-    num_chunks: int = 0
-    error: str | None = None
+class _StreamControl:
+    """Shared between :meth:`GrpcKvSender.send` and gRPC's request-consuming thread.
+
+    Chunks are produced under ``lock`` and only while not ``stopped``; ``send``
+    calls :meth:`stop` before it returns, so no gather touches ``kv_cache``
+    (whose blocks the caller may then free) and no state is set afterwards.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stopped = False
+        self.bytes_sent = 0
+        self.num_chunks = 0
+        self.error: str | None = None
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopped = True
 
 
 @dataclass(frozen=True)
@@ -130,13 +143,13 @@ class GrpcKvSender(KvSender):
                 request_id, transfer_id, int(dest.generation), kv_cache, src, dst, plan,
                 int(first_token_id), first_token_logprobs,
             )
-            stats = self._push(job, dest.kv_endpoint)
+            ctl = self._push(job, dest.kv_endpoint)
             self._states.set(transfer_id, TransferState.SUCCESS)
             return SendResult(
-                bytes_sent=stats.bytes_sent,
+                bytes_sent=ctl.bytes_sent,
                 seconds=time.perf_counter() - t0,
-                num_chunks=stats.num_chunks,
-                bytes_acknowledged=stats.bytes_sent,
+                num_chunks=ctl.num_chunks,
+                bytes_acknowledged=ctl.bytes_sent,
             )
         except KvTransferError:
             raise
@@ -181,68 +194,82 @@ class GrpcKvSender(KvSender):
                 entry = self._channels[endpoint] = (channel, kv_pb2_grpc.KvTransferStub(channel))
             return entry[1]
 
-    def _push(self, job: _Job, endpoint: str) -> _StreamStats:
+    def _push(self, job: _Job, endpoint: str) -> _StreamControl:
         stub = self._stub(job.transfer_id, endpoint)
-        stats = _StreamStats()
+        ctl = _StreamControl()
         try:
-            ack: kv_pb2.KvAck = stub.PushKv(self._chunks(job, stats), timeout=self._timeout_s)
+            ack: kv_pb2.KvAck = stub.PushKv(self._chunks(job, ctl), timeout=self._timeout_s)
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else None
             details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-            reason = stats.error or f"{endpoint}: {getattr(code, 'name', code)}: {details}"
+            reason = ctl.error or f"{endpoint}: {getattr(code, 'name', code)}: {details}"
             raise self._failure(job.transfer_id, reason) from None
-        if stats.error is not None:
-            raise self._failure(job.transfer_id, f"local error while sending: {stats.error}")
+        finally:
+            ctl.stop()
+        if ctl.error is not None:
+            raise self._failure(job.transfer_id, f"local error while sending: {ctl.error}")
         if not ack.ok:
             raise self._failure(job.transfer_id, f"receiver rejected: {ack.error}")
-        if ack.bytes_received != stats.bytes_sent:
+        if ack.bytes_received != ctl.bytes_sent:
             raise self._failure(
                 job.transfer_id,
-                f"receiver acknowledged {ack.bytes_received} bytes, {stats.bytes_sent} sent",
+                f"receiver acknowledged {ack.bytes_received} bytes, {ctl.bytes_sent} sent",
             )
-        return stats
+        return ctl
 
-    def _chunks(self, job: _Job, stats: _StreamStats) -> Iterator[kv_pb2.KvChunk]:
+    def _chunks(self, job: _Job, ctl: _StreamControl) -> Iterator[kv_pb2.KvChunk]:
         """Yield the kv chunks then the done chunk; a local error ends the stream early.
 
         Runs on gRPC's request-consuming thread; an error is recorded in
-        ``stats.error`` instead of raised, so the receiver sees a stream
-        without a done chunk and fails the transfer.
+        ``ctl.error`` instead of raised, so the receiver sees a stream without
+        a done chunk and fails the transfer.
         """
         try:
             for i, spec in enumerate(job.plan):
-                blocks = gather_blocks(
-                    job.kv_cache, spec.layer_start, spec.layer_end, job.src[spec.block_start : spec.block_end]
-                )
-                meta = KvChunkMeta(
-                    request_id=job.request_id,
-                    transfer_id=job.transfer_id,
-                    generation=job.generation,
-                    layer_start=spec.layer_start,
-                    layer_end=spec.layer_end,
-                    block_ids=job.dst[spec.block_start : spec.block_end],
-                    block_size=blocks.shape[3],
-                )
-                chunk = encode_kv_chunk(meta, blocks)
-                if i == self._corrupt_chunk_index:
-                    chunk.payload = _flip_one_byte(chunk.payload)
-                stats.bytes_sent += len(chunk.payload)
-                stats.num_chunks += 1
-                if i == 0:
-                    self._states.set(job.transfer_id, TransferState.TRANSFERRING)
+                with ctl.lock:
+                    if ctl.stopped:
+                        return
+                    chunk = self._kv_chunk(job, spec, corrupt=i == self._corrupt_chunk_index)
+                    ctl.bytes_sent += len(chunk.payload)
+                    ctl.num_chunks += 1
+                    if i == 0:
+                        self._states.set(job.transfer_id, TransferState.TRANSFERRING)
                 yield chunk
-            yield encode_done_chunk(
-                job.request_id,
-                job.transfer_id,
-                job.generation,
-                num_chunks=stats.num_chunks,
-                num_layers=job.kv_cache.shape[0],
-                first_token_id=job.first_token_id,
-                first_token_logprobs=job.first_token_logprobs,
-            )
-        except Exception as exc:  # reported through stats, see docstring
+            with ctl.lock:
+                if ctl.stopped:
+                    return
+                done = encode_done_chunk(
+                    job.request_id,
+                    job.transfer_id,
+                    job.generation,
+                    num_chunks=ctl.num_chunks,
+                    num_layers=job.kv_cache.shape[0],
+                    first_token_id=job.first_token_id,
+                    first_token_logprobs=job.first_token_logprobs,
+                )
+            yield done
+        except Exception as exc:  # reported through ctl, see docstring
             log.exception("KV transfer %s: error while producing chunks", job.transfer_id)
-            stats.error = f"{type(exc).__name__}: {exc}"
+            ctl.error = f"{type(exc).__name__}: {exc}"
+
+    @staticmethod
+    def _kv_chunk(job: _Job, spec: ChunkSpec, corrupt: bool) -> kv_pb2.KvChunk:
+        blocks = gather_blocks(
+            job.kv_cache, spec.layer_start, spec.layer_end, job.src[spec.block_start : spec.block_end]
+        )
+        meta = KvChunkMeta(
+            request_id=job.request_id,
+            transfer_id=job.transfer_id,
+            generation=job.generation,
+            layer_start=spec.layer_start,
+            layer_end=spec.layer_end,
+            block_ids=job.dst[spec.block_start : spec.block_end],
+            block_size=blocks.shape[3],
+        )
+        chunk = encode_kv_chunk(meta, blocks)
+        if corrupt:
+            chunk.payload = _flip_one_byte(chunk.payload)
+        return chunk
 
 
 def _flip_one_byte(payload: bytes) -> bytes:
