@@ -1,0 +1,83 @@
+"""Helpers for tests that run a real local cluster (Ray + Redis + router + workers)."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import grpc
+import torch
+
+from deploy import local
+from pdcluster.cli import build_parser
+from pdcluster.registry import WorkerRegistry
+from pdcluster.serving import channel
+from pdcluster.v1 import worker_pb2, worker_pb2_grpc
+from router.validation import render_chat
+
+
+@contextmanager
+def running_cluster(state_dir, *extra_args: str):
+    """``pdcluster up --local`` with the CLI's own parser, then ``down`` at exit."""
+    args = build_parser().parse_args(["up", "--local", "--port", "0", "--state-dir", str(state_dir), *extra_args])
+    state = local.up(args)
+    try:
+        yield state
+    finally:
+        local.down(state_dir)
+
+
+def worker_loads(state: dict) -> list[worker_pb2.WorkerLoad]:
+    """GetLoad of every live worker, straight from the workers."""
+    reg = WorkerRegistry(state["redis_url"], state["cluster"])
+    loads = []
+    for info, _ in reg.live_workers():
+        stub_cls = worker_pb2_grpc.DecodeWorkerStub if info.role == "decode" else worker_pb2_grpc.PrefillWorkerStub
+        loads.append(stub_cls(channel(info.address)).GetLoad(worker_pb2.GetLoadRequest(), timeout=5))
+    return loads
+
+
+def assert_no_leak(state: dict, timeout_s: float = 2.0) -> None:
+    """Every worker's KV pool is back at its baseline (all blocks free, nothing running)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        loads = worker_loads(state)
+        held = {w.worker_id: (w.num_total_blocks - w.num_free_blocks, w.num_running) for w in loads
+                if w.num_free_blocks != w.num_total_blocks or w.num_running}
+        if not held:
+            assert loads, "no live worker to check"
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV blocks / requests still held after {timeout_s}s: {held}")
+        time.sleep(0.05)
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """HF transformers float32 greedy continuation and, per step, the gap between its
+    top-2 logits."""
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                                max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+                                return_dict_in_generate=True, pad_token_id=2)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    gaps = []
+    for step_logits in out.logits:
+        top2 = step_logits[0].float().topk(2).values
+        gaps.append(float(top2[0] - top2[1]))
+    return tokens, gaps
+
+
+def assert_greedy_matches(ours: list[int], ref: list[int], gaps: list[float], label: str = "") -> None:
+    """Token-exact, except a divergence where HF's top-2 logits differ by < 1e-2
+    (a near tie); after such a divergence the rest is not compared."""
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            assert gaps[i] < 1e-2, (
+                f"{label}: token {i} differs (ours {a}, HF {b}) with HF top-2 gap {gaps[i]:.4f} >= 1e-2;"
+                f" ours={ours} ref={ref}")
+            return
+    assert len(ours) == len(ref), f"{label}: length {len(ours)} != HF {len(ref)}; ours={ours} ref={ref}"
+
+
+__all__ = ["running_cluster", "worker_loads", "assert_no_leak", "hf_greedy", "assert_greedy_matches",
+           "render_chat", "grpc"]
