@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import torch
 
 from kvtransfer.errors import KvIntegrityError, StaleTransferError
 from kvtransfer.states import TransferState, TransferStateTable
@@ -131,7 +132,7 @@ class _InboundStream:
             self._states.set(tid, TransferState.TRANSFERRING)
         return admitted
 
-    def _on_kv(self, header: dict[str, Any], tensor: Any, nbytes: int) -> kv_pb2.KvAck | None:
+    def _on_kv(self, header: dict[str, Any], tensor: torch.Tensor, nbytes: int) -> kv_pb2.KvAck | None:
         ls, le, ids = header["layer_start"], header["layer_end"], header["block_ids"]
         for layer in range(ls, le):
             if not self._coverage.get(layer, set()).isdisjoint(ids):

@@ -55,8 +55,7 @@ class _Job:
     src: list[int]
     dst: list[int]
     plan: list[ChunkSpec]
-    first_token_id: int
-    first_token_logprobs: dict[Any, Any] | None
+    done: kv_pb2.KvChunk
 
 
 class GrpcKvSender(KvSender):
@@ -126,6 +125,15 @@ class GrpcKvSender(KvSender):
             layers_per_chunk,
             self._max_chunk_bytes,
         )
+        done = encode_done_chunk(  # before starting: a non-msgpack-able logprobs raises TypeError here
+            request_id,
+            transfer_id,
+            int(dest.generation),
+            num_chunks=len(plan),
+            num_layers=num_layers,
+            first_token_id=int(first_token_id),
+            first_token_logprobs=first_token_logprobs,
+        )
         self._start(transfer_id)
         t0 = time.perf_counter()
         try:
@@ -140,8 +148,14 @@ class GrpcKvSender(KvSender):
                     transfer_id, f"destination has {len(dst)} blocks, source {len(src)}"
                 )
             job = _Job(
-                request_id, transfer_id, int(dest.generation), kv_cache, src, dst, plan,
-                int(first_token_id), first_token_logprobs,
+                request_id=request_id,
+                transfer_id=transfer_id,
+                generation=int(dest.generation),
+                kv_cache=kv_cache,
+                src=src,
+                dst=dst,
+                plan=plan,
+                done=done,
             )
             ctl = self._push(job, dest.kv_endpoint)
             self._states.set(transfer_id, TransferState.SUCCESS)
@@ -200,6 +214,7 @@ class GrpcKvSender(KvSender):
         try:
             ack: kv_pb2.KvAck = stub.PushKv(self._chunks(job, ctl), timeout=self._timeout_s)
         except grpc.RpcError as exc:
+            ctl.stop()  # before FAILED is recorded, so no later TRANSFERRING overwrites it
             code = exc.code() if isinstance(exc, grpc.Call) else None
             details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
             reason = ctl.error or f"{endpoint}: {getattr(code, 'name', code)}: {details}"
@@ -238,16 +253,7 @@ class GrpcKvSender(KvSender):
             with ctl.lock:
                 if ctl.stopped:
                     return
-                done = encode_done_chunk(
-                    job.request_id,
-                    job.transfer_id,
-                    job.generation,
-                    num_chunks=ctl.num_chunks,
-                    num_layers=job.kv_cache.shape[0],
-                    first_token_id=job.first_token_id,
-                    first_token_logprobs=job.first_token_logprobs,
-                )
-            yield done
+            yield job.done
         except Exception as exc:  # reported through ctl, see docstring
             log.exception("KV transfer %s: error while producing chunks", job.transfer_id)
             ctl.error = f"{type(exc).__name__}: {exc}"

@@ -97,6 +97,7 @@ class KvSender(abc.ABC):
                 block count). ``poll(transfer_id)`` is then ``FAILED``.
             ValueError: malformed local arguments (cache layout, block ids,
                 ``layers_per_chunk``) or ``transfer_id`` already in flight.
+            TypeError: ``first_token_logprobs`` is not msgpack-able.
         """
 
     @abc.abstractmethod
@@ -162,7 +163,11 @@ class KvReceiverSink(abc.ABC):
         first_token_id: int,
         first_token_logprobs: dict[Any, Any] | None,
     ) -> None:
-        """Every layer of every block arrived and verified; the request may run.
+        """Every chunk arrived, verified and was written; the request may run.
+
+        The transport guarantees that layers ``[0, num_layers)`` were each
+        written exactly once for one and the same set of blocks (a sink that
+        wants to can compare that set with its reservation in ``write``).
 
         Raises:
             StaleTransferError: the transfer was reclaimed meanwhile.

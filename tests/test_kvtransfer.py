@@ -279,6 +279,8 @@ def test_dead_endpoint_fails_within_timeout() -> None:
         s.close()
     assert time.monotonic() - t0 < 2.0 + 1.0
     assert s.poll("t1") == TransferState.FAILED
+    time.sleep(0.1)  # gRPC's request thread may still pull a chunk: it must not revive the state
+    assert s.poll("t1") == TransferState.FAILED
 
 
 def test_deadline_while_receiver_stalls_fails_both_sides(decode) -> None:
@@ -310,6 +312,8 @@ def test_mismatched_destination_fails_before_sending(decode, sender) -> None:
         sender.send("r1", "t2", _dest(decode, DST[:2]), cache, SRC, 42)
     with pytest.raises(ValueError, match="src_block_ids"):
         sender.send("r1", "t3", _dest(decode, DST), cache, [0, 1, BLOCKS], 42)
+    with pytest.raises(TypeError):
+        sender.send("r1", "t4", _dest(decode, DST), cache, SRC, 42, {"x": object()})
     assert sender.poll("t1") == sender.poll("t2") == TransferState.FAILED
     assert decode.sink.writes == []
 

@@ -1,0 +1,105 @@
+"""Killing a worker: its in-flight requests end with UNAVAILABLE (no hang), the
+router stops choosing it within 2 heartbeat intervals, nothing leaks elsewhere."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from cluster_utils import assert_no_leak, running_cluster, worker_loads
+from pdcluster.client import PdclusterClient
+from pdcluster.registry import WorkerRegistry
+
+HEARTBEAT_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with running_cluster(tmp_path_factory.mktemp("state"), "--prefill", "2", "--decode", "2",
+                         "--max-model-len", "1024", "--num-kv-blocks", "400",
+                         "--heartbeat-s", str(HEARTBEAT_S)) as state:
+        yield state
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with PdclusterClient(cluster["router_address"], timeout_s=120) as c:
+        c.wait_ready(30)
+        yield c
+
+
+def _kill(cluster: dict, worker_id: str) -> None:
+    pid = next(w["pid"] for w in cluster["workers"] if w["worker_id"] == worker_id)
+    os.kill(pid, signal.SIGKILL)
+
+
+def _live_ids(cluster: dict) -> set[str]:
+    return {w.worker_id for w, _ in WorkerRegistry(cluster["redis_url"], cluster["cluster"]).live_workers()}
+
+
+def _expect_unavailable(fn) -> float:
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as exc:
+        fn()
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE, exc.value
+    return time.monotonic() - t0
+
+
+def test_kill_decode_worker_mid_stream(cluster, client):
+    stream = client.stream("Write a very long essay about rivers.", max_tokens=600, temperature=0,
+                           ignore_eos=True)
+    it = iter(stream)
+    next(it)
+    victim = next(w.worker_id for w in worker_loads(cluster) if w.role == "decode" and w.num_running)
+    _kill(cluster, victim)
+    t_kill = time.monotonic()
+    elapsed = _expect_unavailable(lambda: list(it))
+    assert elapsed < 5.0
+    # the registry (and so the router) drops it within 2 heartbeat intervals
+    while victim in _live_ids(cluster):
+        assert time.monotonic() - t_kill < 2 * HEARTBEAT_S, "dead decode worker still listed"
+        time.sleep(0.05)
+    time.sleep(0.3)
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda i: client.generate(f"Say {i}.", max_tokens=4, temperature=0), range(6)))
+    assert all(r.usage.completion_tokens == 4 for r in results)
+    assert_no_leak(cluster)
+
+
+def test_kill_prefill_worker_with_requests_in_flight(cluster, client):
+    prefills = [w["worker_id"] for w in cluster["workers"] if w["role"] == "prefill"]
+    victim = prefills[0]
+    long_prompt = [17] * 900
+
+    def send():
+        try:
+            return client.generate(long_prompt, max_tokens=4, temperature=0), time.monotonic()
+        except grpc.RpcError as e:
+            return e, time.monotonic()
+
+    with ThreadPoolExecutor(8) as pool:
+        futs = [pool.submit(send) for _ in range(8)]
+        deadline = time.monotonic() + 10
+        while not any(w.worker_id == victim and (w.num_running or w.num_waiting) for w in worker_loads(cluster)):
+            assert time.monotonic() < deadline, "victim prefill worker never got work"
+            time.sleep(0.01)
+        _kill(cluster, victim)
+        t_kill = time.monotonic()
+        done = [f.result(timeout=60) for f in futs]
+    outcomes = [o for o, _ in done]
+    errors = [(o, t) for o, t in done if isinstance(o, grpc.RpcError)]
+    assert errors, "no request was in flight on the killed prefill worker"
+    assert all(e.code() == grpc.StatusCode.UNAVAILABLE for e, _ in errors), [e.code() for e, _ in errors]
+    assert max(t for _, t in errors) - t_kill < 5.0, "a request on the dead prefill worker hung"
+    assert all(o.usage.completion_tokens == 4 for o in outcomes if not isinstance(o, grpc.RpcError))
+    while victim in _live_ids(cluster):
+        assert time.monotonic() - t_kill < 2 * HEARTBEAT_S + 1.0, "dead prefill worker still listed"
+        time.sleep(0.05)
+    res = client.generate("Hello there", max_tokens=3, temperature=0)
+    assert res.usage.completion_tokens == 3
+    assert_no_leak(cluster)
