@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Install everything, bring a local cluster up (Ray + Redis + router + 1 prefill + 1 decode worker
+# serving SmolLM2-135M-Instruct on CPU), generate from a few real prompts, and bring it down.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+STATE_DIR="${STATE_DIR:-$HOME/.pdcluster}"
+pdcluster down --state-dir "$STATE_DIR" >/dev/null 2>&1 || true
+trap 'pdcluster down --state-dir "$STATE_DIR"' EXIT
+pdcluster up --local --prefill 1 --decode 1 --port 50051 --state-dir "$STATE_DIR"
+pdcluster status --state-dir "$STATE_DIR"
+python3 - <<'PY'
+import json, pathlib
+rows = [json.loads(l) for l in pathlib.Path("../shared/traces/prompts/mt_bench_question.jsonl").read_text().splitlines()] \
+    if pathlib.Path("../shared/traces/prompts/mt_bench_question.jsonl").exists() else []
+prompts = [r["turns"][0] for r in rows[:3]] or ["What is the capital of France?", "Write a haiku about the sea."]
+pathlib.Path("/tmp/pdcluster-demo-prompts.txt").write_text("\n".join(prompts))
+PY
+while IFS= read -r prompt; do
+  echo; echo "### $prompt"
+  pdcluster generate --address 127.0.0.1:50051 --chat --stream --max-tokens 64 --temperature 0 "$prompt"
+done < /tmp/pdcluster-demo-prompts.txt
+echo; echo "### raw completion, sampled with a seed"
+pdcluster generate --address 127.0.0.1:50051 --max-tokens 32 --temperature 0.8 --seed 7 "Once upon a time"

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Install everything, then run the whole test suite (real Redis, real local Ray, real gRPC on loopback).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+python3 -m pytest -q tests "$@"
