@@ -125,14 +125,13 @@ class DecodeScheduler:
 
     # ---- the loop ------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
-        """Step until ``stop`` is set; a failing step fails its batch, never the loop."""
+        """Step until ``stop`` is set; a failing model step fails its batch, never the loop."""
         while not stop.is_set():
             try:
                 self.step()
-            except Exception:  # noqa: BLE001 - keep serving everyone else
-                log.exception("decode step failed; failing the running batch")
-                for rid in list(self._running):
-                    self._finish_error(rid, grpc.StatusCode.INTERNAL, "decode step failed")
+            except Exception:  # noqa: BLE001 - a scheduler bug must not kill the loop thread
+                log.exception("scheduler step raised; continuing")
+                time.sleep(0.01)
 
     def step(self) -> None:
         self._drain_inbox(block=not self._running)
@@ -245,7 +244,13 @@ class DecodeScheduler:
                 req.block_table.extend(self.pool.allocate(1))  # within the commitment
             seqs.append(ScheduledSeq(rid, [req.output_token_ids[-1]], pos, req.block_table, True,
                                      req.params.sampling, req.generator))
-        out = self.runner.execute(StepPlan(seqs))
+        try:
+            out = self.runner.execute(StepPlan(seqs))
+        except Exception as e:  # noqa: BLE001 - fail this batch, keep serving everyone else
+            log.exception("decode step failed; failing its %d requests", len(seqs))
+            for s in seqs:
+                self._finish_error(s.request_id, grpc.StatusCode.INTERNAL, f"decode step failed: {e}")
+            return
         self.step_count += 1
         for rid, tok, lp in zip(out.request_ids, out.token_ids, out.logprobs):
             req = self._requests[rid]

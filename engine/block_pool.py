@@ -8,7 +8,7 @@ count drops to zero, so the head of the list is the least recently freed block
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -52,19 +52,22 @@ class BlockPool:
 
     def incref(self, block_ids: list[int]) -> None:
         for b in block_ids:
-            if self._ref[b] <= 0:
+            if not 0 < b < self.num_blocks or self._ref[b] <= 0:
                 raise ValueError(f"block {b} is not allocated")
+        for b in block_ids:
             self._ref[b] += 1
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference of each block; blocks reaching zero go to the free list tail.
 
         Raises:
-            ValueError: a block that is not allocated (double free).
+            ValueError: a block that is not allocated (double free); nothing is freed then.
         """
-        for b in block_ids:
-            if b <= 0 or self._ref[b] <= 0:
+        drops = Counter(block_ids)
+        for b, n in drops.items():
+            if not 0 < b < self.num_blocks or self._ref[b] < n:
                 raise ValueError(f"double free or invalid block {b}")
+        for b in block_ids:
             self._ref[b] -= 1
             if self._ref[b] == 0:
                 self._free.append(b)

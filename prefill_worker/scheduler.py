@@ -141,10 +141,9 @@ class PrefillScheduler:
         while not stop.is_set():
             try:
                 self.step()
-            except Exception:  # noqa: BLE001 - keep serving everyone else
-                log.exception("prefill step failed; failing the scheduled requests")
-                for rid in [r for r in self._queue if self._entries[r].request.num_computed > 0]:
-                    self._fail(rid, PrefillError(grpc.StatusCode.INTERNAL, "prefill step failed"))
+            except Exception:  # noqa: BLE001 - a scheduler bug must not kill the loop thread
+                log.exception("scheduler step raised; continuing")
+                time.sleep(0.01)
 
     def step(self) -> None:
         self._drain_inbox(block=not self._queue)
@@ -207,7 +206,13 @@ class PrefillScheduler:
             self._drain_inbox(block=True)  # out of blocks: wait for a transfer to finish
             return
         t0 = time.perf_counter()
-        out = self.runner.execute(StepPlan(seqs))
+        try:
+            out = self.runner.execute(StepPlan(seqs))
+        except Exception as e:  # noqa: BLE001 - fail this batch, keep serving everyone else
+            log.exception("prefill step failed; failing its %d requests", len(seqs))
+            for s in seqs:
+                self._fail(s.request_id, PrefillError(grpc.StatusCode.INTERNAL, f"prefill step failed: {e}"))
+            return
         for s in seqs:
             entry = self._entries[s.request_id]
             entry.request.num_computed += len(s.token_ids)
