@@ -10,7 +10,9 @@ healthy, writes a state file (``<state-dir>/cluster.json``) and returns.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -19,23 +21,15 @@ from pathlib import Path
 import ray
 
 from deploy.cluster import ClusterSpec, launch, teardown
+from deploy.ray_env import LOOPBACK_ENV
+from deploy.state import DEFAULT_STATE_DIR, read_state, state_path
 from deploy.redis_server import LocalRedisServer, free_port, stop_redis_at
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from engine.model_loader import resolve_model
 from pdcluster.registry import WorkerRegistry
 from router.server import RouterConfig
 
-DEFAULT_STATE_DIR = Path.home() / ".pdcluster"
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def state_path(state_dir: Path | str | None = None) -> Path:
-    return Path(state_dir or DEFAULT_STATE_DIR).expanduser() / "cluster.json"
-
-
-def read_state(state_dir: Path | str | None = None) -> dict:
-    """The state ``up`` wrote. Raises FileNotFoundError when no cluster is up."""
-    return json.loads(state_path(state_dir).read_text())
 
 
 def num_kv_blocks(model: ModelConfig, block_size: int, dtype: str, kv_cache_gb: float) -> int:
@@ -63,23 +57,48 @@ def spec_from_args(args, redis_url: str) -> ClusterSpec:
     return ClusterSpec(args.prefill, args.decode, worker, router, timeout_s=args.timeout_s)
 
 
-def start_ray_head(state_dir: Path) -> str:
-    """``ray start --head`` on a free port; returns its address. Raises RuntimeError with
-    Ray's output when it fails."""
+def start_ray_head(state_dir: Path, timeout_s: float = 120.0) -> tuple[str, int]:
+    """Start a Ray head on loopback (``ray start --head --block`` in its own session, so
+    ``down`` can stop exactly this cluster); returns ``(address, pid)``.
+
+    Raises:
+        RuntimeError: the head exited or did not answer within ``timeout_s`` (with its log).
+    """
     port = free_port()
     ray_bin = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
-    cmd = [ray_bin, "start", "--head", f"--port={port}", "--include-dashboard=false",
+    cmd = [ray_bin, "start", "--head", "--block", f"--port={port}", "--include-dashboard=false",
            "--disable-usage-stats", "--node-ip-address=127.0.0.1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    (state_dir / "ray-start.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{proc.stdout}\n{proc.stderr}")
-    return f"127.0.0.1:{port}"
+    log_path = state_dir / "ray-head.log"
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True, env={**os.environ, **LOOPBACK_ENV})
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"`{' '.join(cmd)}` exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        if "Ray runtime started" in log_path.read_text():
+            return f"127.0.0.1:{port}", proc.pid
+        time.sleep(0.2)
+    stop_ray_head(proc.pid)
+    raise RuntimeError(f"Ray head did not start within {timeout_s:.0f}s; see {log_path}")
 
 
-def stop_ray_head() -> None:
-    ray_bin = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
-    subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=120)
+def stop_ray_head(pid: int, timeout_s: float = 30.0) -> None:
+    """Stop the Ray head started by :func:`start_ray_head` and every process of its session."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def wait_healthy(redis_url: str, cluster: str, expected: int, router_address: str, timeout_s: float) -> None:
@@ -122,8 +141,10 @@ def up(args) -> dict:
         if args.ray_address:
             ray_address = args.ray_address
         elif args.local:
-            ray_address = start_ray_head(state_dir)
-            state["started_ray"] = True
+            if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
+                raise RuntimeError("call deploy.ray_env.use_loopback_ray() before importing ray for --local")
+            ray_address, head_pid = start_ray_head(state_dir)
+            state.update(started_ray=True, ray_head_pid=head_pid)
         else:
             raise RuntimeError("give --local (start Ray here) or --ray-address ADDR")
         state["ray_address"] = ray_address
@@ -147,7 +168,7 @@ def _cleanup(state: dict) -> None:
     if ray.is_initialized():
         ray.shutdown()
     if state.get("started_ray"):
-        stop_ray_head()
+        stop_ray_head(state["ray_head_pid"])
     if state.get("started_redis"):
         stop_redis_at(state["redis_url"])
 

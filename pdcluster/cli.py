@@ -29,7 +29,7 @@ FALLBACK_ADDRESS = "127.0.0.1:50051"
 def default_address() -> str:
     """Router address of the local cluster state file, else ``127.0.0.1:50051``."""
     try:
-        state = importlib.import_module("deploy.local").read_state()
+        state = importlib.import_module("deploy.state").read_state()
     except (ImportError, FileNotFoundError):
         return FALLBACK_ADDRESS
     address = state.get("router_address") if state else None
@@ -96,6 +96,10 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
 
 def _deploy(name: str):
     def run(args: argparse.Namespace) -> int:
+        ray_env = importlib.import_module("deploy.ray_env")
+        state_file = importlib.import_module("deploy.state").state_path(getattr(args, "state_dir", None))
+        if getattr(args, "local", False) or (name == "cmd_down" and ray_env.state_is_local(state_file)):
+            ray_env.use_loopback_ray()  # before deploy.local imports ray
         return int(getattr(importlib.import_module("deploy.local"), name)(args))
 
     run.__name__ = name

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
+from deploy.ray_env import use_loopback_ray
+
+use_loopback_ray()  # local test clusters stay on loopback (before anything imports ray)
+
+import pytest  # noqa: E402
 
 from engine.config import ModelConfig
 from engine.model_loader import DEFAULT_MODEL, resolve_model

@@ -303,16 +303,16 @@ def test_cli_system_requires_chat(capsys):
     assert info.value.code == 2
 
 
-def _fake_deploy(monkeypatch, **attrs):
-    mod = types.ModuleType("deploy.local")
+def _fake_deploy(monkeypatch, module="deploy.local", **attrs):
+    mod = types.ModuleType(module)
     for k, v in attrs.items():
         setattr(mod, k, v)
-    monkeypatch.setitem(sys.modules, "deploy.local", mod)
+    monkeypatch.setitem(sys.modules, module, mod)
     return mod
 
 
 def test_cli_default_address_from_state(server, monkeypatch, capsys):
-    _fake_deploy(monkeypatch, read_state=lambda: {"router_address": server.address})
+    _fake_deploy(monkeypatch, "deploy.state", read_state=lambda: {"router_address": server.address})
     assert cli.default_address() == server.address
     assert cli.main(["generate", "x"]) == 0
     assert capsys.readouterr().out == "t0 t1 t2 t3 \n"
@@ -322,9 +322,9 @@ def test_cli_default_address_fallbacks(monkeypatch):
     def missing():
         raise FileNotFoundError("no state")
 
-    _fake_deploy(monkeypatch, read_state=missing)
+    _fake_deploy(monkeypatch, "deploy.state", read_state=missing)
     assert cli.default_address() == "127.0.0.1:50051"
-    monkeypatch.setitem(sys.modules, "deploy.local", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "deploy.state", None)  # import raises ImportError
     assert cli.default_address() == "127.0.0.1:50051"
 
 

@@ -1,0 +1,36 @@
+"""Keep a single-machine Ray cluster on loopback.
+
+Ray resolves ``127.0.0.1`` to the machine's network address unless
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set before ``ray`` is imported; with it,
+a local cluster's driver, head and workers talk over 127.0.0.1 only. Multi-node
+clusters (``--ray-address`` of another host) must not set it. This module does
+not import ray, so the CLI can call it before anything else does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def use_loopback_ray() -> None:
+    """Set the loopback flag in this process (and its children).
+
+    Raises:
+        RuntimeError: ``ray`` was imported already (the flag would be ignored).
+    """
+    if "ray" in sys.modules and os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
+        raise RuntimeError("use_loopback_ray() must run before ray is imported")
+    os.environ.update(LOOPBACK_ENV)
+
+
+def state_is_local(state_file: Path) -> bool:
+    """Whether the cluster recorded in ``state_file`` runs a Ray head that ``up`` started here."""
+    try:
+        return bool(json.loads(state_file.read_text()).get("started_ray"))
+    except (FileNotFoundError, ValueError):
+        return False
