@@ -32,6 +32,7 @@ from decode_worker.events import DecodeEventT, Failed, Reserved, Tokens
 from decode_worker.transfers import TransferTable
 from engine.block_pool import BlockPool, blocks_needed
 from engine.config import CacheConfig, SchedulerConfig
+from engine.inbox import Inbox
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
 from engine.step import ScheduledSeq, StepPlan, TokenLogprobs
@@ -74,17 +75,18 @@ class DecodeScheduler:
         cache: pool geometry (``num_blocks``, ``block_size``).
         sched: limits (``max_num_seqs``, ``max_model_len``, ``lease_s``).
         eos_token_ids: the model's EOS ids.
+        wake: event set whenever a message arrives (shared by schedulers on one loop).
     """
 
     def __init__(self, runner: ModelRunner, cache: CacheConfig, sched: SchedulerConfig,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], wake: threading.Event | None = None) -> None:
         self.runner = runner
         self.block_size = cache.block_size
         self.sched = sched
         self.eos = eos_token_ids
         self.pool = BlockPool(cache.num_blocks)
         self.transfers = TransferTable(runner.kv_cache)
-        self._inbox: "queue.Queue[object]" = queue.Queue()
+        self._inbox = Inbox(wake)
         self._streams: dict[str, queue.Queue] = {}
         self._requests: dict[str, Request] = {}
         self._pending: deque[str] = deque()     # waiting for blocks
@@ -133,26 +135,19 @@ class DecodeScheduler:
                 log.exception("scheduler step raised; continuing")
                 time.sleep(0.01)
 
-    def step(self) -> None:
-        self._drain_inbox(block=not self._running)
+    def step(self, block: bool = True) -> bool:
+        """One scheduling round; returns whether a model step ran. With ``block``, an idle
+        scheduler waits up to 50 ms for mail."""
+        for msg in self._inbox.drain(block=block and not self._running):
+            self._handle(msg)
         self._expire_leases()
         self._admit_pending()
         while self._ready and len(self._running) < self.sched.max_num_seqs:
             self._running.append(self._ready.popleft())
-        if self._running:
-            self._decode_step()
-
-    def _drain_inbox(self, block: bool) -> None:
-        try:
-            msg = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._handle(msg)
-            try:
-                msg = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        if not self._running:
+            return False
+        self._decode_step()
+        return True
 
     def _handle(self, msg: object) -> None:
         if isinstance(msg, _Reserve):

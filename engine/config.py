@@ -142,7 +142,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
-    lease_s: float = 30.0
+    lease_s: float = 120.0
 
     def __post_init__(self) -> None:
         for f in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -157,7 +157,7 @@ class WorkerConfig:
     """Everything one prefill or decode worker needs to start.
 
     Attributes:
-        role: ``"prefill"`` or ``"decode"``.
+        role: ``"prefill"``, ``"decode"`` or ``"colocated"`` (both on one engine).
         worker_id: unique id registered in Redis.
         model: a model spec accepted by :func:`engine.model_loader.resolve_model`.
         host: interface the worker's gRPC servers bind to.
@@ -184,8 +184,8 @@ class WorkerConfig:
     model_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
-            raise ConfigError(f"role must be 'prefill' or 'decode', got {self.role!r}")
+        if self.role not in ("prefill", "decode", "colocated"):
+            raise ConfigError(f"role must be 'prefill', 'decode' or 'colocated', got {self.role!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto/cpu/cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -27,7 +27,7 @@ from redis.retry import Retry
 
 log = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode", "router")
+ROLES = ("prefill", "decode", "colocated", "router")
 
 # Drop a set member whose info and liveness keys both vanished (atomic, so a
 # worker registering concurrently is never dropped).

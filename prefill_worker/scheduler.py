@@ -27,6 +27,7 @@ import grpc
 
 from engine.block_pool import BlockPool, NoFreeBlocksError, blocks_needed
 from engine.config import CacheConfig, SchedulerConfig
+from engine.inbox import Inbox
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
 from engine.step import ScheduledSeq, StepPlan, TokenLogprobs
@@ -60,6 +61,18 @@ class _Add:
     request: Request
     send: SendFn
     future: Future
+    external: "ExternalBlocks | None" = None
+
+
+@dataclass(frozen=True)
+class ExternalBlocks:
+    """Blocks owned by another scheduler on the same pool (a colocated worker's decode
+    side): the prompt's KV is written straight into them, nothing is allocated or freed
+    here, and ``still_valid()`` (called on the loop thread before every step) says
+    whether the owner still holds them for this request."""
+
+    block_ids: list[int]
+    still_valid: Callable[[], bool]
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,7 @@ class _Entry:
     request: Request
     send: SendFn
     future: Future
+    external: ExternalBlocks | None = None
     first_token: int = -1
     first_logprobs: TokenLogprobs | None = None
     prefill_s: float = 0.0
@@ -94,15 +108,16 @@ class PrefillScheduler:
         cache: pool geometry.
         sched: ``max_num_batched_tokens`` (token budget per step), ``max_num_seqs``.
         sender_threads: concurrent KV transfers.
+        wake: event set whenever a message arrives (shared by schedulers on one loop).
     """
 
     def __init__(self, runner: ModelRunner, cache: CacheConfig, sched: SchedulerConfig,
-                 sender_threads: int = 4) -> None:
+                 sender_threads: int = 4, wake: threading.Event | None = None) -> None:
         self.runner = runner
         self.block_size = cache.block_size
         self.sched = sched
         self.pool = BlockPool(cache.num_blocks)
-        self._inbox: "queue.Queue[object]" = queue.Queue()
+        self._inbox = Inbox(wake)
         self._entries: dict[str, _Entry] = {}
         self._queue: deque[str] = deque()  # not fully prefilled, FIFO
         self._senders = ThreadPoolExecutor(sender_threads, thread_name_prefix="kv-send")
@@ -110,11 +125,11 @@ class PrefillScheduler:
         self.num_failed_transfers = 0
 
     # ---- called from other threads -------------------------------------------------
-    def submit(self, request: Request, send: SendFn) -> Future:
+    def submit(self, request: Request, send: SendFn, external: ExternalBlocks | None = None) -> Future:
         """Queue a request; the future resolves to :class:`PrefillResult` or raises
-        :class:`PrefillError`."""
+        :class:`PrefillError`. With ``external``, the KV goes into those blocks."""
         fut: Future = Future()
-        self._inbox.put(_Add(request, send, fut))
+        self._inbox.put(_Add(request, send, fut, external))
         return fut
 
     def submit_abort(self, request_id: str) -> None:
@@ -145,27 +160,20 @@ class PrefillScheduler:
                 log.exception("scheduler step raised; continuing")
                 time.sleep(0.01)
 
-    def step(self) -> None:
-        self._drain_inbox(block=not self._queue)
-        if self._queue:
-            self._prefill_step()
+    def step(self, block: bool = True) -> bool:
+        """One scheduling round; returns whether a model step ran. With ``block``, an idle
+        scheduler waits up to 50 ms for mail."""
+        self._drain_inbox(block=block and not self._queue)
+        return bool(self._queue) and self._prefill_step(block)
 
     def _drain_inbox(self, block: bool) -> None:
-        try:
-            msg = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
+        for msg in self._inbox.drain(block=block):
             if isinstance(msg, _Add):
                 self._on_add(msg)
             elif isinstance(msg, _Abort):
                 self._on_abort(msg.request_id)
             elif isinstance(msg, _SendDone):
                 self._on_send_done(msg)
-            try:
-                msg = self._inbox.get_nowait()
-            except queue.Empty:
-                return
 
     def _on_add(self, msg: _Add) -> None:
         rid = msg.request.request_id
@@ -177,10 +185,15 @@ class PrefillScheduler:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"prompt needs {need} KV blocks, the prefill pool has {self.pool.num_usable}"))
         else:
-            self._entries[rid] = _Entry(msg.request, msg.send, msg.future)
+            self._entries[rid] = _Entry(msg.request, msg.send, msg.future, msg.external)
+            if msg.external is not None:
+                msg.request.block_table = list(msg.external.block_ids)
             self._queue.append(rid)
 
     def _schedule(self) -> list[ScheduledSeq]:
+        for rid in [r for r in self._queue if self._entries[r].external is not None]:
+            if not self._entries[rid].external.still_valid():
+                self._fail(rid, PrefillError(grpc.StatusCode.CANCELLED, "destination blocks were released"))
         budget = self.sched.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
         for rid in self._queue:
@@ -200,11 +213,11 @@ class PrefillScheduler:
             budget -= n
         return seqs
 
-    def _prefill_step(self) -> None:
+    def _prefill_step(self, block: bool) -> bool:
         seqs = self._schedule()
         if not seqs:
-            self._drain_inbox(block=True)  # out of blocks: wait for a transfer to finish
-            return
+            self._drain_inbox(block=block)  # out of blocks: wait for a transfer to finish
+            return False
         t0 = time.perf_counter()
         try:
             out = self.runner.execute(StepPlan(seqs))
@@ -212,7 +225,7 @@ class PrefillScheduler:
             log.exception("prefill step failed; failing its %d requests", len(seqs))
             for s in seqs:
                 self._fail(s.request_id, PrefillError(grpc.StatusCode.INTERNAL, f"prefill step failed: {e}"))
-            return
+            return True
         for s in seqs:
             entry = self._entries[s.request_id]
             entry.request.num_computed += len(s.token_ids)
@@ -224,6 +237,7 @@ class PrefillScheduler:
             entry.request.status = RequestStatus.TRANSFERRING
             self._queue.remove(rid)
             self._senders.submit(self._send, entry)
+        return True
 
     def _send(self, entry: _Entry) -> None:
         """Sender thread: push the KV, then report back to the loop."""
@@ -272,7 +286,7 @@ class PrefillScheduler:
         entry = self._entries.pop(request_id)
         if request_id in self._queue:
             self._queue.remove(request_id)
-        if entry.request.block_table:
+        if entry.request.block_table and entry.external is None:
             self.pool.free(entry.request.block_table)
             entry.request.block_table = []
         entry.request.status = RequestStatus.FINISHED

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from engine.logprobs import to_dict
@@ -9,31 +11,42 @@ from engine.request import Request, request_from_proto
 from engine.step import TokenLogprobs
 from kvtransfer import KvSender
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
-from prefill_worker.scheduler import PrefillError, PrefillScheduler
+from prefill_worker.scheduler import ExternalBlocks, PrefillError, PrefillScheduler, SendFn
+
+
+# route(prefill_request, request) -> (send function, external destination blocks or None)
+Route = Callable[[worker_pb2.PrefillRequest, Request], tuple[SendFn, "ExternalBlocks | None"]]
+
+
+def remote_route(sender: KvSender, kv_cache: torch.Tensor, layers_per_chunk: int) -> Route:
+    """Push the KV to the destination decode worker through ``sender`` (the normal path)."""
+
+    def route(msg: worker_pb2.PrefillRequest, req: Request):
+        dest = msg.destination
+
+        def send(r: Request, first_token: int, lp: TokenLogprobs | None) -> int:
+            result = sender.send(r.request_id, r.transfer_id, dest, kv_cache, list(r.block_table),
+                                 first_token, to_dict(lp), layers_per_chunk=layers_per_chunk)
+            return result.bytes_sent
+
+        return send, None
+
+    return route
 
 
 class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    """``Prefill`` queues the request and waits until its KV was acknowledged."""
+    """``Prefill`` queues the request and waits until its KV was delivered (acknowledged)."""
 
-    def __init__(self, scheduler: PrefillScheduler, sender: KvSender, worker_id: str,
-                 device: torch.device, layers_per_chunk: int) -> None:
+    def __init__(self, scheduler: PrefillScheduler, route: Route, worker_id: str, device: torch.device) -> None:
         self.scheduler = scheduler
-        self.sender = sender
+        self.route = route
         self.worker_id = worker_id
         self.device = device
-        self.layers_per_chunk = layers_per_chunk
 
     def Prefill(self, request, context):
         req = request_from_proto(request.request, request.transfer_id, self.device)
-        dest = request.destination
-        kv_cache = self.scheduler.runner.kv_cache
-
-        def send(r: Request, first_token: int, lp: TokenLogprobs | None) -> int:
-            result = self.sender.send(r.request_id, r.transfer_id, dest, kv_cache, list(r.block_table),
-                                      first_token, to_dict(lp), layers_per_chunk=self.layers_per_chunk)
-            return result.bytes_sent
-
-        fut = self.scheduler.submit(req, send)
+        send, external = self.route(request, req)
+        fut = self.scheduler.submit(req, send, external)
         context.add_callback(lambda: None if fut.done() else self.scheduler.submit_abort(req.request_id))
         try:
             res = fut.result()

@@ -8,7 +8,7 @@ from kvtransfer import GrpcKvSender
 from pdcluster.v1 import worker_pb2_grpc
 from pdcluster.worker_host import WorkerHost
 from prefill_worker.scheduler import PrefillScheduler
-from prefill_worker.server import PrefillWorkerServicer
+from prefill_worker.server import PrefillWorkerServicer, remote_route
 
 SERVICES = ["pdcluster.v1.PrefillWorker"]
 
@@ -19,7 +19,8 @@ def create_prefill_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "",
     _, runner = build_runner(cfg)
     sched = PrefillScheduler(runner, cfg.cache, cfg.scheduler)
     sender = GrpcKvSender(timeout_s=transfer_timeout_s)
-    servicer = PrefillWorkerServicer(sched, sender, cfg.worker_id, runner.device, layers_per_chunk)
+    route = remote_route(sender, runner.kv_cache, layers_per_chunk)
+    servicer = PrefillWorkerServicer(sched, route, cfg.worker_id, runner.device)
 
     def add(server):
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)

@@ -122,8 +122,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"no live {role} worker")
 
     def _serve(self, prep: PreparedRequest, h: _Handle, context):
-        h.decode = self._pick("decode", context)
-        h.prefill = self._pick("prefill", context)
+        colocated = self.view.workers("colocated")
+        if colocated:  # one engine does both halves: no KV crosses a process
+            h.decode = h.prefill = self.policies["decode"](colocated, self.inflight)
+        else:
+            h.decode = self._pick("decode", context)
+            h.prefill = self._pick("prefill", context)
         self.inflight.acquire(h.decode.worker_id)
         self.inflight.acquire(h.prefill.worker_id)
         context.add_callback(h.cancel_calls)  # client cancelled or disconnected
