@@ -1,4 +1,4 @@
-"""Name -> attention backend registry (``"torch"`` serves on CPU; Triton on CUDA later)."""
+"""Name -> attention backend registry (``"torch"`` serves on CPU, ``"triton"`` on CUDA)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,12 @@ def _torch_factory() -> AttentionBackend:
 
 
 register_attention_backend("torch", _torch_factory)
+
+
+def _triton_factory() -> AttentionBackend:
+    from engine.kernels.triton_backend import paged_attention_triton
+
+    return paged_attention_triton
+
+
+register_attention_backend("triton", _triton_factory)

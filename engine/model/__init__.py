@@ -24,9 +24,17 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
     return dev, _DTYPES[dtype]
 
 
+def default_attention_backend(device: torch.device) -> str:
+    """``"triton"`` (the paged Triton kernels) on CUDA, ``"torch"`` (vectorized SDPA) elsewhere."""
+    return "triton" if torch.device(device).type == "cuda" else "torch"
+
+
 def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-               attention_backend: str = "torch") -> LlamaForCausalLM:
+               attention_backend: str | None = None) -> LlamaForCausalLM:
     """Build the model on ``device`` in ``dtype`` and load every ``*.safetensors`` in ``cfg.path``.
+
+    ``attention_backend`` names a registered backend; None picks
+    :func:`default_attention_backend` for ``device``.
 
     Raises:
         FileNotFoundError: no safetensors file in the folder.
@@ -38,8 +46,9 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
+    backend = get_attention_backend(attention_backend or default_attention_backend(device))
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, get_attention_backend(attention_backend)).to(dtype)
+        model = LlamaForCausalLM(cfg, backend).to(dtype)
     model.rope.to(torch.float32)
     model.load_weights(state)
     return model.eval()
