@@ -5,11 +5,18 @@ Lifecycle of a request here (decode-led reservation, DESIGN.md):
 running, the prefill worker writes into them) -> RUNNING (KV verified, first token
 known) -> finished / aborted / failed, blocks back in the pool.
 
-Admission never over-commits: a request is admitted only when the worst case of
-every admitted request (prompt + max_tokens blocks) fits in the pool, so a
-running request can always grow by one block (preemption comes with the full
-decode issue). Continuous batching: every step runs one token for every running
-request; arrivals join and finished requests leave between steps.
+Admission: a reservation is admitted when its prompt blocks plus one token of
+growth fit while a watermark of the pool stays free (blocks pre-allocated for
+transfers still in flight are already out of the free list); otherwise it waits
+(backpressure). A request that could never fit (prompt + max_tokens > pool) is
+refused with RESOURCE_EXHAUSTED. When blocks run out mid-decode, the most
+recently admitted running request is preempted: its blocks are freed and it is
+resumed later by recomputing its KV (prompt + generated tokens) here, in chunks
+under the token budget, then decoding on (vLLM's recompute preemption). Preempted
+requests resume before new reservations are admitted.
+
+Continuous batching: every step runs one token for every running request (plus
+recompute chunks); arrivals join and finished requests leave between steps.
 
 Thread model: gRPC handlers and the KV receiver call the ``submit_*`` methods and
 the :class:`TransferTable` (both thread-safe); only :meth:`step` (the loop
@@ -23,12 +30,12 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import grpc
 import torch
 
 from decode_worker.events import DecodeEventT, Failed, Reserved, Tokens
+from decode_worker.messages import AbortMsg, KvDoneMsg, KvFailedMsg, ReserveMsg
 from decode_worker.transfers import TransferTable
 from engine.block_pool import BlockPool, blocks_needed
 from engine.config import CacheConfig, SchedulerConfig
@@ -39,32 +46,6 @@ from engine.step import ScheduledSeq, StepPlan, TokenLogprobs
 from engine.stop_check import check_finish
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Reserve:
-    request: Request
-    stream: "queue.Queue[DecodeEventT]"
-
-
-@dataclass(frozen=True)
-class _KvDone:
-    transfer_id: str
-    generation: int
-    first_token_id: int
-    first_logprobs: TokenLogprobs | None
-
-
-@dataclass(frozen=True)
-class _KvFailed:
-    transfer_id: str
-    generation: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
 
 
 class DecodeScheduler:
@@ -91,25 +72,28 @@ class DecodeScheduler:
         self._requests: dict[str, Request] = {}
         self._pending: deque[str] = deque()     # waiting for blocks
         self._ready: deque[str] = deque()       # KV arrived, waiting for a batch slot
-        self._running: list[str] = []
-        self._committed = 0                     # worst-case blocks of admitted requests
+        self._running: list[str] = []           # decoding, in admission order
+        self._preempted: deque[str] = deque()   # blocks taken back, resume first
+        self._recomputing: list[str] = []       # rebuilding KV after a preemption
+        self.watermark_blocks = int(sched.watermark * self.pool.num_usable)
+        self.num_preemptions = 0
         self.num_finished = 0
         self.num_failed_transfers = 0
         self.step_count = 0
 
     # ---- called from other threads -------------------------------------------------
     def submit_reserve(self, request: Request, stream: "queue.Queue[DecodeEventT]") -> None:
-        self._inbox.put(_Reserve(request, stream))
+        self._inbox.put(ReserveMsg(request, stream))
 
     def submit_abort(self, request_id: str) -> None:
-        self._inbox.put(_Abort(request_id))
+        self._inbox.put(AbortMsg(request_id))
 
     def kv_complete(self, transfer_id: str, generation: int, first_token_id: int,
                     first_logprobs: TokenLogprobs | None) -> None:
-        self._inbox.put(_KvDone(transfer_id, generation, first_token_id, first_logprobs))
+        self._inbox.put(KvDoneMsg(transfer_id, generation, first_token_id, first_logprobs))
 
     def kv_failed(self, transfer_id: str, generation: int, reason: str) -> None:
-        self._inbox.put(_KvFailed(transfer_id, generation, reason))
+        self._inbox.put(KvFailedMsg(transfer_id, generation, reason))
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -123,6 +107,7 @@ class DecodeScheduler:
             "num_total_blocks": self.pool.num_usable,
             "num_finished": self.num_finished,
             "num_failed_transfers": self.num_failed_transfers,
+            "num_preemptions": self.num_preemptions,
         }
 
     # ---- the loop ------------------------------------------------------------------
@@ -138,28 +123,39 @@ class DecodeScheduler:
     def step(self, block: bool = True) -> bool:
         """One scheduling round; returns whether a model step ran. With ``block``, an idle
         scheduler waits up to 50 ms for mail."""
-        for msg in self._inbox.drain(block=block and not self._running):
+        busy = bool(self._running or self._recomputing)
+        for msg in self._inbox.drain(block=block and not busy):
             self._handle(msg)
         self._expire_leases()
+        self._resume_preempted()
         self._admit_pending()
-        while self._ready and len(self._running) < self.sched.max_num_seqs:
+        while self._ready and self._num_scheduled() < self.sched.max_num_seqs:
             self._running.append(self._ready.popleft())
-        if not self._running:
+        if not (self._running or self._recomputing):
             return False
-        self._decode_step()
+        self._model_step()
         return True
 
+    def _num_scheduled(self) -> int:
+        return len(self._running) + len(self._recomputing)
+
+    def _fits(self, n: int) -> bool:
+        """``n`` more blocks can be taken while the watermark stays free (an empty pool
+        ignores the watermark, so a request that fits the pool always runs)."""
+        empty = self.pool.num_free == self.pool.num_usable
+        return self.pool.num_free - n >= (0 if empty else self.watermark_blocks)
+
     def _handle(self, msg: object) -> None:
-        if isinstance(msg, _Reserve):
+        if isinstance(msg, ReserveMsg):
             self._on_reserve(msg)
-        elif isinstance(msg, _KvDone):
+        elif isinstance(msg, KvDoneMsg):
             self._on_kv_done(msg)
-        elif isinstance(msg, _KvFailed):
+        elif isinstance(msg, KvFailedMsg):
             self._on_kv_failed(msg)
-        elif isinstance(msg, _Abort):
+        elif isinstance(msg, AbortMsg):
             self._on_abort(msg.request_id)
 
-    def _on_reserve(self, msg: _Reserve) -> None:
+    def _on_reserve(self, msg: ReserveMsg) -> None:
         req = msg.request
         if req.request_id in self._requests:
             msg.stream.put(Failed(grpc.StatusCode.ALREADY_EXISTS, f"request {req.request_id} is running"))
@@ -177,20 +173,18 @@ class DecodeScheduler:
         self._pending.append(req.request_id)
 
     def _admit_pending(self) -> None:
-        while self._pending:
+        while self._pending and not self._preempted:
             req = self._requests[self._pending[0]]
-            need = req.max_blocks(self.block_size)
-            if self._committed + need > self.pool.num_usable:
+            if not self._fits(blocks_needed(len(req.prompt_token_ids) + 1, self.block_size)):
                 return  # FIFO: wait for blocks (backpressure)
             self._pending.popleft()
-            self._committed += need
             req.block_table = self.pool.allocate(blocks_needed(len(req.prompt_token_ids), self.block_size))
             req.status = RequestStatus.TRANSFERRING
             gen = self.transfers.open(req.transfer_id, req.request_id, req.block_table,
                                       time.monotonic() + self.sched.lease_s)
             self._emit(req.request_id, Reserved(req.transfer_id, gen, list(req.block_table)))
 
-    def _on_kv_done(self, msg: _KvDone) -> None:
+    def _on_kv_done(self, msg: KvDoneMsg) -> None:
         t = self.transfers.close(msg.transfer_id, msg.generation)
         if t is None:
             return  # reclaimed or aborted meanwhile: stale
@@ -209,7 +203,7 @@ class DecodeScheduler:
         else:
             self._ready.append(req.request_id)
 
-    def _on_kv_failed(self, msg: _KvFailed) -> None:
+    def _on_kv_failed(self, msg: KvFailedMsg) -> None:
         t = self.transfers.close(msg.transfer_id, msg.generation)
         if t is None:
             return
@@ -230,15 +224,63 @@ class DecodeScheduler:
         self._emit(request_id, Tokens([], [], "abort"))
         self._release(request_id)
 
-    def _decode_step(self) -> None:
-        seqs = []
-        for rid in self._running:
+    def _resume_preempted(self) -> None:
+        while self._preempted and self._num_scheduled() < self.sched.max_num_seqs:
+            req = self._requests[self._preempted[0]]
+            if not self._fits(blocks_needed(req.num_tokens, self.block_size)):
+                return
+            self._preempted.popleft()
+            req.block_table = self.pool.allocate(blocks_needed(req.num_tokens - 1, self.block_size))
+            req.num_computed = 0
+            req.status = RequestStatus.RECOMPUTING
+            self._recomputing.append(req.request_id)
+
+    def _preempt(self, request_id: str) -> None:
+        """Free a running request's blocks; it resumes by recomputation."""
+        req = self._requests[request_id]
+        self._running.remove(request_id)
+        self.pool.free(req.block_table)
+        req.block_table = []
+        req.num_computed = 0
+        req.status = RequestStatus.PREEMPTED
+        self._preempted.appendleft(request_id)
+        self.num_preemptions += 1
+        log.info("preempted %s at %d tokens (%d preemptions so far)", request_id, req.num_tokens,
+                 self.num_preemptions)
+
+    def _plan(self) -> list[ScheduledSeq]:
+        budget = self.sched.max_num_batched_tokens
+        seqs: list[ScheduledSeq] = []
+        for rid in self._recomputing:  # KV of prompt + outputs[:-1], chunked
+            req = self._requests[rid]
+            n = min(req.num_tokens - 1 - req.num_computed, budget)
+            if n <= 0:
+                break
+            tokens = req.all_token_ids[req.num_computed:req.num_computed + n]
+            seqs.append(ScheduledSeq(rid, tokens, req.num_computed, req.block_table, False,
+                                     req.params.sampling, req.generator,
+                                     req.prompt_token_ids, req.output_token_ids))
+            budget -= n
+        for rid in list(self._running):
+            if rid not in self._running:
+                continue  # preempted below for an earlier request
             req = self._requests[rid]
             pos = req.num_tokens - 1  # the newest token is not in the cache yet
             if pos // self.block_size >= len(req.block_table):
-                req.block_table.extend(self.pool.allocate(1))  # within the commitment
+                while self.pool.num_free == 0 and rid in self._running:
+                    self._preempt(self._running[-1])  # the most recently admitted
+                if rid not in self._running:
+                    continue
+                req.block_table.extend(self.pool.allocate(1))
             seqs.append(ScheduledSeq(rid, [req.output_token_ids[-1]], pos, req.block_table, True,
-                                     req.params.sampling, req.generator))
+                                     req.params.sampling, req.generator,
+                                     req.prompt_token_ids, req.output_token_ids))
+        return seqs
+
+    def _model_step(self) -> None:
+        seqs = self._plan()
+        if not seqs:
+            return
         try:
             out = self.runner.execute(StepPlan(seqs))
         except Exception as e:  # noqa: BLE001 - fail this batch, keep serving everyone else
@@ -247,6 +289,14 @@ class DecodeScheduler:
                 self._finish_error(s.request_id, grpc.StatusCode.INTERNAL, f"decode step failed: {e}")
             return
         self.step_count += 1
+        for s in seqs:
+            if not s.sample:
+                req = self._requests[s.request_id]
+                req.num_computed += len(s.token_ids)
+                if req.num_computed == req.num_tokens - 1:  # KV rebuilt: decode on
+                    self._recomputing.remove(s.request_id)
+                    req.status = RequestStatus.RUNNING
+                    self._running.append(s.request_id)
         for rid, tok, lp in zip(out.request_ids, out.token_ids, out.logprobs):
             req = self._requests[rid]
             req.num_computed += 1
@@ -268,19 +318,16 @@ class DecodeScheduler:
         self._streams.pop(request_id, None)
         if req is None:
             return
-        if request_id in self._pending:
-            self._pending.remove(request_id)
-        else:
-            self._committed -= req.max_blocks(self.block_size)
-            if req.status == RequestStatus.TRANSFERRING:
-                # Close the transfer under its lock so no late chunk can write into
-                # blocks that go back to the pool now.
-                self.transfers.close(req.transfer_id, None)
+        if req.status == RequestStatus.TRANSFERRING:
+            # Close the transfer under its lock so no late chunk can write into
+            # blocks that go back to the pool now.
+            self.transfers.close(req.transfer_id, None)
+        if req.block_table:
             self.pool.free(req.block_table)
-        if request_id in self._ready:
-            self._ready.remove(request_id)
-        if request_id in self._running:
-            self._running.remove(request_id)
+            req.block_table = []
+        for lst in (self._pending, self._ready, self._running, self._preempted, self._recomputing):
+            if request_id in lst:
+                lst.remove(request_id)
         req.status = RequestStatus.FINISHED
         self.num_finished += 1
 

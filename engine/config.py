@@ -112,11 +112,14 @@ class CacheConfig:
         num_blocks: blocks in the pool (each holds ``block_size`` tokens of K and V
             for every layer).
         dtype: KV cache dtype name (``"float32"``, ``"bfloat16"``, ``"float16"``).
+        enable_prefix_caching: reuse the KV of full prompt blocks already in the pool
+            (prefill workers).
     """
 
     block_size: int = 16
     num_blocks: int = 1024
     dtype: str = "float32"
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -137,12 +140,16 @@ class SchedulerConfig:
         max_model_len: prompt + generated tokens of one request.
         lease_s: seconds a decode-side reservation may wait for its KV before its
             blocks are reclaimed (seconds).
+        watermark: share of the KV pool kept free when admitting or resuming a
+            request (vLLM's ``watermark``), so running requests can grow before
+            anything has to be preempted.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     lease_s: float = 120.0
+    watermark: float = 0.01
 
     def __post_init__(self) -> None:
         for f in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -150,6 +157,8 @@ class SchedulerConfig:
                 raise ConfigError(f"{f} must be positive, got {getattr(self, f)}")
         if self.lease_s <= 0:
             raise ConfigError(f"lease_s must be positive, got {self.lease_s}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
 
 
 @dataclass(frozen=True)

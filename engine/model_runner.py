@@ -54,7 +54,8 @@ class ModelRunner:
         idx = meta.logits_index[torch.tensor(rows, device=self.device)]
         logits = self.model.compute_logits(hidden[idx])
         seqs = [plan.seqs[i] for i in rows]
-        out = self.sampler.sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        out = self.sampler.sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs],
+                                  [(s.prompt_token_ids, s.output_token_ids) for s in seqs])
         token_ids = out.token_ids.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
         if out.logprobs is not None:

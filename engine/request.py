@@ -19,7 +19,8 @@ class RequestParams:
 
     Attributes:
         max_tokens: new tokens to generate at most (>= 1).
-        sampling: temperature / top-p / top-k / seed / logprobs.
+        sampling: temperature / top-p / top-k / min-p / seed / logprobs / penalties /
+            logit bias.
         stop_token_ids: ids that end generation (included in the output).
         ignore_eos: keep going past EOS.
     """
@@ -35,6 +36,8 @@ class RequestStatus(enum.Enum):
     PREFILLING = "prefilling"        # some prompt chunks computed
     TRANSFERRING = "transferring"    # KV on the wire (both sides)
     RUNNING = "running"              # in the decode batch
+    PREEMPTED = "preempted"          # blocks taken back; resumes by recomputing its KV
+    RECOMPUTING = "recomputing"      # rebuilding its KV locally after a preemption
     FINISHED = "finished"
 
 
@@ -76,11 +79,18 @@ class Request:
 
 
 def request_from_proto(msg: worker_pb2.WorkerRequest, transfer_id: str, device: torch.device) -> Request:
-    """Build a worker-side request from the router's resolved :class:`WorkerRequest`."""
+    """Build a worker-side request from the router's resolved :class:`WorkerRequest`.
+
+    Raises:
+        ValueError: a sampling field is out of range (see :class:`SamplingOptions`).
+    """
     s = msg.sampling
     options = SamplingOptions(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-        seed=s.seed if s.HasField("seed") else None, logprobs=s.logprobs,
+        seed=s.seed if s.HasField("seed") else None, logprobs=s.logprobs, min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        logit_bias=dict(s.logit_bias),
     )
     params = RequestParams(
         max_tokens=s.max_tokens, sampling=options,

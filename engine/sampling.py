@@ -1,34 +1,72 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Batched token sampling: logit bias, repetition / presence / frequency
+penalties, greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
-One :class:`Sampler` call turns the last-position logits of a decode batch into
-one token per sequence. All arithmetic is vectorized over the batch; the only
-per-row Python work is drawing one uniform from each seeded row's own
-``torch.Generator``.
+One :class:`Sampler` call turns the last-position logits of a batch into one
+token per sequence, vectorized over the batch on the logits' device; the only
+per-row Python work is one uniform draw from each seeded row's own generator
+and flattening the histories of rows with a penalty.
 
-Algorithm (after vLLM ``vllm/v1/sample/sampler.py`` and
-``vllm/v1/sample/ops/topk_topp_sampler.py``, ``apply_top_k_top_p``):
+Order (vLLM's: ``vllm/v1/sample/sampler.py`` for bias then penalties then
+greedy/temperature, ``vllm/model_executor/layers/sampler.py`` (v0) for
+top-k/top-p then min-p; penalty formulas from ``vllm/model_executor/layers/
+utils.py`` ``apply_penalties`` and HF ``RepetitionPenaltyLogitsProcessor``):
 
-1. rows with temperature 0 take ``argmax`` of the raw logits;
-2. other rows divide by their temperature, sort descending (stable, so ties
-   rank by lower token id), mask ranks ``>= top_k`` and then every token whose
-   preceding cumulative probability already reaches ``top_p`` (the top token
-   always stays), renormalize with softmax;
-3. each row draws one uniform ``u`` in [0, 1) and takes the first sorted token
-   whose cumulative probability exceeds ``u`` (inverse-CDF sampling; vLLM uses
-   the equivalent exponential race, which needs a vocab-sized draw per row).
+1. **logit bias**: ``logits[t] += bias[t]``;
+2. **repetition penalty** ``r`` over every token in prompt + output (HF
+   semantics): a seen token's logit ``x`` becomes ``x / r`` if ``x > 0`` else
+   ``x * r``;
+3. **frequency / presence penalties** over output tokens only (OpenAI
+   semantics): ``x -= frequency * count(t) + presence * (count(t) > 0)``;
+4. rows with temperature 0 take ``argmax`` of these processed logits (bias and
+   penalties apply to greedy rows too; lowest id wins a tie);
+5. other rows divide by their temperature, sort descending (stable, so ties
+   rank by lower token id), mask ranks ``>= top_k``, then every token whose
+   preceding cumulative probability already reaches ``top_p``, then every
+   token whose probability is below ``min_p`` times the top token's (the ratio
+   is the same before and after renormalizing; the top token always stays);
+6. each row draws one uniform ``u`` in [0, 1) and takes the first sorted token
+   whose cumulative renormalized probability exceeds ``u`` (inverse-CDF
+   sampling; vLLM uses the equivalent exponential race, which needs a
+   vocab-sized draw per row).
 
-Every row always goes through the same sorted path, so a seeded row's token is
-a function of its own logits, options and generator state only, whatever the
-batch composition or the row's slot.
+Rows whose options have no bias and no penalty skip steps 1-3 (no history is
+read); a batch where no row has one never copies the logits.
+
+Batch composition: every step above is row-local, and every row always goes
+through the same sorted path, so a seeded row's token is a function of its own
+logits, options, history and generator state only, whatever the batch
+composition or the row's slot (``tests/test_sampling*.py``).
+
+Greedy across batch sizes (measured and explained in ``docs/sampling.md``,
+tested in ``tests/test_sampling_batch.py``): the sampler is row-local and
+deterministic, so a greedy token is a function of its row's logits. The model
+is not batch-invariant: on CPU float32 its batched GEMMs round differently for
+different batch sizes and slots, so one request's logits move by float
+rounding (at most 1.1e-4 absolute measured on SmolLM2-135M, 8 prompts x 32
+steps in batches of 1, 8 and 16; no greedy token changed). Promise: the same
+batch (same requests in the same slots) gives bit-identical tokens run after
+run (same thread count); across batch sizes or slots a greedy token can differ only where the
+request's top-2 logits are within 2e-3 (twice the tested logit tolerance of
+1e-3), and after such a flip the continuations are different sequences.
+Nothing stronger is promised on CUDA / bfloat16, where the rounding is larger.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
 _UINT64_MAX = (1 << 64) - 1
+MAX_ABS_LOGIT_BIAS = 100.0
+MAX_ABS_PENALTY = 2.0
+
+#: One row's token history: ``(prompt_token_ids, output_token_ids)``, the request's
+#: own lists passed by reference (read, never copied or modified).
+History = tuple[Sequence[int], Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -42,9 +80,21 @@ class SamplingOptions:
         seed: per-request RNG seed (the caller owns the matching generator,
             see :func:`make_generator`), or ``None``.
         logprobs: number of top logprobs to return per token; ``0`` = none.
+        min_p: in ``[0, 1]``; keep tokens whose probability (after
+            temperature) is ``>= min_p`` times the top token's; ``0`` disables.
+        repetition_penalty: ``> 0`` (HF semantics) over prompt + output
+            tokens; ``1`` disables.
+        presence_penalty: in ``[-2, 2]`` (OpenAI semantics) over output
+            tokens; ``0`` disables.
+        frequency_penalty: in ``[-2, 2]`` (OpenAI semantics) over output
+            tokens; ``0`` disables.
+        logit_bias: ``(token_id, bias)`` pairs, bias in ``[-100, 100]``, added
+            to the raw logits; a mapping is accepted and normalized to pairs
+            sorted by token id. Ids are checked against the vocabulary by
+            :meth:`Sampler.sample`.
 
     Raises:
-        ValueError: a field is out of range.
+        ValueError: a field is out of range or not finite.
     """
 
     temperature: float = 1.0
@@ -52,10 +102,15 @@ class SamplingOptions:
     top_k: int = 0
     seed: int | None = None
     logprobs: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not self.temperature >= 0.0 or math.isinf(self.temperature):
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -64,6 +119,23 @@ class SamplingOptions:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
         if self.seed is not None and not 0 <= self.seed <= _UINT64_MAX:
             raise ValueError(f"seed must be a uint64, got {self.seed}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_ABS_PENALTY <= getattr(self, name) <= MAX_ABS_PENALTY:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        pairs = tuple(sorted((int(t), float(b)) for t, b in pairs))
+        for t, b in pairs:
+            if t < 0:
+                raise ValueError(f"logit_bias token id must be >= 0, got {t}")
+            if not -MAX_ABS_LOGIT_BIAS <= b <= MAX_ABS_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{t}] must be in [-100, 100], got {b}")
+        if len({t for t, _ in pairs}) != len(pairs):
+            raise ValueError("logit_bias has a token id twice")
+        object.__setattr__(self, "logit_bias", pairs)
 
 
 @dataclass
@@ -73,12 +145,13 @@ class SamplerOutput:
     Attributes:
         token_ids: ``[num_seqs]`` int64, the chosen token of each row.
         logprobs: ``[num_seqs]`` float32, log-probability of each chosen token
-            under the raw ``log_softmax`` of the logits (before temperature,
-            top-k, top-p); ``None`` when no row asked for logprobs.
+            under the raw ``log_softmax`` of the model's logits (before logit
+            bias, penalties, temperature, top-k, top-p, min-p: vLLM's default
+            ``raw_logprobs``); ``None`` when no row asked for logprobs.
         top_ids: ``[num_seqs, max_n]`` int64, the ``max_n`` most likely token
-            ids of each row, most likely first (``max_n`` = largest
-            ``logprobs`` in the batch; a row asking for ``n`` uses the first
-            ``n`` columns); ``None`` when no row asked.
+            ids of each row under that raw distribution, most likely first
+            (``max_n`` = largest ``logprobs`` in the batch; a row asking for
+            ``n`` uses the first ``n`` columns); ``None`` when no row asked.
         top_logprobs: ``[num_seqs, max_n]`` float32, raw log-probabilities of
             ``top_ids``; ``None`` when no row asked.
     """
@@ -103,6 +176,86 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
+
+
+def token_counts(rows: Sequence[Sequence[Sequence[int]]], vocab: int, device: torch.device) -> torch.Tensor:
+    """Occurrences of each token id in each row: ``[len(rows), vocab]`` float32 on ``device``.
+
+    Each row is a tuple of id sequences counted together (e.g. a row's
+    ``(prompt_token_ids, output_token_ids)``). Built with one ``scatter_add_``
+    over all rows' ids flattened (one host-to-device copy), not a loop over rows.
+
+    Raises:
+        ValueError: an id is outside ``[0, vocab)``.
+    """
+    lengths = [sum(len(part) for part in row) for row in rows]
+    counts = torch.zeros(len(rows), vocab, device=device)
+    total = sum(lengths)
+    if total == 0:
+        return counts
+    flat = torch.tensor(list(chain.from_iterable(chain.from_iterable(rows))), dtype=torch.int64)
+    if int(flat.min()) < 0 or int(flat.max()) >= vocab:
+        raise ValueError(f"a history token id is outside [0, {vocab})")
+    row_of = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lengths))
+    index = (row_of * vocab + flat).to(device, non_blocking=True)
+    counts.view(-1).scatter_add_(0, index, torch.ones(total, device=device))
+    return counts
+
+
+def apply_logits_processors(
+    logits: torch.Tensor,
+    options: Sequence[SamplingOptions],
+    histories: Sequence[History] | None,
+) -> torch.Tensor:
+    """Steps 1-3 of the module docstring: logit bias, repetition penalty, then
+    frequency / presence penalties, each only on the rows that use it.
+
+    Args:
+        logits: ``[num_seqs, vocab]`` float32; not modified.
+        options: ``num_seqs`` per-row settings.
+        histories: ``num_seqs`` ``(prompt_token_ids, output_token_ids)`` pairs,
+            read only for rows with a penalty; may be ``None`` when no row has one.
+
+    Returns:
+        ``[num_seqs, vocab]`` float32 on ``logits.device``: ``logits`` itself
+        when no row has a bias or penalty, else a processed copy.
+
+    Raises:
+        ValueError: a row has a penalty but ``histories`` is missing or of the
+            wrong length, a ``logit_bias`` token id is ``>= vocab``, or a
+            history token id is outside ``[0, vocab)``.
+    """
+    num_seqs, vocab = logits.shape
+    device = logits.device
+    bias_rows = [i for i, o in enumerate(options) if o.logit_bias]
+    rep_rows = [i for i, o in enumerate(options) if o.repetition_penalty != 1.0]
+    out_rows = [i for i, o in enumerate(options) if o.presence_penalty != 0.0 or o.frequency_penalty != 0.0]
+    if not (bias_rows or rep_rows or out_rows):
+        return logits
+    if (rep_rows or out_rows) and (histories is None or len(histories) != num_seqs):
+        raise ValueError(f"rows with penalties need {num_seqs} histories, got "
+                         f"{None if histories is None else len(histories)}")
+    logits = logits.clone()
+    if bias_rows:
+        pairs = [(i, t, b) for i in bias_rows for t, b in options[i].logit_bias]
+        if max(t for _, t, _ in pairs) >= vocab:
+            raise ValueError(f"logit_bias token id {max(t for _, t, _ in pairs)} >= vocab {vocab}")
+        r, t, b = zip(*pairs)
+        logits.index_put_((torch.tensor(r, device=device), torch.tensor(t, device=device)),
+                          torch.tensor(b, device=device), accumulate=True)
+    if rep_rows:
+        idx = torch.tensor(rep_rows, device=device)
+        seen = token_counts([histories[i] for i in rep_rows], vocab, device) > 0
+        penalty = torch.tensor([options[i].repetition_penalty for i in rep_rows], device=device).unsqueeze(1)
+        sub = logits[idx]
+        logits[idx] = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+    if out_rows:
+        idx = torch.tensor(out_rows, device=device)
+        counts = token_counts([(histories[i][1],) for i in out_rows], vocab, device)
+        freq = torch.tensor([options[i].frequency_penalty for i in out_rows], device=device).unsqueeze(1)
+        pres = torch.tensor([options[i].presence_penalty for i in out_rows], device=device).unsqueeze(1)
+        logits[idx] = logits[idx] - freq * counts - pres * (counts > 0).float()
+    return logits
 
 
 class Sampler:
@@ -142,10 +295,11 @@ class Sampler:
     def sample(
         self,
         logits: torch.Tensor,
-        options: list[SamplingOptions],
-        generators: list[torch.Generator | None],
+        options: Sequence[SamplingOptions],
+        generators: Sequence[torch.Generator | None],
+        histories: Sequence[History] | None = None,
     ) -> SamplerOutput:
-        """Pick one token per row.
+        """Pick one token per row (steps 1-6 of the module docstring).
 
         Args:
             logits: ``[num_seqs, vocab]`` float32 (other float dtypes are
@@ -155,13 +309,18 @@ class Sampler:
                 uniform from it (on the generator's device), a row with
                 ``None`` from the sampler-wide generator. Greedy rows draw
                 nothing.
+            histories: ``num_seqs`` ``(prompt_token_ids, output_token_ids)``
+                pairs (the request's own lists, by reference; output excludes
+                the token being sampled), read only for rows with a repetition,
+                presence or frequency penalty. ``None`` is allowed when no row
+                has one.
 
         Returns:
             :class:`SamplerOutput` with tensors on ``logits.device``.
 
         Raises:
-            ValueError: ``logits`` is not 2-D, list lengths differ from
-                ``num_seqs``, or a row has a ``seed`` but no generator.
+            ValueError: ``logits`` is not 2-D, list lengths differ from ``num_seqs``,
+                a seeded row has no generator, or see :func:`apply_logits_processors`.
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [num_seqs, vocab], got shape {tuple(logits.shape)}")
@@ -174,12 +333,13 @@ class Sampler:
             if opt.seed is not None and gen is None:
                 raise ValueError(f"row {i} has seed {opt.seed} but no generator")
         device = logits.device
-        logits = logits.float()
+        raw = logits.float()
+        processed = apply_logits_processors(raw, options, histories)
 
-        token_ids = logits.argmax(dim=-1)
+        token_ids = processed.argmax(dim=-1)
         rows = [i for i, opt in enumerate(options) if opt.temperature > 0.0]
         if rows:
-            picked = self._sample_rows(logits, rows, options, generators)
+            picked = self._sample_rows(processed, rows, options, generators)
             if len(rows) == num_seqs:
                 token_ids = picked
             else:
@@ -188,7 +348,7 @@ class Sampler:
         max_n = max((opt.logprobs for opt in options), default=0)
         if max_n == 0:
             return SamplerOutput(token_ids=token_ids)
-        logp = torch.log_softmax(logits, dim=-1)
+        logp = torch.log_softmax(raw, dim=-1)
         top_logprobs, top_ids = logp.topk(min(max_n, vocab), dim=-1)
         return SamplerOutput(
             token_ids=token_ids,
@@ -201,8 +361,8 @@ class Sampler:
         self,
         logits: torch.Tensor,
         rows: list[int],
-        options: list[SamplingOptions],
-        generators: list[torch.Generator | None],
+        options: Sequence[SamplingOptions],
+        generators: Sequence[torch.Generator | None],
     ) -> torch.Tensor:
         """Random-sample ``rows`` (temperature > 0) of float32 ``logits``; returns ``[len(rows)]`` int64."""
         device = logits.device
@@ -212,6 +372,7 @@ class Sampler:
         temp = torch.tensor([options[i].temperature for i in rows], device=device)
         top_p = torch.tensor([options[i].top_p for i in rows], device=device)
         top_k = torch.tensor([options[i].top_k for i in rows], device=device)
+        min_p = torch.tensor([options[i].min_p for i in rows], device=device)
         uniforms = self._uniforms(rows, generators, device)
 
         sorted_logits, sorted_ids = torch.sort(
@@ -224,6 +385,9 @@ class Sampler:
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
         outside = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        # min-p after top-k/top-p: p / p_max is unchanged by renormalization, so the
+        # pre-top-p probabilities give the same mask.
+        outside |= probs < min_p.unsqueeze(1) * probs[:, :1]
         outside[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
 
@@ -236,7 +400,7 @@ class Sampler:
     def _uniforms(
         self,
         rows: list[int],
-        generators: list[torch.Generator | None],
+        generators: Sequence[torch.Generator | None],
         device: torch.device,
     ) -> torch.Tensor:
         """One U[0, 1) float32 per row in ``rows``, on ``device``: ``[len(rows)]``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,10 @@ class ScheduledSeq:
         sample: sample a next token after this step (False for a non-final prefill chunk).
         sampling: sampling options of the request.
         generator: the request's own RNG when it carries a seed, else None.
+        prompt_token_ids / output_token_ids: the request's own token lists, by
+            reference (not copied per step), read by the sampler for repetition /
+            presence / frequency penalties; output excludes the token this step
+            samples.
     """
 
     request_id: str
@@ -31,6 +36,8 @@ class ScheduledSeq:
     sample: bool
     sampling: SamplingOptions
     generator: torch.Generator | None = None
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
 
 
 @dataclass(frozen=True)

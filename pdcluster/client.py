@@ -172,6 +172,11 @@ def build_request(
     logprobs: int = 0,
     request_id: str = "",
     stream: bool = False,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    logit_bias: Mapping[int, float] | None = None,
 ) -> router_pb2.GenerateRequest:
     """Build a ``GenerateRequest``.
 
@@ -179,8 +184,14 @@ def build_request(
     ``token_ids``, a list of ``{"role", "content"}`` dicts (or ``ChatMessage``)
     -> ``messages``. Optional sampling fields left ``None`` stay unset so the
     server applies its defaults (16 tokens, temperature 1.0, top_p 1.0, random
-    seed). A single ``str`` passed as ``stop`` is one stop string. Value ranges
-    are checked by the server (``INVALID_ARGUMENT``).
+    seed, repetition_penalty 1.0; ``min_p``, presence / frequency penalties and
+    ``logit_bias`` off, as are their ``0`` / empty values). ``min_p`` is in
+    [0, 1]; ``repetition_penalty`` > 0 (HF semantics, prompt + output tokens);
+    ``presence_penalty`` / ``frequency_penalty`` in [-2, 2] (OpenAI semantics,
+    output tokens); ``logit_bias`` maps token id (< vocab size) to a bias in
+    [-100, 100] added to that token's logit. A single ``str`` passed as
+    ``stop`` is one stop string. Value ranges are checked by the server
+    (``INVALID_ARGUMENT`` naming the field).
 
     Raises:
         TypeError: the prompt or a message/token has the wrong type.
@@ -203,6 +214,17 @@ def build_request(
     sp.stop_token_ids.extend(stop_token_ids)
     sp.ignore_eos = ignore_eos
     sp.logprobs = logprobs
+    if min_p:
+        sp.min_p = min_p
+    if repetition_penalty is not None:
+        sp.repetition_penalty = repetition_penalty
+    if presence_penalty:
+        sp.presence_penalty = presence_penalty
+    if frequency_penalty:
+        sp.frequency_penalty = frequency_penalty
+    if logit_bias:
+        for token_id, bias in logit_bias.items():
+            sp.logit_bias[operator.index(token_id)] = bias
     return req
 
 
@@ -290,6 +312,11 @@ class PdclusterClient:
         ignore_eos: bool = False,
         logprobs: int = 0,
         request_id: str = "",
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
     ) -> GenerationResult:
         """Generate a whole completion (``stream=false``) and return it.
 
@@ -302,18 +329,11 @@ class PdclusterClient:
             RuntimeError: the server closed the call without a response.
         """
         req = build_request(
-            prompt,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            logprobs=logprobs,
-            request_id=request_id,
-            stream=False,
+            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+            logprobs=logprobs, request_id=request_id, min_p=min_p,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, logit_bias=logit_bias, stream=False,
         )
         call = self._stub.Generate(req, timeout=self.timeout_s)
         try:
@@ -335,6 +355,11 @@ class PdclusterClient:
         ignore_eos: bool = False,
         logprobs: int = 0,
         request_id: str = "",
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
     ) -> GenerationStream:
         """Start a streaming generation (``stream=true``); one chunk per step.
 
@@ -348,18 +373,11 @@ class PdclusterClient:
             grpc.RpcError: from iteration, when the call fails.
         """
         req = build_request(
-            prompt,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            logprobs=logprobs,
-            request_id=request_id,
-            stream=True,
+            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+            logprobs=logprobs, request_id=request_id, min_p=min_p,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, logit_bias=logit_bias, stream=True,
         )
         return GenerationStream(self._stub.Generate(req, timeout=self.timeout_s))
 

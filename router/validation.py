@@ -3,7 +3,8 @@
 Every rejection is an :class:`InvalidRequest` whose message names the field or
 limit; the router returns it as ``INVALID_ARGUMENT`` before anything is allocated.
 Defaults follow vLLM/OpenAI: ``max_tokens`` 16 (clamped to what ``max_model_len``
-leaves), ``temperature`` 1.0, ``top_p`` 1.0.
+leaves), ``temperature`` 1.0, ``top_p`` 1.0, ``repetition_penalty`` 1.0; ``min_p``,
+``presence_penalty``, ``frequency_penalty`` 0 and an empty ``logit_bias`` are off.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
 
 DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20
+MAX_ABS_PENALTY = 2.0      # presence / frequency penalty range (OpenAI)
+MAX_ABS_LOGIT_BIAS = 100.0  # logit_bias value range (OpenAI)
 
 
 class InvalidRequest(ValueError):
@@ -91,9 +94,12 @@ class RequestValidator:
                 raise InvalidRequest(f"sampling.stop_token_ids: {t} >= vocab_size {lim.vocab_size}")
         if any(x == "" for x in s.stop):
             raise InvalidRequest("sampling.stop: stop strings must be non-empty")
+        repetition_penalty = self._check_penalties(s)
         resolved = common_pb2.SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=s.top_k,
             stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos, logprobs=s.logprobs,
+            min_p=s.min_p, repetition_penalty=repetition_penalty, presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias),
         )
         if s.HasField("seed"):
             resolved.seed = s.seed
@@ -103,6 +109,28 @@ class RequestValidator:
             worker_request=worker_pb2.WorkerRequest(request_id=rid, prompt_token_ids=ids, sampling=resolved),
             stop=list(s.stop), logprobs=s.logprobs, stream=req.stream,
         )
+
+    def _check_penalties(self, s: common_pb2.SamplingParams) -> float:
+        """Check min_p, the penalties and logit_bias; return the resolved repetition penalty.
+
+        Raises:
+            InvalidRequest: naming the field (NaN and infinities are out of range).
+        """
+        if not 0.0 <= s.min_p <= 1.0:
+            raise InvalidRequest(f"sampling.min_p must be in [0, 1], got {s.min_p}")
+        repetition_penalty = s.repetition_penalty if s.HasField("repetition_penalty") else 1.0
+        if not 0.0 < repetition_penalty < math.inf:
+            raise InvalidRequest(f"sampling.repetition_penalty must be > 0, got {repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_ABS_PENALTY <= getattr(s, name) <= MAX_ABS_PENALTY:
+                raise InvalidRequest(f"sampling.{name} must be in [-2, 2], got {getattr(s, name)}")
+        for token_id, bias in sorted(s.logit_bias.items()):
+            if token_id >= self.limits.vocab_size:
+                raise InvalidRequest(
+                    f"sampling.logit_bias: token id {token_id} >= vocab_size {self.limits.vocab_size}")
+            if not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:
+                raise InvalidRequest(f"sampling.logit_bias[{token_id}] must be in [-100, 100], got {bias}")
+        return repetition_penalty
 
     def _prompt_ids(self, req: router_pb2.GenerateRequest) -> list[int]:
         kind = req.WhichOneof("prompt")

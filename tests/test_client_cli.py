@@ -118,9 +118,10 @@ def test_build_request_text_leaves_optional_fields_unset():
     req = build_request("hello world")
     assert req.WhichOneof("prompt") == "text" and req.text == "hello world"
     sp = req.sampling
-    for name in ("max_tokens", "temperature", "top_p", "seed"):
+    for name in ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty"):
         assert not sp.HasField(name), name
     assert sp.top_k == 0 and list(sp.stop) == [] and list(sp.stop_token_ids) == []
+    assert sp.min_p == 0 and sp.presence_penalty == 0 and sp.frequency_penalty == 0 and not sp.logit_bias
     assert not sp.ignore_eos and sp.logprobs == 0 and req.request_id == "" and not req.stream
 
 
@@ -135,6 +136,22 @@ def test_build_request_token_ids_with_all_fields_set():
     assert sp.max_tokens == 8 and sp.top_p == pytest.approx(0.9) and sp.top_k == 5 and sp.seed == 7
     assert list(sp.stop) == ["END"] and list(sp.stop_token_ids) == [2]
     assert sp.ignore_eos and sp.logprobs == 3 and req.request_id == "r1" and req.stream
+
+
+def test_build_request_penalties_min_p_and_logit_bias():
+    req = build_request("x", min_p=0.25, repetition_penalty=1.0, presence_penalty=-0.5,
+                        frequency_penalty=1.5, logit_bias={7: 100, 49151: -2.5})
+    sp = req.sampling
+    assert sp.min_p == 0.25 and sp.presence_penalty == -0.5 and sp.frequency_penalty == 1.5
+    assert sp.HasField("repetition_penalty") and sp.repetition_penalty == 1.0  # explicit 1.0 stays set
+    assert dict(sp.logit_bias) == {7: 100.0, 49151: -2.5}
+    unset = build_request("x", min_p=0, presence_penalty=0.0, frequency_penalty=None, logit_bias={}).sampling
+    assert unset.min_p == 0 and unset.presence_penalty == 0 and not unset.logit_bias
+    assert not unset.HasField("repetition_penalty")
+    with pytest.raises(TypeError):
+        build_request("x", logit_bias={"7": 1.0})
+    with pytest.raises(ValueError):
+        build_request("x", logit_bias={-1: 1.0})
 
 
 def test_build_request_messages():
@@ -266,7 +283,18 @@ def test_cli_generate_non_stream(server, capsys):
     sp = req.sampling
     assert req.text == "a b" and not req.stream and sp.temperature == 0 and sp.top_k == 3
     assert sp.seed == 9 and list(sp.stop) == ["END", "FIN"] and sp.ignore_eos
-    assert not sp.HasField("top_p")
+    assert not sp.HasField("top_p") and not sp.HasField("repetition_penalty")
+    assert sp.min_p == 0 and sp.presence_penalty == 0 and sp.frequency_penalty == 0
+
+
+def test_cli_generate_penalty_and_min_p_flags(server, capsys):
+    rc = cli.main(["generate", "--address", server.address, "--min-p", "0.5", "--repetition-penalty", "1.25",
+                   "--presence-penalty", "-1.5", "--frequency-penalty", "0.75", "--stream", "a"])
+    assert rc == 0
+    (req,) = server.router.requests
+    sp = req.sampling
+    assert req.stream and sp.min_p == 0.5 and sp.repetition_penalty == 1.25
+    assert sp.presence_penalty == -1.5 and sp.frequency_penalty == 0.75
 
 
 def test_cli_generate_stream_chat_with_system(server, capsys):

@@ -110,9 +110,10 @@ class PlanRecorder:
         return self._execute(plan)
 
 
-def _prefill_sched(model, model_config, budget=2048, num_blocks=32, max_num_seqs=64):
+def _prefill_sched(model, model_config, budget=2048, num_blocks=32, max_num_seqs=64, prefix_caching=False):
     runner = _runner(model, model_config, num_blocks)
-    sched = PrefillScheduler(runner, CacheConfig(block_size=BS, num_blocks=num_blocks),
+    sched = PrefillScheduler(runner, CacheConfig(block_size=BS, num_blocks=num_blocks,
+                                                 enable_prefix_caching=prefix_caching),
                              SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs))
     return runner, sched
 
@@ -415,7 +416,6 @@ def _collect_tokens(sched, stream, timeout=20.0) -> list[Tokens]:
 
 def _no_decode_leak(sched) -> None:
     _no_leak(sched)
-    assert sched._committed == 0
     assert len(sched.transfers) == 0
 
 
@@ -463,13 +463,13 @@ def test_decode_batches_two_requests_and_grows_blocks(model, model_config, text_
 
 
 def test_decode_admission_backpressure(model, model_config, text_ids):
-    # 7 usable blocks: a commits blocks_needed(17 + 4 - 1) = 2, b needs blocks_needed(60 + 30 - 1) = 6
+    # 7 usable blocks: a holds blocks_needed(17) = 2, b needs blocks_needed(90 + 1) = 6 > 5 free
     runner, sched = _decode_sched(model, model_config, num_blocks=8)
     pa = text_ids[:17]
     kv_a, want_a = _colocated(model, model_config, pa, 4)
     sa, ra = _reserve(sched, _req("a", pa, max_tokens=4))
     sb: queue.Queue = queue.Queue()
-    b = _req("b", text_ids[:60], max_tokens=30)
+    b = _req("b", (text_ids * 2)[:90], max_tokens=10)
     sched.submit_reserve(b, sb)
     sched.step()
     assert _events(sb) == []  # waits: 2 + 6 > 7
@@ -482,7 +482,7 @@ def test_decode_admission_backpressure(model, model_config, text_ids):
     sched.step()
     ev = _events(sb)
     assert len(ev) == 1 and isinstance(ev[0], Reserved)
-    assert len(ev[0].block_ids) == blocks_needed(60, BS) == 4
+    assert len(ev[0].block_ids) == blocks_needed(90, BS) == 6
     assert sched.load()["num_waiting"] == 0
     sched.submit_abort("b")
     sched.step()
@@ -582,9 +582,9 @@ def test_decode_abort_while_running_and_while_waiting(model, model_config, text_
     prompt = text_ids[:12]
     kv, want = _colocated(model, model_config, prompt, 2)
     runner, sched = _decode_sched(model, model_config, num_blocks=8)
-    stream, res = _reserve(sched, _req("run", prompt, max_tokens=50))  # commits 4 of 7 blocks
+    stream, res = _reserve(sched, _req("run", prompt, max_tokens=50))  # holds 1 of 7 blocks
     waiting: queue.Queue = queue.Queue()
-    sched.submit_reserve(_req("wait", text_ids[:40], max_tokens=20), waiting)  # needs 4: waits
+    sched.submit_reserve(_req("wait", (text_ids * 2)[:100], max_tokens=10), waiting)  # needs 7: waits
     _deliver(sched, res, kv, want[0])
     sched.step()  # first token + one decode step
     ev = _events(stream)

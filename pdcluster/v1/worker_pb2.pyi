@@ -100,7 +100,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "role", "num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "num_finished", "num_failed_transfers")
+    __slots__ = ("worker_id", "role", "num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "num_finished", "num_failed_transfers", "num_preemptions")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class WorkerLoad(_message.Message):
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FINISHED_FIELD_NUMBER: _ClassVar[int]
     NUM_FAILED_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_waiting: int
@@ -117,4 +118,5 @@ class WorkerLoad(_message.Message):
     num_total_blocks: int
     num_finished: int
     num_failed_transfers: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ...) -> None: ...
+    num_preemptions: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...

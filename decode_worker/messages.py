@@ -1,0 +1,36 @@
+"""Messages posted to a decode scheduler's inbox by other threads."""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+
+from decode_worker.events import DecodeEventT
+from engine.request import Request
+from engine.step import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class ReserveMsg:
+    request: Request
+    stream: "queue.Queue[DecodeEventT]"
+
+
+@dataclass(frozen=True)
+class KvDoneMsg:
+    transfer_id: str
+    generation: int
+    first_token_id: int
+    first_logprobs: TokenLogprobs | None
+
+
+@dataclass(frozen=True)
+class KvFailedMsg:
+    transfer_id: str
+    generation: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class AbortMsg:
+    request_id: str

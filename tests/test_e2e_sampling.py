@@ -1,0 +1,63 @@
+"""The new sampling knobs end to end: client -> router (validation) -> prefill worker (first
+token) -> KV transfer -> decode worker (the rest), on a real local cluster."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from cluster_utils import assert_no_leak, running_cluster
+from pdcluster.client import PdclusterClient
+
+VOCAB = 49152
+LOOP_PROMPT = "one two three one two three one two three one two three"
+
+BAD = [
+    (dict(min_p=1.5), "sampling.min_p must be in [0, 1]"),
+    (dict(min_p=-0.25), "sampling.min_p must be in [0, 1]"),
+    (dict(repetition_penalty=0.0), "sampling.repetition_penalty must be > 0"),
+    (dict(presence_penalty=2.5), "sampling.presence_penalty must be in [-2, 2]"),
+    (dict(frequency_penalty=-3.0), "sampling.frequency_penalty must be in [-2, 2]"),
+    (dict(logit_bias={VOCAB: 1.0}), f"sampling.logit_bias: token id {VOCAB} >= vocab_size {VOCAB}"),
+    (dict(logit_bias={5: 150.0}), "sampling.logit_bias[5] must be in [-100, 100]"),
+]
+
+
+def _repeats(tokens: list[int]) -> int:
+    return len(tokens) - len(set(tokens))
+
+
+def test_sampling_knobs_end_to_end(tmp_path, tokenizer):
+    with running_cluster(tmp_path / "state", "--max-model-len", "256", "--block-size", "16",
+                         "--num-kv-blocks", "64", "--heartbeat-s", "0.5") as state:
+        with PdclusterClient(state["router_address"], timeout_s=300) as client:
+            client.wait_ready(30)
+            # logit_bias forces a token on both workers (first token: prefill; the rest: decode),
+            # greedy and sampled; logprobs stay those of the raw model distribution (< 0).
+            forced = tokenizer.encode(" banana", add_special_tokens=False)[0]
+            for kwargs in (dict(temperature=0), dict(temperature=1.0, seed=3, top_k=5, min_p=0.1)):
+                res = client.generate("Name a colour:", max_tokens=5, ignore_eos=True, logprobs=1,
+                                      logit_bias={forced: 100.0}, **kwargs)
+                assert res.token_ids == [forced] * 5, kwargs
+                assert all(lp.logprob < 0 for lp in res.logprobs)
+            # penalties: the plain greedy loop repeats; presence / frequency (output tokens, decode
+            # side history) and repetition (prompt + output) penalties repeat less.
+            plain = client.generate(LOOP_PROMPT, max_tokens=16, temperature=0, ignore_eos=True).token_ids
+            pen = client.generate(LOOP_PROMPT, max_tokens=16, temperature=0, ignore_eos=True,
+                                  presence_penalty=0.5, frequency_penalty=1.0).token_ids
+            rep = client.generate(LOOP_PROMPT, max_tokens=16, temperature=0, ignore_eos=True,
+                                  repetition_penalty=1.5).token_ids
+            assert _repeats(plain) >= 6, tokenizer.decode(plain)
+            assert _repeats(pen) < _repeats(plain) and _repeats(rep) < _repeats(plain)
+            # streamed with penalties equals non-streamed
+            chunks = list(client.stream(LOOP_PROMPT, max_tokens=16, temperature=0, ignore_eos=True,
+                                        presence_penalty=0.5, frequency_penalty=1.0))
+            assert [t for c in chunks for t in c.token_ids] == pen
+            # every new field is validated by the router, naming the field
+            for kwargs, needle in BAD:
+                with pytest.raises(grpc.RpcError) as exc:
+                    client.generate("hi", max_tokens=2, **kwargs)
+                assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, kwargs
+                assert needle in exc.value.details(), (kwargs, exc.value.details())
+            assert client.generate("Hello", max_tokens=2, temperature=0).usage.completion_tokens == 2
+        assert_no_leak(state)
