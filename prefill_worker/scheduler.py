@@ -20,14 +20,15 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
 
-from engine.block_pool import BlockPool, NoFreeBlocksError, blocks_needed
+from engine.block_pool import BlockPool, blocks_needed
 from engine.config import CacheConfig, SchedulerConfig
 from engine.inbox import Inbox
+from engine.prefix_hash import block_hashes
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
 from engine.step import ScheduledSeq, StepPlan, TokenLogprobs
@@ -50,6 +51,7 @@ class PrefillResult:
     kv_bytes_sent: int
     prefill_s: float
     transfer_s: float
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 # send_fn(request, first_token_id, first_logprobs) -> bytes sent; raises on failure.
@@ -98,6 +100,8 @@ class _Entry:
     first_logprobs: TokenLogprobs | None = None
     prefill_s: float = 0.0
     aborted: bool = False
+    block_hashes: list[bytes] = field(default_factory=list)
+    cached_tokens: int = 0
 
 
 class PrefillScheduler:
@@ -109,12 +113,15 @@ class PrefillScheduler:
         sched: ``max_num_batched_tokens`` (token budget per step), ``max_num_seqs``.
         sender_threads: concurrent KV transfers.
         wake: event set whenever a message arrives (shared by schedulers on one loop).
+        model_id: model identity salted into prefix-cache hashes.
     """
 
     def __init__(self, runner: ModelRunner, cache: CacheConfig, sched: SchedulerConfig,
-                 sender_threads: int = 4, wake: threading.Event | None = None) -> None:
+                 sender_threads: int = 4, wake: threading.Event | None = None, model_id: str = "") -> None:
         self.runner = runner
         self.block_size = cache.block_size
+        self.prefix_caching = cache.enable_prefix_caching
+        self.model_id = model_id
         self.sched = sched
         self.pool = BlockPool(cache.num_blocks)
         self._inbox = Inbox(wake)
@@ -201,17 +208,44 @@ class PrefillScheduler:
                 break
             req = self._entries[rid].request
             prompt = req.prompt_token_ids
-            if not req.block_table:
-                try:
-                    req.block_table = self.pool.allocate(blocks_needed(len(prompt), self.block_size))
-                except NoFreeBlocksError:
-                    break  # FIFO: wait until transfers finish and free blocks
+            if not req.block_table and not self._assign_blocks(self._entries[rid]):
+                break  # FIFO: wait until transfers finish and free blocks
             n = min(len(prompt) - req.num_computed, budget)
             last = req.num_computed + n == len(prompt)
             seqs.append(ScheduledSeq(rid, prompt[req.num_computed:req.num_computed + n], req.num_computed,
-                                     req.block_table, last, req.params.sampling, req.generator))
+                                     req.block_table, last, req.params.sampling, req.generator,
+                                     req.prompt_token_ids, req.output_token_ids))
             budget -= n
         return seqs
+
+    def _assign_blocks(self, entry: _Entry) -> bool:
+        """Give a request its blocks: the longest cached prefix (prefix cache hits, one
+        reference each) plus fresh blocks for the rest. At least the last prompt token
+        is always computed (a full hit drops its last block). False when the pool
+        cannot hold it yet."""
+        req = entry.request
+        prompt = req.prompt_token_ids
+        hit: list[int] = []
+        if self.prefix_caching:
+            entry.block_hashes = block_hashes(prompt, self.block_size, self.model_id)
+            hit = self.pool.lookup(entry.block_hashes)
+            if len(hit) * self.block_size >= len(prompt):
+                hit = hit[:-1]
+        fresh = blocks_needed(len(prompt), self.block_size) - len(hit)
+        if fresh > self.pool.num_free - sum(1 for b in hit if self.pool.ref_count(b) == 0):
+            return False
+        self.pool.touch(hit)
+        req.block_table = hit + self.pool.allocate(fresh)
+        req.num_computed = entry.cached_tokens = len(hit) * self.block_size
+        return True
+
+    def _publish_blocks(self, entry: _Entry, computed_before: int) -> None:
+        """Make the blocks whose KV this step completed findable (never earlier)."""
+        req = entry.request
+        first = computed_before // self.block_size
+        last = min(req.num_computed // self.block_size, len(entry.block_hashes))
+        for i in range(first, last):
+            self.pool.cache(req.block_table[i], entry.block_hashes[i])
 
     def _prefill_step(self, block: bool) -> bool:
         seqs = self._schedule()
@@ -230,6 +264,8 @@ class PrefillScheduler:
             entry = self._entries[s.request_id]
             entry.request.num_computed += len(s.token_ids)
             entry.request.status = RequestStatus.PREFILLING
+            if entry.block_hashes:
+                self._publish_blocks(entry, s.num_computed)
         elapsed = time.perf_counter() - t0
         for rid, tok, lp in zip(out.request_ids, out.token_ids, out.logprobs):
             entry = self._entries[rid]
@@ -263,7 +299,7 @@ class PrefillScheduler:
             self._release(msg.request_id)
             self.num_finished += 1
             entry.future.set_result(PrefillResult(entry.first_token, entry.first_logprobs, msg.kv_bytes,
-                                                  entry.prefill_s, msg.transfer_s))
+                                                  entry.prefill_s, msg.transfer_s, entry.cached_tokens))
 
     def _on_abort(self, request_id: str) -> None:
         entry = self._entries.get(request_id)

@@ -53,7 +53,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         except PrefillError as e:
             context.abort(e.code, str(e))
         return worker_pb2.PrefillResponse(
-            first_token_id=res.first_token_id, cached_prompt_tokens=0, kv_bytes_sent=res.kv_bytes_sent,
+            first_token_id=res.first_token_id, cached_prompt_tokens=res.cached_tokens, kv_bytes_sent=res.kv_bytes_sent,
             prefill_seconds=res.prefill_s, transfer_seconds=res.transfer_s)
 
     def Abort(self, request, context):

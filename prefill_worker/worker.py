@@ -16,8 +16,8 @@ SERVICES = ["pdcluster.v1.PrefillWorker"]
 def create_prefill_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "",
                           layers_per_chunk: int = 6, transfer_timeout_s: float = 30.0) -> WorkerHost:
     """Build (not start) a prefill worker."""
-    _, runner = build_runner(cfg)
-    sched = PrefillScheduler(runner, cfg.cache, cfg.scheduler)
+    model_cfg, runner = build_runner(cfg)
+    sched = PrefillScheduler(runner, cfg.cache, cfg.scheduler, model_id=f"{model_cfg.name}:{cfg.cache.dtype}")
     sender = GrpcKvSender(timeout_s=transfer_timeout_s)
     route = remote_route(sender, runner.kv_cache, layers_per_chunk)
     servicer = PrefillWorkerServicer(sched, route, cfg.worker_id, runner.device)

@@ -155,6 +155,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             decode_finished = False
             for ev in h.d_call:
                 msg = out.add(ev.tokens)
+                if out.finished:
+                    self._settle_usage(h, out, msg)
                 decode_finished = ev.tokens.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                 if prep.stream and (msg.token_ids or msg.text or out.finished):
                     yield msg
@@ -173,6 +175,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             h.d_call.cancel()  # stopped here (stop string / abort): the decode worker frees
         if not prep.stream:
             yield out.whole()
+
+    @staticmethod
+    def _settle_usage(h: _Handle, out: OutputAssembler, msg) -> None:
+        """Fill cached_prompt_tokens from the prefill worker's answer, which follows the
+        decode side's acknowledgement by moments (waits at most 5 s)."""
+        try:
+            res = h.p_future.result(timeout=5.0)
+        except Exception:  # noqa: BLE001 - failed/cancelled prefill: usage stays without cache info
+            return
+        out.cached_prompt_tokens = res.cached_prompt_tokens
+        msg.usage.cached_prompt_tokens = res.cached_prompt_tokens
 
     def _final(self, out: OutputAssembler, prep: PreparedRequest, reason: int):
         out.finish_reason = reason

@@ -205,3 +205,17 @@ def test_abort_while_queued_and_prefilling(cluster, client):
     for s in streams:
         s.cancel()
     assert_no_leak(cluster, timeout_s=2.0)
+
+
+@pytest.mark.parametrize("length", [63, 64, 65, 128])
+def test_prefix_cache_second_send_is_a_hit(client, tokenizer, length):
+    text = (PROMPTS / "sonnet.txt").read_text() if (PROMPTS / "sonnet.txt").exists() else \
+        Path("/work/shared/traces/prompts/sonnet.txt").read_text()
+    offset = {63: 500, 64: 4000, 65: 8000, 128: 12000}[length]
+    ids = tokenizer.encode(text[offset:])[:length]  # a prefix no other test sent
+    first = client.generate(ids, max_tokens=8, temperature=0)
+    second = client.generate(ids, max_tokens=8, temperature=0)
+    assert first.token_ids == second.token_ids
+    assert first.usage.cached_prompt_tokens == 0
+    full = length // 16
+    assert second.usage.cached_prompt_tokens == (full - (full * 16 == length)) * 16
