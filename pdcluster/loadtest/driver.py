@@ -1,0 +1,97 @@
+"""One load test end to end: plan -> prompts -> run -> metrics -> files.
+
+:func:`run_loadtest` is what ``pdcluster loadtest`` calls; tests and benchmarks call it
+directly. It contacts only ``run.address``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+
+from pdcluster.client import PdclusterClient
+from pdcluster.loadtest.live import LiveProgress
+from pdcluster.loadtest.metrics import SLO, summarize
+from pdcluster.loadtest.prompts import PromptFactory, load_tokenizer
+from pdcluster.loadtest.records import RequestRecord
+from pdcluster.loadtest.report import summary_table, write_markdown, write_records, write_summary
+from pdcluster.loadtest.runner import LoadRunner, RunConfig
+from pdcluster.loadtest.traces import default_traces_dir
+from pdcluster.loadtest.workload import WorkloadConfig, build_plan
+
+
+@dataclass
+class LoadTestResult:
+    """``summary`` (the dict written to ``summary.json``), every request's record, and the
+    files written (empty without an output directory)."""
+
+    summary: dict
+    records: list[RequestRecord]
+    files: list[Path] = field(default_factory=list)
+
+
+def _prompts(plan, factory: PromptFactory, vocab_size: int) -> list[list[int]]:
+    prompts = [factory.prompt(r) for r in plan]
+    for req, ids in zip(plan, prompts):
+        if len(ids) != req.input_tokens or (ids and max(ids) >= vocab_size):
+            raise RuntimeError(f"prompt {req.index}: {len(ids)} tokens for {req.input_tokens} planned, "
+                               f"or an id >= vocab_size {vocab_size} (tokenizer does not match the model?)")
+    return prompts
+
+
+def run_loadtest(workload: WorkloadConfig, run: RunConfig, *, slo: SLO | None = None,
+                 traces_dir: Path | str | None = None, tokenizer: str | None = None,
+                 output_dir: Path | str | None = None, plots: bool = True,
+                 console: Console | None = None, progress: bool = True) -> LoadTestResult:
+    """Plan ``workload``, send it to ``run.address`` and summarize (see :mod:`metrics`).
+
+    ``tokenizer`` is a model spec for the prompt tokenizer (default: the served model's
+    name from ``GetModelInfo``). With ``output_dir``, writes ``summary.json``,
+    ``requests.jsonl``, ``report.md`` and (``plots``) the PNGs of :mod:`plots`. With
+    ``console``, prints the summary table there; ``progress`` shows the live bar.
+
+    Raises:
+        TimeoutError: the router is not SERVING within ``run.ready_timeout_s`` seconds.
+        grpc.RpcError: ``GetModelInfo`` failed.
+        WorkloadError, FileNotFoundError, ValueError: bad workload or unreadable trace.
+        InvariantError: completed + failed != sent.
+    """
+    traces_dir = Path(traces_dir) if traces_dir else default_traces_dir()
+    with PdclusterClient(run.address, timeout_s=run.ready_timeout_s) as client:
+        client.wait_ready(run.ready_timeout_s)
+        info = client.model_info()
+    plan, clipping = build_plan(workload, traces_dir, info.max_model_len)
+    factory = PromptFactory.from_tokenizer(load_tokenizer(tokenizer or info.model_name), traces_dir, workload.seed)
+    prompts = _prompts(plan, factory, info.vocab_size)
+
+    runner: LoadRunner | None = None
+    live = LiveProgress(len(plan), lambda: runner.counters(), console=console, enabled=progress)
+    runner = LoadRunner(run, plan, prompts, on_request_end=live.on_request_end)
+    with live:
+        result = runner.run()
+
+    summary = summarize(result.records, result.sent, result.duration_s, slo)
+    summary.update(not_sent=result.not_sent, interrupted=result.interrupted, clipping=clipping.as_dict(),
+                   model=info.model_name, address=run.address,
+                   workload=asdict(workload), run={k: v for k, v in asdict(run).items() if k != "address"})
+    if clipping.notes:
+        summary["notes"] = clipping.notes
+    files: list[Path] = []
+    if output_dir is not None:
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        if plots:
+            from pdcluster.loadtest.plots import write_plots
+
+            files += write_plots(result.records, result.duration_s, out)
+        write_summary(out / "summary.json", summary)
+        write_records(out / "requests.jsonl", result.records)
+        config = {**{f"workload.{k}": v for k, v in asdict(workload).items()},
+                  "address": run.address, "concurrency": run.concurrency, "duration_s": run.duration_s}
+        write_markdown(out / "report.md", summary, [p for p in files if p.suffix == ".png"], config)
+        files += [out / "summary.json", out / "requests.jsonl", out / "report.md"]
+    if console is not None:
+        console.print(summary_table(summary))
+    return LoadTestResult(summary, result.records, files)
