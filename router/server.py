@@ -9,6 +9,7 @@ from transformers import AutoTokenizer
 
 from engine.config import ModelConfig
 from engine.model_loader import resolve_model
+from pdcluster.cache_index import CacheIndexView
 from pdcluster.registry import RegistryView, WorkerRegistry
 from pdcluster.serving import bind, make_server, set_serving
 from pdcluster.v1 import router_pb2, router_pb2_grpc
@@ -30,7 +31,10 @@ class RouterConfig:
         host / port: where clients connect (port 0 = any free port).
         max_model_len: prompt + max_tokens limit (tokens).
         block_size: decode workers' KV block size, reported by GetModelInfo.
-        policy: worker choice, ``least_loaded`` or ``round_robin``.
+        policy: decode worker choice, ``least_loaded`` or ``round_robin``.
+        prefill_policy: prefill worker choice: ``cache_aware`` (least expected prefill
+            work given each worker's published prefix cache), ``least_loaded`` or
+            ``round_robin``.
         view_period_s: how often the registry view refreshes (seconds).
     """
 
@@ -42,6 +46,7 @@ class RouterConfig:
     max_model_len: int = 2048
     block_size: int = 16
     policy: str = "least_loaded"
+    prefill_policy: str = "cache_aware"
     view_period_s: float = 0.25
     model_cache_dir: str | None = None
     max_workers: int = 128
@@ -50,6 +55,8 @@ class RouterConfig:
         if self.max_model_len <= 0 or self.view_period_s <= 0:
             raise ValueError("max_model_len and view_period_s must be positive")
         get_policy(self.policy)
+        if self.prefill_policy != "cache_aware":
+            get_policy(self.prefill_policy)
 
 
 class RouterServer:
@@ -63,9 +70,14 @@ class RouterServer:
         self.view = RegistryView(WorkerRegistry(cfg.redis_url, cfg.cluster), period_s=cfg.view_period_s)
         info = router_pb2.ModelInfo(model_name=cfg.model, max_model_len=max_len, vocab_size=model_cfg.vocab_size,
                                     eos_token_ids=list(model_cfg.eos_token_ids), block_size=cfg.block_size)
+        cache_aware = cfg.prefill_policy == "cache_aware"
+        self.cache_index = CacheIndexView(
+            cfg.redis_url, cfg.cluster, lambda: [w.worker_id for w, _ in self.view.workers("prefill")],
+            period_s=cfg.view_period_s) if cache_aware else None
         self.servicer = RouterServicer(
             RequestValidator(tokenizer, Limits(max_len, model_cfg.vocab_size)), tokenizer, self.view,
-            get_policy(cfg.policy), get_policy(cfg.policy), info)
+            get_policy("least_loaded" if cache_aware else cfg.prefill_policy), get_policy(cfg.policy), info,
+            cache_index=self.cache_index)
         self.server, self.health = make_server(cfg.max_workers)
         router_pb2_grpc.add_RouterServicer_to_server(self.servicer, self.server)
         reflection.enable_server_reflection(
@@ -76,6 +88,8 @@ class RouterServer:
 
     def start(self) -> str:
         self.view.start()
+        if self.cache_index is not None:
+            self.cache_index.start()
         self.server.start()
         set_serving(self.health, [SERVICE])
         return self.address
@@ -84,3 +98,5 @@ class RouterServer:
         set_serving(self.health, [SERVICE], serving=False)
         self.server.stop(grace_s).wait()
         self.view.stop()
+        if self.cache_index is not None:
+            self.cache_index.stop()

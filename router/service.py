@@ -18,6 +18,8 @@ import grpc
 
 from pdcluster.registry import RegistryView
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
+from pdcluster.cache_index import CacheIndexView
+from router.cache_aware import QueuedTokens, choose_prefill
 from router.output import OutputAssembler
 from router.policy import InFlight, NoWorkerError, Policy
 from router.stubs import StubCache
@@ -37,6 +39,7 @@ class _Handle:
         self.p_future = None
         self.aborted = False
         self.prefill_error: grpc.RpcError | None = None
+        self.on_prefill_finished = lambda *_: None
 
     def cancel_calls(self) -> None:
         """Cancel both worker calls; each worker then frees the request's blocks."""
@@ -64,10 +67,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         view: live workers from the Redis registry.
         prefill_policy / decode_policy: worker choice.
         model_info: answer of ``GetModelInfo``.
+        cache_index: published prefix-cache blocks of prefill workers; when given, the
+            prefill worker is chosen cache-aware (:mod:`router.cache_aware`).
     """
 
     def __init__(self, validator: RequestValidator, tokenizer, view: RegistryView,
-                 prefill_policy: Policy, decode_policy: Policy, model_info: router_pb2.ModelInfo) -> None:
+                 prefill_policy: Policy, decode_policy: Policy, model_info: router_pb2.ModelInfo,
+                 cache_index: CacheIndexView | None = None) -> None:
         self.validator = validator
         self.tokenizer = tokenizer
         self.view = view
@@ -75,6 +81,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.model_info = model_info
         self.stubs = StubCache()
         self.inflight = InFlight()
+        self.cache_index = cache_index
+        self.queued = QueuedTokens()
         self._lock = threading.Lock()
         self._table: dict[str, _Handle] = {}
 
@@ -121,13 +129,33 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except NoWorkerError:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"no live {role} worker")
 
+    def _pick_prefill(self, prep: PreparedRequest, h: _Handle, context):
+        if self.cache_index is None:
+            return self._pick("prefill", context)
+        try:
+            info, _ = choose_prefill(self.view.workers("prefill"), prep.prompt_token_ids, self.cache_index,
+                                     self.queued)
+        except NoWorkerError:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no live prefill worker")
+        n = len(prep.prompt_token_ids)
+        self.queued.add(info.worker_id, n)
+        released = threading.Event()
+
+        def release(*_):
+            if not released.is_set():
+                released.set()
+                self.queued.done(info.worker_id, n)
+
+        h.on_prefill_finished = release
+        return info
+
     def _serve(self, prep: PreparedRequest, h: _Handle, context):
         colocated = self.view.workers("colocated")
         if colocated:  # one engine does both halves: no KV crosses a process
             h.decode = h.prefill = self.policies["decode"](colocated, self.inflight)
         else:
             h.decode = self._pick("decode", context)
-            h.prefill = self._pick("prefill", context)
+            h.prefill = self._pick_prefill(prep, h, context)
         self.inflight.acquire(h.decode.worker_id)
         self.inflight.acquire(h.prefill.worker_id)
         context.add_callback(h.cancel_calls)  # client cancelled or disconnected
@@ -136,6 +164,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         finally:
             self.inflight.release(h.decode.worker_id)
             self.inflight.release(h.prefill.worker_id)
+            h.on_prefill_finished()
 
     def _relay(self, prep: PreparedRequest, h: _Handle, context):
         transfer_id = uuid.uuid4().hex
@@ -152,6 +181,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 worker_pb2.PrefillRequest(request=prep.worker_request, transfer_id=transfer_id,
                                           destination=first.reservation))
             h.p_future.add_done_callback(h.on_prefill_done)
+            h.p_future.add_done_callback(h.on_prefill_finished)
             decode_finished = False
             for ev in h.d_call:
                 msg = out.add(ev.tokens)

@@ -1,0 +1,76 @@
+"""Cache-aware prefill routing: publication through a real Redis and the scoring rule."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from deploy.redis_server import LocalRedisServer
+from engine.prefix_hash import block_hashes
+from pdcluster.cache_index import CacheIndexPublisher, CacheIndexView
+from pdcluster.registry import WorkerInfo, WorkerLoadSnapshot
+from router.cache_aware import QueuedTokens, cached_prefix_tokens, choose_prefill
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    with LocalRedisServer(tmp_path) as server:
+        yield server.url
+
+
+def _cand(wid, free=10, draining=False):
+    return (WorkerInfo(worker_id=wid, role="prefill", address=f"127.0.0.1:{len(wid)}"),
+            WorkerLoadSnapshot(num_free_blocks=free, draining=draining))
+
+
+def test_publisher_sends_differences_and_view_reads_them(redis_url):
+    held: list[bytes] = []
+    pub = CacheIndexPublisher(redis_url, "t", "p0", lambda: list(held), "m:float32", 16, period_s=0.05)
+    view = CacheIndexView(redis_url, "t", lambda: ["p0", "p1"], period_s=0.05)
+    prompt = list(range(100))
+    held.extend(block_hashes(prompt, 16, "m:float32")[:3])
+    pub.publish()
+    view.refresh()
+    meta, hashes = view.get("p0")
+    assert meta == {"model_id": "m:float32", "block_size": 16} and len(hashes) == 3
+    assert view.get("p1") is None
+    assert cached_prefix_tokens(prompt, meta, hashes) == 48
+    held.pop(1)  # block 1 evicted: only block 0 is a usable prefix now
+    pub.publish()
+    view.refresh()
+    assert cached_prefix_tokens(prompt, *view.get("p0")) == 16
+    pub.stop()
+    view.refresh()
+    assert view.get("p0") is None
+
+
+def test_choose_prefill_scores_uncached_plus_queued_tokens(redis_url):
+    prompt = list(range(200, 328))  # 8 blocks of 16
+    hashes = block_hashes(prompt, 16, "m")
+    pubs = [CacheIndexPublisher(redis_url, "t", "warm", lambda: hashes[:6], "m", 16),
+            CacheIndexPublisher(redis_url, "t", "cold", lambda: [], "m", 16)]
+    for p in pubs:
+        p.publish()
+    view = CacheIndexView(redis_url, "t", lambda: ["warm", "cold"])
+    view.refresh()
+    queued = QueuedTokens()
+    cands = [_cand("cold", free=50), _cand("warm", free=5)]
+    assert choose_prefill(cands, prompt, view, queued) == (cands[1][0], 96)
+    queued.add("warm", 100)  # 32 uncached + 100 queued > 128 uncached + 0 queued
+    assert choose_prefill(cands, prompt, view, queued)[0].worker_id == "cold"
+    queued.done("warm", 100)
+    assert choose_prefill([_cand("cold"), _cand("warm", draining=True)], prompt, view, queued)[0].worker_id == "cold"
+    for p in pubs:
+        p.stop()
+
+
+def test_publisher_thread_survives_and_expires(redis_url):
+    pub = CacheIndexPublisher(redis_url, "t", "p9", lambda: [b"12345678"], "m", 16, period_s=0.05).start()
+    view = CacheIndexView(redis_url, "t", lambda: ["p9"], period_s=0.05).start()
+    deadline = time.monotonic() + 5
+    while view.get("p9") is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    view.stop()
+    pub.stop()
