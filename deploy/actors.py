@@ -2,22 +2,30 @@
 
 Each actor is one process: it builds its server in ``start()`` (so a failure is
 reported to the caller of ``start``, with its traceback) and serves from its
-own threads; the actor's method calls are only control (load, stop, pid).
+own threads; the actor's method calls are only control (load, drain, stop, pid).
+
+A worker binds its gRPC server to its Ray node's IP address (the address the
+other nodes reach it at; ``127.0.0.1`` in a loopback-only local cluster).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 import ray
 
 from engine.config import WorkerConfig
 
 
+def _node_ip() -> str:
+    return ray.util.get_node_ip_address()
+
+
 @ray.remote(max_restarts=0)
 class WorkerActor:
-    """Hosts one prefill or decode worker."""
+    """Hosts one prefill, decode or colocated worker."""
 
     def __init__(self, cfg: WorkerConfig) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -25,21 +33,34 @@ class WorkerActor:
         self.host = None
 
     def start(self) -> dict:
-        """Load the model, start serving, register; returns ``{address, pid, node_id}``."""
+        """Load the model, start serving, register; returns ``{address, pid, node_id, node_ip}``."""
         node_id = ray.get_runtime_context().get_node_id()
-        if self.cfg.role == "prefill":
+        cfg = replace(self.cfg, host=_node_ip())
+        if cfg.role == "prefill":
             from prefill_worker.worker import create_prefill_worker
 
-            self.host = create_prefill_worker(self.cfg, node_id=node_id)
-        else:
+            self.host = create_prefill_worker(cfg, node_id=node_id)
+        elif cfg.role == "decode":
             from decode_worker.worker import create_decode_worker
 
-            self.host = create_decode_worker(self.cfg, node_id=node_id)
+            self.host = create_decode_worker(cfg, node_id=node_id)
+        else:
+            from colocated_worker.worker import create_colocated_worker
+
+            self.host = create_colocated_worker(cfg, node_id=node_id)
         address = self.host.start()
-        return {"address": address, "pid": os.getpid(), "node_id": node_id}
+        return {"address": address, "pid": os.getpid(), "node_id": node_id, "node_ip": cfg.host}
 
     def load(self) -> dict:
         return self.host.scheduler.load() if self.host else {}
+
+    def drain(self, timeout_s: float) -> dict:
+        """Stop taking new requests, finish the in-flight ones, deregister
+        (:meth:`pdcluster.worker_host.WorkerHost.drain`); returns its summary."""
+        if self.host is None:
+            idle = {"num_running": 0, "num_waiting": 0, "active_rpcs": 0}
+            return {"drained": True, "waited_s": 0.0, **idle, "at_start": idle}
+        return self.host.drain(timeout_s)
 
     def stop(self) -> None:
         if self.host:
@@ -49,7 +70,10 @@ class WorkerActor:
 
 @ray.remote(max_restarts=0)
 class RouterActor:
-    """Hosts the router (no torch compute; tokenizer and gRPC threads only)."""
+    """Hosts the router (no torch compute; tokenizer and gRPC threads only).
+
+    A router configured to listen on ``0.0.0.0`` reports its node's IP address.
+    """
 
     def __init__(self, cfg) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -60,8 +84,10 @@ class RouterActor:
         from router.server import RouterServer
 
         self.server = RouterServer(self.cfg)
-        return {"address": self.server.start(), "pid": os.getpid(),
-                "node_id": ray.get_runtime_context().get_node_id()}
+        address = self.server.start()
+        if self.cfg.host == "0.0.0.0":
+            address = f"{_node_ip()}:{self.server.port}"
+        return {"address": address, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 
     def stop(self) -> None:
         if self.server:

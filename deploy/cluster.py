@@ -1,32 +1,31 @@
 """Place and start a pdcluster on a running Ray cluster.
 
-Workers are Ray actors in one placement group, a bundle each: one GPU per worker
-where the cluster has GPUs, a CPU share otherwise (each worker then limits its
-torch threads to that share). The router is a zero-CPU actor on the driver's
-node. All actors are detached and named ``pdcluster-<cluster>-<id>`` in the
-``pdcluster`` namespace, so ``pdcluster down`` (another process) finds them.
+Workers are Ray actors in placement groups, one bundle each (:mod:`deploy.placement`:
+one GPU per worker where the cluster has GPUs, a CPU share otherwise; strategy
+and pinning resources chosen by the caller). The router is a zero-CPU actor on
+the Ray head node. All actors are detached and named ``pdcluster-<cluster>-<id>``
+in the ``pdcluster`` namespace, so ``pdcluster down`` / ``scale`` (other
+processes) find them. Worker ids are ``<role>-<index>``; indices are never reused
+within a cluster, so a removed worker's id is never taken by a new one.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from deploy.actors import RouterActor, WorkerActor
+from deploy.placement import PlacementConfig, PlacementError, WorkerShape, decide_shape, reserve
 from engine.config import CacheConfig, SchedulerConfig, WorkerConfig
 from router.server import RouterConfig
 
 log = logging.getLogger(__name__)
 NAMESPACE = "pdcluster"
-
-
-class PlacementError(RuntimeError):
-    """The requested workers cannot be placed on this Ray cluster."""
+WORKER_ROLES = ("prefill", "decode", "colocated")
 
 
 @dataclass(frozen=True)
@@ -34,111 +33,180 @@ class ClusterSpec:
     """What to start.
 
     Attributes:
-        num_prefill / num_decode: worker counts.
-        worker: template worker config (role and id are filled in per worker).
+        num_prefill / num_decode: disaggregated worker counts (both >= 1), or both 0
+            with ``num_colocated`` >= 1.
+        worker: template worker config (role, id, host, device and threads are
+            filled in per worker).
         router: router config.
-        strategy: placement group strategy (``PACK``, ``SPREAD``, ``STRICT_PACK``...).
-        timeout_s: seconds to wait for placement and for every server to come up.
+        placement: strategy, pinning resources, CPUs per worker, placement timeout.
+        num_colocated: colocated workers (prefill and decode on one engine).
+        timeout_s: seconds to wait for every server to come up once placed.
+
+    Raises:
+        ValueError: a worker mix other than the two above, or a non-positive timeout.
     """
 
     num_prefill: int
     num_decode: int
     worker: WorkerConfig
     router: RouterConfig
-    strategy: str = "PACK"
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    num_colocated: int = 0
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.num_prefill < 1 or self.num_decode < 1:
-            raise ValueError("need at least one prefill and one decode worker")
+        counts = (self.num_prefill, self.num_decode, self.num_colocated)
+        if min(counts) < 0:
+            raise ValueError(f"worker counts must be >= 0, got {counts}")
+        if self.num_colocated and (self.num_prefill or self.num_decode):
+            raise ValueError("colocated workers replace prefill/decode workers: give one kind, not both")
+        if not self.num_colocated and (self.num_prefill < 1 or self.num_decode < 1):
+            raise ValueError("need at least one prefill and one decode worker (or colocated workers)")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+
+    def counts(self) -> dict[str, int]:
+        return {"prefill": self.num_prefill, "decode": self.num_decode, "colocated": self.num_colocated}
 
 
 def actor_name(cluster: str, ident: str) -> str:
     return f"pdcluster-{cluster}-{ident}"
 
 
-def _bundles(spec: ClusterSpec) -> tuple[list[dict], int, bool]:
-    """One bundle per worker; returns (bundles, torch threads per worker, use_gpu)."""
-    res = ray.cluster_resources()
-    n = spec.num_prefill + spec.num_decode
-    if res.get("GPU", 0) >= 1 and spec.worker.device in ("auto", "cuda"):
-        return [{"GPU": 1.0, "CPU": 1.0} for _ in range(n)], 1, True
-    cpus = res.get("CPU", 1.0)
-    share = min(1.0, cpus / n)
-    return [{"CPU": share} for _ in range(n)], max(1, math.floor(cpus / n)), False
+def worker_config_to_dict(cfg: WorkerConfig) -> dict:
+    """JSON-able form of a worker config (kept in the state file for ``scale``)."""
+    return asdict(cfg)
+
+
+def worker_config_from_dict(d: dict) -> WorkerConfig:
+    """Inverse of :func:`worker_config_to_dict`.
+
+    Raises:
+        TypeError / engine.config.ConfigError: the dict does not describe a valid config.
+    """
+    return WorkerConfig(**{**d, "cache": CacheConfig(**d["cache"]), "scheduler": SchedulerConfig(**d["scheduler"])})
+
+
+def head_node_id() -> str:
+    """Node id of the Ray head (the driver's node if none is marked as head)."""
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return node["NodeID"]
+    return ray.get_runtime_context().get_node_id()
+
+
+def start_workers(cluster: str, template: WorkerConfig, shape: WorkerShape, placement: PlacementConfig,
+                  new: list[tuple[str, str]], pg_name: str, timeout_s: float) -> list[dict]:
+    """Reserve one placement group for ``new`` workers, start them and wait until they serve.
+
+    Args:
+        cluster: cluster name.
+        template: worker config template.
+        shape: per-worker resources (from :func:`deploy.placement.decide_shape`).
+        placement: strategy, pinning resources and placement timeout.
+        new: ``(role, worker_id)`` of each worker to start.
+        pg_name: name of the placement group to create.
+        timeout_s: seconds to wait for the workers to load and register.
+
+    Returns:
+        One state entry per worker: ``worker_id, role, actor, address, pid, node_id,
+        placement_group, bundle_index``.
+
+    Raises:
+        PlacementError: the bundles were not placed within ``placement.timeout_s``.
+        RuntimeError: a worker failed to start (the started ones are killed again and
+            the placement group removed).
+    """
+    bundles = [shape.bundle(role, placement) for role, _ in new]
+    pg = reserve(bundles, placement.ray_strategy, pg_name, placement.timeout_s)
+    actors, infos = [], []
+    for i, (role, wid) in enumerate(new):
+        cfg = replace(template, role=role, worker_id=wid, num_threads=shape.threads, device=shape.device)
+        actors.append(WorkerActor.options(
+            name=actor_name(cluster, wid), namespace=NAMESPACE, lifetime="detached",
+            num_cpus=shape.cpus, num_gpus=shape.gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        ).remote(cfg))
+        infos.append({"worker_id": wid, "role": role, "actor": actor_name(cluster, wid),
+                      "placement_group": pg_name, "bundle_index": i})
+    try:
+        started = ray.get([a.start.remote() for a in actors], timeout=timeout_s)
+    except Exception as e:
+        kill_actors([i["actor"] for i in infos])
+        remove_placement_group(pg)
+        raise RuntimeError(f"pdcluster workers failed to start: {e}") from e
+    for info, s in zip(infos, started):
+        info.update(s)
+    return infos
 
 
 def launch(spec: ClusterSpec) -> dict:
     """Place and start every worker and the router; returns the cluster state dict
-    (router address, workers with address/pid/node, placement group name).
+    (router address, workers with address/pid/node/placement group, what ``scale``
+    needs to add more workers alike).
 
     Raises:
-        PlacementError: the placement group is not ready within ``spec.timeout_s``
-            (the message lists the bundles asked for and points at ``ray status``).
+        PlacementError: the workers could not be placed within ``spec.placement.timeout_s``
+            (the message names what is missing and points at ``ray status``).
         RuntimeError: a worker or the router failed to start (with its cause).
     """
     cluster = spec.worker.cluster
-    bundles, threads, use_gpu = _bundles(spec)
-    pg_name = actor_name(cluster, "pg")
-    pg = placement_group(bundles, strategy=spec.strategy, name=pg_name, lifetime="detached")
-    try:
-        ray.get(pg.ready(), timeout=spec.timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(pg)
-        raise PlacementError(
-            f"could not place {len(bundles)} workers with bundles {bundles[0]} each "
-            f"(strategy {spec.strategy}) within {spec.timeout_s:.0f}s; the cluster has "
-            f"{ray.cluster_resources()} — check `ray status`") from None
-    roles = ["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
-    idx = {"prefill": 0, "decode": 0}
-    actors, infos = [], []
-    for i, role in enumerate(roles):
-        wid = f"{role}-{idx[role]}"
-        idx[role] += 1
-        cfg = replace(spec.worker, role=role, worker_id=wid, num_threads=threads,
-                      device="cuda" if use_gpu else "cpu")
-        actor = WorkerActor.options(
-            name=actor_name(cluster, wid), namespace=NAMESPACE, lifetime="detached",
-            num_cpus=bundles[i].get("CPU", 0), num_gpus=bundles[i].get("GPU", 0),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-        ).remote(cfg)
-        actors.append(actor)
-        infos.append({"worker_id": wid, "role": role, "actor": actor_name(cluster, wid)})
-    here = ray.get_runtime_context().get_node_id()
+    counts = spec.counts()
+    shape = decide_shape(ray.cluster_resources(), sum(counts.values()), spec.worker.device,
+                         spec.placement.worker_cpus)
+    new = [(role, f"{role}-{i}") for role in WORKER_ROLES for i in range(counts[role])]
+    pg_name = actor_name(cluster, "pg-0")
+    state = {"cluster": cluster, "redis_url": spec.worker.redis_url, "workers": [], "placement_groups": [pg_name],
+             "placement": asdict(spec.placement), "shape": asdict(shape),
+             "worker_template": worker_config_to_dict(spec.worker), "next_index": dict(counts), "next_pg": 1}
     router = RouterActor.options(
         name=actor_name(cluster, "router"), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+        scheduling_strategy=NodeAffinitySchedulingStrategy(head_node_id(), soft=False),
     ).remote(spec.router)
+    router_started = router.start.remote()  # loads its tokenizer while the workers are placed
     try:
-        started = ray.get([a.start.remote() for a in actors] + [router.start.remote()], timeout=spec.timeout_s)
+        state["workers"] = start_workers(cluster, spec.worker, shape, spec.placement, new, pg_name, spec.timeout_s)
+        r = ray.get(router_started, timeout=spec.timeout_s)
     except Exception as e:
-        teardown({"cluster": cluster, "workers": infos, "placement_group": pg_name})
+        teardown(state)
+        if isinstance(e, PlacementError):
+            raise
         raise RuntimeError(f"pdcluster failed to start: {e}") from e
-    for info, s in zip(infos, started):
-        info.update(s)
-    return {"cluster": cluster, "router_address": started[-1]["address"], "router_pid": started[-1]["pid"],
-            "workers": infos, "placement_group": pg_name, "redis_url": spec.worker.redis_url}
+    state.update(router_address=r["address"], router_pid=r["pid"], router_node_id=r["node_id"])
+    return state
 
 
-def teardown(state: dict) -> None:
-    """Stop and kill every actor of the cluster and remove its placement group (idempotent)."""
-    cluster = state["cluster"]
-    names = [w["actor"] for w in state.get("workers", [])] + [actor_name(cluster, "router")]
+def kill_actors(names: list[str], stop_timeout_s: float = 10.0) -> None:
+    """Stop (gracefully, then by force) the named actors; missing ones are skipped."""
     for name in names:
         try:
             actor = ray.get_actor(name, namespace=NAMESPACE)
         except ValueError:
             continue
         try:
-            ray.get(actor.stop.remote(), timeout=10)
+            ray.get(actor.stop.remote(), timeout=stop_timeout_s)
         except Exception as e:  # noqa: BLE001 - killed below anyway
             log.warning("stopping %s: %s", name, e)
         ray.kill(actor, no_restart=True)
-    try:
-        pg = ray.util.get_placement_group(state["placement_group"])
-        remove_placement_group(pg)
-    except (ValueError, KeyError):
-        pass
+
+
+def remove_groups(names: list[str]) -> None:
+    """Remove the named placement groups (missing ones are skipped)."""
+    for name in names:
+        try:
+            remove_placement_group(ray.util.get_placement_group(name))
+        except ValueError:
+            pass
+
+
+def teardown(state: dict) -> None:
+    """Stop and kill every actor of the cluster and remove its placement groups (idempotent)."""
+    cluster = state["cluster"]
+    kill_actors([w["actor"] for w in state.get("workers", [])] + [actor_name(cluster, "router")])
+    groups = list(state.get("placement_groups", []))
+    if state.get("placement_group"):  # state files written before scaling existed
+        groups.append(state["placement_group"])
+    remove_groups(groups)
 
 
 def default_worker_config(**kw) -> WorkerConfig:
@@ -146,5 +214,6 @@ def default_worker_config(**kw) -> WorkerConfig:
     return WorkerConfig(role="prefill", worker_id="template", **kw)
 
 
-__all__ = ["CacheConfig", "ClusterSpec", "PlacementError", "SchedulerConfig", "launch", "teardown",
-           "default_worker_config", "actor_name", "NAMESPACE"]
+__all__ = ["CacheConfig", "ClusterSpec", "PlacementConfig", "PlacementError", "SchedulerConfig", "WORKER_ROLES",
+           "launch", "start_workers", "teardown", "kill_actors", "remove_groups", "head_node_id",
+           "worker_config_to_dict", "worker_config_from_dict", "default_worker_config", "actor_name", "NAMESPACE"]

@@ -1,16 +1,19 @@
 """``pdcluster up / down / status``: bring a cluster up on local (or given) Ray + Redis.
 
-``up --local`` starts a Ray head (``ray start --head``) and a Redis server as
-background daemons unless ``--ray-address`` / ``--redis-url`` name existing ones,
-places the workers and the router (:mod:`deploy.cluster`), waits until all are
-healthy, writes a state file (``<state-dir>/cluster.json``) and returns.
-``down`` stops exactly what ``up`` started, as recorded in the state file.
+``up --local`` starts a Ray head (``ray start --head``, on loopback, advertising
+``--ray-resources``) and a Redis server as background daemons; ``up --ray-address``
+joins a running Ray cluster instead (run it on the head node: Redis and the router
+go there) and starts Redis there unless ``--redis-url`` names one. It places the
+workers and the router (:mod:`deploy.cluster`), waits until all are healthy,
+writes a state file (``<state-dir>/cluster.json``) and returns. ``down`` stops
+exactly what ``up`` started, as recorded in the state file.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -20,7 +23,8 @@ from pathlib import Path
 
 import ray
 
-from deploy.cluster import ClusterSpec, launch, teardown
+from deploy.cluster import WORKER_ROLES, ClusterSpec, head_node_id, launch, teardown
+from deploy.placement import PlacementConfig, PlacementError
 from deploy.ray_env import LOOPBACK_ENV
 from deploy.state import DEFAULT_STATE_DIR, read_state, state_path
 from deploy.redis_server import LocalRedisServer, free_port, stop_redis_at
@@ -38,37 +42,90 @@ def num_kv_blocks(model: ModelConfig, block_size: int, dtype: str, kv_cache_gb: 
     return max(2, int(kv_cache_gb * (1 << 30) // per_block))
 
 
-def spec_from_args(args, redis_url: str) -> ClusterSpec:
+def spec_from_args(args, redis_url: str, use_cuda: bool = False) -> ClusterSpec:
+    """The cluster ``up``'s flags describe.
+
+    Args:
+        args: the parsed ``pdcluster up`` flags.
+        redis_url: the registry the workers and the router use.
+        use_cuda: whether the workers will run on GPUs (decides the KV dtype for ``--dtype auto``).
+
+    Raises:
+        ValueError / engine.config.ConfigError: a flag value out of range.
+    """
     folder = resolve_model(args.model)  # dequantize once here, not in every worker
     model_cfg = ModelConfig.from_hf_folder(folder, name=args.model)
-    kv_dtype = "float32" if args.dtype in ("auto", "float32") and args.device != "cuda" else (
+    kv_dtype = "float32" if args.dtype in ("auto", "float32") and not use_cuda else (
         "bfloat16" if args.dtype == "auto" else args.dtype)
     blocks = args.num_kv_blocks or num_kv_blocks(model_cfg, args.block_size, kv_dtype, args.kv_cache_gb)
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_model_len=args.max_model_len)
     worker = WorkerConfig(role="prefill", worker_id="template", model=args.model, redis_url=redis_url,
-                          cluster=args.cluster, host=args.host, device=args.device, dtype=args.dtype,
+                          cluster=args.cluster, device=args.device, dtype=args.dtype,
                           heartbeat_s=args.heartbeat_s,
                           cache=CacheConfig(block_size=args.block_size, num_blocks=blocks, dtype=kv_dtype),
                           scheduler=sched)
     router = RouterConfig(model=args.model, redis_url=redis_url, cluster=args.cluster, host=args.host,
                           port=args.port, max_model_len=args.max_model_len, block_size=args.block_size,
                           view_period_s=args.heartbeat_s / 4)
-    return ClusterSpec(args.prefill, args.decode, worker, router, timeout_s=args.timeout_s)
+    placement = PlacementConfig(strategy=args.placement, prefill_resource=args.prefill_resource,
+                                decode_resource=args.decode_resource, worker_cpus=args.worker_cpus,
+                                timeout_s=args.placement_timeout_s)
+    if args.colocated:
+        return ClusterSpec(0, 0, worker, router, placement, num_colocated=args.workers, timeout_s=args.timeout_s)
+    return ClusterSpec(args.prefill, args.decode, worker, router, placement, timeout_s=args.timeout_s)
 
 
-def start_ray_head(state_dir: Path, timeout_s: float = 120.0) -> tuple[str, int]:
-    """Start a Ray head on loopback (``ray start --head --block`` in its own session, so
-    ``down`` can stop exactly this cluster); returns ``(address, pid)``.
+def ray_start_flags(resources: dict | None) -> list[str]:
+    """``ray start`` flags advertising ``resources`` (``CPU`` / ``GPU`` become ``--num-cpus`` /
+    ``--num-gpus``, the rest goes to ``--resources``).
 
     Raises:
-        RuntimeError: the head exited or did not answer within ``timeout_s`` (with its log).
+        ValueError: a quantity that is not a non-negative whole number (Ray's rule for
+            what a node advertises).
     """
-    port = free_port()
+    flags, custom = [], {}
+    for key, value in (resources or {}).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
+            raise ValueError(f"Ray resource {key!r} must be a non-negative whole number, got {value!r}")
+        if key in ("CPU", "GPU"):
+            flags.append(f"--num-{key.lower()}s={int(value)}")
+        else:
+            custom[key] = int(value)
+    if custom:
+        flags.append("--resources=" + json.dumps(custom))
+    return flags
+
+
+def start_ray_node(state_dir: Path, head_address: str | None = None, resources: dict | None = None,
+                   timeout_s: float = 120.0) -> tuple[str, int]:
+    """Start a Ray node on loopback (``ray start --block`` in its own session, so it can be
+    stopped exactly with :func:`stop_ray_head`): a head when ``head_address`` is ``None``,
+    else a node joining that head. Returns ``(head address, pid)``.
+
+    Args:
+        state_dir: folder for the node's log (``ray-head.log`` / ``ray-node-<port>.log``).
+        head_address: ``host:port`` of the head to join.
+        resources: what the node advertises (see :func:`ray_start_flags`); by default
+            what Ray detects.
+        timeout_s: seconds to wait for ``Ray runtime started``.
+
+    Raises:
+        ValueError: bad ``resources``.
+        RuntimeError: the node exited or did not start within ``timeout_s`` (with its log).
+    """
     ray_bin = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
-    cmd = [ray_bin, "start", "--head", "--block", f"--port={port}", "--include-dashboard=false",
-           "--disable-usage-stats", "--node-ip-address=127.0.0.1"]
-    log_path = state_dir / "ray-head.log"
+    cmd = [ray_bin, "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1",
+           *ray_start_flags(resources)]
+    if head_address is None:
+        port = free_port()
+        address = f"127.0.0.1:{port}"
+        cmd += ["--head", f"--port={port}", "--include-dashboard=false"]
+        log_path = state_dir / "ray-head.log"
+    else:
+        address = head_address
+        cmd += [f"--address={head_address}"]
+        log_path = state_dir / f"ray-node-{free_port()}.log"
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True, env={**os.environ, **LOOPBACK_ENV})
     deadline = time.monotonic() + timeout_s
@@ -76,14 +133,27 @@ def start_ray_head(state_dir: Path, timeout_s: float = 120.0) -> tuple[str, int]
         if proc.poll() is not None:
             raise RuntimeError(f"`{' '.join(cmd)}` exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
         if "Ray runtime started" in log_path.read_text():
-            return f"127.0.0.1:{port}", proc.pid
+            return address, proc.pid
         time.sleep(0.2)
     stop_ray_head(proc.pid)
-    raise RuntimeError(f"Ray head did not start within {timeout_s:.0f}s; see {log_path}")
+    raise RuntimeError(f"Ray node did not start within {timeout_s:.0f}s; see {log_path}")
 
 
-def stop_ray_head(pid: int, timeout_s: float = 30.0) -> None:
-    """Stop the Ray head started by :func:`start_ray_head` and every process of its session."""
+def start_ray_head(state_dir: Path, timeout_s: float = 120.0, resources: dict | None = None) -> tuple[str, int]:
+    """Start a Ray head on loopback advertising ``resources`` (:func:`start_ray_node`);
+    returns ``(address, pid)``.
+
+    Raises:
+        ValueError: bad ``resources``.
+        RuntimeError: the head exited or did not answer within ``timeout_s`` (with its log).
+    """
+    return start_ray_node(state_dir, None, resources, timeout_s)
+
+
+def stop_ray_head(pid: int, timeout_s: float = 10.0) -> None:
+    """Stop a Ray node started by :func:`start_ray_node` and every process of its session
+    (SIGTERM, then SIGKILL after ``timeout_s`` seconds: the raylet exits within about 10 s
+    of SIGTERM, but ``ray start --block`` and the GCS linger until killed)."""
     try:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:
@@ -114,7 +184,7 @@ def wait_healthy(redis_url: str, cluster: str, expected: int, router_address: st
     live = []
     while time.monotonic() < deadline:
         live = reg.live_workers()
-        if len([w for w, _ in live if w.role in ("prefill", "decode")]) >= expected:
+        if len([w for w, _ in live if w.role in WORKER_ROLES]) >= expected:
             break
         time.sleep(0.2)
     else:
@@ -124,42 +194,88 @@ def wait_healthy(redis_url: str, cluster: str, expected: int, router_address: st
 
 
 def up(args) -> dict:
-    """Bring the cluster up and write the state file; returns the state dict."""
+    """Bring the cluster up and write the state file; returns the state dict. On any
+    failure everything ``up`` started (actors, placement groups, Ray head, Redis) is
+    stopped again before the error propagates.
+
+    Raises:
+        deploy.placement.PlacementError: the workers' resources were not found within
+            ``--placement-timeout-s`` (the message says what is missing).
+        ValueError: a flag out of range (e.g. ``--ray-resources`` that is not a JSON
+            object of whole numbers).
+        RuntimeError: a cluster is already up in ``--state-dir``; neither ``--local`` nor
+            ``--ray-address``; ``--ray-address`` mode not run on the head node without
+            ``--redis-url``; Ray, Redis, a worker or the router failed to start.
+        TimeoutError: the workers or the router were not healthy within ``--timeout-s``.
+    """
     state_dir = Path(args.state_dir or DEFAULT_STATE_DIR).expanduser()
     state_dir.mkdir(parents=True, exist_ok=True)
     if state_path(state_dir).exists():
         raise RuntimeError(f"a cluster is already up (state in {state_path(state_dir)}); run `pdcluster down`")
     state: dict = {"started_ray": False, "started_redis": False}
     try:
-        if args.redis_url:
-            redis_url = args.redis_url
-        else:
-            redis = LocalRedisServer(state_dir / "redis", detach=True).start()
-            redis_url = redis.url
-            state.update(started_redis=True, redis_pid=redis.pid)
-        state["redis_url"] = redis_url
         if args.ray_address:
+            if args.ray_resources:
+                raise ValueError("--ray-resources applies to the Ray head `up --local` starts; with "
+                                 "--ray-address give the resources to `ray start` on each node")
             ray_address = args.ray_address
         elif args.local:
             if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
                 raise RuntimeError("call deploy.ray_env.use_loopback_ray() before importing ray for --local")
-            ray_address, head_pid = start_ray_head(state_dir)
+            resources = _json_object(args.ray_resources, "--ray-resources") if args.ray_resources else None
+            ray_address, head_pid = start_ray_head(state_dir, resources=resources)
             state.update(started_ray=True, ray_head_pid=head_pid)
         else:
             raise RuntimeError("give --local (start Ray here) or --ray-address ADDR")
         state["ray_address"] = ray_address
         ray.init(address=ray_address, namespace="pdcluster", logging_level="WARNING")
-        spec = spec_from_args(args, redis_url)
+        state["redis_url"] = args.redis_url or _start_redis(args, state, state_dir)
+        use_cuda = ray.cluster_resources().get("GPU", 0) >= 1 and args.device in ("auto", "cuda")
+        spec = spec_from_args(args, state["redis_url"], use_cuda)
         state.update(launch(spec))
-        wait_healthy(redis_url, args.cluster, args.prefill + args.decode, state["router_address"], args.timeout_s)
+        wait_healthy(state["redis_url"], args.cluster, sum(spec.counts().values()), state["router_address"],
+                     args.timeout_s)
     except BaseException:
         _cleanup(state)
         raise
     finally:
         if ray.is_initialized():
             ray.shutdown()
-    state_path(state_dir).write_text(json.dumps(state, indent=2))
+    path = state_path(state_dir)
+    path.touch(mode=0o600)  # it may hold the Redis password
+    path.write_text(json.dumps(state, indent=2))
     return state
+
+
+def _json_object(text: str, flag: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{flag} must be a JSON object, e.g. '{{\"CPU\": 4, \"prefill_node\": 1}}': {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {text!r}")
+    return value
+
+
+def _start_redis(args, state: dict, state_dir: Path) -> str:
+    """Start the registry's Redis on this (the head) node; returns its URL.
+
+    It listens on this node's Ray IP address, so workers on other nodes reach it,
+    with a random password (in the URL and the state file); in a loopback-only
+    local cluster it listens on 127.0.0.1 without one.
+
+    Raises:
+        RuntimeError: ``up`` does not run on the Ray head node (the router and Redis
+            belong there), or Redis did not start.
+    """
+    if not args.local and ray.get_runtime_context().get_node_id() != head_node_id():
+        raise RuntimeError("run `pdcluster up --ray-address ...` on the Ray head node (e.g. `ray exec "
+                           "cluster.yaml 'pdcluster up ...'`), or give --redis-url of a Redis every node reaches")
+    host, password = ("127.0.0.1", None) if args.local else (ray.util.get_node_ip_address(), secrets.token_hex(16))
+    redis = LocalRedisServer(state_dir / "redis", port=args.redis_port or None, host=host, detach=True,
+                             password=password).start()
+    state.update(started_redis=True, redis_pid=redis.pid, redis_url=redis.url)
+    return redis.url
 
 
 def _cleanup(state: dict) -> None:
@@ -169,7 +285,7 @@ def _cleanup(state: dict) -> None:
         ray.shutdown()
     if state.get("started_ray"):
         stop_ray_head(state["ray_head_pid"])
-    if state.get("started_redis"):
+    if state.get("started_redis") and state.get("redis_url"):
         stop_redis_at(state["redis_url"])
 
 
@@ -190,9 +306,16 @@ def down(state_dir: Path | str | None = None) -> bool:
 
 
 def cmd_up(args) -> int:
-    state = up(args)
-    print(f"pdcluster is up: router at {state['router_address']} "
-          f"({args.prefill} prefill + {args.decode} decode workers, redis {state['redis_url']})")
+    """``pdcluster up``; returns 0, or 1 when the workers could not be placed (message on stderr)."""
+    try:
+        state = up(args)
+    except PlacementError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    kinds = (f"{args.workers} colocated workers" if args.colocated
+             else f"{args.prefill} prefill + {args.decode} decode workers")
+    redis_at = state["redis_url"].rsplit("@", 1)[-1]  # without the password
+    print(f"pdcluster is up: router at {state['router_address']} ({kinds}, redis {redis_at})")
     print(state["router_address"])
     return 0
 

@@ -136,6 +136,9 @@ class LocalRedisServer:
             object is garbage collected or the interpreter exits, so the
             server outlives the Python process. Without it the server is
             killed when this object is collected or at interpreter exit.
+        password: require this password (``--requirepass``; the URL carries it).
+            Needed to serve other machines: without one, Redis' protected mode
+            refuses every client that does not come from loopback.
 
     Raises:
         RuntimeError: no server binary was found (see :func:`find_redis_server`).
@@ -148,11 +151,13 @@ class LocalRedisServer:
         host: str = "127.0.0.1",
         binary: str | None = None,
         detach: bool = False,
+        password: str | None = None,
     ) -> None:
         self.workdir = Path(workdir)
         self.host = host
         self.binary = binary or find_redis_server()
         self.detach = detach
+        self.password = password
         self._fixed_port = port
         self._port = port
         self._proc: subprocess.Popen | None = None
@@ -171,8 +176,9 @@ class LocalRedisServer:
 
     @property
     def url(self) -> str:
-        """``redis://HOST:PORT/0``."""
-        return f"redis://{self.host}:{self.port}/0"
+        """``redis://HOST:PORT/0`` (``redis://:PASSWORD@HOST:PORT/0`` with a password)."""
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
@@ -236,6 +242,8 @@ class LocalRedisServer:
             "--daemonize", "no",
             "--logfile", "",
         ]
+        if self.password:
+            cmd += ["--requirepass", self.password]
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
                 cmd,

@@ -55,6 +55,14 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1] (server default 1.0)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables")
     p.add_argument("--seed", type=int, default=None, help="per-request RNG seed")
+    p.add_argument("--min-p", type=float, default=None,
+                   help="keep tokens with prob >= MIN_P x the top prob, in [0, 1] (server default 0: off)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="> 0, over prompt + output tokens (HF semantics; server default 1.0: off)")
+    p.add_argument("--presence-penalty", type=float, default=None,
+                   help="in [-2, 2], over output tokens (OpenAI semantics; server default 0: off)")
+    p.add_argument("--frequency-penalty", type=float, default=None,
+                   help="in [-2, 2], per occurrence in the output (OpenAI semantics; server default 0: off)")
     p.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop string (repeatable)")
     p.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
@@ -71,13 +79,31 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def _add_up(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start a cluster (router, prefill and decode workers)")
     p.add_argument("--local", action="store_true", help="start a local Ray head and Redis")
-    p.add_argument("--ray-address", default=None, help="existing Ray cluster address")
+    p.add_argument("--ray-address", default=None,
+                   help="existing Ray cluster address (HOST:PORT or 'auto'); run `up` on its head node")
+    p.add_argument("--ray-resources", default=None, metavar="JSON",
+                   help='with --local: resources the Ray head advertises, e.g. \'{"CPU": 4, "prefill_node": 1}\'')
     p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers")
     p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers")
+    p.add_argument("--colocated", action="store_true",
+                   help="place colocated workers (prefill and decode on one engine) instead")
+    p.add_argument("--workers", type=int, default=1, metavar="N", help="colocated workers (with --colocated)")
+    p.add_argument("--placement", default="pack", choices=["pack", "spread", "strict-pack", "strict-spread"],
+                   help="placement-group strategy: pack keeps workers (e.g. a prefill-decode pair) on one node, "
+                        "spread puts them on different nodes; strict-* fail instead of bending")
+    p.add_argument("--prefill-resource", default=None, metavar="NAME",
+                   help="custom Ray resource a node must advertise to host prefill workers")
+    p.add_argument("--decode-resource", default=None, metavar="NAME",
+                   help="custom Ray resource a node must advertise to host decode workers")
+    p.add_argument("--worker-cpus", type=float, default=None, metavar="C",
+                   help="logical CPUs per worker (default: 1 with GPUs, else the cluster's CPUs shared)")
+    p.add_argument("--placement-timeout-s", type=float, default=120,
+                   help="seconds to wait for Ray to find the workers' resources before failing")
     p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
     p.add_argument("--port", type=int, default=50051, help="router port")
-    p.add_argument("--host", default="127.0.0.1", help="router bind host")
+    p.add_argument("--host", default="127.0.0.1", help="router bind host (0.0.0.0: every interface)")
     p.add_argument("--redis-url", default=None, help="existing Redis URL (default: start one)")
+    p.add_argument("--redis-port", type=int, default=0, help="port of the Redis `up` starts (0: any free)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     p.add_argument("--num-kv-blocks", type=int, default=0,
                    help="KV blocks per worker; 0 = derive from --kv-cache-gb")
@@ -92,6 +118,33 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="torch device (auto, cuda, cpu)")
     _add_state_dir(p)
     p.set_defaults(func=_deploy("cmd_up"))
+
+
+def _add_scale(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("scale", help="add or remove workers while the cluster serves "
+                                     "(removed workers drain first: nothing in flight is lost)")
+    p.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill workers wanted")
+    p.add_argument("--decode", type=int, default=None, metavar="M", help="decode workers wanted")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="colocated workers wanted (clusters started with --colocated)")
+    p.add_argument("--drain-timeout-s", type=float, default=600,
+                   help="seconds a removed worker may take to finish its requests before it is stopped anyway")
+    p.add_argument("--timeout-s", type=float, default=300, help="seconds to wait for added workers to serve")
+    p.add_argument("--placement-timeout-s", type=float, default=None,
+                   help="seconds to wait for Ray to place added workers (default: the one `up` used)")
+    _add_state_dir(p)
+
+    def run(args: argparse.Namespace) -> int:
+        ray_env = importlib.import_module("deploy.ray_env")
+        if ray_env.state_is_local(importlib.import_module("deploy.state").state_path(args.state_dir)):
+            ray_env.use_loopback_ray()  # before deploy.scale imports ray
+        return int(importlib.import_module("deploy.scale").cmd_scale(args))
+
+    p.set_defaults(func=run)
+
+
+def _add_loadtest(sub: argparse._SubParsersAction) -> None:
+    importlib.import_module("pdcluster.loadtest.cli").register(sub)
 
 
 def _deploy(name: str):
@@ -112,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_up(sub)
+    _add_scale(sub)
     p = sub.add_parser("down", help="stop the local cluster")
     _add_state_dir(p)
     p.set_defaults(func=_deploy("cmd_down"))
@@ -119,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_state_dir(p)
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=_deploy("cmd_status"))
+    _add_loadtest(sub)
     return parser
 
 
@@ -158,7 +213,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = dict(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_id,
-        ignore_eos=args.ignore_eos, request_id=args.request_id,
+        ignore_eos=args.ignore_eos, request_id=args.request_id, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
     )
     address = args.address or default_address()
     start = time.monotonic()

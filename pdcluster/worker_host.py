@@ -1,7 +1,8 @@
-"""Runs one worker: its scheduler loop thread, gRPC server, health and heartbeats.
+"""Runs one worker: its scheduler loop thread, gRPC server, health, heartbeats and draining.
 
-Role-specific code (``prefill_worker.worker`` / ``decode_worker.worker``) builds the
-scheduler and servicers; this module only hosts them.
+Role-specific code (``prefill_worker.worker`` / ``decode_worker.worker`` /
+``colocated_worker.worker``) builds the scheduler and servicers; this module only
+hosts them.
 """
 
 from __future__ import annotations
@@ -9,15 +10,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent import futures
 from typing import Callable, Protocol
 
 import grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 from engine.config import WorkerConfig
 from pdcluster.registry import Heartbeater, WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
-from pdcluster.serving import bind, make_server, set_serving
+from pdcluster.serving import GRPC_OPTIONS, bind, set_serving
 
 log = logging.getLogger(__name__)
+
+_POLL_S = 0.05
 
 
 class Scheduler(Protocol):
@@ -25,8 +30,54 @@ class Scheduler(Protocol):
     def load(self) -> dict: ...
 
 
+class ActiveRpcs(grpc.ServerInterceptor):
+    """Counts the worker's own RPCs in progress (``pdcluster.v1`` methods except
+    ``GetLoad``; health checks are not counted) and when the last one started.
+
+    An RPC counts from the moment its handler is entered until it terminates
+    (finished, failed or cancelled: gRPC's termination callback).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._last_start = 0.0
+
+    def snapshot(self) -> tuple[int, float]:
+        """``(RPCs in progress, time.monotonic() of the newest start; 0 if none yet)``."""
+        with self._lock:
+            return self._active, self._last_start
+
+    def _started(self) -> None:
+        with self._lock:
+            self._active += 1
+            self._last_start = time.monotonic()
+
+    def _finished(self) -> None:
+        with self._lock:
+            self._active -= 1
+
+    def _wrap(self, behavior):
+        def counted(request_or_iterator, context):
+            self._started()
+            if not context.add_callback(self._finished):
+                self._finished()  # already terminated
+            return behavior(request_or_iterator, context)
+
+        return counted
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not method.startswith("/pdcluster.v1.") or method.endswith("/GetLoad"):
+            return handler
+        kind = ("stream" if handler.request_streaming else "unary") + "_" + (
+            "stream" if handler.response_streaming else "unary")
+        return handler._replace(**{kind: self._wrap(getattr(handler, kind))})
+
+
 class WorkerHost:
-    """Start/stop a worker around its scheduler.
+    """Start/stop/drain a worker around its scheduler.
 
     Args:
         cfg: the worker's configuration.
@@ -43,7 +94,12 @@ class WorkerHost:
         self.cfg = cfg
         self.scheduler = scheduler
         self._stop = threading.Event()
-        self.server, self.health = make_server()
+        self._draining = False
+        self.rpcs = ActiveRpcs()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), options=GRPC_OPTIONS,
+                                  interceptors=[self.rpcs])
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         add_servicers(self.server)
         self.port = bind(self.server, cfg.host, port)
         self.address = f"{cfg.host}:{self.port}"
@@ -60,11 +116,17 @@ class WorkerHost:
         self._loop = threading.Thread(target=scheduler.run, args=(self._stop,), daemon=True,
                                       name=f"{cfg.role}-scheduler")
 
+    @property
+    def draining(self) -> bool:
+        """Whether :meth:`drain` was called (the router sends no new requests here)."""
+        return self._draining
+
     def _snapshot(self) -> WorkerLoadSnapshot:
         load = self.scheduler.load()
         return WorkerLoadSnapshot(
             num_waiting=load["num_waiting"], num_running=load["num_running"],
             num_free_blocks=load["num_free_blocks"], num_total_blocks=load["num_total_blocks"],
+            draining=self._draining,
         )
 
     def start(self) -> str:
@@ -75,6 +137,76 @@ class WorkerHost:
         self.heartbeater.start()
         log.info("%s worker %s serving on %s", self.cfg.role, self.cfg.worker_id, self.address)
         return self.address
+
+    def drain(self, timeout_s: float, settle_s: float | None = None) -> dict:
+        """Take no new requests, finish every in-flight one, then deregister.
+
+        1. The heartbeat carries ``draining=True`` from now on (one is sent at once),
+           so the router's policies skip this worker; health turns NOT_SERVING for the
+           router-facing service (KvTransfer stays SERVING: reservations made before
+           still receive their KV).
+        2. Waits until the scheduler holds no request (``num_running == num_waiting
+           == 0``), no RPC of this worker is in progress, and none started during the
+           last ``settle_s`` seconds (requests the router placed here before it saw the
+           flag arrive within that). A prefill worker also waits until no decode
+           worker has reservations waiting for blocks: each of them may still send its
+           ``Prefill`` here.
+        3. Deregisters (heartbeats stop). The server keeps answering until :meth:`stop`.
+
+        Args:
+            timeout_s: seconds to wait in step 2; on timeout the worker stays
+                registered as draining and the summary says ``drained: False``.
+            settle_s: quiet period in seconds; default twice the heartbeat period.
+
+        Returns:
+            ``{"drained": bool, "waited_s": float, "num_running": int, "num_waiting":
+            int, "active_rpcs": int, "at_start": {...the same three counts when the
+            drain began}}`` (the top-level counts are those when the wait ended).
+
+        Raises:
+            ValueError: ``timeout_s`` is not positive.
+        """
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        settle_s = 2.0 * self.cfg.heartbeat_s if settle_s is None else settle_s
+        t0 = time.monotonic()
+        load, (active, _) = self.scheduler.load(), self.rpcs.snapshot()
+        at_start = {"num_running": load["num_running"], "num_waiting": load["num_waiting"], "active_rpcs": active}
+        self._draining = True
+        self.heartbeater.beat()
+        set_serving(self.health, [s for s in self.services if not s.endswith(".KvTransfer")], serving=False)
+        log.info("%s worker %s draining", self.cfg.role, self.cfg.worker_id)
+        drained = False
+        while True:
+            load = self.scheduler.load()
+            active, last_start = self.rpcs.snapshot()
+            now = time.monotonic()
+            idle = (load["num_running"] == 0 and load["num_waiting"] == 0 and active == 0
+                    and now - max(t0, last_start) >= settle_s and not self._decode_backlog())
+            if idle:
+                drained = True
+                break
+            if now - t0 >= timeout_s:
+                log.warning("%s worker %s not drained after %.1fs: %s, %d RPCs in progress", self.cfg.role,
+                            self.cfg.worker_id, timeout_s, load, active)
+                break
+            time.sleep(_POLL_S)
+        if drained:
+            self.heartbeater.stop(deregister=True)
+            log.info("%s worker %s drained and deregistered", self.cfg.role, self.cfg.worker_id)
+        return {"drained": drained, "waited_s": round(time.monotonic() - t0, 3), "num_running": load["num_running"],
+                "num_waiting": load["num_waiting"], "active_rpcs": active, "at_start": at_start}
+
+    def _decode_backlog(self) -> bool:
+        """For a prefill worker: whether a live decode worker reports reservations waiting
+        for blocks (unknown while Redis is unreachable: then False)."""
+        if self.cfg.role != "prefill":
+            return False
+        try:
+            return any(load.num_waiting for _, load in self.registry.live_workers("decode"))
+        except Exception as e:  # noqa: BLE001 - Redis down: rely on the other conditions
+            log.debug("registry read while draining failed: %s", e)
+            return False
 
     def stop(self, grace_s: float = 1.0) -> None:
         """Deregister, stop the server and the loop."""

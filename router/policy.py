@@ -1,4 +1,8 @@
-"""Worker selection policies, chosen by name (``least_loaded``, ``round_robin``)."""
+"""Worker selection policies, chosen by name (``least_loaded``, ``round_robin``).
+
+Every policy skips draining workers (``WorkerLoadSnapshot.draining``: being
+removed by ``pdcluster scale``; they finish what they have but take nothing new).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ Candidate = tuple[WorkerInfo, WorkerLoadSnapshot]
 
 
 class NoWorkerError(RuntimeError):
-    """No live worker of the asked role."""
+    """No live, non-draining worker of the asked role."""
 
 
 class InFlight:
@@ -41,23 +45,41 @@ class InFlight:
 Policy = Callable[[list[Candidate], InFlight], WorkerInfo]
 
 
+def serving(candidates: list[Candidate]) -> list[Candidate]:
+    """The candidates that take new requests (not draining).
+
+    Raises:
+        NoWorkerError: none does (the message counts the draining ones).
+    """
+    usable = [c for c in candidates if not c[1].draining]
+    if not usable:
+        draining = len(candidates)
+        raise NoWorkerError(f"no live worker ({draining} draining)" if draining else "no live worker")
+    return usable
+
+
 def least_loaded(candidates: list[Candidate], inflight: InFlight) -> WorkerInfo:
-    """Fewest in-flight requests (router view + worker's queue), then most free KV blocks."""
-    if not candidates:
-        raise NoWorkerError("no live worker")
+    """Fewest in-flight requests (router view + worker's queue), then most free KV blocks;
+    draining workers are skipped.
+
+    Raises:
+        NoWorkerError: no live, non-draining candidate.
+    """
+    candidates = serving(candidates)
     best = min(candidates, key=lambda c: (inflight.get(c[0].worker_id) + c[1].num_waiting,
                                           -c[1].num_free_blocks, c[0].worker_id))
     return best[0]
 
 
 class RoundRobin:
+    """Each non-draining candidate in turn, in worker-id order."""
+
     def __init__(self) -> None:
         self._counter = itertools.count()
 
     def __call__(self, candidates: list[Candidate], inflight: InFlight) -> WorkerInfo:
-        if not candidates:
-            raise NoWorkerError("no live worker")
-        ordered = sorted(candidates, key=lambda c: c[0].worker_id)
+        """Raises NoWorkerError: no live, non-draining candidate."""
+        ordered = sorted(serving(candidates), key=lambda c: c[0].worker_id)
         return ordered[next(self._counter) % len(ordered)][0]
 
 
