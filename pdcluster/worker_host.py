@@ -90,9 +90,10 @@ class WorkerHost:
     def __init__(self, cfg: WorkerConfig, scheduler: Scheduler,
                  add_servicers: Callable[[grpc.Server], None], services: list[str],
                  port: int = 0, kv_endpoint_same_port: bool = False, block_size: int = 0,
-                 num_total_blocks: int = 0, node_id: str = "") -> None:
+                 num_total_blocks: int = 0, node_id: str = "", companions: list | None = None) -> None:
         self.cfg = cfg
         self.scheduler = scheduler
+        self.companions = companions or []  # objects with start()/stop() living as long as the server
         self._stop = threading.Event()
         self._draining = False
         self.rpcs = ActiveRpcs()
@@ -135,6 +136,8 @@ class WorkerHost:
         self.server.start()
         set_serving(self.health, self.services)
         self.heartbeater.start()
+        for c in self.companions:
+            c.start()
         log.info("%s worker %s serving on %s", self.cfg.role, self.cfg.worker_id, self.address)
         return self.address
 
@@ -210,6 +213,8 @@ class WorkerHost:
 
     def stop(self, grace_s: float = 1.0) -> None:
         """Deregister, stop the server and the loop."""
+        for c in self.companions:
+            c.stop()
         self.heartbeater.stop(deregister=True)
         set_serving(self.health, self.services, serving=False)
         self.server.stop(grace_s).wait()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.builder import build_runner
 from engine.config import WorkerConfig
 from kvtransfer import GrpcKvSender
+from pdcluster.cache_index import CacheIndexPublisher
 from pdcluster.v1 import worker_pb2_grpc
 from pdcluster.worker_host import WorkerHost
 from prefill_worker.scheduler import PrefillScheduler
@@ -25,5 +26,9 @@ def create_prefill_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "",
     def add(server):
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
 
+    companions = []
+    if cfg.cache.enable_prefix_caching:
+        companions.append(CacheIndexPublisher(cfg.redis_url, cfg.cluster, cfg.worker_id, sched.pool.cached_hashes,
+                                              sched.model_id, cfg.cache.block_size, period_s=cfg.heartbeat_s))
     return WorkerHost(cfg, sched, add, SERVICES, port=port, block_size=cfg.cache.block_size,
-                      num_total_blocks=sched.pool.num_usable, node_id=node_id)
+                      num_total_blocks=sched.pool.num_usable, node_id=node_id, companions=companions)

@@ -152,7 +152,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def _serve(self, prep: PreparedRequest, h: _Handle, context):
         colocated = self.view.workers("colocated")
         if colocated:  # one engine does both halves: no KV crosses a process
-            h.decode = h.prefill = self.policies["decode"](colocated, self.inflight)
+            try:
+                h.decode = h.prefill = self.policies["decode"](colocated, self.inflight)
+            except NoWorkerError:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "no live colocated worker (all draining)")
         else:
             h.decode = self._pick("decode", context)
             h.prefill = self._pick_prefill(prep, h, context)

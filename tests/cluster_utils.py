@@ -32,7 +32,8 @@ def worker_loads(state: dict) -> list[worker_pb2.WorkerLoad]:
     reg = WorkerRegistry(state["redis_url"], state["cluster"])
     loads = []
     for info, _ in reg.live_workers():
-        stub_cls = worker_pb2_grpc.DecodeWorkerStub if info.role == "decode" else worker_pb2_grpc.PrefillWorkerStub
+        # a colocated worker's KV lives in its decode-side pool: ask that service
+        stub_cls = worker_pb2_grpc.PrefillWorkerStub if info.role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
         loads.append(stub_cls(channel(info.address)).GetLoad(worker_pb2.GetLoadRequest(), timeout=5))
     return loads
 

@@ -1,5 +1,7 @@
-"""Killing a worker: its in-flight requests end with UNAVAILABLE (no hang), the
-router stops choosing it within 2 heartbeat intervals, nothing leaks elsewhere."""
+"""A 2 prefill + 2 decode cluster: cache-aware routing sends a repeated prompt to the
+prefill worker holding its prefix; killing a worker ends its in-flight requests with
+UNAVAILABLE (no hang), the router stops choosing it within 2 heartbeat intervals, and
+nothing leaks elsewhere."""
 
 from __future__ import annotations
 
@@ -48,6 +50,16 @@ def _expect_unavailable(fn) -> float:
         fn()
     assert exc.value.code() == grpc.StatusCode.UNAVAILABLE, exc.value
     return time.monotonic() - t0
+
+
+def test_cache_aware_routing_finds_the_cached_prefix(cluster, client):
+    for i in range(4):
+        prompt = [1000 + 37 * i + j for j in range(100)]  # 6 full blocks of 16
+        assert client.generate(prompt, max_tokens=2, temperature=0).usage.cached_prompt_tokens == 0
+        time.sleep(3 * HEARTBEAT_S)  # the worker publishes its blocks, the router reads them
+        again = client.generate(prompt, max_tokens=2, temperature=0)
+        assert again.usage.cached_prompt_tokens == 96, f"prompt {i} missed the worker holding its prefix"
+    assert_no_leak(cluster)
 
 
 def test_kill_decode_worker_mid_stream(cluster, client):
