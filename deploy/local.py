@@ -27,7 +27,8 @@ from deploy.cluster import WORKER_ROLES, ClusterSpec, head_node_id, launch, tear
 from deploy.placement import PlacementConfig, PlacementError
 from deploy.ray_env import LOOPBACK_ENV
 from deploy.state import DEFAULT_STATE_DIR, read_state, state_path
-from deploy.redis_server import LocalRedisServer, free_port, stop_redis_at
+from deploy.redis_control import stop_redis_at
+from deploy.redis_server import LocalRedisServer, free_port
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from engine.model_loader import resolve_model
 from pdcluster.registry import WorkerRegistry

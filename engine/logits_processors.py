@@ -1,0 +1,103 @@
+"""Logits processors applied before sampling: logit bias, repetition penalty,
+frequency / presence penalties (steps 1-3 of the order in :mod:`engine.sampling`).
+
+:func:`apply_logits_processors` applies them, vectorized over the batch, only on
+the rows whose :class:`~engine.sampling.SamplingOptions` ask for them;
+:func:`token_counts` builds the per-row token histograms the penalties read.
+Min-p filtering is not here: it runs inside the sampler, after top-k / top-p.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import chain
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.sampling import SamplingOptions
+
+#: One row's token history: ``(prompt_token_ids, output_token_ids)``, the request's
+#: own lists passed by reference (read, never copied or modified).
+History = tuple[Sequence[int], Sequence[int]]
+
+
+def token_counts(rows: Sequence[Sequence[Sequence[int]]], vocab: int, device: torch.device) -> torch.Tensor:
+    """Occurrences of each token id in each row: ``[len(rows), vocab]`` float32 on ``device``.
+
+    Each row is a tuple of id sequences counted together (e.g. a row's
+    ``(prompt_token_ids, output_token_ids)``). Built with one ``scatter_add_``
+    over all rows' ids flattened (one host-to-device copy), not a loop over rows.
+
+    Raises:
+        ValueError: an id is outside ``[0, vocab)``.
+    """
+    lengths = [sum(len(part) for part in row) for row in rows]
+    counts = torch.zeros(len(rows), vocab, device=device)
+    total = sum(lengths)
+    if total == 0:
+        return counts
+    flat = torch.tensor(list(chain.from_iterable(chain.from_iterable(rows))), dtype=torch.int64)
+    if int(flat.min()) < 0 or int(flat.max()) >= vocab:
+        raise ValueError(f"a history token id is outside [0, {vocab})")
+    row_of = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lengths))
+    index = (row_of * vocab + flat).to(device, non_blocking=True)
+    counts.view(-1).scatter_add_(0, index, torch.ones(total, device=device))
+    return counts
+
+
+def apply_logits_processors(
+    logits: torch.Tensor,
+    options: Sequence[SamplingOptions],
+    histories: Sequence[History] | None,
+) -> torch.Tensor:
+    """Steps 1-3 of the :mod:`engine.sampling` docstring: logit bias, repetition
+    penalty, then frequency / presence penalties, each only on the rows that use it.
+
+    Args:
+        logits: ``[num_seqs, vocab]`` float32; not modified.
+        options: ``num_seqs`` per-row settings.
+        histories: ``num_seqs`` ``(prompt_token_ids, output_token_ids)`` pairs,
+            read only for rows with a penalty; may be ``None`` when no row has one.
+
+    Returns:
+        ``[num_seqs, vocab]`` float32 on ``logits.device``: ``logits`` itself
+        when no row has a bias or penalty, else a processed copy.
+
+    Raises:
+        ValueError: a row has a penalty but ``histories`` is missing or of the
+            wrong length, a ``logit_bias`` token id is ``>= vocab``, or a
+            history token id is outside ``[0, vocab)``.
+    """
+    num_seqs, vocab = logits.shape
+    device = logits.device
+    bias_rows = [i for i, o in enumerate(options) if o.logit_bias]
+    rep_rows = [i for i, o in enumerate(options) if o.repetition_penalty != 1.0]
+    out_rows = [i for i, o in enumerate(options) if o.presence_penalty != 0.0 or o.frequency_penalty != 0.0]
+    if not (bias_rows or rep_rows or out_rows):
+        return logits
+    if (rep_rows or out_rows) and (histories is None or len(histories) != num_seqs):
+        raise ValueError(f"rows with penalties need {num_seqs} histories, got "
+                         f"{None if histories is None else len(histories)}")
+    logits = logits.clone()
+    if bias_rows:
+        pairs = [(i, t, b) for i in bias_rows for t, b in options[i].logit_bias]
+        if max(t for _, t, _ in pairs) >= vocab:
+            raise ValueError(f"logit_bias token id {max(t for _, t, _ in pairs)} >= vocab {vocab}")
+        r, t, b = zip(*pairs)
+        logits.index_put_((torch.tensor(r, device=device), torch.tensor(t, device=device)),
+                          torch.tensor(b, device=device), accumulate=True)
+    if rep_rows:
+        idx = torch.tensor(rep_rows, device=device)
+        seen = token_counts([histories[i] for i in rep_rows], vocab, device) > 0
+        penalty = torch.tensor([options[i].repetition_penalty for i in rep_rows], device=device).unsqueeze(1)
+        sub = logits[idx]
+        logits[idx] = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+    if out_rows:
+        idx = torch.tensor(out_rows, device=device)
+        counts = token_counts([(histories[i][1],) for i in out_rows], vocab, device)
+        freq = torch.tensor([options[i].frequency_penalty for i in out_rows], device=device).unsqueeze(1)
+        pres = torch.tensor([options[i].presence_penalty for i in out_rows], device=device).unsqueeze(1)
+        logits[idx] = logits[idx] - freq * counts - pres * (counts > 0).float()
+    return logits

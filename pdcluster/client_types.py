@@ -1,0 +1,209 @@
+"""Plain data of the Python client: results, and the request / response
+conversions that need no channel.
+
+:func:`build_request` turns a prompt and sampling arguments into a
+``GenerateRequest``; :func:`accumulate` folds ``GenerateResponse`` messages into a
+:class:`GenerationResult` (with :class:`Usage` and :class:`TokenLogprob`). The
+gRPC client itself is :class:`pdcluster.client.PdclusterClient`, which re-exports
+these names.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Union
+
+from pdcluster.v1 import common_pb2, router_pb2
+
+_FINISH_PREFIX = "FINISH_REASON_"
+
+ChatMessageLike = Union[Mapping[str, str], common_pb2.ChatMessage]
+Prompt = Union[str, Sequence[int], Sequence[ChatMessageLike]]
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of one finished request."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Natural-log probability of one generated token and its top alternatives.
+
+    ``top`` lists ``(token_id, logprob)`` pairs in the server's order.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class GenerationResult:
+    """The whole result of one request.
+
+    ``finish_reason`` is the enum name without its prefix: ``"STOP"``,
+    ``"LENGTH"``, ``"ABORT"`` (``"UNSPECIFIED"`` if the server never set it).
+    ``logprobs`` is ``None`` unless the server returned log-probabilities.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    usage: Usage
+    logprobs: list[TokenLogprob] | None = None
+
+
+def finish_reason_name(value: int) -> str:
+    """Map a ``FinishReason`` enum value to its short name (``1`` -> ``"STOP"``).
+
+    Values unknown to this client map to their decimal string.
+    """
+    try:
+        name = common_pb2.FinishReason.Name(value)
+    except ValueError:
+        return str(value)
+    return name.removeprefix(_FINISH_PREFIX)
+
+
+def accumulate(chunks: Iterable[router_pb2.GenerateResponse]) -> GenerationResult:
+    """Fold ``GenerateResponse`` messages (one, or a stream of deltas) into a result.
+
+    Raises:
+        ValueError: ``chunks`` is empty.
+        grpc.RpcError: iterating a live call failed.
+    """
+    request_id, text_parts, token_ids = "", [], []
+    logprobs: list[TokenLogprob] = []
+    finish, usage, seen = 0, Usage(), False
+    for chunk in chunks:
+        seen = True
+        request_id = chunk.request_id or request_id
+        token_ids.extend(chunk.token_ids)
+        text_parts.append(chunk.text)
+        logprobs.extend(
+            TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+            for lp in chunk.logprobs
+        )
+        if chunk.finish_reason:
+            finish = chunk.finish_reason
+        if chunk.HasField("usage"):
+            u = chunk.usage
+            usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+    if not seen:
+        raise ValueError("no GenerateResponse message to accumulate")
+    return GenerationResult(
+        request_id=request_id,
+        token_ids=token_ids,
+        text="".join(text_parts),
+        finish_reason=finish_reason_name(finish),
+        usage=usage,
+        logprobs=logprobs or None,
+    )
+
+
+def _chat_message(msg: ChatMessageLike) -> common_pb2.ChatMessage:
+    if isinstance(msg, common_pb2.ChatMessage):
+        return msg
+    if not isinstance(msg, Mapping):
+        raise TypeError(f"chat message must be a mapping, got {type(msg).__name__}")
+    role, content = msg.get("role"), msg.get("content")
+    if not isinstance(role, str) or not isinstance(content, str):
+        raise ValueError(f"chat message needs string 'role' and 'content': {msg!r}")
+    return common_pb2.ChatMessage(role=role, content=content)
+
+
+def _set_prompt(req: router_pb2.GenerateRequest, prompt: Prompt) -> None:
+    if isinstance(prompt, str):
+        req.text = prompt
+        return
+    if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
+        raise TypeError(f"prompt must be str, list[int] or list[dict], got {type(prompt).__name__}")
+    if not prompt:
+        raise ValueError("prompt list is empty (cannot tell token ids from chat messages)")
+    if all(isinstance(m, (Mapping, common_pb2.ChatMessage)) for m in prompt):
+        req.messages.messages.extend(_chat_message(m) for m in prompt)
+        return
+    if any(isinstance(t, bool) for t in prompt):
+        raise TypeError("token ids must be integers, not bools")
+    try:
+        req.token_ids.ids.extend(operator.index(t) for t in prompt)
+    except TypeError as exc:
+        raise TypeError("prompt list must hold only ints or only chat messages") from exc
+
+
+def build_request(
+    prompt: Prompt,
+    *,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: str | Iterable[str] = (),
+    stop_token_ids: Iterable[int] = (),
+    ignore_eos: bool = False,
+    logprobs: int = 0,
+    request_id: str = "",
+    stream: bool = False,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+) -> router_pb2.GenerateRequest:
+    """Build a ``GenerateRequest``.
+
+    ``prompt`` selects the oneof: ``str`` -> ``text``, a list of ints ->
+    ``token_ids``, a list of ``{"role", "content"}`` dicts (or ``ChatMessage``)
+    -> ``messages``. Optional sampling fields left ``None`` stay unset so the
+    server applies its defaults (16 tokens, temperature 1.0, top_p 1.0, random
+    seed, repetition_penalty 1.0; ``min_p``, presence / frequency penalties and
+    ``logit_bias`` off, as are their ``0`` / empty values). ``min_p`` is in
+    [0, 1]; ``repetition_penalty`` > 0 (HF semantics, prompt + output tokens);
+    ``presence_penalty`` / ``frequency_penalty`` in [-2, 2] (OpenAI semantics,
+    output tokens); ``logit_bias`` maps token id (< vocab size) to a bias in
+    [-100, 100] added to that token's logit. A single ``str`` passed as
+    ``stop`` is one stop string. Value ranges are checked by the server
+    (``INVALID_ARGUMENT`` naming the field).
+
+    Raises:
+        TypeError: the prompt or a message/token has the wrong type.
+        ValueError: the prompt list is empty, a message lacks role/content, or
+            a number does not fit its protobuf field (e.g. a negative seed).
+    """
+    req = router_pb2.GenerateRequest(request_id=request_id, stream=stream)
+    _set_prompt(req, prompt)
+    sp = req.sampling
+    if max_tokens is not None:
+        sp.max_tokens = max_tokens
+    if temperature is not None:
+        sp.temperature = temperature
+    if top_p is not None:
+        sp.top_p = top_p
+    if seed is not None:
+        sp.seed = seed
+    sp.top_k = top_k
+    sp.stop.extend([stop] if isinstance(stop, str) else stop)
+    sp.stop_token_ids.extend(stop_token_ids)
+    sp.ignore_eos = ignore_eos
+    sp.logprobs = logprobs
+    if min_p:
+        sp.min_p = min_p
+    if repetition_penalty is not None:
+        sp.repetition_penalty = repetition_penalty
+    if presence_penalty:
+        sp.presence_penalty = presence_penalty
+    if frequency_penalty:
+        sp.frequency_penalty = frequency_penalty
+    if logit_bias:
+        for token_id, bias in logit_bias.items():
+            sp.logit_bias[operator.index(token_id)] = bias
+    return req
