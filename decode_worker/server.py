@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import queue
 
-import grpc
 import torch
 
 from decode_worker.events import Failed, Reserved, Tokens

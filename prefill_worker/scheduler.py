@@ -15,7 +15,6 @@ the inbox; only :meth:`step` (the loop thread) changes state or touches the pool
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque

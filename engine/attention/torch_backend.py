@@ -35,7 +35,7 @@ def paged_attention_torch(
         ``[T, num_heads, head_dim]`` in ``q``'s dtype.
     """
     t, h, d = q.shape
-    b, max_q, max_kv = meta.num_seqs, meta.max_query_len, meta.max_seq_len
+    b, max_q = meta.num_seqs, meta.max_query_len
     kh = k_cache.shape[2]
     k_flat = k_cache.reshape(-1, kh, d)
     v_flat = v_cache.reshape(-1, kh, d)
