@@ -39,7 +39,7 @@ from decode_worker.messages import AbortMsg, KvDoneMsg, KvFailedMsg, ReserveMsg
 from decode_worker.transfers import TransferTable
 from engine.block_pool import BlockPool, blocks_needed
 from engine.config import CacheConfig, SchedulerConfig
-from engine.inbox import Inbox
+from engine.inbox import Inbox, run_steps
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
 from engine.step import ScheduledSeq, StepPlan, TokenLogprobs
@@ -113,12 +113,7 @@ class DecodeScheduler:
     # ---- the loop ------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
         """Step until ``stop`` is set; a failing model step fails its batch, never the loop."""
-        while not stop.is_set():
-            try:
-                self.step()
-            except Exception:  # noqa: BLE001 - a scheduler bug must not kill the loop thread
-                log.exception("scheduler step raised; continuing")
-                time.sleep(0.01)
+        run_steps(stop, self.step)
 
     def step(self, block: bool = True) -> bool:
         """One scheduling round; returns whether a model step ran. With ``block``, an idle

@@ -7,8 +7,13 @@ them. Several schedulers driven by one loop (a colocated worker) share one
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+import time
+from typing import Callable
+
+log = logging.getLogger(__name__)
 
 
 class Inbox:
@@ -33,3 +38,15 @@ class Inbox:
                 out.append(self._q.get_nowait())
             except queue.Empty:
                 return out
+
+
+def run_steps(stop: threading.Event, step: Callable[[], object]) -> None:
+    """Call ``step()`` until ``stop`` is set. A raising step is logged and the loop goes
+    on (a scheduler bug must never kill a worker's only loop thread); model failures
+    are already handled inside the step by failing its batch."""
+    while not stop.is_set():
+        try:
+            step()
+        except Exception:  # noqa: BLE001 - keep the loop alive
+            log.exception("scheduler step raised; continuing")
+            time.sleep(0.01)

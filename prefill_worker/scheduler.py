@@ -26,7 +26,7 @@ import grpc
 
 from engine.block_pool import BlockPool, blocks_needed
 from engine.config import CacheConfig, SchedulerConfig
-from engine.inbox import Inbox
+from engine.inbox import Inbox, run_steps
 from engine.prefix_hash import block_hashes
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
@@ -159,12 +159,7 @@ class PrefillScheduler:
 
     # ---- the loop ------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            try:
-                self.step()
-            except Exception:  # noqa: BLE001 - a scheduler bug must not kill the loop thread
-                log.exception("scheduler step raised; continuing")
-                time.sleep(0.01)
+        run_steps(stop, self.step)
 
     def step(self, block: bool = True) -> bool:
         """One scheduling round; returns whether a model step ran. With ``block``, an idle
