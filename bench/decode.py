@@ -1,0 +1,283 @@
+"""Decode throughput of SmolLM2-135M (float32, CPU): our decode worker's engine against the
+memory-bandwidth floor, HF ``transformers`` ``generate`` and (optionally) vLLM's CPU build.
+
+Measured in one run on one machine:
+
+(a) the machine: copy bandwidth (a 512 MiB float32 ``copy_``, bytes read + written) and
+    float32 GEMM GFLOP/s (``torch.mm``, n = 2048), at the start and the bandwidth again
+    before every point;
+(b) ours: greedy decode through :class:`decode_worker.scheduler.DecodeScheduler` with the
+    prompts' KV delivered by a local prefill (``bench/_decode_ours.py``): tokens/s, TPOT,
+    and each step split into model forward (decoder + LM head) and overhead (metadata,
+    sampling, the rest of the runner, the scheduler), plus the per-token cost of streaming
+    and detokenization after the step;
+(c) HF ``generate`` on the same weights, prompts, batch and lengths (``bench/_decode_hf.py``);
+(d) with ``--vllm-python``, vLLM offline inference on the same weights, prompts, batch and
+    lengths in its own virtual environment (``bench/_decode_vllm.py``).
+
+Per point (batch size x context length; ``new_tokens`` greedy tokens, EOS ignored; the
+first token comes from the prefill, so TPOT is the mean of the ``new_tokens - 1`` decode
+steps): tokens/s, TPOT (ms) and the ratios ours / bandwidth floor (floor = (weights + KV
+bytes read per step) / measured bandwidth, as tokens/s), ours / HF and ours / vLLM (tokens/s).
+
+Writes ``<name>.json`` (one record per point) and ``<name>.md`` under ``--out-dir`` and prints
+the JSON to stdout (progress goes to stderr). ``--quick`` runs batch 1 and 32 at context 128
+and writes ``decode_quick.*`` to a temporary folder unless ``--out-dir`` is given.
+
+Usage::
+
+    python bench/decode.py --quick
+    python bench/decode.py --vllm-python /tmp/vllm-cpu/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+import _common
+import _decode_hf
+import _decode_ours
+import _decode_report
+from _decode_vllm import VllmError, VllmPeer
+
+BLOCK_SIZE = 16
+VLLM_BUDGET = ("1 OpenMP model thread bound to core 0; core 1 reserved for its engine-core scheduler and "
+               "front end (vLLM's CPU default on this 2-core machine)")
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="batch 1 and 32 at context 128 (< 5 min without vLLM)")
+    p.add_argument("--batches", default="1,8,32,64", help="comma-separated batch sizes")
+    p.add_argument("--contexts", default="128,1024", help="comma-separated prompt lengths (tokens)")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per sequence")
+    p.add_argument("--new-tokens-long", type=int, default=None,
+                   help="tokens generated at contexts >= 1024 (default: --new-tokens)")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads for ours and HF")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model spec (engine.model_loader)")
+    p.add_argument("--no-hf", action="store_true", help="skip HF generate")
+    p.add_argument("--vllm-python", default=None, help="python of a venv with vLLM's CPU build")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="runs of each engine per point, interleaved in rotating order; the best run "
+                        "counts (default 2, 1 with --quick)")
+    p.add_argument("--profile-steps", type=int, default=6,
+                   help="decode steps profiled with torch.profiler at batch 1 and 32 of every "
+                        "context (0 = no profile)")
+    p.add_argument("--out-dir", type=Path, default=None,
+                   help="where to write <name>.json and .md (default bench/results; a temporary folder "
+                        "with --quick)")
+    p.add_argument("--name", default=None, help="output file stem (default decode, decode_quick)")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.batches, a.contexts = "1,32", "128"
+    a.rounds = a.rounds or (1 if a.quick else 2)
+    a.batches = [int(x) for x in a.batches.split(",")]
+    a.contexts = [int(x) for x in a.contexts.split(",")]
+    a.name = a.name or ("decode_quick" if a.quick else "decode")
+    if a.out_dir is None:
+        a.out_dir = Path(tempfile.mkdtemp(prefix="decode-bench-")) if a.quick else _common.REPO / "bench" / "results"
+    return a
+
+
+def log(msg: str) -> None:
+    print(f"[decode {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _new_tokens(args, ctx: int) -> int:
+    return args.new_tokens_long if (ctx >= 1024 and args.new_tokens_long) else args.new_tokens
+
+
+def model_stats(model, cfg) -> dict:
+    """Bytes of the weights, weights in matmuls, KV bytes and attention flops per context token."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    num_params = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    return {"weight_bytes": weight_bytes, "matmul_params": num_params,
+            "kv_bytes_per_token": cfg.kv_bytes_per_token(4),
+            "attn_flops_per_ctx_token": 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim}
+
+
+def _run_engine(engine: str, model, cfg, hf, peer, prompts, prefilled, new_tokens) -> dict:
+    if engine == "ours":
+        return _decode_ours.measure_decode(model, cfg, prompts, prefilled, new_tokens, BLOCK_SIZE)
+    if engine == "hf":
+        return _decode_hf.measure_hf(hf, prompts, prefilled, new_tokens)
+    try:
+        return peer.run_point(len(prompts), len(prompts[0]), new_tokens, prompts)
+    except (VllmError, OSError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def run_point(model, cfg, hf, tokenizer, prompts, prefilled, new_tokens, stats, gemm, peer=None,
+              rounds: int = 1, no_hf: bool = False, copy_bytes: int = 512 << 20) -> dict:
+    """Measure one (batch, context) point: copy bandwidth and one-row linear rate now, then
+    ``rounds`` runs of each engine (ours, HF unless ``no_hf``, vLLM when ``peer``) interleaved
+    in rotating order; each engine's best run (lowest p50 TPOT) gives its numbers."""
+    b, ctx = len(prompts), len(prompts[0])
+    bw = _common.copy_bandwidth_GBps(copy_bytes)
+    gemv = _common.linear_stream_GBps([p for p in model.parameters() if p.dim() == 2])
+    load = _common.load_avg_1m()
+    engines = ["ours"] + ([] if no_hf else ["hf"]) + ([] if peer is None else ["vllm"])
+    runs: dict[str, list[dict]] = {e: [] for e in engines}
+    for r in range(rounds):
+        for e in engines[r % len(engines):] + engines[:r % len(engines)]:
+            runs[e].append(_run_engine(e, model, cfg, hf, peer, prompts, prefilled, new_tokens))
+    best = {e: min((x for x in rs if "error" not in x), key=lambda x: x["tpot_ms"], default=None)
+            for e, rs in runs.items()}
+    ours, hf_res, vllm_res = best["ours"], best.get("hf"), best.get("vllm")
+    stream = _decode_ours.stream_costs(tokenizer, prompts, ours.pop("events"))
+    for x in runs["ours"]:
+        x.pop("events", None)
+    floors = _common.decode_floors(stats["weight_bytes"], stats["matmul_params"], stats["kv_bytes_per_token"],
+                                   stats["attn_flops_per_ctx_token"], b, ctx + new_tokens / 2, bw, gemm)
+    kv_ms = (floors["bytes_per_step"] - stats["weight_bytes"]) / bw / 1e6
+    linear_floor_ms = stats["weight_bytes"] / gemv / 1e6 + kv_ms  # weights at torch's one-row linear rate
+    tps = ours["tokens_per_s"]
+    strip = lambda x: None if x is None else {k: v for k, v in x.items() if k != "token_ids"}  # noqa: E731
+    rec = {
+        "batch_size": b, "context_len": ctx, "new_tokens": new_tokens,
+        "tokens_per_s": tps, "tpot_ms": ours["tpot_ms"],
+        "ratio_bandwidth_floor": floors["bandwidth_floor_ms"] / ours["tpot_ms"],
+        "ratio_linear_floor": linear_floor_ms / ours["tpot_ms"],
+        "ratio_roofline": floors["roofline_floor_ms"] / ours["tpot_ms"],
+        "ratio_hf": tps / hf_res["tokens_per_s"] if hf_res else None,
+        "ratio_vllm": tps / vllm_res["tokens_per_s"] if vllm_res else None,
+        "load_avg_1m": load, "load_avg_1m_after": _common.load_avg_1m(), "copy_GBps_at_point": bw,
+        "linear_GBps_at_point": gemv, "linear_floor_ms": linear_floor_ms,
+        "bandwidth_floor_tokens_per_s": b / floors["bandwidth_floor_ms"] * 1e3, **floors,
+        "rounds_tpot_ms": {e: [x.get("tpot_ms") for x in rs] for e, rs in runs.items()},
+        "ours": strip(ours) | stream, "hf": strip(hf_res), "vllm": strip(vllm_res),
+        "vllm_errors": [x["error"] for x in runs.get("vllm", []) if "error" in x],
+        "greedy_agreement_hf": _common.greedy_agreement(ours["token_ids"], hf_res and hf_res["token_ids"]),
+        "greedy_agreement_vllm": _common.greedy_agreement(ours["token_ids"], vllm_res and vllm_res["token_ids"]),
+    }
+    step_ms = ours["mean_ms"]["step"]
+    per_step_stream_ms = (stream["worker_stream_us_per_token"] + stream["router_detok_stream_us_per_token"]) * b / 1e3
+    rec["ours"]["overhead_with_stream_ms"] = ours["mean_ms"]["overhead"] + per_step_stream_ms
+    rec["ours"]["overhead_with_stream_share"] = rec["ours"]["overhead_with_stream_ms"] / (step_ms + per_step_stream_ms)
+    return rec
+
+
+def _start_vllm(args, model_dir) -> tuple[VllmPeer | None, str | None]:
+    if not args.vllm_python:
+        return None, None
+    log_path = Path(tempfile.mkdtemp(prefix="decode-vllm-")) / "vllm.log"
+    log(f"starting vLLM (model load + compilation, ~2 min); its log: {log_path}")
+    try:
+        return VllmPeer(args.vllm_python, str(model_dir), 2048, log_path), None
+    except VllmError as e:
+        log(f"vLLM failed: {e}")
+        return None, str(e)
+
+
+def _profiles(args, model, cfg, hf, prompts, prefilled) -> list[dict]:
+    n = args.profile_steps
+    out = []
+    for b in (1, 32):
+        if b > len(prompts):
+            continue
+        p, pre = prompts[:b], prefilled[:b]
+        ours: dict = {"engine": "ours", "batch_size": b, "context_len": len(p[0]), "steps": n}
+        _decode_ours.measure_decode(model, cfg, p, pre, n + 1, BLOCK_SIZE, _common.op_profile(ours, n))
+        out.append(ours)
+        if not args.no_hf:
+            h: dict = {"engine": "hf", "batch_size": b, "context_len": len(p[0]), "steps": n + 1}
+            _decode_hf.measure_hf(hf, p, pre, n + 1, _common.op_profile(h, n + 1))  # its first step decodes too
+            out.append(h)
+    return out
+
+
+def run(args) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import transformers
+
+    from engine.config import ModelConfig
+    from engine.model import load_model
+    from engine.model_loader import resolve_model
+
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    load_start = _common.load_avg_1m()
+    model_dir = resolve_model(args.model)
+    cfg = ModelConfig.from_hf_folder(model_dir, name=args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = load_model(cfg, torch.device("cpu"), torch.float32)
+    hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    stats = model_stats(model, cfg)
+    log(f"machine rates, load {load_start:.2f}")
+    bw, gemm = _common.copy_bandwidth_GBps(), _common.gemm_GFLOPs()
+    mats = [p for p in model.parameters() if p.dim() == 2]
+    gemv = _common.linear_stream_GBps(mats)
+    log(f"copy {bw:.1f} GB/s, GEMM {gemm:.1f} GFLOP/s, one-row linear {gemv:.1f} GB/s")
+    variants = [v for v in (_common.linear_variants(mats, r) for r in sorted({1, *args.batches})) if v]
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    peer, vllm_start_error = _start_vllm(args, model_dir)
+    points, profiles = [], []
+    try:
+        for ctx in args.contexts:
+            prompts = _common.sonnet_prompts(tokenizer, max(args.batches), ctx)
+            log(f"prefill {len(prompts)} x {ctx} tokens")
+            prefilled = _decode_ours.prefill_kv(model, cfg, prompts, BLOCK_SIZE)
+            _decode_ours.measure_decode(model, cfg, prompts[:2], prefilled[:2], 4, BLOCK_SIZE)  # warm-up
+            if not args.no_hf:
+                _decode_hf.measure_hf(hf, prompts[:2], prefilled[:2], 4)
+            for b in args.batches:
+                nt = _new_tokens(args, ctx)
+                log(f"point batch {b} context {ctx} new {nt}, load {_common.load_avg_1m():.2f}")
+                rec = run_point(model, cfg, hf, tokenizer, prompts[:b], prefilled[:b], nt, stats, gemm, peer,
+                                args.rounds, args.no_hf)
+                points.append(rec)
+                log(f"  ours {rec['tokens_per_s']:.1f} tok/s ({rec['tpot_ms']:.1f} ms), "
+                    f"floor x{rec['ratio_bandwidth_floor']:.2f}, HF x{rec['ratio_hf'] or float('nan'):.2f}, "
+                    f"vLLM x{rec['ratio_vllm'] or float('nan'):.2f}; rounds {rec['rounds_tpot_ms']}")
+            if args.profile_steps:
+                log("profiling")
+                profiles += _profiles(args, model, cfg, hf, prompts, prefilled)
+            del prefilled
+            gc.collect()
+    finally:
+        if peer is not None:
+            peer.close()
+    res = {
+        "benchmark": "decode", "quick": args.quick, "model": args.model, "model_dir": str(model_dir),
+        "dtype": "float32", "device": "cpu", "cpu": _common.cpu_name(), "cpu_count": os.cpu_count(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "vllm": peer.info["vllm"] if peer else None, "block_size": BLOCK_SIZE, "rounds": args.rounds,
+        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "thread_budget": {"ours": f"{args.threads} torch intra-op threads (one process)",
+                          "hf": f"{args.threads} torch intra-op threads (same process)",
+                          "vllm": VLLM_BUDGET if args.vllm_python else None},
+        "machine": {"copy_GBps": bw, "copy_bytes": 512 << 20, "gemm_GFLOPs": gemm, "gemm_n": 2048,
+                    "linear_GBps": gemv, "linear_variants": variants},
+        **stats, "load_avg_1m_start": load_start, "load_avg_1m_end": _common.load_avg_1m(),
+        "points": points, "vllm_start_error": vllm_start_error, "vllm_info": peer.info if peer else None,
+        "profiles": profiles,
+        "duration_s": time.perf_counter() - t_start,
+    }
+    res["targets"] = _decode_report.targets(res)
+    return res
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    res = run(args)
+    stem = args.out_dir / args.name
+    text = json.dumps(res, indent=2) + "\n"
+    stem.with_suffix(".json").write_text(text)
+    stem.with_suffix(".md").write_text(_decode_report.markdown(res))
+    log(f"wrote {stem}.json and {stem}.md in {res['duration_s']:.0f} s")
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
