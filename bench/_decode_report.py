@@ -57,6 +57,7 @@ def markdown(r: dict) -> str:
     out = [
         f"# Decode throughput: {r['model']} float32 on CPU" + (" (quick)" if r["quick"] else ""),
         "",
+        *([] if r.get("complete", True) else ["**Partial result: the run had not finished when this was written.**", ""]),
         f"Run {r['started_at']}, {r['duration_s'] / 60:.1f} min; {r['cpu']}, {r['cpu_count']} cores; "
         f"torch {r['torch']}, transformers {r['transformers']}, vLLM {r['vllm'] or 'not run'}. "
         f"1-minute load average {r['load_avg_1m_start']:.2f} at the start, {r['load_avg_1m_end']:.2f} at the "

@@ -59,17 +59,27 @@ def log(msg: str) -> None:
     print(f"[kvtransfer {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def prefill_prompt(model, cfg, prompt: list[int], budget: int, reps: int) -> tuple[torch.Tensor, list[int], dict]:
-    """Prefill ``prompt`` into a fresh cache: (cache, the prompt's block ids, timing record)."""
+def prefill_prompt(model, cfg, params: int, prompt: list[int], budget: int, reps: int,
+                   gemm_n: int = 2048) -> tuple[torch.Tensor, list[int], dict]:
+    """Prefill ``prompt`` into a fresh cache: (cache, the prompt's block ids, timing record).
+
+    The record also holds ``prefill_roofline_s``: the prompt's model FLOPs
+    (``bench/_prefill_measure.py``) at the GEMM rate measured right before and after the
+    prefill runs, a lower bound on the prefill time that the machine's load hardly moves.
+    """
     runner = pm.make_runner(model, cfg, len(prompt), 1)
     plans = pm.step_plans([prompt], 1, budget)
     n = reps if len(plans) == 1 else 1
     if len(plans) == 1:
         pm.run_plans(runner, plans)
+    before = _common.gemm_GFLOPs(gemm_n, 2)
     times = [pm.run_plans(runner, plans)[0] for _ in range(n)]
+    gemm = (before + _common.gemm_GFLOPs(gemm_n, 2)) / 2
+    flops = pm.prefill_flops(cfg, params, [len(prompt)])["flops"]
     return runner.kv_cache, plans[-1].seqs[0].block_table, {
         "prefill_s": statistics.median(times), "prefill_s_all": times, "prefill_steps": len(plans),
-        "prefill_warmup": len(plans) == 1}
+        "prefill_warmup": len(plans) == 1, "prefill_flops": flops, "gemm_GFLOPs": gemm,
+        "prefill_roofline_s": flops / (gemm * 1e9)}
 
 
 def records(n: int, m: dict, pre: dict, load_avg: tuple[float, float]) -> list[dict]:
@@ -81,6 +91,7 @@ def records(n: int, m: dict, pre: dict, load_avg: tuple[float, float]) -> list[d
         out.append({"transport": name, "prompt_tokens": n, "payload_bytes": m["payload_bytes"],
                     "gb_per_s": t["gb_per_s"], "latency_ms": t["latency_ms"], "ratio_raw_tcp": t["gb_per_s"] / raw_gbps,
                     "ratio_prefill_time": t["latency_ms"] / 1e3 / pre["prefill_s"],
+                    "ratio_prefill_time_at_roofline": t["latency_ms"] / 1e3 / pre["prefill_roofline_s"],
                     "ratio_raw_tcp_paired": m["ratio_paired"] if name == "grpc" else 1.0,
                     "verified": m["verified"] if name == "grpc" else None,
                     **{k: v for k, v in t.items() if k not in ("gb_per_s", "latency_ms")}, **pre,
@@ -94,6 +105,7 @@ def run(args) -> dict:
     load_start = _common.load_avg_1m()
     cfg, model, tok = load(args.model)
     kv_bytes_per_token = cfg.kv_bytes_per_token(4)
+    params = pm.non_embedding_params(model)
     biggest = max(args.prompts)
     shape = (cfg.num_layers, 2, blocks_needed(biggest, pm.BLOCK_SIZE) + 1, pm.BLOCK_SIZE, cfg.num_kv_heads,
              cfg.head_dim)
@@ -103,7 +115,7 @@ def run(args) -> dict:
         for n in args.prompts:
             prompt = _common.sonnet_prompts(tok, 1, n)[0]
             log(f"prefill {n} tokens, load {_common.load_avg_1m():.2f}")
-            kv, src, pre = prefill_prompt(model, cfg, prompt, args.budget, args.prefill_reps)
+            kv, src, pre = prefill_prompt(model, cfg, params, prompt, args.budget, args.prefill_reps)
             log(f"  {pre['prefill_s']:.2f} s; transfers of {len(src)} blocks, load {_common.load_avg_1m():.2f}")
             before = _common.load_avg_1m()
             m = km.measure_transports(receiver, kv, src, args.reps, args.layers_per_chunk, args.max_chunk_bytes)

@@ -5,7 +5,8 @@ C work (torch copies, CRC32, protobuf, gRPC core) is attributed to the Python li
 called it; the line's text decides the category. py-spy's own idle detection does not
 work on this machine, so samples whose innermost line is a wait (a lock, ``accept``, the
 control pipe, an empty work queue, the idle raw TCP connection) are counted as idle and
-left out of the shares. Sampling is ``--nonblocking`` (the processes are not paused; a sample may be torn).
+left out of the shares. Sampling is ``--nonblocking`` (the processes are not paused; a
+sample may be torn).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ RULES = (
     ("protobuf: serialize / parse (gRPC's serializer call)", lambda f, p, t: f.startswith("_transform")),
     ("copy into a writable tensor (tensor_from_bytes)", lambda f, p, t: f.startswith("tensor_from_bytes")),
     ("cache write (TransferTable.write, index_copy_)", lambda f, p, t: f.startswith("TransferTable.write")),
-    ("gRPC: handing a message to the core (call.operate)", lambda f, p, t: "operate(" in t),
+    ("gRPC: handing a send / receive to the core (call.operate, start_server_batch)",
+     lambda f, p, t: "operate(" in t or "start_server_batch(" in t),
+    ("gRPC Python's thread handoffs (Condition notify / enter)", lambda f, p, t: f.startswith("Condition.")),
     ("gRPC core: completion-queue poll (socket I/O, HTTP/2, or waiting for them)",
      lambda f, p, t: "next_event(" in t or ".poll(" in t),
 )

@@ -53,6 +53,24 @@ def _why(r: dict) -> list[str]:
     return out
 
 
+def _diagnostic(r: dict) -> list[str]:
+    rows = r.get("thread_diagnostic") or []
+    if not rows:
+        return []
+    out = ["", f"## Same points at {rows[0]['threads']} torch thread(s), same run (diagnostic)", "",
+           f"With {r['threads']} threads every parallel operator ends in a barrier. When another process "
+           "holds one of the cores, that barrier waits for a descheduled thread, at each of the hundreds of "
+           "operators of a step; the GEMM of the roofline (a few long operators) hardly suffers. The rows "
+           "below repeat points with fewer threads, against the GEMM rate at those threads; *x main* = "
+           f"tokens/s over the {r['threads']}-thread row above.", "",
+           "| length | threads | s (median) | tok/s | achieved GFLOP/s | GEMM GFLOP/s | x roofline | x main "
+           "| load 1m before / after |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    out += [f"| {p['prompt_len']} | {p['threads']} | {p['seconds']:.2f} | {p['tokens_per_s']:.0f} | "
+            f"{p['achieved_GFLOPs']:.1f} | {p['gemm_GFLOPs']:.1f} | {p['ratio_roofline']:.2f} | "
+            f"{p['ratio_vs_main_threads']:.2f} | {p['load_avg_1m']:.2f} / {p['load_avg_1m_after']:.2f} |" for p in rows]
+    return out
+
+
 CLOSE = [
     "What would close the gap (engine changes, not made here; each aimed at a measured share above):",
     "",
@@ -99,6 +117,7 @@ def markdown(r: dict) -> str:
             f"{p['tokens']} | {p['seconds']:.2f} | {p['tokens_per_s']:.0f} | {p['achieved_GFLOPs']:.1f} | "
             f"{p['gemm_GFLOPs']:.1f} | {p['ratio_roofline']:.2f} | {p['roofline_tokens_per_s']:.0f} | "
             f"{_f(p.get('ratio_batched_vs_single'))} | {p['load_avg_1m']:.2f} / {p['load_avg_1m_after']:.2f} |")
+    out += _diagnostic(r)
     out += ["", "## Targets", "", "| target | value | minimum | met | shortfall |", "|---|---:|---:|---|---:|"]
     for t in r["targets"]:
         out.append(f"| {t['target']} | {t['value']:.2f} | {t['minimum']:.2f} | {'yes' if t['met'] else '**no**'} "

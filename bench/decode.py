@@ -196,7 +196,17 @@ def _profiles(args, model, cfg, hf, prompts, prefilled) -> list[dict]:
     return out
 
 
+def save(res: dict, out_dir: Path, name: str) -> Path:
+    """Write ``<name>.json`` and ``<name>.md`` (targets recomputed); returns the stem."""
+    res["targets"] = _decode_report.targets(res)
+    stem = out_dir / name
+    stem.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(_decode_report.markdown(res))
+    return stem
+
+
 def run(args) -> dict:
+    """The whole benchmark; results are saved after every point (``complete`` false until the end)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import transformers
 
@@ -221,7 +231,27 @@ def run(args) -> dict:
     variants = [v for v in (_common.linear_variants(mats, r) for r in sorted({1, *args.batches})) if v]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     peer, vllm_start_error = _start_vllm(args, model_dir)
-    points, profiles = [], []
+    res = {
+        "benchmark": "decode", "complete": False, "quick": args.quick, "model": args.model,
+        "model_dir": str(model_dir), "dtype": "float32", "device": "cpu", "cpu": _common.cpu_name(),
+        "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "vllm": peer.info["vllm"] if peer else None, "block_size": BLOCK_SIZE, "rounds": args.rounds,
+        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "thread_budget": {"ours": f"{args.threads} torch intra-op threads (one process)",
+                          "hf": f"{args.threads} torch intra-op threads (same process)",
+                          "vllm": VLLM_BUDGET if args.vllm_python else None},
+        "machine": {"copy_GBps": bw, "copy_bytes": 512 << 20, "gemm_GFLOPs": gemm, "gemm_n": 2048,
+                    "linear_GBps": gemv, "linear_variants": variants},
+        **stats, "load_avg_1m_start": load_start, "load_avg_1m_end": None,
+        "points": [], "vllm_start_error": vllm_start_error, "vllm_info": peer.info if peer else None,
+        "profiles": [], "duration_s": None,
+    }
+
+    def checkpoint() -> None:
+        res["load_avg_1m_end"] = _common.load_avg_1m()
+        res["duration_s"] = time.perf_counter() - t_start
+        save(res, args.out_dir, args.name)
+
     try:
         for ctx in args.contexts:
             prompts = _common.sonnet_prompts(tokenizer, max(args.batches), ctx)
@@ -235,47 +265,29 @@ def run(args) -> dict:
                 log(f"point batch {b} context {ctx} new {nt}, load {_common.load_avg_1m():.2f}")
                 rec = run_point(model, cfg, hf, tokenizer, prompts[:b], prefilled[:b], nt, stats, gemm, peer,
                                 args.rounds, args.no_hf)
-                points.append(rec)
+                res["points"].append(rec)
+                checkpoint()
                 log(f"  ours {rec['tokens_per_s']:.1f} tok/s ({rec['tpot_ms']:.1f} ms), "
                     f"floor x{rec['ratio_bandwidth_floor']:.2f}, HF x{rec['ratio_hf'] or float('nan'):.2f}, "
                     f"vLLM x{rec['ratio_vllm'] or float('nan'):.2f}; rounds {rec['rounds_tpot_ms']}")
             if args.profile_steps:
                 log("profiling")
-                profiles += _profiles(args, model, cfg, hf, prompts, prefilled)
+                res["profiles"] += _profiles(args, model, cfg, hf, prompts, prefilled)
             del prefilled
             gc.collect()
     finally:
         if peer is not None:
             peer.close()
-    res = {
-        "benchmark": "decode", "quick": args.quick, "model": args.model, "model_dir": str(model_dir),
-        "dtype": "float32", "device": "cpu", "cpu": _common.cpu_name(), "cpu_count": os.cpu_count(),
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "vllm": peer.info["vllm"] if peer else None, "block_size": BLOCK_SIZE, "rounds": args.rounds,
-        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "thread_budget": {"ours": f"{args.threads} torch intra-op threads (one process)",
-                          "hf": f"{args.threads} torch intra-op threads (same process)",
-                          "vllm": VLLM_BUDGET if args.vllm_python else None},
-        "machine": {"copy_GBps": bw, "copy_bytes": 512 << 20, "gemm_GFLOPs": gemm, "gemm_n": 2048,
-                    "linear_GBps": gemv, "linear_variants": variants},
-        **stats, "load_avg_1m_start": load_start, "load_avg_1m_end": _common.load_avg_1m(),
-        "points": points, "vllm_start_error": vllm_start_error, "vllm_info": peer.info if peer else None,
-        "profiles": profiles,
-        "duration_s": time.perf_counter() - t_start,
-    }
-    res["targets"] = _decode_report.targets(res)
+    res["complete"] = True
+    checkpoint()
     return res
 
 
 def main(argv=None) -> int:
     args = _parse(argv)
     res = run(args)
-    stem = args.out_dir / args.name
-    text = json.dumps(res, indent=2) + "\n"
-    stem.with_suffix(".json").write_text(text)
-    stem.with_suffix(".md").write_text(_decode_report.markdown(res))
-    log(f"wrote {stem}.json and {stem}.md in {res['duration_s']:.0f} s")
-    sys.stdout.write(text)
+    log(f"wrote {args.out_dir / args.name}.json and .md in {res['duration_s']:.0f} s")
+    sys.stdout.write(json.dumps(res, indent=2) + "\n")
     return 0
 
 

@@ -60,6 +60,9 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--gemm-n", type=int, default=2048, help="size of the square GEMM of the roofline")
     p.add_argument("--model", default="smollm2-135m-instruct", help="model spec (engine.model_loader)")
     p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler run")
+    p.add_argument("--diag-threads", type=int, default=1,
+                   help="re-measure the shortest and longest length (single) at this many threads, same run "
+                        "(0 = skip; skipped with --quick)")
     p.add_argument("--out-dir", type=Path, default=None,
                    help="where to write <name>.json and .md (default bench/results; a temporary folder with --quick)")
     p.add_argument("--name", default=None, help="output file stem (default prefill, prefill_quick)")
@@ -67,6 +70,7 @@ def _parse(argv=None) -> argparse.Namespace:
     a.lengths = [TARGET_LENGTH] if a.quick else [int(x) for x in a.lengths.split(",")]
     a.modes = ("single",) if a.quick else ("single", "batched")
     a.reps = 2 if a.quick else a.reps
+    a.diag_threads = 0 if a.quick else a.diag_threads
     a.name = a.name or ("prefill_quick" if a.quick else "prefill")
     if a.out_dir is None:
         a.out_dir = Path(tempfile.mkdtemp(prefix="prefill-bench-")) if a.quick else _common.REPO / "bench" / "results"
@@ -130,6 +134,7 @@ def run(args) -> dict:
         single = next((p for p in points if p["prompt_len"] == rec["prompt_len"] and p["mode"] == "single"), None)
         rec["ratio_batched_vs_single"] = (rec["tokens_per_s"] / single["tokens_per_s"]
                                           if rec["mode"] == "batched" and single else None)
+    diagnostic = thread_diagnostic(args, model, cfg, params, tok, points) if args.diag_threads else []
     if not args.no_profile:
         n = max(args.lengths)
         log(f"profiling one {n}-token step")
@@ -148,10 +153,32 @@ def run(args) -> dict:
         "head_dim": cfg.head_dim, "flops_formula": "2 * non_embedding_params * tokens + 4 * num_layers * "
                                                    "num_heads * head_dim * sum over prompts of n (n + 1) / 2",
         "load_avg_1m_start": load_start, "load_avg_1m_end": _common.load_avg_1m(),
-        "points": points, "profile": profile, "duration_s": time.perf_counter() - t_start,
+        "points": points, "thread_diagnostic": diagnostic, "profile": profile,
+        "duration_s": time.perf_counter() - t_start,
     }
     res["targets"] = targets(res)
     return res
+
+
+def thread_diagnostic(args, model, cfg, params: int, tok, points: list[dict]) -> list[dict]:
+    """The shortest and the longest length, single, again at ``--diag-threads`` torch threads
+    (their roofline: the GEMM rate at those threads); ``ratio_vs_main_threads`` = tokens/s over
+    the main point's."""
+    torch.set_num_threads(args.diag_threads)
+    out = []
+    try:
+        for n in sorted({min(args.lengths), max(args.lengths)}):
+            prompts = _common.sonnet_prompts(tok, max(1, args.budget // n), n)
+            log(f"diagnostic: {n} tokens, single, {args.diag_threads} thread(s), load {_common.load_avg_1m():.2f}")
+            rec = run_point(model, cfg, params, prompts, "single", args.budget, args.reps, args.gemm_n)
+            main = next(p for p in points if p["prompt_len"] == n and p["mode"] == "single")
+            rec |= {"threads": args.diag_threads, "ratio_vs_main_threads": rec["tokens_per_s"] / main["tokens_per_s"]}
+            log(f"  {rec['tokens_per_s']:.0f} tok/s (x{rec['ratio_vs_main_threads']:.2f} of {args.threads} threads), "
+                f"GEMM {rec['gemm_GFLOPs']:.1f} GFLOP/s, roofline x{rec['ratio_roofline']:.2f}")
+            out.append(rec)
+    finally:
+        torch.set_num_threads(args.threads)
+    return out
 
 
 def targets(res: dict) -> list[dict]:
