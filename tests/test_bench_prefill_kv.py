@@ -5,6 +5,7 @@ both reports."""
 
 from __future__ import annotations
 
+import argparse
 import collections
 import importlib
 import sys
@@ -79,16 +80,19 @@ def test_one_prefill_point_and_report(model, model_config, tokenizer):
     assert sum(c["ms"] for c in prof["categories"]) == pytest.approx(prof["wall_ms"], rel=1e-6)
     assert next(c for c in prof["categories"] if c["category"].startswith("GEMM"))["ms"] > 0
     assert prof["attention_variants"]["max_abs_diff"] < 1e-4
+    args = argparse.Namespace(diag_threads=1, threads=1, lengths=[8], budget=16, reps=1, gemm_n=64)
+    diag = prefill.thread_diagnostic(args, model, model_config, params, tokenizer, [single])
+    assert [(d["prompt_len"], d["threads"]) for d in diag] == [(8, 1)] and diag[0]["ratio_vs_main_threads"] > 0
     single |= {"prompt_len": 2048}
     res = {"quick": True, "model": "m", "started_at": "t", "duration_s": 1.0, "cpu": "c", "cpu_count": 2,
            "torch": "t", "thread_budget": "2", "load_avg_1m_start": 1.0, "load_avg_1m_end": 1.0, "block_size": 16,
            "budget_tokens": 16, "reps": 2, "flops_formula": "f", "non_embedding_params": params, "num_layers": 30,
            "num_heads": 9, "head_dim": 64, "gemm_n": 64, "points": [single | {"ratio_batched_vs_single": None}],
-           "profile": prof}
+           "profile": prof, "threads": 1, "thread_diagnostic": diag}
     res["targets"] = prefill.targets(res)
     assert res["targets"][0]["met"] == (single["ratio_roofline"] >= 0.6)
     md = _prefill_report.markdown(res)
-    assert "| 2048 | single | 2 | 1 | 2 | 16 |" in md and "## Profile" in md
+    assert "| 2048 | single | 2 | 1 | 2 | 16 |" in md and "## Profile" in md and "(diagnostic)" in md
 
 
 def test_transfers_per_transport_and_report():
@@ -111,9 +115,10 @@ def test_transfers_per_transport_and_report():
     assert set(st["sender"]) == {k for k, _ in _kv_report.SENDER_STAGES}
     assert set(st["receiver"]) == {k for k, _ in _kv_report.RECEIVER_STAGES}
     recs = _kv_main.records(1024, m, {"prefill_s": 2.0, "prefill_s_all": [2.0], "prefill_steps": 1,
-                                      "prefill_warmup": True}, (1.0, 1.1))
+                                      "prefill_warmup": True, "prefill_roofline_s": 0.5}, (1.0, 1.1))
     assert [r["transport"] for r in recs] == ["grpc", "raw_tcp"] and recs[1]["ratio_raw_tcp"] == 1.0
     assert recs[0]["ratio_prefill_time"] == pytest.approx(recs[0]["latency_ms"] / 2000)
+    assert recs[0]["ratio_prefill_time_at_roofline"] == pytest.approx(recs[0]["latency_ms"] / 500)
     res = {"quick": True, "model": "m", "started_at": "t", "duration_s": 1.0, "cpu": "c", "cpu_count": 2,
            "torch": "t", "grpc": "g", "load_avg_1m_start": 1.0, "load_avg_1m_end": 1.0, "processes": "p",
            "thread_budget": "t", "kv_bytes_per_token": 46080, "block_size": 4, "layers_per_chunk": 1,
