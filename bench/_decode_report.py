@@ -33,19 +33,6 @@ def _x(x) -> str:
     return "—" if x is None else f"{x:.2f}x"
 
 
-def _variants(rows: list[dict]) -> list[str]:
-    if not rows:
-        return []
-    out = ["Every weight matrix once (one decode step's matmuls) with `F.linear`, as the model runs it, "
-           "and with oneDNN's prepacked linear (`torch.ops.mkldnn._linear_pointwise`; what inductor's CPU "
-           "freezing and vLLM's CPU build use), same threads, same run:", "",
-           "| rows (batch) | F.linear ms | oneDNN prepacked ms | speed-up | max abs diff |",
-           "|---:|---:|---:|---:|---:|"]
-    out += [f"| {v['rows']} | {v['f_linear_ms']:.1f} | {v['mkldnn_packed_ms']:.1f} | {v['speedup']:.2f}x | "
-            f"{v['max_abs_diff']:.1e} |" for v in rows]
-    return out + [""]
-
-
 def _pm(rec: dict) -> str:
     return "—" if not rec else f"{rec['tpot_ms']:.1f} / {rec['tpot_ms_mean']:.1f}"
 
@@ -63,15 +50,14 @@ def markdown(r: dict) -> str:
         f"1-minute load average {r['load_avg_1m_start']:.2f} at the start, {r['load_avg_1m_end']:.2f} at the "
         "end (other engineers' jobs share the machine; per point below).",
         "",
-        f"Machine, same run: copy bandwidth {m['copy_GBps']:.1f} GB/s ({m['copy_bytes'] >> 20} MiB float32 "
-        f"`copy_`, read + write; re-measured before each point, column *copy GB/s*), float32 GEMM "
-        f"{m['gemm_GFLOPs']:.1f} GFLOP/s (`torch.mm`, n = {m['gemm_n']}), one-row linear "
-        f"{m['linear_GBps']:.1f} GB/s (`F.linear` of a `[1, in]` row over every weight matrix: the "
-        "weight-streaming rate torch's own kernels reach at batch 1; column *linear GB/s*). "
-        f"Weights {r['weight_bytes'] / 1e6:.0f} MB, "
+        f"Machine, same run, at the start: copy bandwidth {m['copy_GBps']:.1f} GB/s ({m['copy_bytes'] >> 20} MiB "
+        f"float32 `copy_`, read + write), float32 GEMM {m['gemm_GFLOPs']:.1f} GFLOP/s (`torch.mm`, "
+        f"n = {m['gemm_n']}), one-row linear {m['linear_GBps']:.1f} GB/s (`F.linear` of a `[1, in]` row over "
+        "every weight matrix: the weight-streaming rate torch's own kernels reach at batch 1). All three are "
+        "measured again right before each point (columns *copy GB/s*, *linear GB/s*, *GEMM GFLOP/s*) and the "
+        f"point's own values give its floors. Weights {r['weight_bytes'] / 1e6:.0f} MB, "
         f"KV {r['kv_bytes_per_token'] / 1024:.0f} KiB per token.",
         "",
-        *_variants(m.get("linear_variants") or []),
         f"Thread budget: ours — {tb['ours']}; HF — {tb['hf']}; vLLM — {tb['vllm'] or 'not run'}.",
         "",
         "Greedy, EOS ignored, distinct prompts cut from `sonnet.txt`; the first token comes from the "
@@ -84,8 +70,8 @@ def markdown(r: dict) -> str:
         "",
         "| batch | context | new | ours tok/s | ours TPOT ms p50 / mean | floor tok/s | ours/floor "
         "| ours/linear floor | ours/roofline | HF tok/s | HF TPOT ms p50 / mean | ours/HF | vLLM tok/s "
-        "| vLLM TPOT ms p50 / mean | ours/vLLM | load 1m | copy GB/s | linear GB/s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| vLLM TPOT ms p50 / mean | ours/vLLM | load 1m | copy GB/s | linear GB/s | GEMM GFLOP/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for p in r["points"]:
         hf, vl, o = p.get("hf") or {}, p.get("vllm") or {}, p["ours"]
@@ -95,7 +81,24 @@ def markdown(r: dict) -> str:
             f"{p['ratio_bandwidth_floor']:.2f} | {p['ratio_linear_floor']:.2f} | {p['ratio_roofline']:.2f} | "
             f"{_f(hf.get('tokens_per_s'), '.1f')} | {_pm(hf)} | {_x(p['ratio_hf'])} | "
             f"{_f(vl.get('tokens_per_s'), '.1f')} | {_pm(vl)} | {_x(p['ratio_vllm'])} | "
-            f"{p['load_avg_1m']:.2f} | {p['copy_GBps_at_point']:.1f} | {p['linear_GBps_at_point']:.1f} |")
+            f"{p['load_avg_1m']:.2f} | {p['copy_GBps_at_point']:.1f} | {p['linear_GBps_at_point']:.1f} | "
+            f"{_f(p.get('gemm_GFLOPs_at_point'), '.1f')} |")
+    out += ["", f"Each engine ran {r.get('rounds', 1)} time(s) per point, interleaved in rotating order; the "
+            "table shows each engine's best run. p50 TPOT (ms) of every run, in order:", ""]
+    out += [f"* batch {p['batch_size']}, context {p['context_len']}: " + "; ".join(
+        f"{e} " + ", ".join(_f(t, ".0f") for t in ts) for e, ts in p.get("rounds_tpot_ms", {}).items())
+        for p in r["points"]]
+    variants = [p for p in r["points"] if p.get("linear_variants_at_point")]
+    if variants:
+        out += ["", "One step's matmuls (every weight matrix once, `batch` rows) with `F.linear`, as the model "
+                "runs them, and with oneDNN's prepacked linear (`torch.ops.mkldnn._linear_pointwise`; what "
+                "inductor's CPU freezing and vLLM's CPU build use), fastest of 3 alternating passes each, "
+                "right before the point:", "",
+                "| batch | context | F.linear ms | oneDNN prepacked ms | speed-up | max abs diff |",
+                "|---:|---:|---:|---:|---:|---:|"]
+        out += [f"| {p['batch_size']} | {p['context_len']} | {v['f_linear_ms']:.1f} | {v['mkldnn_packed_ms']:.1f} | "
+                f"{v['speedup']:.2f}x | {v['max_abs_diff']:.1e} |"
+                for p in r["points"] for v in [p["linear_variants_at_point"]] if v]
     if r.get("vllm_start_error"):
         out += ["", f"vLLM did not start: `{r['vllm_start_error'][:800]}`"]
     for p in r["points"]:
@@ -105,7 +108,8 @@ def markdown(r: dict) -> str:
         "",
         "## Step overhead (ours)",
         "",
-        "Mean ms per decode step on the stepping thread. Overhead = step − (decoder forward + LM head): "
+        "Median ms per decode step (each part's own median over the steps of the best run; means are in "
+        "the JSON) on the stepping thread. Overhead = step − (decoder forward + LM head): "
         "attention metadata, sampling, the rest of `ModelRunner.execute`, and the scheduler (inbox, plan, "
         "block growth, stop checks, events). After the step, per token: the worker's `DecodeEvent` "
         "(built + serialized) and the router's parse + incremental detokenization (`OutputAssembler`) + "
@@ -116,11 +120,11 @@ def markdown(r: dict) -> str:
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for p in r["points"]:
-        o, mm = p["ours"], p["ours"]["mean_ms"]
+        o, mm = p["ours"], p["ours"]["median_ms"]
         out.append(
             f"| {p['batch_size']} | {p['context_len']} | {mm['step']:.2f} | {mm['forward']:.2f} | {mm['lm_head']:.2f} "
             f"| {mm['overhead']:.2f} | {mm['metadata']:.2f} | {mm['sampling']:.2f} | {mm['runner_other']:.2f} "
-            f"| {mm['scheduler']:.2f} | {o['overhead_share']:.1%} | {o['worker_stream_us_per_token']:.1f} "
+            f"| {mm['scheduler']:.2f} | {o['overhead_share_median']:.1%} | {o['worker_stream_us_per_token']:.1f} "
             f"| {o['router_detok_stream_us_per_token']:.1f} | {o['overhead_with_stream_ms']:.2f} "
             f"| {o['overhead_with_stream_share']:.1%} |")
     agree = [p for p in r["points"] if p.get("greedy_agreement_hf") or p.get("greedy_agreement_vllm")]
@@ -141,6 +145,8 @@ def markdown(r: dict) -> str:
         met = "not measured" if t["met"] is None else ("yes" if t["met"] else "**no**")
         out.append(f"| {t['target']} | {t['context_len']} | {_f(t['value'])} | {t['minimum']:.2f} | {met} "
                    f"| {_f(t['shortfall'], '.0%')} |")
+    if r.get("analysis"):
+        out += ["", r["analysis"].rstrip()]
     for pr in r["profiles"]:
         out += ["", f"## Profile: {pr['engine']}, batch {pr['batch_size']}, context {pr['context_len']} "
                 f"({pr['steps']} steps, `torch.profiler`)", "",

@@ -133,6 +133,10 @@ def run(args) -> dict:
                 profile = _kv_pyspy.record({"sender": os.getpid(), "receiver": receiver.pid},
                                            lambda p=path: [p.once() for _ in range(PROFILE_TRANSFERS)])
                 profile |= {"prompt_tokens": n, "transfers": PROFILE_TRANSFERS}
+                log("py-spy --native over the sender's gRPC core calls")
+                profile["sender_native"] = _kv_pyspy.record(
+                    {"sender": os.getpid()}, lambda p=path: [p.once() for _ in range(2 * PROFILE_TRANSFERS)],
+                    rate=250, native_category=_kv_pyspy.OPERATE)["sender"]["native"]
                 path.close()
             del kv
     res = {

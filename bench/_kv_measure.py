@@ -218,14 +218,18 @@ def _stage_costs_once(kv_cache: torch.Tensor, src_ids: list[int], layers_per_chu
         chunk = _timed(snd, "encode_total", encode_kv_chunk, meta, blocks)
         dtype, shape = blocks.dtype, list(blocks.shape)
         del blocks
+        _timed(snd, "payload_access", getattr, chunk, "payload")  # GrpcKvSender._chunks: len(chunk.payload)
         wire = _timed(snd, "serialize", chunk.SerializeToString)
         del chunk
         torch.set_num_threads(receiver_threads)
         got = _timed(rcv, "parse", kv_pb2.KvChunk.FromString, wire)
         del wire
-        _timed(rcv, "crc32", zlib.crc32, got.payload)
-        _timed(rcv, "from_bytes", tensor_from_bytes, got.payload, dtype, shape)
+        payload = _timed(rcv, "payload_access", getattr, got, "payload")  # decode_chunk's read of the field
+        _timed(rcv, "crc32", zlib.crc32, payload)
+        _timed(rcv, "from_bytes", tensor_from_bytes, payload, dtype, shape)
+        del payload
         header, tensor = _timed(rcv, "decode_total", decode_chunk, got)
+        _timed(rcv, "payload_len", getattr, got, "payload")  # the servicer's len(chunk.payload)
         del got
         _timed(rcv, "write", table.write, "s", gen, header["layer_start"], header["layer_end"],
                header["block_ids"], tensor)
@@ -240,7 +244,7 @@ def _stage_costs_once(kv_cache: torch.Tensor, src_ids: list[int], layers_per_chu
         _timed(base, "fresh_copy", _copy_to_fresh_pages, view[a:a + step])
         _timed(base, "reused_copy", buf.__setitem__, slice(a, a + step), view[a:a + step])
     snd["encode_rest"] = max(0.0, snd.pop("encode_total") - snd["to_bytes"] - snd["crc32"])
-    rcv["decode_rest"] = max(0.0, rcv.pop("decode_total") - rcv["crc32"] - rcv["from_bytes"])
+    rcv["decode_rest"] = max(0.0, rcv.pop("decode_total") - rcv["payload_access"] - rcv["crc32"] - rcv["from_bytes"])
     return snd, rcv, base, total, len(plan)
 
 
@@ -253,10 +257,14 @@ def grpc_stage_costs(kv_cache: torch.Tensor, src_ids: list[int], layers_per_chun
 
     Sender: ``gather`` (``gather_blocks``), ``to_bytes`` (``tensor_to_bytes``), ``crc32``,
     ``encode_rest`` (``encode_kv_chunk`` minus those two: msgpack header, building the
-    ``KvChunk``), ``serialize`` (``SerializeToString``, what gRPC calls). Receiver:
-    ``parse`` (``KvChunk.FromString``), ``crc32``, ``from_bytes`` (``tensor_from_bytes``:
-    the copy into a writable tensor), ``decode_rest`` (``decode_chunk`` minus those two),
-    ``write`` (``TransferTable.write``: ``index_copy_`` into a cache).
+    ``KvChunk``), ``payload_access`` (reading ``chunk.payload``, as ``GrpcKvSender`` does for
+    its byte count: protobuf's upb backend returns a new copy of a bytes field on every
+    read), ``serialize`` (``SerializeToString``, what gRPC calls). Receiver: ``parse``
+    (``KvChunk.FromString``), ``payload_access`` (``decode_chunk`` reading the field),
+    ``crc32``, ``from_bytes`` (``tensor_from_bytes``: the copy into a writable tensor),
+    ``decode_rest`` (``decode_chunk`` minus those three), ``payload_len`` (the servicer's
+    ``len(chunk.payload)``: one more read), ``write`` (``TransferTable.write``:
+    ``index_copy_`` into a cache).
 
     For reference, ``plain_copy``: the same bytes copied in chunk-sized pieces into fresh
     pages (a new anonymous ``mmap`` each: every page faults in) and into one reused, already

@@ -21,11 +21,15 @@ import tempfile
 import time
 from pathlib import Path
 
+#: the category of the lines where gRPC Python enters its C core to send or receive.
+OPERATE = "gRPC core entered through call.operate / start_server_batch (its buffers, HTTP/2, socket I/O)"
+
 #: (category, predicate on (function, file, line text)); first match wins.
 RULES = (
     ("idle (waiting on a lock, accept, a queue or the control pipe)",
      lambda f, p, t: any(k in t for k in (".wait(", "accept(", "sys.stdin", "readline", "work_queue.get",
                                           "recv_into(")) or f.startswith("Condition.wait")),
+    ("reading chunk.payload (upb copies the field out)", lambda f, p, t: "chunk.payload" in t),
     ("gather (index_select of the blocks)", lambda f, p, t: f.startswith(("gather_blocks", "_index"))),
     ("tobytes copy", lambda f, p, t: f.startswith("tensor_to_bytes")),
     ("CRC32", lambda f, p, t: "crc32" in t),
@@ -33,8 +37,7 @@ RULES = (
     ("protobuf: serialize / parse (gRPC's serializer call)", lambda f, p, t: f.startswith("_transform")),
     ("copy into a writable tensor (tensor_from_bytes)", lambda f, p, t: f.startswith("tensor_from_bytes")),
     ("cache write (TransferTable.write, index_copy_)", lambda f, p, t: f.startswith("TransferTable.write")),
-    ("gRPC: handing a send / receive to the core (call.operate, start_server_batch)",
-     lambda f, p, t: "operate(" in t or "start_server_batch(" in t),
+    (OPERATE, lambda f, p, t: "operate(" in t or "start_server_batch(" in t),
     ("gRPC Python's thread handoffs (Condition notify / enter)", lambda f, p, t: f.startswith("Condition.")),
     ("gRPC core: completion-queue poll (socket I/O, HTTP/2, or waiting for them)",
      lambda f, p, t: "next_event(" in t or ".poll(" in t),
@@ -62,14 +65,39 @@ def classify(frame: str) -> str:
     return next((name for name, pred in RULES if pred(func, path, text)), "other")
 
 
-def parse_raw(text: str) -> collections.Counter:
-    """``{innermost frame: samples}`` of a py-spy ``--format raw`` file."""
-    leaves: collections.Counter = collections.Counter()
+def _stacks(text: str):
+    """``(frames, samples)`` of each line of a py-spy ``--format raw`` file."""
     for line in text.splitlines():
         stack, _, n = line.rpartition(" ")
         if stack and n.isdigit():
-            leaves[stack.split(";")[-1]] += int(n)
+            yield stack.split(";"), int(n)
+
+
+def _innermost_python(frames: list[str]) -> str:
+    return next((f for f in reversed(frames) if ".py:" in f), frames[-1])
+
+
+def parse_raw(text: str) -> collections.Counter:
+    """``{innermost Python frame: samples}`` of a py-spy ``--format raw`` file (native
+    frames below it, with ``--native``, are skipped)."""
+    leaves: collections.Counter = collections.Counter()
+    for frames, n in _stacks(text):
+        leaves[_innermost_python(frames)] += n
     return leaves
+
+
+def native_breakdown(text: str, category: str, top: int = 6) -> dict:
+    """Innermost native frames (``--native``) of the samples whose innermost Python frame is
+    in ``category``; an unresolved address counts by its library."""
+    leaves: collections.Counter = collections.Counter()
+    for frames, n in _stacks(text):
+        if classify(_innermost_python(frames)) == category:
+            leaf = frames[-1]
+            lib = leaf.rsplit("(", 1)[-1].rstrip(")")
+            leaves[f"unresolved address in {lib}" if leaf.startswith("0x") else leaf] += n
+    total = sum(leaves.values())
+    return {"category": category, "samples": total,
+            "leaves": [{"frame": f, "samples": c, "share": c / total} for f, c in leaves.most_common(top)]}
 
 
 def summarize(leaves: collections.Counter, top: int = 8) -> dict:
@@ -89,22 +117,27 @@ def summarize(leaves: collections.Counter, top: int = 8) -> dict:
                           for f, n in busy_leaves.most_common(top)]}
 
 
-def record(pids: dict[str, int], run, rate: int = 100) -> dict:
+def record(pids: dict[str, int], run, rate: int = 100, native_category: str | None = None) -> dict:
     """Sample every process of ``pids`` with py-spy while ``run()`` executes.
 
+    Args:
+        native_category: sample with ``--native`` (blocking: the process is paused per
+            sample) and add ``native`` (:func:`native_breakdown` of this category) per process.
+
     Returns:
-        ``{name: summarize(...)}`` plus ``"wall_s"`` (of ``run``) and ``"rate_hz"``.
+        ``{name: summarize(...)}`` plus ``"wall_s"`` (of ``run``), ``"rate_hz"``, ``"native"``.
     """
     tmp = Path(tempfile.mkdtemp(prefix="kv-pyspy-"))
+    mode = ["--native"] if native_category else ["--nonblocking"]
     procs = {name: subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw",
-                                     "--nonblocking", "--output", str(tmp / f"{name}.txt")],
+                                     *mode, "--output", str(tmp / f"{name}.txt")],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
              for name, pid in pids.items()}
     time.sleep(1.5)  # attach
     t0 = time.perf_counter()
     run()
     wall = time.perf_counter() - t0
-    out: dict = {"wall_s": wall, "rate_hz": rate}
+    out: dict = {"wall_s": wall, "rate_hz": rate, "native": bool(native_category)}
     for name, p in procs.items():
         p.send_signal(signal.SIGINT)
         try:
@@ -115,6 +148,9 @@ def record(pids: dict[str, int], run, rate: int = 100) -> dict:
         f = tmp / f"{name}.txt"
         if not f.exists():
             raise RuntimeError(f"py-spy wrote nothing for {name}: {p.stderr.read().decode()[-500:]}")
-        out[name] = summarize(parse_raw(f.read_text()))
+        text = f.read_text()
+        out[name] = summarize(parse_raw(text))
+        if native_category:
+            out[name]["native"] = native_breakdown(text, native_category)
     shutil.rmtree(tmp, ignore_errors=True)
     return out

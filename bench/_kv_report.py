@@ -8,12 +8,16 @@ MIN_RATIO_RAW = 0.5
 MAX_RATIO_PREFILL, PREFILL_TARGET_TOKENS = 0.10, 1024
 
 SENDER_STAGES = (("gather", "gather (`index_select` of the blocks)"), ("to_bytes", "tobytes copy"),
-                 ("crc32", "CRC32 of the payload"), ("encode_rest", "msgpack header + building the `KvChunk` "
-                                                                 "(payload copied in)"),
+                 ("crc32", "CRC32 of the payload"),
+                 ("encode_rest", "msgpack header + building the `KvChunk` (payload copied in)"),
+                 ("payload_access", "`len(chunk.payload)` (upb copies the field out on every read)"),
                  ("serialize", "`SerializeToString` (gRPC's serializer)"))
-RECEIVER_STAGES = (("parse", "`KvChunk.FromString`"), ("crc32", "CRC32 check"),
+RECEIVER_STAGES = (("parse", "`KvChunk.FromString`"),
+                   ("payload_access", "reading `chunk.payload` in `decode_chunk` (a copy out of the message)"),
+                   ("crc32", "CRC32 check"),
                    ("from_bytes", "copy into a writable tensor (`bytearray`)"),
-                   ("decode_rest", "rest of `decode_chunk`"),
+                   ("decode_rest", "rest of `decode_chunk` (header, checks)"),
+                   ("payload_len", "the servicer's `len(chunk.payload)` (another copy out)"),
                    ("write", "`TransferTable.write` (`index_copy_` into the cache)"))
 
 
@@ -82,6 +86,12 @@ def _py_spy(res: dict) -> list[str]:
         out += [f"| {c['category']} | {c['share_of_busy']:.1%} |" for c in s["categories"]]
         out += ["", "| busiest innermost lines | share |", "|---|---:|"]
         out += [f"| `{t['frame']}` | {t['share_of_busy']:.1%} |" for t in s["top_lines"]] + [""]
+    nat = pr.get("sender_native")
+    if nat and nat["samples"]:
+        out += [f"Below the sender's gRPC core calls (*{nat['category']}*): innermost native frames of a second "
+                f"py-spy pass with `--native` (blocking, 250 Hz) over {2 * pr['transfers']} more transfers, "
+                f"{nat['samples']} samples:", "", "| native frame | share |", "|---|---:|"]
+        out += [f"| `{t['frame']}` | {t['share']:.1%} |" for t in nat["leaves"]] + [""]
     return out
 
 
@@ -104,9 +114,9 @@ def _why(r: dict) -> list[str]:
             cats = "; ".join(f"{c['category']} {c['share_of_busy']:.0%}" for c in pr[side]["categories"][:4])
             out.append(f"* During real transfers the {side}'s busy samples go to: {cats}.")
     out.append("* Raw TCP copies each byte twice (into the kernel, out of it) from and into memory that is already "
-               "mapped; the gRPC path copies it several times (gather, tobytes, the `KvChunk`, serialization, "
-               "gRPC's own buffer; on the receiver the bytearray and the cache write), mostly into newly allocated "
-               "buffers, and checksums it on both sides.")
+               "mapped; the gRPC path copies it several times (gather, tobytes, the `KvChunk`, a read of its payload, "
+               "serialization, gRPC's own buffer; on the receiver two reads of the payload, the bytearray and the "
+               "cache write), each into a new buffer but the last, and checksums it on both sides.")
     return out
 
 
@@ -117,14 +127,17 @@ CLOSE = [
     "1. Gather into one reusable, already mapped buffer (`torch.index_select(..., out=)` on a preallocated "
     "tensor, or one copy per contiguous run of blocks) and hand the transport a view of it: no fresh pages per "
     "chunk and no `tobytes` copy.",
-    "2. Skip protobuf for the payload: a gRPC method whose request serializer is the identity, sending the "
+    "2. Read each message's `payload` once: `GrpcKvSender._chunks` and the servicer call `len(chunk.payload)` "
+    "only for a byte count, and with protobuf's upb backend every read of a bytes field returns a new copy "
+    "(the `len(chunk.payload)` rows above); keep the `bytes` object (or its length) from the first read.",
+    "3. Skip protobuf for the payload: a gRPC method whose request serializer is the identity, sending the "
     "header and the payload bytes as they are, removes building the `KvChunk` and `SerializeToString`. gRPC "
     "Python still copies every message into its own buffer (`call.operate`), so only a transport outside gRPC "
     "for the payload removes that copy as well.",
-    "3. Receiver: view the received bytes with `torch.frombuffer` (read-only is enough: `index_copy_` only "
+    "4. Receiver: view the received bytes with `torch.frombuffer` (read-only is enough: `index_copy_` only "
     "reads them) instead of copying them into a `bytearray` first.",
-    "4. Checksum with a hardware CRC32C (`google-crc32c`) instead of zlib's CRC32, or once per transfer.",
-    "5. A socket transport that `recv_into`s straight into the reserved blocks (contiguous per layer and "
+    "5. Checksum with a hardware CRC32C (`google-crc32c`) instead of zlib's CRC32, or once per transfer.",
+    "6. A socket transport that `recv_into`s straight into the reserved blocks (contiguous per layer and "
     "block) is what the raw TCP row measures: one copy into the kernel, one out of it.",
 ]
 

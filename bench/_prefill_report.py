@@ -53,6 +53,24 @@ def _why(r: dict) -> list[str]:
     return out
 
 
+def _threads_why(r: dict) -> list[str]:
+    """What the thread diagnostic says about a missed target (nothing without one)."""
+    longest = max(q["prompt_len"] for q in r["points"])
+    main = next((p for p in r["points"] if p["prompt_len"] == longest and p["mode"] == "single"), None)
+    diag = next((d for d in r.get("thread_diagnostic") or [] if main and d["prompt_len"] == longest), None)
+    if not diag:
+        return []
+    g_main, g_diag = main["gemm_GFLOPs"], diag["gemm_GFLOPs"]
+    rel = "no higher than" if g_main <= g_diag else f"only {g_main / g_diag:.2f}x"
+    return ["", f"Why, first: in this run the {r['threads']}-thread GEMM rate ({g_main:.1f} GFLOP/s) was {rel} the "
+            f"{diag['threads']}-thread one ({g_diag:.1f} GFLOP/s): the second core was mostly held by other jobs "
+            f"(load average {main['load_avg_1m']:.2f}). With {diag['threads']} thread(s) the same {longest}-token "
+            f"prefill ran at {diag['tokens_per_s']:.0f} tok/s ({diag['ratio_vs_main_threads']:.2f}x), "
+            f"{diag['ratio_roofline']:.2f} of its roofline; with {r['threads']} threads each of the step's operators "
+            "waits for a thread that is not running (section above). The profile below shows what remains at any "
+            "thread count."]
+
+
 def _diagnostic(r: dict) -> list[str]:
     rows = r.get("thread_diagnostic") or []
     if not rows:
@@ -74,6 +92,8 @@ def _diagnostic(r: dict) -> list[str]:
 CLOSE = [
     "What would close the gap (engine changes, not made here; each aimed at a measured share above):",
     "",
+    "0. Thread budget: give a worker no more torch threads than cores it actually gets (the diagnostic above); "
+    "on a machine shared with other jobs, 2 threads on 2 nominal cores lose to 1.",
     "1. Attention: call SDPA with `is_causal=True` (no mask tensor) for prompts without a cached prefix, "
     "or a causal varlen kernel, so the masked triangle is skipped (the same-run comparison above).",
     "2. Elementwise: fuse RMSNorm, RoPE and SwiGLU (e.g. `torch.compile` of the decoder layer with inductor's "
@@ -123,6 +143,7 @@ def markdown(r: dict) -> str:
         out.append(f"| {t['target']} | {t['value']:.2f} | {t['minimum']:.2f} | {'yes' if t['met'] else '**no**'} "
                    f"| {_f(t['shortfall'], '.0%')} |")
     missed = [t for t in r["targets"] if not t["met"]]
+    out += _threads_why(r) if missed else []
     if r.get("profile"):
         out += ["", "## Profile", "", *_why(r)]
         if missed:

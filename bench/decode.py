@@ -77,6 +77,10 @@ def _parse(argv=None) -> argparse.Namespace:
                    help="where to write <name>.json and .md (default bench/results; a temporary folder "
                         "with --quick)")
     p.add_argument("--name", default=None, help="output file stem (default decode, decode_quick)")
+    p.add_argument("--render", type=Path, default=None,
+                   help="measure nothing: re-render the markdown next to this result JSON (with --notes)")
+    p.add_argument("--notes", type=Path, default=None,
+                   help="with --render: a markdown file stored as the result's hand-written analysis")
     a = p.parse_args(argv)
     if a.quick:
         a.batches, a.contexts = "1,32", "128"
@@ -117,14 +121,18 @@ def _run_engine(engine: str, model, cfg, hf, peer, prompts, prefilled, new_token
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def run_point(model, cfg, hf, tokenizer, prompts, prefilled, new_tokens, stats, gemm, peer=None,
-              rounds: int = 1, no_hf: bool = False, copy_bytes: int = 512 << 20) -> dict:
-    """Measure one (batch, context) point: copy bandwidth and one-row linear rate now, then
+def run_point(model, cfg, hf, tokenizer, prompts, prefilled, new_tokens, stats, peer=None,
+              rounds: int = 1, no_hf: bool = False, copy_bytes: int = 512 << 20, gemm_n: int = 2048) -> dict:
+    """Measure one (batch, context) point: the machine now (copy bandwidth of ``copy_bytes``,
+    one-row linear rate, GEMM rate at ``gemm_n``, ``F.linear`` vs oneDNN at this batch), then
     ``rounds`` runs of each engine (ours, HF unless ``no_hf``, vLLM when ``peer``) interleaved
     in rotating order; each engine's best run (lowest p50 TPOT) gives its numbers."""
     b, ctx = len(prompts), len(prompts[0])
+    mats = [p for p in model.parameters() if p.dim() == 2]
     bw = _common.copy_bandwidth_GBps(copy_bytes)
-    gemv = _common.linear_stream_GBps([p for p in model.parameters() if p.dim() == 2])
+    gemv = _common.linear_stream_GBps(mats)
+    gemm = _common.gemm_GFLOPs(gemm_n, reps=3)
+    variants = _common.linear_variants(mats, b)
     load = _common.load_avg_1m()
     engines = ["ours"] + ([] if no_hf else ["hf"]) + ([] if peer is None else ["vllm"])
     runs: dict[str, list[dict]] = {e: [] for e in engines}
@@ -152,7 +160,8 @@ def run_point(model, cfg, hf, tokenizer, prompts, prefilled, new_tokens, stats, 
         "ratio_hf": tps / hf_res["tokens_per_s"] if hf_res else None,
         "ratio_vllm": tps / vllm_res["tokens_per_s"] if vllm_res else None,
         "load_avg_1m": load, "load_avg_1m_after": _common.load_avg_1m(), "copy_GBps_at_point": bw,
-        "linear_GBps_at_point": gemv, "linear_floor_ms": linear_floor_ms,
+        "linear_GBps_at_point": gemv, "gemm_GFLOPs_at_point": gemm, "linear_variants_at_point": variants,
+        "linear_floor_ms": linear_floor_ms,
         "bandwidth_floor_tokens_per_s": b / floors["bandwidth_floor_ms"] * 1e3, **floors,
         "rounds_tpot_ms": {e: [x.get("tpot_ms") for x in rs] for e, rs in runs.items()},
         "ours": strip(ours) | stream, "hf": strip(hf_res), "vllm": strip(vllm_res),
@@ -160,11 +169,18 @@ def run_point(model, cfg, hf, tokenizer, prompts, prefilled, new_tokens, stats, 
         "greedy_agreement_hf": _common.greedy_agreement(ours["token_ids"], hf_res and hf_res["token_ids"]),
         "greedy_agreement_vllm": _common.greedy_agreement(ours["token_ids"], vllm_res and vllm_res["token_ids"]),
     }
-    step_ms = ours["mean_ms"]["step"]
-    per_step_stream_ms = (stream["worker_stream_us_per_token"] + stream["router_detok_stream_us_per_token"]) * b / 1e3
-    rec["ours"]["overhead_with_stream_ms"] = ours["mean_ms"]["overhead"] + per_step_stream_ms
-    rec["ours"]["overhead_with_stream_share"] = rec["ours"]["overhead_with_stream_ms"] / (step_ms + per_step_stream_ms)
+    rec["ours"].update(stream_overhead(rec["ours"], b))
     return rec
+
+
+def stream_overhead(ours: dict, batch_size: int) -> dict:
+    """Median step overhead plus the per-step cost of streaming and detokenizing ``batch_size``
+    tokens (``overhead_with_stream_ms``) and its share of the step plus that cost."""
+    med = ours["median_ms"]
+    per_step_ms = (ours["worker_stream_us_per_token"] + ours["router_detok_stream_us_per_token"]) * batch_size / 1e3
+    with_stream = med["overhead"] + per_step_ms
+    return {"overhead_with_stream_ms": with_stream, "overhead_with_stream_share": with_stream / (med["step"] + per_step_ms),
+            "overhead_share_median": med["overhead"] / med["step"]}
 
 
 def _start_vllm(args, model_dir) -> tuple[VllmPeer | None, str | None]:
@@ -225,10 +241,8 @@ def run(args) -> dict:
     stats = model_stats(model, cfg)
     log(f"machine rates, load {load_start:.2f}")
     bw, gemm = _common.copy_bandwidth_GBps(), _common.gemm_GFLOPs()
-    mats = [p for p in model.parameters() if p.dim() == 2]
-    gemv = _common.linear_stream_GBps(mats)
+    gemv = _common.linear_stream_GBps([p for p in model.parameters() if p.dim() == 2])
     log(f"copy {bw:.1f} GB/s, GEMM {gemm:.1f} GFLOP/s, one-row linear {gemv:.1f} GB/s")
-    variants = [v for v in (_common.linear_variants(mats, r) for r in sorted({1, *args.batches})) if v]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     peer, vllm_start_error = _start_vllm(args, model_dir)
     res = {
@@ -241,7 +255,7 @@ def run(args) -> dict:
                           "hf": f"{args.threads} torch intra-op threads (same process)",
                           "vllm": VLLM_BUDGET if args.vllm_python else None},
         "machine": {"copy_GBps": bw, "copy_bytes": 512 << 20, "gemm_GFLOPs": gemm, "gemm_n": 2048,
-                    "linear_GBps": gemv, "linear_variants": variants},
+                    "linear_GBps": gemv},
         **stats, "load_avg_1m_start": load_start, "load_avg_1m_end": None,
         "points": [], "vllm_start_error": vllm_start_error, "vllm_info": peer.info if peer else None,
         "profiles": [], "duration_s": None,
@@ -263,7 +277,7 @@ def run(args) -> dict:
             for b in args.batches:
                 nt = _new_tokens(args, ctx)
                 log(f"point batch {b} context {ctx} new {nt}, load {_common.load_avg_1m():.2f}")
-                rec = run_point(model, cfg, hf, tokenizer, prompts[:b], prefilled[:b], nt, stats, gemm, peer,
+                rec = run_point(model, cfg, hf, tokenizer, prompts[:b], prefilled[:b], nt, stats, peer,
                                 args.rounds, args.no_hf)
                 res["points"].append(rec)
                 checkpoint()
@@ -285,6 +299,14 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = _parse(argv)
+    if args.render:
+        res = json.loads(args.render.read_text())
+        for p in res["points"]:
+            p["ours"].update(stream_overhead(p["ours"], p["batch_size"]))
+        if args.notes:
+            res["analysis"] = args.notes.read_text()
+        log(f"rendered {save(res, args.render.parent, args.render.stem)}.md")
+        return 0
     res = run(args)
     log(f"wrote {args.out_dir / args.name}.json and .md in {res['duration_s']:.0f} s")
     sys.stdout.write(json.dumps(res, indent=2) + "\n")

@@ -29,8 +29,8 @@ def test_one_point_through_the_decode_scheduler(model, model_config, tokenizer):
     assert len(prompts) == 2 and all(len(p) == 32 for p in prompts) and prompts[0] != prompts[1]
     prefilled = _decode_ours.prefill_kv(model, model_config, prompts, decode.BLOCK_SIZE)
     stats = decode.model_stats(model, model_config)
-    rec = decode.run_point(model, model_config, None, tokenizer, prompts, prefilled, 4, stats, gemm=50.0,
-                           peer=None, rounds=2, no_hf=True, copy_bytes=8 << 20)
+    rec = decode.run_point(model, model_config, None, tokenizer, prompts, prefilled, 4, stats, peer=None,
+                           rounds=2, no_hf=True, copy_bytes=8 << 20, gemm_n=128)
     assert (rec["batch_size"], rec["context_len"], rec["new_tokens"]) == (2, 32, 4)
     assert rec["ratio_hf"] is None and rec["ratio_vllm"] is None and rec["hf"] is None
     assert rec["tokens_per_s"] > 0 and rec["tpot_ms"] > 0 and rec["ratio_bandwidth_floor"] > 0
@@ -42,6 +42,9 @@ def test_one_point_through_the_decode_scheduler(model, model_config, tokenizer):
     assert mm["step"] == pytest.approx(mm["forward"] + mm["lm_head"] + mm["overhead"])
     assert mm["overhead"] == pytest.approx(mm["metadata"] + mm["sampling"] + mm["runner_other"] + mm["scheduler"])
     assert ours["worker_stream_us_per_token"] > 0 and ours["router_detok_stream_us_per_token"] > 0
+    assert ours["overhead_with_stream_ms"] > ours["median_ms"]["overhead"]
+    v = rec["linear_variants_at_point"]
+    assert v is None or (v["rows"] == 2 and v["max_abs_diff"] < 1e-3)
     # the timing wrappers are removed after a run: two more runs give the same greedy tokens
     a = _decode_ours.measure_decode(model, model_config, prompts, prefilled, 4, decode.BLOCK_SIZE)
     b = _decode_ours.measure_decode(model, model_config, prompts, prefilled, 4, decode.BLOCK_SIZE)
@@ -51,13 +54,13 @@ def test_one_point_through_the_decode_scheduler(model, model_config, tokenizer):
     res = {"quick": True, "model": "m", "started_at": "t", "duration_s": 1.0, "cpu": "c", "cpu_count": 2,
            "torch": "t", "transformers": "t", "vllm": None, "load_avg_1m_start": 1.0, "load_avg_1m_end": 1.0,
            "machine": {"copy_GBps": 10.0, "copy_bytes": 8 << 20, "gemm_GFLOPs": 50.0, "gemm_n": 64,
-                       "linear_GBps": 5.0},
+                       "linear_GBps": 5.0}, "rounds": 2,
            "thread_budget": {"ours": "2", "hf": "2", "vllm": None}, "points": [rec | {"batch_size": 1}],
            "vllm_start_error": None, "profiles": [], **stats}
     res["targets"] = _decode_report.targets(res)
     assert [t["target"] for t in res["targets"]] == ["batch 1: ours / bandwidth floor"]
     md = _decode_report.markdown(res)
-    assert "| 1 | 32 | 4 |" in md and "## Step overhead (ours)" in md
+    assert "| 1 | 32 | 4 |" in md and "## Step overhead (ours)" in md and "* batch 1, context 32: ours" in md
 
 
 def test_floors_and_vllm_window():

@@ -109,7 +109,11 @@ def test_transfers_per_transport_and_report():
     assert (samples["busy_samples"], samples["idle_samples"]) == (6, 5)
     cats = {c["category"]: c["samples"] for c in samples["categories"]}
     assert cats["CRC32"] == 2 and cats["gather (index_select of the blocks)"] == 3
-    assert _kv_pyspy.parse_raw("a;b (x.py:1) 3\na;c (y.py:2) 4\n") == {"b (x.py:1)": 3, "c (y.py:2)": 4}
+    assert _kv_pyspy.parse_raw("a;b (x.py:1) 3\na;c (y.py:2);d (lib.so) 4\n") == {"b (x.py:1)": 3, "c (y.py:2)": 4}
+    nat = _kv_pyspy.native_breakdown("f (nofile.py:1);0x7f01 (libc.so.6) 2\nf (nofile.py:1);sendmsg (libc.so.6) 1\n",
+                                     "other")
+    assert [(t["frame"], t["samples"]) for t in nat["leaves"]] == [("unresolved address in libc.so.6", 2),
+                                                                   ("sendmsg (libc.so.6)", 1)]
     st = km.grpc_stage_costs(kv, src, 1, 1100, reps=1)
     assert st["payload_bytes"] == m["payload_bytes"] and st["num_chunks"] == 4
     assert set(st["sender"]) == {k for k, _ in _kv_report.SENDER_STAGES}
