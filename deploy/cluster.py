@@ -12,7 +12,7 @@ within a cluster, so a removed worker's id is never taken by a new one.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import ray
 from ray.util.placement_group import remove_placement_group
@@ -84,7 +84,7 @@ def worker_config_from_dict(d: dict) -> WorkerConfig:
     Raises:
         TypeError / engine.config.ConfigError: the dict does not describe a valid config.
     """
-    return WorkerConfig(**{**d, "cache": CacheConfig(**d["cache"]), "scheduler": SchedulerConfig(**d["scheduler"])})
+    return WorkerConfig.from_dict(d)
 
 
 def head_node_id() -> str:
@@ -121,7 +121,7 @@ def start_workers(cluster: str, template: WorkerConfig, shape: WorkerShape, plac
     pg = reserve(bundles, placement.ray_strategy, pg_name, placement.timeout_s)
     actors, infos = [], []
     for i, (role, wid) in enumerate(new):
-        cfg = replace(template, role=role, worker_id=wid, num_threads=shape.threads, device=shape.device)
+        cfg = template.for_role(role, wid, num_threads=shape.threads, device=shape.device)
         actors.append(WorkerActor.options(
             name=actor_name(cluster, wid), namespace=NAMESPACE, lifetime="detached",
             num_cpus=shape.cpus, num_gpus=shape.gpus,

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import ray
@@ -31,6 +32,7 @@ from deploy.redis_control import stop_redis_at
 from deploy.redis_server import LocalRedisServer, free_port
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from engine.model_loader import resolve_model
+from kvtransfer.config import KvTransferConfig
 from pdcluster.registry import WorkerRegistry
 from router.server import RouterConfig
 
@@ -60,12 +62,22 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False) -> ClusterSpec:
         "bfloat16" if args.dtype == "auto" else args.dtype)
     blocks = args.num_kv_blocks or num_kv_blocks(model_cfg, args.block_size, kv_dtype, args.kv_cache_gb)
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                            max_model_len=args.max_model_len)
+                            max_model_len=args.max_model_len, lease_s=args.kv_lease_s,
+                            kv_failure_policy=args.kv_failure_policy)
+    cache = CacheConfig(block_size=args.block_size, num_blocks=blocks, dtype=kv_dtype,
+                        enable_prefix_caching=args.prefix_caching)
+    prefill_cache = None
+    if args.prefill_block_size and args.prefill_block_size != args.block_size:
+        pbs = args.prefill_block_size  # same token capacity as the decode side's pool
+        prefill_cache = replace(cache, block_size=pbs, num_blocks=max(2, blocks * args.block_size // pbs))
+    kv = KvTransferConfig(transport=args.kv_transport, layers_per_chunk=args.kv_layers_per_chunk,
+                          layerwise=args.kv_layerwise, timeout_s=args.kv_timeout_s,
+                          test_corrupt_chunk_index=args.kv_test_corrupt_chunk,
+                          test_chunk_delay_s=args.kv_test_chunk_delay_s)
     worker = WorkerConfig(role="prefill", worker_id="template", model=args.model, redis_url=redis_url,
                           cluster=args.cluster, device=args.device, dtype=args.dtype,
-                          heartbeat_s=args.heartbeat_s,
-                          cache=CacheConfig(block_size=args.block_size, num_blocks=blocks, dtype=kv_dtype),
-                          scheduler=sched)
+                          heartbeat_s=args.heartbeat_s, cache=cache, scheduler=sched, kv=kv,
+                          prefill_cache=prefill_cache)
     router = RouterConfig(model=args.model, redis_url=redis_url, cluster=args.cluster, host=args.host,
                           port=args.port, max_model_len=args.max_model_len, block_size=args.block_size,
                           view_period_s=args.heartbeat_s / 4)

@@ -7,8 +7,10 @@ Ray actor arguments); nothing below reads environment variables.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from kvtransfer.config import KvTransferConfig
 
 
 class ConfigError(ValueError):
@@ -130,6 +132,9 @@ class CacheConfig:
             raise ConfigError(f"unsupported KV dtype {self.dtype!r}")
 
 
+KV_FAILURE_POLICIES = ("error", "recompute")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Step limits of one worker's scheduler.
@@ -143,6 +148,10 @@ class SchedulerConfig:
         watermark: share of the KV pool kept free when admitting or resuming a
             request (vLLM's ``watermark``), so running requests can grow before
             anything has to be preempted.
+        kv_failure_policy: what a decode worker does when a request's KV transfer
+            fails (corrupt or incomplete stream, lease expiry, prefill worker lost):
+            ``"error"`` ends the request with UNAVAILABLE, ``"recompute"`` rebuilds
+            the prompt's KV on the decode worker and goes on.
     """
 
     max_num_seqs: int = 64
@@ -150,6 +159,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     lease_s: float = 120.0
     watermark: float = 0.01
+    kv_failure_policy: str = "error"
 
     def __post_init__(self) -> None:
         for f in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -159,6 +169,8 @@ class SchedulerConfig:
             raise ConfigError(f"lease_s must be positive, got {self.lease_s}")
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.kv_failure_policy not in KV_FAILURE_POLICIES:
+            raise ConfigError(f"kv_failure_policy must be one of {KV_FAILURE_POLICIES}, got {self.kv_failure_policy!r}")
 
 
 @dataclass(frozen=True)
@@ -176,6 +188,11 @@ class WorkerConfig:
         dtype: weights/activations dtype, ``"auto"`` = float32 on CPU, bfloat16 on CUDA.
         num_threads: torch intra-op threads (CPU share of this worker).
         heartbeat_s: registry heartbeat period (seconds); the key TTL is 3x this.
+        cache: KV cache geometry.
+        scheduler: step limits.
+        kv: how a prefill (or colocated) worker ships KV to decode workers.
+        prefill_cache: cache geometry of prefill workers when it differs from
+            ``cache`` (e.g. another block size); applied by :meth:`for_role`.
     """
 
     role: str
@@ -191,6 +208,8 @@ class WorkerConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     model_cache_dir: str | None = None
+    kv: KvTransferConfig = field(default_factory=KvTransferConfig)
+    prefill_cache: CacheConfig | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -201,3 +220,25 @@ class WorkerConfig:
             raise ConfigError(f"unsupported dtype {self.dtype!r}")
         if self.num_threads <= 0 or self.heartbeat_s <= 0:
             raise ConfigError("num_threads and heartbeat_s must be positive")
+
+    def for_role(self, role: str, worker_id: str, **changes) -> "WorkerConfig":
+        """This template as the config of one worker: ``role`` and ``worker_id`` set,
+        ``prefill_cache`` applied to a prefill worker, other fields from ``changes``.
+
+        Raises:
+            ConfigError: invalid role or changed values.
+        """
+        cache = self.prefill_cache if role == "prefill" and self.prefill_cache is not None else self.cache
+        return replace(self, role=role, worker_id=worker_id, cache=cache, prefill_cache=None, **changes)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "WorkerConfig":
+        """Inverse of :func:`dataclasses.asdict` on a worker config.
+
+        Raises:
+            TypeError / ConfigError: the dict does not describe a valid config.
+        """
+        pc = d.get("prefill_cache")
+        return cls(**{**d, "cache": CacheConfig(**d["cache"]), "scheduler": SchedulerConfig(**d["scheduler"]),
+                      "kv": KvTransferConfig(**d.get("kv", {})),
+                      "prefill_cache": CacheConfig(**pc) if pc else None})

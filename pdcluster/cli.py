@@ -111,6 +111,24 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=2048, help="max prompt+output tokens")
     p.add_argument("--max-num-seqs", type=int, default=64, help="max running sequences per worker")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    p.add_argument("--prefill-block-size", type=int, default=None,
+                   help="KV block size of prefill workers when it differs from --block-size (the decode side re-blocks)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="disable the prefill workers' prefix cache")
+    p.add_argument("--kv-transport", default="grpc", choices=["grpc", "torch_dist"],
+                   help="KV transport from prefill to decode: gRPC streaming, or torch.distributed point-to-point "
+                        "(gloo on CPU, NCCL on GPU) with a gRPC control stream")
+    p.add_argument("--kv-layers-per-chunk", type=int, default=2, help="layers per KV chunk at most")
+    p.add_argument("--no-kv-layerwise", dest="kv_layerwise", action="store_false",
+                   help="send a request's KV after its last prefill step instead of layer by layer during it")
+    p.add_argument("--kv-timeout-s", type=float, default=30.0, help="deadline of one KV transfer (seconds)")
+    p.add_argument("--kv-lease-s", type=float, default=120.0,
+                   help="seconds a decode worker holds blocks for a transfer that does not finish")
+    p.add_argument("--kv-failure-policy", default="error", choices=["error", "recompute"],
+                   help="when a KV transfer fails: end the request with UNAVAILABLE, or recompute the prompt's "
+                        "KV on the decode worker")
+    p.add_argument("--kv-test-corrupt-chunk", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--kv-test-chunk-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="registry heartbeat period in seconds")
     p.add_argument("--timeout-s", type=float, default=300, help="seconds to wait for the cluster to be ready")
     p.add_argument("--cluster", default="default", help="cluster name (registry namespace)")
