@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from decode_worker.events import DecodeEventT
@@ -13,7 +14,7 @@ from engine.step import TokenLogprobs
 @dataclass(frozen=True)
 class ReserveMsg:
     request: Request
-    stream: "queue.Queue[DecodeEventT]"
+    stream: queue.Queue[DecodeEventT]
 
 
 @dataclass(frozen=True)
@@ -34,3 +35,14 @@ class KvFailedMsg:
 @dataclass(frozen=True)
 class AbortMsg:
     request_id: str
+
+
+@dataclass(frozen=True)
+class FailTransferMsg:
+    """The router saw the prefill side of ``transfer_id`` fail; ``reply`` gets the
+    :class:`decode_worker.kv_recovery.KvFailureOutcome`."""
+
+    request_id: str
+    transfer_id: str
+    reason: str
+    reply: Future

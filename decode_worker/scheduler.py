@@ -13,7 +13,10 @@ refused with RESOURCE_EXHAUSTED. When blocks run out mid-decode, the most
 recently admitted running request is preempted: its blocks are freed and it is
 resumed later by recomputing its KV (prompt + generated tokens) here, in chunks
 under the token budget, then decoding on (vLLM's recompute preemption). Preempted
-requests resume before new reservations are admitted.
+requests resume before new reservations are admitted. A transfer that fails (corrupt
+or incomplete stream, lease expiry, prefill side lost) ends its request with
+UNAVAILABLE or, under ``kv_failure_policy="recompute"``, is rebuilt here through the
+same recompute path (:mod:`decode_worker.kv_recovery`).
 
 Continuous batching: every step runs one token for every running request (plus
 recompute chunks); arrivals join and finished requests leave between steps.
@@ -35,7 +38,14 @@ import grpc
 import torch
 
 from decode_worker.events import DecodeEventT, Failed, Reserved, Tokens
-from decode_worker.messages import AbortMsg, KvDoneMsg, KvFailedMsg, ReserveMsg
+from decode_worker.kv_recovery import KvRecoveryMixin
+from decode_worker.messages import (
+    AbortMsg,
+    FailTransferMsg,
+    KvDoneMsg,
+    KvFailedMsg,
+    ReserveMsg,
+)
 from decode_worker.transfers import TransferTable
 from engine.block_pool import BlockPool, blocks_needed
 from engine.config import CacheConfig, SchedulerConfig
@@ -48,13 +58,14 @@ from engine.stop_check import check_finish
 log = logging.getLogger(__name__)
 
 
-class DecodeScheduler:
+class DecodeScheduler(KvRecoveryMixin):
     """Continuous-batching decode over a paged KV cache.
 
     Args:
         runner: the stateless model runner (owns the KV cache tensor).
         cache: pool geometry (``num_blocks``, ``block_size``).
-        sched: limits (``max_num_seqs``, ``max_model_len``, ``lease_s``).
+        sched: limits (``max_num_seqs``, ``max_model_len``, ``lease_s``) and the
+            ``kv_failure_policy``.
         eos_token_ids: the model's EOS ids.
         wake: event set whenever a message arrives (shared by schedulers on one loop).
     """
@@ -71,18 +82,18 @@ class DecodeScheduler:
         self._streams: dict[str, queue.Queue] = {}
         self._requests: dict[str, Request] = {}
         self._pending: deque[str] = deque()     # waiting for blocks
-        self._ready: deque[str] = deque()       # KV arrived, waiting for a batch slot
+        self._ready: deque[str] = deque()       # KV arrived (or to rebuild), waiting for a batch slot
         self._running: list[str] = []           # decoding, in admission order
         self._preempted: deque[str] = deque()   # blocks taken back, resume first
-        self._recomputing: list[str] = []       # rebuilding KV after a preemption
+        self._recomputing: list[str] = []       # rebuilding KV (preempted, or its transfer failed)
         self.watermark_blocks = int(sched.watermark * self.pool.num_usable)
         self.num_preemptions = 0
         self.num_finished = 0
-        self.num_failed_transfers = 0
         self.step_count = 0
+        self._init_recovery()
 
     # ---- called from other threads -------------------------------------------------
-    def submit_reserve(self, request: Request, stream: "queue.Queue[DecodeEventT]") -> None:
+    def submit_reserve(self, request: Request, stream: queue.Queue[DecodeEventT]) -> None:
         self._inbox.put(ReserveMsg(request, stream))
 
     def submit_abort(self, request_id: str) -> None:
@@ -108,6 +119,7 @@ class DecodeScheduler:
             "num_finished": self.num_finished,
             "num_failed_transfers": self.num_failed_transfers,
             "num_preemptions": self.num_preemptions,
+            "num_kv_recomputes": self.num_kv_recomputes,
         }
 
     # ---- the loop ------------------------------------------------------------------
@@ -125,11 +137,21 @@ class DecodeScheduler:
         self._resume_preempted()
         self._admit_pending()
         while self._ready and self._num_scheduled() < self.sched.max_num_seqs:
-            self._running.append(self._ready.popleft())
+            self._schedule_ready(self._ready.popleft())
         if not (self._running or self._recomputing):
             return False
         self._model_step()
         return True
+
+    def _schedule_ready(self, request_id: str) -> None:
+        """Into the batch: decoding, or first rebuilding KV it does not have (a failed
+        transfer under the "recompute" policy)."""
+        req = self._requests[request_id]
+        if req.num_computed < req.num_tokens - 1:
+            self._recomputing.append(request_id)
+        else:
+            req.status = RequestStatus.RUNNING
+            self._running.append(request_id)
 
     def _num_scheduled(self) -> int:
         return len(self._running) + len(self._recomputing)
@@ -149,6 +171,8 @@ class DecodeScheduler:
             self._on_kv_failed(msg)
         elif isinstance(msg, AbortMsg):
             self._on_abort(msg.request_id)
+        elif isinstance(msg, FailTransferMsg):
+            self._on_fail_transfer(msg)
 
     def _on_reserve(self, msg: ReserveMsg) -> None:
         req = msg.request
@@ -186,9 +210,11 @@ class DecodeScheduler:
         req = self._requests[t.request_id]
         req.num_computed = len(req.prompt_token_ids)
         req.output_token_ids.append(msg.first_token_id)
-        if req.generator is not None:
+        if req.generator is not None and req.params.sampling.temperature > 0.0:
             # The prefill worker drew this request's first uniform from the same
-            # seed; skip it so the stream of draws matches a colocated run.
+            # seed; skip it so the stream of draws matches a colocated run (greedy
+            # rows draw nothing: Sampler's RNG contract). A request rebuilt here after
+            # a failed transfer draws its first uniform itself instead.
             torch.rand(1, generator=req.generator, device=req.generator.device)
         req.status = RequestStatus.RUNNING
         reason = check_finish(req, self.eos, self.sched.max_model_len)
@@ -197,21 +223,6 @@ class DecodeScheduler:
             self._release(req.request_id)
         else:
             self._ready.append(req.request_id)
-
-    def _on_kv_failed(self, msg: KvFailedMsg) -> None:
-        t = self.transfers.close(msg.transfer_id, msg.generation)
-        if t is None:
-            return
-        self.num_failed_transfers += 1
-        self._finish_error(t.request_id, grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {msg.reason}")
-
-    def _expire_leases(self) -> None:
-        for t in self.transfers.expired(time.monotonic()):
-            self.num_failed_transfers += 1
-            self._finish_error(
-                t.request_id, grpc.StatusCode.UNAVAILABLE,
-                f"KV transfer lease expired after {self.sched.lease_s:.1f}s (prefill worker lost?)",
-            )
 
     def _on_abort(self, request_id: str) -> None:
         if request_id not in self._requests:
@@ -246,7 +257,7 @@ class DecodeScheduler:
     def _plan(self) -> list[ScheduledSeq]:
         budget = self.sched.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
-        for rid in self._recomputing:  # KV of prompt + outputs[:-1], chunked
+        for rid in self._recomputing:  # KV of all tokens but the newest, chunked
             req = self._requests[rid]
             n = min(req.num_tokens - 1 - req.num_computed, budget)
             if n <= 0:
@@ -267,7 +278,8 @@ class DecodeScheduler:
                 if rid not in self._running:
                     continue
                 req.block_table.extend(self.pool.allocate(1))
-            seqs.append(ScheduledSeq(rid, [req.output_token_ids[-1]], pos, req.block_table, True,
+            newest = req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1]
+            seqs.append(ScheduledSeq(rid, [newest], pos, req.block_table, True,
                                      req.params.sampling, req.generator,
                                      req.prompt_token_ids, req.output_token_ids))
         return seqs
@@ -278,7 +290,7 @@ class DecodeScheduler:
             return
         try:
             out = self.runner.execute(StepPlan(seqs))
-        except Exception as e:  # noqa: BLE001 - fail this batch, keep serving everyone else
+        except Exception as e:
             log.exception("decode step failed; failing its %d requests", len(seqs))
             for s in seqs:
                 self._finish_error(s.request_id, grpc.StatusCode.INTERNAL, f"decode step failed: {e}")
@@ -311,6 +323,7 @@ class DecodeScheduler:
         """Free every block of the request and forget it (idempotent)."""
         req = self._requests.pop(request_id, None)
         self._streams.pop(request_id, None)
+        self._recovered.discard(request_id)
         if req is None:
             return
         if req.status == RequestStatus.TRANSFERRING:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import queue
+from concurrent.futures import TimeoutError as FutureTimeout
 
+import grpc
 import torch
 
 from decode_worker.events import Failed, Reserved, Tokens
+from decode_worker.kv_recovery import KvFailureOutcome
 from decode_worker.scheduler import DecodeScheduler
 from engine.logprobs import to_proto
 from engine.request import request_from_proto
@@ -17,14 +20,27 @@ FINISH = {
     "length": common_pb2.FINISH_REASON_LENGTH,
     "abort": common_pb2.FINISH_REASON_ABORT,
 }
+_OUTCOME = worker_pb2.FailTransferResponse
+OUTCOMES = {
+    KvFailureOutcome.UNKNOWN_REQUEST: _OUTCOME.OUTCOME_UNKNOWN_REQUEST,
+    KvFailureOutcome.FAILED: _OUTCOME.OUTCOME_FAILED,
+    KvFailureOutcome.RECOMPUTING: _OUTCOME.OUTCOME_RECOMPUTING,
+    KvFailureOutcome.KV_COMPLETE: _OUTCOME.OUTCOME_KV_COMPLETE,
+}
 
 
 class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    """Handlers only enqueue work and relay the scheduler's events."""
+    """Handlers only enqueue work and relay the scheduler's events.
+
+    Args:
+        reply_timeout_s: how long ``FailTransfer`` waits for the scheduler loop's
+            answer (seconds) before ending with DEADLINE_EXCEEDED.
+    """
 
     def __init__(self, scheduler: DecodeScheduler, worker_id: str, kv_endpoint: str,
-                 block_size: int, dtype: str, device: torch.device) -> None:
+                 block_size: int, dtype: str, device: torch.device, reply_timeout_s: float = 10.0) -> None:
         self.scheduler = scheduler
+        self.reply_timeout_s = reply_timeout_s
         self.worker_id = worker_id
         self.kv_endpoint = kv_endpoint
         self.block_size = block_size
@@ -64,6 +80,23 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         found = self.scheduler.has_request(request.request_id)
         self.scheduler.submit_abort(request.request_id)
         return worker_pb2.WorkerAbortResponse(found=found)
+
+    def FailTransfer(self, request, context):
+        """Apply the KV failure policy to a reservation whose prefill side failed.
+
+        Ends with INVALID_ARGUMENT when ``request_id`` or ``transfer_id`` is empty and
+        DEADLINE_EXCEEDED when the scheduler loop does not answer in time."""
+        if not request.request_id or not request.transfer_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "FailTransfer needs request_id and transfer_id")
+        reply = self.scheduler.submit_fail_transfer(request.request_id, request.transfer_id,
+                                                    request.reason or "no reason given")
+        try:
+            outcome = reply.result(timeout=self.reply_timeout_s)
+        except FutureTimeout:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"decode worker {self.worker_id}: scheduler did not answer FailTransfer within "
+                          f"{self.reply_timeout_s:.1f}s")
+        return worker_pb2.FailTransferResponse(outcome=OUTCOMES[outcome])
 
     def GetLoad(self, request, context):
         return worker_pb2.WorkerLoad(worker_id=self.worker_id, role="decode", **self.scheduler.load())

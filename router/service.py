@@ -4,8 +4,10 @@ Per request (DESIGN.md "decode-led reservation, prefill push"): pick a decode
 worker D and a prefill worker P; ``D.Reserve`` allocates blocks and opens the
 token stream; ``P.Prefill`` (with D's block ids) computes the prompt and pushes
 its KV to D; D's token stream is detokenized here and relayed to the client.
-An abort, a client disconnect or a worker failure cancels both calls, which
-makes both workers free the request's blocks.
+An abort, a client disconnect or a decode worker failure cancels both calls, which
+makes both workers free the request's blocks. A failed prefill call is reported to
+the decode worker, whose KV failure policy decides whether the request fails or is
+recomputed there (:mod:`router.handle`).
 """
 
 from __future__ import annotations
@@ -16,46 +18,17 @@ import uuid
 
 import grpc
 
+from pdcluster.cache_index import CacheIndexView
 from pdcluster.registry_view import RegistryView
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
-from pdcluster.cache_index import CacheIndexView
 from router.cache_aware import QueuedTokens, choose_prefill
+from router.handle import RequestHandle, status_of
 from router.output import OutputAssembler
 from router.policy import InFlight, NoWorkerError, Policy
 from router.stubs import StubCache
 from router.validation import InvalidRequest, PreparedRequest, RequestValidator
 
 log = logging.getLogger(__name__)
-
-
-class _Handle:
-    """One in-flight request on the router."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.decode = None
-        self.prefill = None
-        self.d_call = None
-        self.p_future = None
-        self.aborted = False
-        self.prefill_error: grpc.RpcError | None = None
-        self.on_prefill_finished = lambda *_: None
-
-    def cancel_calls(self) -> None:
-        """Cancel both worker calls; each worker then frees the request's blocks."""
-        if self.d_call is not None:
-            self.d_call.cancel()
-        if self.p_future is not None and not self.p_future.done():
-            self.p_future.cancel()
-
-    def on_prefill_done(self, fut) -> None:
-        if fut.cancelled() or self.aborted:
-            return
-        err = fut.exception()
-        if err is not None:
-            self.prefill_error = err
-            if self.d_call is not None:
-                self.d_call.cancel()
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -84,7 +57,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.cache_index = cache_index
         self.queued = QueuedTokens()
         self._lock = threading.Lock()
-        self._table: dict[str, _Handle] = {}
+        self._table: dict[str, RequestHandle] = {}
 
     # ---- RPCs ---------------------------------------------------------------------
     def Generate(self, request, context):
@@ -92,7 +65,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             prep = self.validator.prepare(request)
         except InvalidRequest as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        handle = _Handle(prep.request_id)
+        handle = RequestHandle(prep.request_id)
         with self._lock:
             if prep.request_id in self._table:
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {prep.request_id!r} is already running")
@@ -129,7 +102,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except NoWorkerError:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"no live {role} worker")
 
-    def _pick_prefill(self, prep: PreparedRequest, h: _Handle, context):
+    def _pick_prefill(self, prep: PreparedRequest, h: RequestHandle, context):
         if self.cache_index is None:
             return self._pick("prefill", context)
         try:
@@ -149,7 +122,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         h.on_prefill_finished = release
         return info
 
-    def _serve(self, prep: PreparedRequest, h: _Handle, context):
+    def _serve(self, prep: PreparedRequest, h: RequestHandle, context):
         colocated = self.view.workers("colocated")
         if colocated:  # one engine does both halves: no KV crosses a process
             try:
@@ -169,10 +142,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self.inflight.release(h.prefill.worker_id)
             h.on_prefill_finished()
 
-    def _relay(self, prep: PreparedRequest, h: _Handle, context):
-        transfer_id = uuid.uuid4().hex
+    def _relay(self, prep: PreparedRequest, h: RequestHandle, context):
+        transfer_id = h.transfer_id = uuid.uuid4().hex
         out = OutputAssembler(self.tokenizer, prep.request_id, prep.prompt_token_ids, prep.stop)
-        h.d_call = self.stubs.get("decode", h.decode.address).Reserve(
+        h.decode_stub = self.stubs.get("decode", h.decode.address)
+        h.d_call = h.decode_stub.Reserve(
             worker_pb2.ReserveRequest(request=prep.worker_request, transfer_id=transfer_id))
         try:
             first = next(h.d_call)
@@ -210,7 +184,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             yield out.whole()
 
     @staticmethod
-    def _settle_usage(h: _Handle, out: OutputAssembler, msg) -> None:
+    def _settle_usage(h: RequestHandle, out: OutputAssembler, msg) -> None:
         """Fill cached_prompt_tokens from the prefill worker's answer, which follows the
         decode side's acknowledgement by moments (waits at most 5 s)."""
         try:
@@ -225,15 +199,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if prep.stream:
             yield router_pb2.GenerateResponse(request_id=prep.request_id, finish_reason=reason, usage=out.usage())
 
-    def _fail(self, h: _Handle, e: grpc.RpcError, context) -> None:
+    def _fail(self, h: RequestHandle, e: grpc.RpcError, context) -> None:
         """Map a worker failure onto the client's status; never returns."""
         h.cancel_calls()
         if h.prefill_error is not None:
-            pe = h.prefill_error
-            code = pe.code() if hasattr(pe, "code") else grpc.StatusCode.UNAVAILABLE
-            if code == grpc.StatusCode.UNAVAILABLE:
-                self.view.mark_unreachable(h.prefill.worker_id)
-            details = pe.details() if hasattr(pe, "details") else str(pe)
+            code, details = status_of(h.prefill_error)
+            if code == grpc.StatusCode.UNAVAILABLE and "KV transfer failed" not in details:
+                self.view.mark_unreachable(h.prefill.worker_id)  # lost, not just its transfer
             context.abort(code, f"prefill worker {h.prefill.worker_id}: {details}")
         if e.code() == grpc.StatusCode.CANCELLED and not context.is_active():
             context.abort(grpc.StatusCode.CANCELLED, "client cancelled")

@@ -6,7 +6,7 @@ greedy requests, and the decode-side plumbing: a :class:`DecodeScheduler` over
 a real runner, the KV and tokens a colocated runner produces for a prompt, and
 what the KV receiver does (write into a reservation's blocks, then complete).
 Used by ``test_prefill_scheduler.py``, ``test_decode_scheduler.py``,
-``test_decode_preemption.py`` and ``test_prefix_cache.py``.
+``test_decode_preemption.py``, ``test_decode_recompute.py`` and ``test_prefix_cache.py``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from engine.kv_cache import allocate_kv_cache
 from engine.model import load_model
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestParams
-from engine.sampling import SamplingOptions
+from engine.sampling import SamplingOptions, make_generator
 from engine.step import ScheduledSeq, StepPlan
 
 CPU = torch.device("cpu")
@@ -55,10 +55,13 @@ def _runner(model, model_config, num_blocks=32) -> ModelRunner:
     return ModelRunner(model, kv, BS)
 
 
-def _req(rid: str, prompt: list[int], max_tokens: int = 4, logprobs: int = 0) -> Request:
-    params = RequestParams(max_tokens=max_tokens, sampling=SamplingOptions(temperature=0.0, logprobs=logprobs),
-                           ignore_eos=True)
-    return Request(rid, list(prompt), params, transfer_id=f"xfer-{rid}")
+def _req(rid: str, prompt: list[int], max_tokens: int = 4, logprobs: int = 0,
+         sampling: SamplingOptions | None = None) -> Request:
+    """A request (greedy unless ``sampling`` is given; a seeded one gets its generator)."""
+    sampling = sampling or SamplingOptions(temperature=0.0, logprobs=logprobs)
+    params = RequestParams(max_tokens=max_tokens, sampling=sampling, ignore_eos=True)
+    gen = make_generator(sampling.seed, CPU) if sampling.seed is not None else None
+    return Request(rid, list(prompt), params, transfer_id=f"xfer-{rid}", generator=gen)
 
 
 def _no_leak(sched) -> None:
@@ -67,24 +70,32 @@ def _no_leak(sched) -> None:
 
 # ---- decode ----------------------------------------------------------------------------
 
-def _colocated(model, model_config, prompt: list[int], n: int):
-    """Prefill + greedy decode of ``n`` tokens on one runner: the prompt's KV
+def _colocated(model, model_config, prompt: list[int], n: int, sampling: SamplingOptions | None = None):
+    """Prefill + decode of ``n`` tokens on one runner (greedy unless ``sampling`` is
+    given; a seeded one draws from its own generator): the prompt's KV
     ``[L, 2, blocks, BS, kh, d]`` and the ``n`` tokens a colocated engine produces."""
     runner = _runner(model, model_config)
     table = list(range(1, blocks_needed(len(prompt) + n, BS) + 1))
-    greedy = SamplingOptions(temperature=0.0)
-    toks = runner.execute(StepPlan([ScheduledSeq("c", prompt, 0, table, True, greedy)])).token_ids
+    opts = sampling or SamplingOptions(temperature=0.0)
+    gen = make_generator(opts.seed, CPU) if opts.seed is not None else None
+    prompt = list(prompt)
+    toks: list[int] = []
+    toks += runner.execute(StepPlan([ScheduledSeq("c", prompt, 0, table, True, opts, gen, prompt, toks)])).token_ids
     kv = runner.kv_cache[:, :, table[:blocks_needed(len(prompt), BS)]].clone()
     while len(toks) < n:
         pos = len(prompt) + len(toks) - 1
-        toks += runner.execute(StepPlan([ScheduledSeq("c", [toks[-1]], pos, table, True, greedy)])).token_ids
+        toks += runner.execute(StepPlan([ScheduledSeq("c", [toks[-1]], pos, table, True, opts, gen,
+                                                      prompt, toks)])).token_ids
     return kv, toks
 
 
-def _decode_sched(model, model_config, num_blocks=32, lease_s=30.0, max_num_seqs=8):
+def _decode_sched(model, model_config, num_blocks=32, lease_s=30.0, max_num_seqs=8, kv_failure_policy="error",
+                  max_num_batched_tokens=2048):
     runner = _runner(model, model_config, num_blocks)
     sched = DecodeScheduler(runner, CacheConfig(block_size=BS, num_blocks=num_blocks),
-                            SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=512, lease_s=lease_s),
+                            SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=512, lease_s=lease_s,
+                                            kv_failure_policy=kv_failure_policy,
+                                            max_num_batched_tokens=max_num_batched_tokens),
                             model_config.eos_token_ids)
     return runner, sched
 

@@ -1,5 +1,6 @@
 from pdcluster.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -95,12 +96,40 @@ class WorkerAbortResponse(_message.Message):
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
+class FailTransferRequest(_message.Message):
+    __slots__ = ("request_id", "transfer_id", "reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    transfer_id: str
+    reason: str
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class FailTransferResponse(_message.Message):
+    __slots__ = ("outcome",)
+    class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        OUTCOME_UNSPECIFIED: _ClassVar[FailTransferResponse.Outcome]
+        OUTCOME_UNKNOWN_REQUEST: _ClassVar[FailTransferResponse.Outcome]
+        OUTCOME_FAILED: _ClassVar[FailTransferResponse.Outcome]
+        OUTCOME_RECOMPUTING: _ClassVar[FailTransferResponse.Outcome]
+        OUTCOME_KV_COMPLETE: _ClassVar[FailTransferResponse.Outcome]
+    OUTCOME_UNSPECIFIED: FailTransferResponse.Outcome
+    OUTCOME_UNKNOWN_REQUEST: FailTransferResponse.Outcome
+    OUTCOME_FAILED: FailTransferResponse.Outcome
+    OUTCOME_RECOMPUTING: FailTransferResponse.Outcome
+    OUTCOME_KV_COMPLETE: FailTransferResponse.Outcome
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    outcome: FailTransferResponse.Outcome
+    def __init__(self, outcome: _Optional[_Union[FailTransferResponse.Outcome, str]] = ...) -> None: ...
+
 class GetLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "role", "num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "num_finished", "num_failed_transfers", "num_preemptions")
+    __slots__ = ("worker_id", "role", "num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "num_finished", "num_failed_transfers", "num_preemptions", "num_kv_recomputes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +139,7 @@ class WorkerLoad(_message.Message):
     NUM_FINISHED_FIELD_NUMBER: _ClassVar[int]
     NUM_FAILED_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_RECOMPUTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_waiting: int
@@ -119,4 +149,5 @@ class WorkerLoad(_message.Message):
     num_finished: int
     num_failed_transfers: int
     num_preemptions: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    num_kv_recomputes: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_kv_recomputes: _Optional[int] = ...) -> None: ...

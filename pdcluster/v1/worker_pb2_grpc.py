@@ -50,6 +50,11 @@ class DecodeWorkerStub:
                 request_serializer=pdcluster_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=pdcluster_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
                 _registered_method=True)
+        self.FailTransfer = channel.unary_unary(
+                '/pdcluster.v1.DecodeWorker/FailTransfer',
+                request_serializer=pdcluster_dot_v1_dot_worker__pb2.FailTransferRequest.SerializeToString,
+                response_deserializer=pdcluster_dot_v1_dot_worker__pb2.FailTransferResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -61,8 +66,9 @@ class DecodeWorkerServicer:
         event is a Reservation (sent once the blocks are allocated: backpressure
         waits here); then TokenDelta events until one carries a finish_reason.
         Failures end the stream with a gRPC status (UNAVAILABLE when the KV
-        transfer failed or its lease expired, RESOURCE_EXHAUSTED when the request
-        can never fit).
+        transfer failed or its lease expired under KV failure policy "error";
+        under "recompute" the worker rebuilds the prompt's KV itself instead and
+        the stream goes on; RESOURCE_EXHAUSTED when the request can never fit).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -76,6 +82,17 @@ class DecodeWorkerServicer:
 
     def GetLoad(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FailTransfer(self, request, context):
+        """The prefill side of a transfer failed (the router saw the Prefill call
+        fail): the KV of this reservation will not arrive. The decode worker
+        applies its KV failure policy ("error": the Reserve stream ends with
+        UNAVAILABLE; "recompute": it rebuilds the prompt's KV itself and decodes
+        on) and answers what became of the request.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -97,6 +114,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=pdcluster_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
                     response_serializer=pdcluster_dot_v1_dot_worker__pb2.WorkerLoad.SerializeToString,
+            ),
+            'FailTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.FailTransfer,
+                    request_deserializer=pdcluster_dot_v1_dot_worker__pb2.FailTransferRequest.FromString,
+                    response_serializer=pdcluster_dot_v1_dot_worker__pb2.FailTransferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +203,33 @@ class DecodeWorker:
             '/pdcluster.v1.DecodeWorker/GetLoad',
             pdcluster_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
             pdcluster_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FailTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.v1.DecodeWorker/FailTransfer',
+            pdcluster_dot_v1_dot_worker__pb2.FailTransferRequest.SerializeToString,
+            pdcluster_dot_v1_dot_worker__pb2.FailTransferResponse.FromString,
             options,
             channel_credentials,
             insecure,
