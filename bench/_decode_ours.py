@@ -70,9 +70,9 @@ class _TimedModel:
     def __init__(self, model, acc: dict[str, float]) -> None:
         self._model, self._acc = model, acc
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         t0 = time.perf_counter()
-        out = self._model(*args)
+        out = self._model(*args, **kwargs)
         self._acc["forward"] += time.perf_counter() - t0
         return out
 

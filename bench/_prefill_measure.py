@@ -30,6 +30,7 @@ import _common
 from engine.block_pool import blocks_needed
 from engine.config import CacheConfig, ModelConfig
 from engine.kv_cache import allocate_kv_cache
+from engine.model.linear import dense_weights
 from engine.model_runner import ModelRunner
 from engine.sampling import SamplingOptions
 from engine.step import ScheduledSeq, StepPlan
@@ -40,7 +41,7 @@ BLOCK_SIZE = 16
 
 def non_embedding_params(model: torch.nn.Module) -> int:
     """Parameters of the decoder layers and final norm (not ``embed_tokens`` nor ``lm_head``)."""
-    return sum(p.numel() for name, p in model.named_parameters()
+    return sum(p.numel() for name, p in dense_weights(model).items()
                if "embed_tokens" not in name and not name.startswith("lm_head"))
 
 
@@ -127,7 +128,7 @@ def measure_prefill(runner: ModelRunner, plans: list[StepPlan], flops: int, reps
 
 #: operator-name fragments of each category of :func:`op_categories` (first match wins).
 CATEGORIES = (
-    ("GEMM (linear layers)", ("aten::addmm", "aten::mm")),
+    ("GEMM (linear layers)", ("aten::addmm", "aten::mm", "mkldnn::_linear_pointwise")),
     ("attention (SDPA)", ("scaled_dot_product", "flash_attention", "aten::bmm", "aten::_softmax", "aten::baddbmm")),
     ("elementwise (RMSNorm, RoPE, SwiGLU, residual)", ("aten::mul", "aten::add", "aten::cat", "aten::neg",
                                                        "aten::pow", "aten::sum", "aten::mean", "aten::rsqrt",

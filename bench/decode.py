@@ -49,6 +49,7 @@ import _decode_hf
 import _decode_ours
 import _decode_report
 from _decode_vllm import VllmError, VllmPeer
+from engine.model.linear import dense_weights
 
 BLOCK_SIZE = 16
 VLLM_BUDGET = ("1 OpenMP model thread bound to core 0; core 1 reserved for its engine-core scheduler and "
@@ -101,10 +102,19 @@ def _new_tokens(args, ctx: int) -> int:
     return args.new_tokens_long if (ctx >= 1024 and args.new_tokens_long) else args.new_tokens
 
 
+def _weights(model, cfg) -> dict:
+    """Weights read by a step, by name (a packed copy of tied embeddings counted once)."""
+    w = dense_weights(model)
+    if cfg.tie_word_embeddings:
+        w.pop("lm_head.weight", None)
+    return w
+
+
 def model_stats(model, cfg) -> dict:
     """Bytes of the weights, weights in matmuls, KV bytes and attention flops per context token."""
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    num_params = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    weights = _weights(model, cfg)
+    weight_bytes = sum(p.numel() * p.element_size() for p in weights.values())
+    num_params = sum(p.numel() for p in weights.values() if p.dim() == 2)
     return {"weight_bytes": weight_bytes, "matmul_params": num_params,
             "kv_bytes_per_token": cfg.kv_bytes_per_token(4),
             "attn_flops_per_ctx_token": 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim}
@@ -128,7 +138,7 @@ def run_point(model, cfg, hf, tokenizer, prompts, prefilled, new_tokens, stats, 
     ``rounds`` runs of each engine (ours, HF unless ``no_hf``, vLLM when ``peer``) interleaved
     in rotating order; each engine's best run (lowest p50 TPOT) gives its numbers."""
     b, ctx = len(prompts), len(prompts[0])
-    mats = [p for p in model.parameters() if p.dim() == 2]
+    mats = [p for p in _weights(model, cfg).values() if p.dim() == 2]
     bw = _common.copy_bandwidth_GBps(copy_bytes)
     gemv = _common.linear_stream_GBps(mats)
     gemm = _common.gemm_GFLOPs(gemm_n, reps=3)
@@ -241,7 +251,7 @@ def run(args) -> dict:
     stats = model_stats(model, cfg)
     log(f"machine rates, load {load_start:.2f}")
     bw, gemm = _common.copy_bandwidth_GBps(), _common.gemm_GFLOPs()
-    gemv = _common.linear_stream_GBps([p for p in model.parameters() if p.dim() == 2])
+    gemv = _common.linear_stream_GBps([p for p in _weights(model, cfg).values() if p.dim() == 2])
     log(f"copy {bw:.1f} GB/s, GEMM {gemm:.1f} GFLOP/s, one-row linear {gemv:.1f} GB/s")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     peer, vllm_start_error = _start_vllm(args, model_dir)

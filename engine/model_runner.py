@@ -47,7 +47,7 @@ class ModelRunner:
         )
         flat = [t for s in plan.seqs for t in s.token_ids]
         input_ids = torch.tensor(flat, dtype=torch.int64, device=self.device)
-        hidden = self.model(input_ids, meta, self.kv_cache)
+        hidden = self.model(input_ids, meta, self.kv_cache, on_layer_done=plan.on_layer_done)
         rows = [i for i, s in enumerate(plan.seqs) if s.sample]
         if not rows:
             return StepOutput([], [], [], time.perf_counter() - t0)

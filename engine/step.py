@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -42,7 +42,18 @@ class ScheduledSeq:
 
 @dataclass(frozen=True)
 class StepPlan:
+    """The work of one step.
+
+    Attributes:
+        seqs: the sequences, in batch order.
+        on_layer_done: called with each layer index (ascending) right after that
+            layer wrote its K/V for every token of the step, on the stepping thread
+            (layer-wise KV streaming). On CUDA the writes are queued on the current
+            stream: readers on the same (default) stream see them in order.
+    """
+
     seqs: list[ScheduledSeq]
+    on_layer_done: Callable[[int], None] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -26,6 +26,7 @@ import _prefill_measure as pm  # noqa: E402
 import _prefill_report  # noqa: E402
 import prefill  # noqa: E402
 from engine.model import load_model  # noqa: E402
+from engine.model.linear import dense_weights  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def one_thread():
 def test_flops_and_step_plans(model, model_config):
     cfg = model_config
     params = pm.non_embedding_params(model)
-    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    layer = sum(p.numel() for p in dense_weights(model.model.layers[0]).values())
     assert params == cfg.num_layers * layer + cfg.hidden_size  # layers + final norm, no embeddings
     f = pm.prefill_flops(cfg, params, [3, 2])
     per_pair = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim

@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from engine.attention import get_attention_backend
 from engine.config import ModelConfig
+from engine.model.linear import apply_linear_backend, default_linear_backend
 from engine.model.llama import LlamaForCausalLM
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,15 +31,18 @@ def default_attention_backend(device: torch.device) -> str:
 
 
 def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-               attention_backend: str | None = None) -> LlamaForCausalLM:
+               attention_backend: str | None = None, linear_backend: str | None = None) -> LlamaForCausalLM:
     """Build the model on ``device`` in ``dtype`` and load every ``*.safetensors`` in ``cfg.path``.
 
     ``attention_backend`` names a registered backend; None picks
-    :func:`default_attention_backend` for ``device``.
+    :func:`default_attention_backend` for ``device``. ``linear_backend`` names one of
+    :data:`engine.model.linear.LINEAR_BACKENDS` (``"torch"``, ``"onednn"``); None picks
+    :func:`~engine.model.linear.default_linear_backend` (oneDNN-prepacked weights for CPU
+    float32). A packed model's decoder weights are buffers, no longer parameters.
 
     Raises:
         FileNotFoundError: no safetensors file in the folder.
-        KeyError: a parameter missing from the checkpoint.
+        KeyError: a parameter missing from the checkpoint, or an unknown backend.
     """
     files = sorted(Path(cfg.path).glob("*.safetensors"))
     if not files:
@@ -51,4 +55,6 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
         model = LlamaForCausalLM(cfg, backend).to(dtype)
     model.rope.to(torch.float32)
     model.load_weights(state)
-    return model.eval()
+    model.eval()
+    apply_linear_backend(model, linear_backend or default_linear_backend(device, dtype))
+    return model

@@ -9,6 +9,8 @@ math follows HF ``transformers``' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -137,7 +139,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
+                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run the new tokens of one step.
 
         Args:
@@ -145,20 +148,25 @@ class LlamaForCausalLM(nn.Module):
             meta: the step's metadata (positions, slot mapping, block tables).
             kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``,
                 written in place.
+            on_layer_done: called with layer ``i`` once layer ``i`` wrote its K/V
+                (layer-wise KV streaming).
 
         Returns:
             ``[T, hidden_size]`` final hidden states (after the last norm).
         """
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
             x = layer(x, meta, kv_cache, self.rope, self.backend)
+            if on_layer_done is not None:
+                on_layer_done(i)
         return self.model.norm(x)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> ``[N, vocab_size]`` float32 logits."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied embeddings
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Copy an HF state dict in (``lm_head.weight`` ignored when embeddings are tied).
