@@ -38,12 +38,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages
 
-import grpc  # noqa: E402
-import torch  # noqa: E402
+import grpc
+import torch
 
-from decode_worker.transfers import TransferTable  # noqa: E402
-from kvtransfer import (KvReceiverSink, StaleTransferError, add_kv_transfer_servicer,  # noqa: E402
-                        gather_blocks, kv_server_options)
+from decode_worker.transfers import TransferTable
+from kvtransfer import (
+    KvReceiverSink,
+    StaleTransferError,
+    add_kv_transfer_servicer,
+    gather_blocks,
+    kv_server_options,
+)
 
 HEADER = struct.Struct("<Q")
 
@@ -60,8 +65,9 @@ class TableSink(KvReceiverSink):
     def begin(self, transfer_id, generation, request_id) -> bool:
         return self.table.is_open(transfer_id, generation)
 
-    def write(self, transfer_id, generation, layer_start, layer_end, block_ids, tensor) -> None:
-        self.table.write(transfer_id, generation, layer_start, layer_end, list(block_ids), tensor)
+    def write(self, transfer_id, generation, layer_start, layer_end, block_ids, tensor, *, token_start) -> None:
+        self.table.write(transfer_id, generation, layer_start, layer_end, list(block_ids), tensor,
+                         token_start=token_start)
 
     def complete(self, transfer_id, generation, first_token_id, first_token_logprobs) -> None:
         if self.table.close(transfer_id, generation) is None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -22,8 +23,10 @@ class DecodeKvSink(KvReceiverSink):
         return self.table.is_open(transfer_id, generation)
 
     def write(self, transfer_id: str, generation: int, layer_start: int, layer_end: int,
-              block_ids: Sequence[int], tensor: torch.Tensor) -> None:
-        self.table.write(transfer_id, generation, layer_start, layer_end, list(block_ids), tensor)
+              block_ids: Sequence[int], tensor: torch.Tensor, *, token_start: int) -> None:
+        """See :meth:`KvReceiverSink.write`; :meth:`TransferTable.write` maps the tokens under its lock."""
+        self.table.write(transfer_id, generation, layer_start, layer_end, list(block_ids), tensor,
+                         token_start=token_start)
 
     def complete(self, transfer_id: str, generation: int, first_token_id: int,
                  first_token_logprobs: dict[Any, Any] | None) -> None:

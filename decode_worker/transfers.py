@@ -1,7 +1,8 @@
 """Reservations of a decode worker that are waiting for their KV.
 
 Each open transfer owns destination blocks and a generation number. KV writes
-check (transfer id, generation, block ids) and copy into the cache under the
+check (transfer id, generation, block ids of the token range) and copy tokens
+into the cache, re-blocking when the sender's block size differs, under the
 table's lock; closing a transfer takes the same lock, so once the scheduler
 closes one (finish, abort, lease expiry) no late or duplicated chunk can write
 into its blocks, even after they are reused by another request.
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtransfer.errors import StaleTransferError
+from kvtransfer.reblock import dest_block_range, scatter_tokens
 
 
 @dataclass
@@ -63,27 +65,42 @@ class TransferTable:
             return t is not None and t.generation == generation
 
     def write(self, transfer_id: str, generation: int, layer_start: int, layer_end: int,
-              block_ids: list[int], kv: torch.Tensor) -> None:
-        """Copy ``kv`` ``[layer_end-layer_start, 2, len(block_ids), block_size, kv_heads,
-        head_dim]`` into the reserved blocks.
+              block_ids: list[int], kv: torch.Tensor, *, token_start: int = 0) -> None:
+        """Copy the tokens of sender blocks ``kv`` into the transfer's reserved blocks (re-blocking).
+
+        Args:
+            block_ids: the reserved blocks tokens ``[token_start, token_start + n * src_bs)``
+                map to (clipped to the reservation's capacity), in order.
+            kv: ``[layer_end - layer_start, 2, n, src_bs, kv_heads, head_dim]``, any
+                floating dtype and device (cast on write); ``src_bs`` may differ from the
+                cache's block size.
+            token_start: position in the transfer of ``kv``'s first token; token ``t`` goes
+                to reserved block ``t // block_size``, slot ``t % block_size``, and tokens
+                past the reservation are dropped. The default 0 with the whole reservation
+                and the cache's block size writes whole blocks (one ``index_copy_``).
 
         Raises:
             StaleTransferError: the transfer is not open with this generation, or
-                ``block_ids`` are not among its reserved blocks.
+                ``block_ids`` are not exactly the reserved blocks the token range maps to
+                (or it starts past the reservation). Nothing was written.
             ValueError: shape or layer range does not fit the cache.
         """
         with self._lock:
             t = self._open.get(transfer_id)
             if t is None or t.generation != generation:
                 raise StaleTransferError(f"transfer {transfer_id} generation {generation} is not open")
-            if not set(block_ids) <= set(t.block_ids):
-                raise StaleTransferError(f"blocks {block_ids} are not reserved for transfer {transfer_id}")
-            expected = (layer_end - layer_start, 2, len(block_ids), *self.kv_cache.shape[3:])
-            if tuple(kv.shape) != expected or not 0 <= layer_start < layer_end <= self.kv_cache.shape[0]:
-                raise ValueError(f"KV chunk shape {tuple(kv.shape)} != expected {expected}")
-            idx = torch.tensor(block_ids, dtype=torch.int64, device=self.kv_cache.device)
-            dst = self.kv_cache[layer_start:layer_end]
-            dst.index_copy_(2, idx, kv.to(device=dst.device, dtype=dst.dtype))
+            bs = self.kv_cache.shape[3]
+            n_tokens = kv.shape[2] * kv.shape[3] if kv.dim() == 6 else 0
+            try:
+                first, last = dest_block_range(len(t.block_ids), bs, token_start, token_start + n_tokens)
+            except ValueError as exc:
+                raise StaleTransferError(f"transfer {transfer_id}: {exc}") from None
+            if list(block_ids) != t.block_ids[first:last]:
+                raise StaleTransferError(
+                    f"blocks {list(block_ids)} are not the blocks reserved for tokens "
+                    f"[{token_start}, {token_start + n_tokens}) of transfer {transfer_id}"
+                )
+            scatter_tokens(self.kv_cache, layer_start, layer_end, t.block_ids, token_start, kv)
             t.bytes_written += kv.numel() * kv.element_size()
 
     def expired(self, now: float) -> list[OpenTransfer]:

@@ -2,9 +2,11 @@
 
 Layout of a worker's cache: one tensor
 ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (K = 0, V = 1).
-A transfer moves whole blocks of one request, all layers, in chunks
-(:mod:`kvtransfer.wire`) through a registered transport
-(:mod:`kvtransfer.transport`; ``"grpc"`` is built in).
+A transfer moves the tokens of one request, all layers, in chunks of the
+sender's blocks (:mod:`kvtransfer.wire`); the receiver re-blocks when its block
+size differs (:mod:`kvtransfer.reblock`). Senders can stream layer by layer
+while the KV is computed (:class:`LayerProgress`). Transports are registered
+by name (:mod:`kvtransfer.transport`): ``"grpc"`` and ``"torch_dist"``.
 """
 
 from kvtransfer.blocks import check_kv_cache, gather_blocks, scatter_blocks
@@ -16,6 +18,8 @@ from kvtransfer.grpc_transport import (
     add_kv_transfer_servicer,
     kv_server_options,
 )
+from kvtransfer.progress import LayerProgress
+from kvtransfer.reblock import check_same_tokens, dest_block_range, scatter_tokens
 from kvtransfer.states import TransferState, TransferStateTable
 from kvtransfer.transport import (
     KvDestinationLike,
@@ -27,7 +31,12 @@ from kvtransfer.transport import (
     get_transport,
     register_transport,
 )
-from kvtransfer.wire import KvChunkMeta, decode_chunk, encode_done_chunk, encode_kv_chunk
+from kvtransfer.wire import (
+    KvChunkMeta,
+    decode_chunk,
+    encode_done_chunk,
+    encode_kv_chunk,
+)
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -40,6 +49,7 @@ __all__ = [
     "KvSender",
     "KvTransferError",
     "KvTransferServicer",
+    "LayerProgress",
     "SendResult",
     "StaleTransferError",
     "TransferState",
@@ -47,7 +57,9 @@ __all__ = [
     "Transport",
     "add_kv_transfer_servicer",
     "check_kv_cache",
+    "check_same_tokens",
     "decode_chunk",
+    "dest_block_range",
     "encode_done_chunk",
     "encode_kv_chunk",
     "gather_blocks",
@@ -55,4 +67,5 @@ __all__ = [
     "kv_server_options",
     "register_transport",
     "scatter_blocks",
+    "scatter_tokens",
 ]

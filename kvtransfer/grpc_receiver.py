@@ -9,10 +9,12 @@ from typing import Any
 import grpc
 import torch
 
+from kvtransfer.coverage import TokenCoverage
+from kvtransfer.dist_pairs import DistDataError, ReceiverPairs
 from kvtransfer.errors import KvIntegrityError, StaleTransferError
 from kvtransfer.states import TransferState, TransferStateTable
 from kvtransfer.transport import KvReceiver, KvReceiverSink
-from kvtransfer.wire import KIND_KV, decode_chunk
+from kvtransfer.wire import DATA_DIST, KIND_KV, decode_chunk
 from pdcluster.v1 import kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -23,9 +25,13 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
 
     Per stream: every chunk is decoded and verified (header, dtype, size,
     CRC32); the first one is admitted with ``sink.begin``; each ``"kv"`` chunk
-    is written with ``sink.write``; the ``"done"`` chunk is accepted only if
-    its ``num_chunks`` matches and every layer ``[0, num_layers)`` was written
-    for the same set of blocks, each exactly once, then ``sink.complete`` runs.
+    is written with ``sink.write`` (its tensor taken from the message, or for
+    ``"data": "dist"`` chunks received from the sender's torch.distributed pair
+    group through ``pairs``, then CRC-checked alike); the ``"done"`` chunk is
+    accepted only if its ``num_chunks`` matches and every layer
+    ``[0, num_layers)`` covers the same token range ``[0, T)``, each token
+    exactly once, then ``sink.complete`` runs. A stream that ends otherwise
+    drops the pair group its chunks named (the sender drops its side too).
 
     Acks: ``ok=True`` with ``bytes_received`` (payload bytes) after
     ``complete``. ``ok=False`` with an ``error`` starting ``"stale:"`` when the
@@ -39,15 +45,21 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
     Args:
         sink: the decode worker's :class:`KvReceiverSink`.
         state_history: finished transfers kept for :meth:`poll`.
+        pairs: receiving side of torch.distributed pair groups; a new
+            :class:`~kvtransfer.dist_pairs.ReceiverPairs` by default (groups are
+            only created when a ``"dist"`` chunk arrives).
     """
 
-    def __init__(self, sink: KvReceiverSink, *, state_history: int = 4096) -> None:
+    def __init__(
+        self, sink: KvReceiverSink, *, state_history: int = 4096, pairs: ReceiverPairs | None = None
+    ) -> None:
         self._sink = sink
         self._states = TransferStateTable(state_history)
+        self._pairs = pairs if pairs is not None else ReceiverPairs()
 
     def PushKv(self, request_iterator: Iterator[kv_pb2.KvChunk], context: grpc.ServicerContext) -> kv_pb2.KvAck:
         """Handle one transfer stream; see the class docstring for the ack contract."""
-        stream = _InboundStream(self._sink, self._states)
+        stream = _InboundStream(self._sink, self._states, self._pairs)
         try:
             for chunk in request_iterator:
                 ack = stream.on_chunk(chunk)
@@ -67,6 +79,9 @@ def add_kv_transfer_servicer(
 ) -> KvTransferServicer:
     """Register a :class:`KvTransferServicer` for ``sink`` on ``server`` (before ``server.start()``).
 
+    The servicer receives both transports, ``"grpc"`` and ``"torch_dist"``,
+    with no further configuration.
+
     Returns:
         The servicer, whose :meth:`KvTransferServicer.poll` shows receiver states.
     """
@@ -78,37 +93,50 @@ def add_kv_transfer_servicer(
 class _InboundStream:
     """State of one ``PushKv`` stream (one transfer)."""
 
-    def __init__(self, sink: KvReceiverSink, states: TransferStateTable) -> None:
+    def __init__(self, sink: KvReceiverSink, states: TransferStateTable, pairs: ReceiverPairs) -> None:
         self._sink = sink
         self._states = states
+        self._pairs = pairs
         self.transfer_id: str | None = None
         self.generation: int | None = None
         self._num_chunks = 0
         self._bytes = 0
-        self._coverage: dict[int, set[int]] = {}
+        self._block_size: int | None = None
+        self._pair: str | None = None
+        self._coverage = TokenCoverage()
 
     def on_chunk(self, chunk: kv_pb2.KvChunk) -> kv_pb2.KvAck | None:
         """Process one chunk; return the final ack to end the stream, ``None`` to read on."""
         try:
             header, tensor = decode_chunk(chunk)
         except KvIntegrityError as exc:
+            self._note_pair(exc.header)
             if self.transfer_id is None and exc.header is not None and not self._admit(exc.header):
-                return _stale(exc.header)
+                return self._stale(exc.header)
             return self.fail(f"corrupt: {exc}")
+        self._note_pair(header)
         if self.transfer_id is None:
             if not self._admit(header):
-                return _stale(header)
+                return self._stale(header)
         elif (header["transfer_id"], header["generation"]) != (self.transfer_id, self.generation):
             return self.fail(
                 f"corrupt: chunk of transfer {header['transfer_id']!r} generation "
                 f"{header['generation']} in the stream of {self.transfer_id!r} generation {self.generation}"
             )
-        if header["kind"] == KIND_KV:
-            return self._on_kv(header, tensor, len(chunk.payload))
-        return self._on_done(header)
+        if header["kind"] != KIND_KV:
+            return self._on_done(header)
+        if tensor is None:  # "data": "dist": the tensor comes over the pair group
+            try:
+                tensor = self._pairs.receive(header)
+            except KvIntegrityError as exc:
+                return self.fail(f"corrupt: {exc}")
+            except DistDataError as exc:
+                return self.fail(f"incomplete: data plane: {exc}")
+        return self._on_kv(header, tensor, tensor.numel() * tensor.element_size())
 
     def fail(self, reason: str) -> kv_pb2.KvAck:
         """Fail the admitted transfer (if any) through the sink and build the error ack."""
+        self._drop_pair()
         if self.transfer_id is not None:
             log.warning("KV transfer %s generation %s failed: %s", self.transfer_id, self.generation, reason)
             self._states.set(self.transfer_id, TransferState.FAILED)
@@ -117,6 +145,16 @@ class _InboundStream:
             except Exception:
                 log.exception("sink.fail raised for transfer %s", self.transfer_id)
         return kv_pb2.KvAck(ok=False, error=reason, bytes_received=self._bytes)
+
+    def _note_pair(self, header: dict[str, Any] | None) -> None:
+        if header is not None and header.get("data") == DATA_DIST and isinstance(header.get("dist"), dict):
+            pair = header["dist"].get("pair")
+            if isinstance(pair, str):
+                self._pair = pair
+
+    def _drop_pair(self) -> None:
+        if self._pair is not None:
+            self._pairs.drop(self._pair)
 
     def _admit(self, header: dict[str, Any]) -> bool:
         tid, gen, rid = header.get("transfer_id"), header.get("generation"), header.get("request_id")
@@ -134,18 +172,23 @@ class _InboundStream:
 
     def _on_kv(self, header: dict[str, Any], tensor: torch.Tensor, nbytes: int) -> kv_pb2.KvAck | None:
         ls, le, ids = header["layer_start"], header["layer_end"], header["block_ids"]
-        for layer in range(ls, le):
-            if not self._coverage.get(layer, set()).isdisjoint(ids):
-                return self.fail(f"corrupt: blocks of layer {layer} sent twice")
+        bs, ts = header["block_size"], header["token_start"]
+        te = ts + header["shape"][2] * bs
+        if self._block_size is None:
+            self._block_size = bs
+        elif bs != self._block_size:
+            return self.fail(f"corrupt: block_size {bs} after {self._block_size} in one transfer")
+        layer = self._coverage.overlap(ls, le, ts, te)
+        if layer is not None:
+            return self.fail(f"corrupt: tokens of [{ts}, {te}) of layer {layer} sent twice")
         try:
-            self._sink.write(self.transfer_id, self.generation, ls, le, ids, tensor)
+            self._sink.write(self.transfer_id, self.generation, ls, le, ids, tensor, token_start=ts)
         except StaleTransferError as exc:
             return self._stale_now(exc)
         except Exception as exc:
             log.exception("sink.write raised for transfer %s", self.transfer_id)
             return self.fail(f"sink error: {type(exc).__name__}: {exc}")
-        for layer in range(ls, le):
-            self._coverage.setdefault(layer, set()).update(ids)
+        self._coverage.add(ls, le, ts, te)
         self._num_chunks += 1
         self._bytes += nbytes
         return None
@@ -155,10 +198,9 @@ class _InboundStream:
             return self.fail(
                 f"incomplete: sender sent {header['num_chunks']} chunks, {self._num_chunks} received"
             )
-        num_layers = header["num_layers"]
-        blocks = self._coverage.get(0)
-        if set(self._coverage) != set(range(num_layers)) or any(s != blocks for s in self._coverage.values()):
-            return self.fail(f"incomplete: layers x blocks of {num_layers} layers not fully covered")
+        missing = self._coverage.missing(header["num_layers"])
+        if missing is not None:
+            return self.fail(f"incomplete: {missing}")
         try:
             self._sink.complete(
                 self.transfer_id, self.generation, header["first_token_id"], header["first_token_logprobs"]
@@ -173,13 +215,14 @@ class _InboundStream:
 
     def _stale_now(self, exc: StaleTransferError) -> kv_pb2.KvAck:
         log.info("KV transfer %s generation %s went stale: %s", self.transfer_id, self.generation, exc)
+        self._drop_pair()
         self._states.set(self.transfer_id, TransferState.FAILED)
         return kv_pb2.KvAck(ok=False, error=f"stale: {exc}", bytes_received=self._bytes)
 
-
-def _stale(header: dict[str, Any]) -> kv_pb2.KvAck:
-    tid, gen = header.get("transfer_id"), header.get("generation")
-    log.info("dropping stream of unreserved KV transfer %r generation %r", tid, gen)
-    return kv_pb2.KvAck(
-        ok=False, error=f"stale: transfer {tid!r} generation {gen!r} is not reserved here; chunks dropped"
-    )
+    def _stale(self, header: dict[str, Any]) -> kv_pb2.KvAck:
+        tid, gen = header.get("transfer_id"), header.get("generation")
+        log.info("dropping stream of unreserved KV transfer %r generation %r", tid, gen)
+        self._drop_pair()
+        return kv_pb2.KvAck(
+            ok=False, error=f"stale: transfer {tid!r} generation {gen!r} is not reserved here; chunks dropped"
+        )

@@ -3,8 +3,9 @@
 The prefill worker holds a :class:`KvSender`; the decode worker implements a
 :class:`KvReceiverSink` (its block pool and reservation table) and attaches it
 to a transport's receiver, which exposes :class:`KvReceiver`. gRPC is the
-first transport (``"grpc"``, :mod:`kvtransfer.grpc_transport`); a
-torch.distributed one can be registered later under its own name.
+first transport (``"grpc"``, :mod:`kvtransfer.grpc_transport`);
+``"torch_dist"`` (:mod:`kvtransfer.dist_transport`) moves the tensors over
+torch.distributed pair groups and keeps gRPC as its control plane.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from kvtransfer.progress import LayerProgress
 from kvtransfer.states import TransferState
 
 
@@ -44,17 +46,51 @@ class KvDestinationLike(Protocol):
 class SendResult:
     """Outcome of a successful :meth:`KvSender.send`.
 
+    Times are ``time.monotonic()`` seconds (``None`` where not recorded), to
+    compare with :attr:`LayerProgress.ready_times` / ``finished_at``.
+
     Attributes:
         bytes_sent: KV payload bytes sent (headers excluded).
-        seconds: wall time of the whole send, gather and encode included.
+        seconds: wall time of the whole send, gather and encode included
+            (with a ``progress``: waiting for layers included).
         num_chunks: ``"kv"`` chunks sent (the ``"done"`` chunk not counted).
         bytes_acknowledged: payload bytes the receiver reported (== ``bytes_sent``).
+        started_at: the send began (after local argument checks).
+        first_chunk_at: the first ``"kv"`` chunk was gathered and handed to the transport.
+        last_chunk_at: the last ``"kv"`` chunk was handed to the transport.
+        acked_at: the receiver's acknowledgement arrived.
+        input_finished_at: the producer's ``progress.finish`` (``None``
+            without a progress: the input was complete before the send).
+        bytes_before_finish: payload bytes of the chunks handed to the
+            transport before ``progress.finish`` (0 without a progress).
     """
 
     bytes_sent: int
     seconds: float
     num_chunks: int
     bytes_acknowledged: int
+    started_at: float | None = None
+    first_chunk_at: float | None = None
+    last_chunk_at: float | None = None
+    acked_at: float | None = None
+    input_finished_at: float | None = None
+    bytes_before_finish: int = 0
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Share of the payload handed to the transport before the producer finished (0..1).
+
+        The part of the transfer overlapped with (hidden behind) compute; 0
+        without a progress or without payload.
+        """
+        return self.bytes_before_finish / self.bytes_sent if self.bytes_sent else 0.0
+
+    @property
+    def seconds_after_finish(self) -> float | None:
+        """Seconds from ``progress.finish`` to the acknowledgement: the transfer time left exposed."""
+        if self.input_finished_at is None or self.acked_at is None:
+            return None
+        return max(0.0, self.acked_at - self.input_finished_at)
 
 
 class KvSender(abc.ABC):
@@ -68,36 +104,61 @@ class KvSender(abc.ABC):
         dest: KvDestinationLike,
         kv_cache: torch.Tensor,
         src_block_ids: Sequence[int],
-        first_token_id: int,
+        first_token_id: int | None,
         first_token_logprobs: dict[Any, Any] | None = None,
         layers_per_chunk: int = 1,
+        *,
+        progress: LayerProgress | None = None,
     ) -> SendResult:
-        """Send whole blocks ``src_block_ids`` of every layer to ``dest`` and wait for the ack.
+        """Send the tokens of blocks ``src_block_ids`` of every layer to ``dest`` and wait for the ack.
 
         Blocking; run on the prefill worker's sender thread. The blocks must
         not be freed or overwritten until it returns.
 
+        The destination may use another block size: the receiver re-blocks
+        (:mod:`kvtransfer.reblock`); source and destination must be able to
+        hold the same token count (each side's last block partly filled).
+
+        Layer-wise streaming: with ``progress`` the send may start before the
+        KV is computed; each chunk leaves once ``progress`` reports its layers
+        (state ``WAITING_FOR_INPUT`` meanwhile) and the ``"done"`` chunk once
+        ``progress.finish`` gave the first token. ``progress.fail`` ends the
+        send with :class:`KvTransferError`; the receiver then sees an
+        incomplete stream and frees its reservation.
+
         Args:
             request_id: request the KV belongs to.
             transfer_id: id minted by the router for this transfer.
-            dest: destination; ``len(dest.block_ids) == len(src_block_ids)``.
+            dest: destination: its blocks (``dest.block_size`` tokens each) in token order.
             kv_cache: ``[L, 2, num_blocks, block_size, H, D]`` local cache, float dtype.
             src_block_ids: local block ids in token order (need not be contiguous).
-            first_token_id: token sampled from the prompt's last position.
-            first_token_logprobs: msgpack-able logprob data or ``None``.
+            first_token_id: token sampled from the prompt's last position;
+                ignored (pass ``None``) with ``progress``.
+            first_token_logprobs: msgpack-able logprob data or ``None``;
+                ignored with ``progress``.
             layers_per_chunk: at most this many layers per chunk (>= 1).
+            progress: the producer's :class:`LayerProgress`, or ``None`` when
+                the KV and first token are complete already.
 
         Returns:
             :class:`SendResult`.
 
         Raises:
-            KvTransferError: unreachable destination, timeout, receiver
-                rejection (corrupt, stale, incomplete), mismatching ack, or a
-                destination this sender cannot serve (other block size or
-                block count). ``poll(transfer_id)`` is then ``FAILED``.
+            KvTransferError: unreachable destination, timeout (the whole send,
+                waiting for layers included, is bounded by the sender's
+                timeout), receiver rejection (corrupt, stale, incomplete),
+                mismatching ack, ``progress.fail``, or a destination that
+                cannot hold the source's tokens. ``poll(transfer_id)`` is then
+                ``FAILED``.
             ValueError: malformed local arguments (cache layout, block ids,
-                ``layers_per_chunk``) or ``transfer_id`` already in flight.
-            TypeError: ``first_token_logprobs`` is not msgpack-able.
+                ``layers_per_chunk``, a ``progress`` with another layer count,
+                ``first_token_id`` None without ``progress``) or
+                ``transfer_id`` already in flight.
+            TypeError: the logprobs are not msgpack-able: raised before
+                anything is sent for ``first_token_logprobs``; with
+                ``progress``, raised after the stream was cut short (the
+                receiver fails the transfer; ``poll`` is ``FAILED``) when
+                ``progress.finish`` supplied them.
         """
 
     @abc.abstractmethod
@@ -141,18 +202,27 @@ class KvReceiverSink(abc.ABC):
         layer_end: int,
         block_ids: Sequence[int],
         tensor: torch.Tensor,
+        *,
+        token_start: int,
     ) -> None:
-        """Write verified KV into reserved blocks.
+        """Write verified KV tokens into reserved blocks.
 
         Args:
-            block_ids: destination block ids (a subset of the reservation's),
-                one per ``tensor`` dim 2.
-            tensor: ``[layer_end - layer_start, 2, len(block_ids), block_size,
-                H, D]`` CPU tensor in the sender's dtype (cast on write).
+            block_ids: the reserved blocks the chunk's tokens map to: exactly
+                ``reservation[token_start // dst_bs : ceil(min(token_end,
+                capacity) / dst_bs)]`` for the sink's block size ``dst_bs``.
+            tensor: ``[layer_end - layer_start, 2, n, src_block_size, H, D]``
+                sender blocks in the sender's dtype (cast on write), on CPU
+                (or on the receiving GPU for a torch_dist NCCL pair).
+            token_start: position in the transfer of ``tensor``'s first token;
+                token ``t`` goes to block ``reservation[t // dst_bs]``, slot
+                ``t % dst_bs``; tokens past the reservation's capacity are
+                dropped (see :func:`kvtransfer.reblock.scatter_tokens`).
 
         Raises:
-            StaleTransferError: reclaimed transfer, other generation, or block
-                ids not reserved for it; nothing was written.
+            StaleTransferError: reclaimed transfer, other generation, or
+                ``block_ids`` not exactly the reserved blocks the token range
+                maps to; nothing was written.
         """
 
     @abc.abstractmethod
@@ -166,8 +236,7 @@ class KvReceiverSink(abc.ABC):
         """Every chunk arrived, verified and was written; the request may run.
 
         The transport guarantees that layers ``[0, num_layers)`` were each
-        written exactly once for one and the same set of blocks (a sink that
-        wants to can compare that set with its reservation in ``write``).
+        written exactly once for one and the same token range ``[0, T)``.
 
         Raises:
             StaleTransferError: the transfer was reclaimed meanwhile.

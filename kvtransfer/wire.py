@@ -4,13 +4,24 @@ A transfer is a stream of ``"kv"`` chunks followed by one ``"done"`` chunk,
 each a :class:`pdcluster.v1.kv_pb2.KvChunk` (``header``, ``payload``).
 
 ``"kv"`` header keys: ``kind``, ``request_id``, ``transfer_id``, ``generation``,
-``layer_start``, ``layer_end`` (layers ``[start, end)``), ``block_ids``
-(destination block ids, one per payload block), ``block_size`` (tokens per
-block, the sender's: the seam for re-blocking), ``dtype`` (torch dtype name,
-e.g. ``"bfloat16"``), ``shape`` (payload tensor shape) and ``checksum``.
-The payload is the C-order bytes of a
-``[layer_end - layer_start, 2, len(block_ids), block_size, num_kv_heads, head_dim]``
-tensor, native (little-endian) byte order.
+``layer_start``, ``layer_end`` (layers ``[start, end)``), ``block_size``
+(tokens per block, the sender's), ``token_start`` (position in the transfer of
+the payload's first token: source block index times ``block_size``),
+``block_ids`` (the destination block ids that the payload's token range
+``[token_start, token_start + n * block_size)`` touches, in order, clipped to
+the destination's capacity; see :mod:`kvtransfer.reblock`), ``dtype`` (torch
+dtype name, e.g. ``"bfloat16"``), ``shape`` (payload tensor shape) and
+``checksum``. The payload is the C-order bytes of the sender's blocks, a
+``[layer_end - layer_start, 2, n, block_size, num_kv_heads, head_dim]`` tensor,
+native (little-endian) byte order.
+
+A ``"kv"`` header may add ``"data": "dist"``: its tensor then travels outside
+the message (an empty payload) over a torch.distributed pair group, described
+by the header's ``"dist"`` map: ``pair`` (pair group id), ``store``
+(``host:port`` of the sender's TCPStore), ``backend`` (``"gloo"`` or
+``"nccl"``), ``tag`` (point-to-point tag of this tensor) and ``timeout_s``
+(group timeout, seconds); ``checksum`` is then the CRC32 of the tensor's bytes
+(:func:`verify_tensor`). See :mod:`kvtransfer.dist_transport`.
 
 ``"done"`` header keys: ``kind``, ``request_id``, ``transfer_id``,
 ``generation``, ``num_chunks`` (``"kv"`` chunks sent before it),
@@ -23,10 +34,10 @@ and ``checksum``; its payload is empty.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-import zlib
 
 import msgpack
 import torch
@@ -36,6 +47,8 @@ from pdcluster.v1 import kv_pb2
 
 KIND_KV = "kv"
 KIND_DONE = "done"
+DATA_DIST = "dist"
+DIST_BACKENDS = ("gloo", "nccl")
 
 _FLOAT_DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -78,8 +91,10 @@ class KvChunkMeta:
         generation: reservation stamp from the receiver's ``KvDestination``.
         layer_start: first layer in the payload (inclusive).
         layer_end: last layer in the payload (exclusive).
-        block_ids: destination block ids, one per payload block (dim 2).
-        block_size: tokens per block of the payload.
+        block_ids: destination block ids the payload's token range touches, in order.
+        block_size: tokens per block of the payload (the sender's).
+        token_start: position in the transfer of the payload's first token
+            (a multiple of ``block_size``).
     """
 
     request_id: str
@@ -89,6 +104,7 @@ class KvChunkMeta:
     layer_end: int
     block_ids: Sequence[int]
     block_size: int
+    token_start: int = 0
 
 
 def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
@@ -128,28 +144,28 @@ def tensor_from_bytes(payload: bytes, dtype: torch.dtype, shape: Sequence[int]) 
     return flat.view(dtype).reshape(tuple(shape))
 
 
-def encode_kv_chunk(meta: KvChunkMeta, tensor: torch.Tensor) -> kv_pb2.KvChunk:
-    """Build a ``"kv"`` chunk carrying ``tensor`` for ``meta``'s layers and blocks.
+def tensor_crc32(tensor: torch.Tensor) -> int:
+    """CRC32 of ``tensor``'s C-order bytes (no copy for a contiguous CPU tensor)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
-    Args:
-        meta: addressing of the chunk.
-        tensor: ``[layer_end - layer_start, 2, len(block_ids), block_size,
-            num_kv_heads, head_dim]``, floating dtype, any device/strides.
 
-    Returns:
-        The chunk; ``len(chunk.payload) == tensor.numel() * tensor.element_size()``.
-
-    Raises:
-        ValueError: ``tensor`` shape disagrees with ``meta``, or its dtype is
-            not floating point, or ``meta`` has an empty or inverted range.
-    """
-    want = (meta.layer_end - meta.layer_start, 2, len(meta.block_ids), meta.block_size)
-    if tensor.dim() != 6 or tuple(tensor.shape[:4]) != want or min(tensor.shape) < 1:
+def _kv_header(meta: KvChunkMeta, tensor: torch.Tensor, checksum: int) -> dict[str, Any]:
+    want = (meta.layer_end - meta.layer_start, 2)
+    if (tensor.dim() != 6 or tuple(tensor.shape[:2]) != want or tensor.shape[3] != meta.block_size
+            or min(tensor.shape) < 1):
         raise ValueError(
-            f"tensor shape {tuple(tensor.shape)} does not match {want} + (num_kv_heads, head_dim)"
+            f"tensor shape {tuple(tensor.shape)} does not match ({want[0]}, 2, n, {meta.block_size}, "
+            "num_kv_heads, head_dim)"
         )
-    payload = tensor_to_bytes(tensor)
-    header = {
+    if not meta.block_ids or meta.token_start < 0 or meta.token_start % meta.block_size:
+        raise ValueError(
+            f"need destination block ids and a token_start that is a multiple of {meta.block_size}, "
+            f"got {list(meta.block_ids)} and {meta.token_start}"
+        )
+    return {
         "kind": KIND_KV,
         "request_id": meta.request_id,
         "transfer_id": meta.transfer_id,
@@ -158,11 +174,68 @@ def encode_kv_chunk(meta: KvChunkMeta, tensor: torch.Tensor) -> kv_pb2.KvChunk:
         "layer_end": int(meta.layer_end),
         "block_ids": [int(b) for b in meta.block_ids],
         "block_size": int(meta.block_size),
+        "token_start": int(meta.token_start),
         "dtype": dtype_name(tensor.dtype),
         "shape": [int(n) for n in tensor.shape],
-        "checksum": zlib.crc32(payload),
+        "checksum": checksum,
     }
+
+
+def encode_kv_chunk(meta: KvChunkMeta, tensor: torch.Tensor) -> kv_pb2.KvChunk:
+    """Build a ``"kv"`` chunk carrying ``tensor`` (sender blocks) for ``meta``'s layers and tokens.
+
+    Args:
+        meta: addressing of the chunk.
+        tensor: ``[layer_end - layer_start, 2, n, block_size, num_kv_heads,
+            head_dim]``, floating dtype, any device/strides.
+
+    Returns:
+        The chunk; ``len(chunk.payload) == tensor.numel() * tensor.element_size()``.
+
+    Raises:
+        ValueError: ``tensor`` shape disagrees with ``meta``, its dtype is not
+            floating point, ``meta`` has an empty or inverted range, no block
+            ids, or a ``token_start`` that is not a multiple of ``block_size``.
+    """
+    payload = tensor_to_bytes(tensor)
+    header = _kv_header(meta, tensor, zlib.crc32(payload))
     return kv_pb2.KvChunk(header=msgpack.packb(header), payload=payload)
+
+
+def encode_dist_kv_chunk(meta: KvChunkMeta, tensor: torch.Tensor, dist: dict[str, Any]) -> kv_pb2.KvChunk:
+    """Build a ``"kv"`` chunk whose tensor travels over a pair group (``"data": "dist"``, empty payload).
+
+    Args:
+        meta: addressing of the chunk.
+        tensor: as for :func:`encode_kv_chunk`; its CRC32 goes into the header.
+        dist: the ``"dist"`` map (``pair``, ``store``, ``backend``, ``tag``,
+            ``timeout_s``; see the module docstring).
+
+    Raises:
+        ValueError: as :func:`encode_kv_chunk`.
+    """
+    header = _kv_header(meta, tensor, tensor_crc32(tensor))
+    header["data"] = DATA_DIST
+    header["dist"] = dict(dist)
+    return kv_pb2.KvChunk(header=msgpack.packb(header), payload=b"")
+
+
+def verify_tensor(header: dict[str, Any], tensor: torch.Tensor) -> None:
+    """Check a tensor received outside the message against its (decoded) ``"kv"`` header.
+
+    Raises:
+        KvIntegrityError: dtype, shape or CRC32 differ from the header's.
+    """
+    if dtype_name(tensor.dtype) != header["dtype"] or list(tensor.shape) != header["shape"]:
+        raise KvIntegrityError(
+            f"tensor {tensor.dtype} {list(tensor.shape)} does not match header "
+            f"{header['dtype']} {header['shape']}", header
+        )
+    crc = tensor_crc32(tensor)
+    if crc != header["checksum"]:
+        raise KvIntegrityError(
+            f"checksum mismatch: header {header['checksum']:#010x}, tensor {crc:#010x}", header
+        )
 
 
 def encode_done_chunk(
@@ -211,7 +284,7 @@ def _require(header: dict[str, Any], ok: bool, what: str) -> None:
 def _parse_header(raw: bytes) -> dict[str, Any]:
     try:
         header = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:  # msgpack's errors on garbage
         raise KvIntegrityError(f"header is not valid msgpack: {exc}") from None
     if not isinstance(header, dict):
         raise KvIntegrityError(f"header is a {type(header).__name__}, not a map")
@@ -230,16 +303,31 @@ def _check_kv_header(h: dict[str, Any]) -> torch.dtype:
     ids = h.get("block_ids")
     _require(h, isinstance(ids, list) and ids and all(_is_int(b) for b in ids), "block_ids")
     _require(h, len(set(ids)) == len(ids), "block_ids (duplicates)")
-    _require(h, _is_int(h.get("block_size"), 1), "block_size")
+    bs = h.get("block_size")
+    _require(h, _is_int(bs, 1), "block_size")
+    ts = h.get("token_start")
+    _require(h, _is_int(ts) and ts % bs == 0, "token_start (a multiple of block_size)")
     try:
         dtype = dtype_from_name(h.get("dtype"))
     except ValueError as exc:
         raise KvIntegrityError(str(exc), h) from None
     shape = h.get("shape")
     _require(h, isinstance(shape, list) and len(shape) == 6 and all(_is_int(n, 1) for n in shape), "shape")
-    want = [le - ls, 2, len(ids), h["block_size"]]
-    _require(h, shape[:4] == want, f"shape {shape} does not start with {want}")
+    _require(h, shape[:2] == [le - ls, 2] and shape[3] == bs,
+             f"shape {shape} does not match [{le - ls}, 2, n, {bs}, heads, head_dim]")
     return dtype
+
+
+def _check_dist(h: dict[str, Any]) -> None:
+    d = h.get("dist")
+    _require(h, isinstance(d, dict), "dist")
+    _require(h, isinstance(d.get("pair"), str) and d["pair"] != "", "dist.pair")
+    store = d.get("store")
+    _require(h, isinstance(store, str) and store.rpartition(":")[2].isdigit(), "dist.store")
+    _require(h, d.get("backend") in DIST_BACKENDS, "dist.backend")
+    _require(h, _is_int(d.get("tag")), "dist.tag")
+    t = d.get("timeout_s")
+    _require(h, isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0, "dist.timeout_s")
 
 
 def decode_chunk(chunk: kv_pb2.KvChunk) -> tuple[dict[str, Any], torch.Tensor | None]:
@@ -247,7 +335,9 @@ def decode_chunk(chunk: kv_pb2.KvChunk) -> tuple[dict[str, Any], torch.Tensor | 
 
     Returns:
         ``(header, tensor)``: for ``"kv"`` chunks ``tensor`` is a new CPU tensor
-        of ``header["shape"]`` and ``header["dtype"]``; for ``"done"`` it is ``None``.
+        of ``header["shape"]`` and ``header["dtype"]``; for ``"done"`` chunks and
+        for ``"kv"`` chunks with ``"data": "dist"`` (whose tensor the caller
+        receives elsewhere and checks with :func:`verify_tensor`) it is ``None``.
 
     Raises:
         KvIntegrityError: unparsable or inconsistent header, unknown dtype,
@@ -267,6 +357,12 @@ def decode_chunk(chunk: kv_pb2.KvChunk) -> tuple[dict[str, Any], torch.Tensor | 
             raise KvIntegrityError(f"done chunk carries a {len(payload)}-byte payload", header)
         return header, None
     dtype = _check_kv_header(header)
+    if "data" in header:
+        _require(header, header["data"] == DATA_DIST, f"data={header['data']!r}")
+        _check_dist(header)
+        if payload:
+            raise KvIntegrityError(f"dist chunk carries a {len(payload)}-byte payload", header)
+        return header, None
     want = _nbytes(dtype, header["shape"])
     if want != len(payload):
         raise KvIntegrityError(

@@ -27,8 +27,8 @@ from kvtransfer import (
     TransferState,
     add_kv_transfer_servicer,
     kv_server_options,
-    scatter_blocks,
 )
+from kvtransfer.reblock import dest_block_range, scatter_tokens
 from pdcluster.v1 import worker_pb2
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 4, 8, 4, 2, 8
@@ -40,7 +40,7 @@ GEN = 7
 class _Reservation:
     generation: int
     request_id: str
-    block_ids: set[int]
+    block_ids: list[int]
 
 
 @dataclass
@@ -59,7 +59,7 @@ class CacheSink(KvReceiverSink):
 
     def reserve(self, transfer_id: str, generation: int, request_id: str, block_ids: Sequence[int]) -> None:
         with self.lock:
-            self.reservations[transfer_id] = _Reservation(generation, request_id, set(block_ids))
+            self.reservations[transfer_id] = _Reservation(generation, request_id, list(block_ids))
 
     def _reserved(self, transfer_id: str, generation: int) -> _Reservation | None:
         r = self.reservations.get(transfer_id)
@@ -70,7 +70,7 @@ class CacheSink(KvReceiverSink):
             r = self._reserved(transfer_id, generation)
             return r is not None and r.request_id == request_id
 
-    def write(self, transfer_id, generation, layer_start, layer_end, block_ids, tensor) -> None:
+    def write(self, transfer_id, generation, layer_start, layer_end, block_ids, tensor, *, token_start) -> None:
         self.write_entered.set()
         if self.write_gate is not None:
             self.write_gate.wait(10)
@@ -78,9 +78,14 @@ class CacheSink(KvReceiverSink):
             if self.reclaim_after_writes is not None and len(self.writes) >= self.reclaim_after_writes:
                 self.reservations.pop(transfer_id, None)
             r = self._reserved(transfer_id, generation)
-            if r is None or not set(block_ids) <= r.block_ids:
+            if r is None:
                 raise StaleTransferError(f"transfer {transfer_id} generation {generation} not reserved")
-            scatter_blocks(self.kv_cache, layer_start, layer_end, block_ids, tensor)
+            bs = self.kv_cache.shape[3]
+            first, last = dest_block_range(len(r.block_ids), bs, token_start,
+                                           token_start + tensor.shape[2] * tensor.shape[3])
+            if list(block_ids) != r.block_ids[first:last]:
+                raise StaleTransferError(f"blocks {block_ids} do not match the reservation")
+            scatter_tokens(self.kv_cache, layer_start, layer_end, r.block_ids, token_start, tensor)
             self.writes.append((transfer_id, layer_start, layer_end, list(block_ids)))
 
     def complete(self, transfer_id, generation, first_token_id, first_token_logprobs) -> None:
@@ -305,10 +310,10 @@ def test_mismatched_destination_fails_before_sending(decode, sender) -> None:
     decode.sink.reserve("t1", GEN, "r1", DST)
     cache = _prefill_cache(torch.float32)
     dest = _dest(decode, DST)
-    dest.block_size = 2 * BLOCK_SIZE
-    with pytest.raises(KvTransferError, match="re-blocking"):
+    dest.block_size = 4 * BLOCK_SIZE  # 3 blocks of 4 tokens can't fill 3 blocks of 16
+    with pytest.raises(KvTransferError, match="same tokens"):
         sender.send("r1", "t1", dest, cache, SRC, 42)
-    with pytest.raises(KvTransferError, match="blocks"):
+    with pytest.raises(KvTransferError, match="same tokens"):
         sender.send("r1", "t2", _dest(decode, DST[:2]), cache, SRC, 42)
     with pytest.raises(ValueError, match="src_block_ids"):
         sender.send("r1", "t3", _dest(decode, DST), cache, [0, 1, BLOCKS], 42)

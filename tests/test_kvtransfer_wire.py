@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import pytest
 import torch
@@ -21,6 +23,7 @@ from kvtransfer import (
 )
 from kvtransfer.chunking import plan_chunks
 from kvtransfer.grpc_transport import GrpcKvSender, add_kv_transfer_servicer
+from kvtransfer.wire import encode_dist_kv_chunk, verify_tensor
 from pdcluster.v1 import kv_pb2
 
 META = KvChunkMeta(
@@ -52,7 +55,52 @@ def test_non_contiguous_tensor_is_encoded_in_c_order() -> None:
 
 def test_encode_rejects_shape_not_matching_meta() -> None:
     with pytest.raises(ValueError, match="does not match"):
-        encode_kv_chunk(META, torch.zeros(2, 2, 2, 4, 2, 8))
+        encode_kv_chunk(META, torch.zeros(2, 2, 3, 8, 2, 8))  # block size 8, meta says 4
+    with pytest.raises(ValueError, match="does not match"):
+        encode_kv_chunk(META, torch.zeros(3, 2, 3, 4, 2, 8))  # 3 layers, meta says 2
+    with pytest.raises(ValueError, match="token_start"):
+        encode_kv_chunk(dataclasses.replace(META, token_start=6), _blocks(torch.float32))
+    with pytest.raises(ValueError, match="block ids"):
+        encode_kv_chunk(dataclasses.replace(META, block_ids=[]), _blocks(torch.float32))
+
+
+def test_payload_block_count_is_the_senders() -> None:
+    """Re-blocking: the payload holds n sender blocks whatever the destination ids (here 1 block of 16)."""
+    meta = dataclasses.replace(META, block_ids=[9], token_start=12)
+    t = torch.randn(2, 2, 5, 4, 2, 8)
+    header, out = decode_chunk(encode_kv_chunk(meta, t))
+    assert torch.equal(out, t) and header["block_ids"] == [9] and header["token_start"] == 12
+
+
+def _dist_chunk(**dist_changes: object) -> kv_pb2.KvChunk:
+    d = {"pair": "p1", "store": "127.0.0.1:1234", "backend": "gloo", "tag": 3, "timeout_s": 2.0}
+    d.update(dist_changes)
+    return encode_dist_kv_chunk(META, _blocks(torch.float32), d)
+
+
+def test_dist_chunk_has_header_only_and_tensor_verifies() -> None:
+    t = _blocks(torch.float32)
+    chunk = _dist_chunk()
+    assert chunk.payload == b""
+    header, tensor = decode_chunk(chunk)
+    assert tensor is None and header["data"] == "dist" and header["dist"]["tag"] == 3
+    verify_tensor(header, t.clone())
+    bad = t.clone()
+    bad.view(-1)[5] += 1
+    with pytest.raises(KvIntegrityError, match="checksum"):
+        verify_tensor(header, bad)
+    with pytest.raises(KvIntegrityError, match="does not match"):
+        verify_tensor(header, t.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("changes", [{"backend": "mpi"}, {"pair": ""}, {"store": "nohost"}, {"tag": -1},
+                                     {"timeout_s": 0}])
+def test_bad_dist_fields_raise(changes: dict) -> None:
+    with pytest.raises(KvIntegrityError, match="dist"):
+        decode_chunk(_dist_chunk(**changes))
+    chunk = _dist_chunk()
+    with pytest.raises(KvIntegrityError, match="payload"):
+        decode_chunk(kv_pb2.KvChunk(header=chunk.header, payload=b"x"))
 
 
 def test_checksum_mismatch_raises_with_header() -> None:
@@ -94,6 +142,9 @@ def test_bad_dtype_raises(dtype: object) -> None:
         {"shape": [2, 2, 3, 4, 2]},
         {"shape": [3, 2, 3, 4, 2, 8]},
         {"block_size": 8},
+        {"token_start": 2},
+        {"token_start": -4},
+        {"data": "shm"},
     ],
 )
 def test_inconsistent_header_raises(changes: dict) -> None:

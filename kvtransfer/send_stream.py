@@ -1,0 +1,231 @@
+"""The transport-independent half of a KV send: the job, its chunk stream and its bookkeeping.
+
+A :class:`SendJob` is planned once per :meth:`KvSender.send` (source blocks in
+chunks, each chunk's destination block ids from re-blocking). :func:`chunk_stream`
+yields the job's ``KvChunk`` messages in order, waiting for each chunk's layers
+when a :class:`~kvtransfer.progress.LayerProgress` is given; a
+:class:`DataPlane` decides where each chunk's tensor travels (inside the
+message for gRPC, over a pair group for torch.distributed).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from kvtransfer.blocks import check_kv_cache, gather_blocks
+from kvtransfer.chunking import ChunkSpec, plan_chunks
+from kvtransfer.errors import KvTransferError
+from kvtransfer.progress import LayerProgress
+from kvtransfer.reblock import check_same_tokens, dest_block_range
+from kvtransfer.states import TransferState, TransferStateTable
+from kvtransfer.wire import KvChunkMeta, encode_done_chunk
+from pdcluster.v1 import kv_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SendJob:
+    """One planned transfer.
+
+    Attributes:
+        dst_ids: per chunk of ``plan``, the destination block ids its tokens touch.
+        done: the ``"done"`` chunk when the first token is known up front
+            (``progress`` is ``None``), else ``None`` (built after ``progress.wait_finished``).
+        deadline: ``time.monotonic()`` seconds by which the whole send must end.
+    """
+
+    request_id: str
+    transfer_id: str
+    generation: int
+    kv_cache: torch.Tensor
+    src: list[int]
+    plan: list[ChunkSpec]
+    dst_ids: list[list[int]]
+    progress: LayerProgress | None
+    done: kv_pb2.KvChunk | None
+    deadline: float
+
+    def remaining(self) -> float:
+        """Seconds left until :attr:`deadline` (may be negative)."""
+        return self.deadline - time.monotonic()
+
+    def meta(self, i: int) -> KvChunkMeta:
+        """Header addressing of chunk ``i``."""
+        spec = self.plan[i]
+        block_size = self.kv_cache.shape[3]
+        return KvChunkMeta(self.request_id, self.transfer_id, self.generation, spec.layer_start, spec.layer_end,
+                           self.dst_ids[i], block_size, spec.block_start * block_size)
+
+    def gather(self, i: int) -> torch.Tensor:
+        """Chunk ``i``'s source blocks ``[layers, 2, n, block_size, H, D]`` (a new tensor)."""
+        spec = self.plan[i]
+        return gather_blocks(self.kv_cache, spec.layer_start, spec.layer_end,
+                             self.src[spec.block_start:spec.block_end])
+
+
+def plan_job(
+    request_id: str,
+    transfer_id: str,
+    dest: Any,
+    kv_cache: torch.Tensor,
+    src_block_ids: Sequence[int],
+    first_token_id: int | None,
+    first_token_logprobs: dict[Any, Any] | None,
+    layers_per_chunk: int,
+    max_chunk_bytes: int,
+    progress: LayerProgress | None,
+    timeout_s: float,
+) -> SendJob:
+    """Validate local arguments and plan the chunks (no destination checks; see :func:`check_destination`).
+
+    Raises:
+        ValueError: bad cache layout, block ids, ``layers_per_chunk``, a
+            ``progress`` of another layer count, or no ``first_token_id``
+            without ``progress``.
+        TypeError: ``first_token_logprobs`` is not msgpack-able (no ``progress``).
+    """
+    check_kv_cache(kv_cache)
+    num_layers, _, num_blocks, block_size, heads, head_dim = kv_cache.shape
+    src = [int(b) for b in src_block_ids]
+    if not src or min(src) < 0 or max(src) >= num_blocks:
+        raise ValueError(f"src_block_ids must be non-empty ids in [0, {num_blocks}), got {src}")
+    if progress is not None and progress.num_layers != num_layers:
+        raise ValueError(f"progress has {progress.num_layers} layers, kv_cache {num_layers}")
+    if progress is None and first_token_id is None:
+        raise ValueError("first_token_id is required without progress")
+    plan = plan_chunks(num_layers, len(src), 2 * block_size * heads * head_dim * kv_cache.element_size(),
+                       layers_per_chunk, max_chunk_bytes)
+    done = None
+    if progress is None:  # before starting: a non-msgpack-able logprobs raises TypeError here
+        done = encode_done_chunk(request_id, transfer_id, int(dest.generation), len(plan), num_layers,
+                                 int(first_token_id), first_token_logprobs)
+    return SendJob(request_id, transfer_id, int(dest.generation), kv_cache, src, plan, [], progress, done,
+                   time.monotonic() + timeout_s)
+
+
+def check_destination(job: SendJob, dest: Any) -> SendJob:
+    """Re-block: the job with each chunk's destination block ids.
+
+    Raises:
+        ValueError: the destination's block size is not positive, or source and
+            destination cannot hold the same tokens (:func:`check_same_tokens`).
+    """
+    dst = [int(b) for b in dest.block_ids]
+    src_bs, dst_bs = job.kv_cache.shape[3], int(dest.block_size)
+    check_same_tokens(len(job.src), src_bs, len(dst), dst_bs)
+    dst_ids = []
+    for spec in job.plan:
+        first, last = dest_block_range(len(dst), dst_bs, spec.block_start * src_bs, spec.block_end * src_bs)
+        dst_ids.append(dst[first:last])
+    return SendJob(**{**job.__dict__, "dst_ids": dst_ids})
+
+
+class StreamControl:
+    """Shared between ``send`` and the thread consuming :func:`chunk_stream`.
+
+    Chunks are produced under ``lock`` and only while not ``stopped``; ``send``
+    calls :meth:`stop` before it returns, so no gather touches ``kv_cache``
+    (whose blocks the caller may then free) and no state is set afterwards.
+    Times are ``time.monotonic()`` seconds.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stopped = False
+        self.bytes_sent = 0
+        self.num_chunks = 0
+        self.error: str | None = None
+        self.type_error: TypeError | None = None
+        self.first_chunk_at: float | None = None
+        self.last_chunk_at: float | None = None
+        self.bytes_before_finish = 0
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopped = True
+
+    def is_stopped(self) -> bool:
+        with self.lock:
+            return self.stopped
+
+
+class DataPlane(Protocol):
+    """Where chunk tensors travel. ``encode`` runs under the stream lock; ``after_yield`` after the header left."""
+
+    def encode(self, job: SendJob, i: int, tensor: torch.Tensor, corrupt: bool) -> tuple[kv_pb2.KvChunk, int]:
+        """Chunk ``i``'s message for ``tensor`` and its payload byte count."""
+
+    def after_yield(self, job: SendJob, ctl: StreamControl) -> None:
+        """Called once the message of the last encoded chunk was handed to gRPC."""
+
+
+def chunk_stream(job: SendJob, ctl: StreamControl, data: DataPlane, states: TransferStateTable,
+                 corrupt_index: int | None, chunk_delay_s: float) -> Iterator[kv_pb2.KvChunk]:
+    """Yield the kv chunks then the done chunk; a local error ends the stream early.
+
+    Runs on gRPC's request-consuming thread; an error is recorded in
+    ``ctl.error`` (a ``TypeError`` from encoding the producer's logprobs in
+    ``ctl.type_error``) instead of raised, so the receiver sees a stream
+    without a done chunk and fails the transfer.
+    """
+    try:
+        for i, spec in enumerate(job.plan):
+            if chunk_delay_s > 0:
+                time.sleep(chunk_delay_s)
+            if job.progress is not None and not _wait_layers(job, ctl, states, spec.layer_end):
+                return
+            with ctl.lock:
+                if ctl.stopped:
+                    return
+                chunk, nbytes = data.encode(job, i, job.gather(i), corrupt=i == corrupt_index)
+                ctl.bytes_sent += nbytes
+                ctl.num_chunks += 1
+                now = time.monotonic()
+                ctl.first_chunk_at = ctl.first_chunk_at or now
+                ctl.last_chunk_at = now
+                if job.progress is not None and job.progress.finished_at is None:
+                    ctl.bytes_before_finish += nbytes
+                states.set(job.transfer_id, TransferState.TRANSFERRING)
+            yield chunk
+            data.after_yield(job, ctl)
+        done = job.done if job.done is not None else _done_after_finish(job, ctl)
+        with ctl.lock:
+            if ctl.stopped or done is None:
+                return
+        yield done
+    except KvTransferError as exc:  # the producer failed or was too slow
+        ctl.error = exc.reason
+    except Exception as exc:  # reported through ctl, see docstring
+        log.exception("KV transfer %s: error while producing chunks", job.transfer_id)
+        ctl.error = f"{type(exc).__name__}: {exc}"
+
+
+def _wait_layers(job: SendJob, ctl: StreamControl, states: TransferStateTable, layer_end: int) -> bool:
+    assert job.progress is not None
+    if job.progress.layers_ready < layer_end:
+        with ctl.lock:
+            if ctl.stopped:
+                return False
+            states.set(job.transfer_id, TransferState.WAITING_FOR_INPUT)
+    job.progress.wait_layers(layer_end, job.remaining())  # KvTransferError -> ctl.error
+    return True
+
+
+def _done_after_finish(job: SendJob, ctl: StreamControl) -> kv_pb2.KvChunk | None:
+    assert job.progress is not None
+    first_token_id, logprobs = job.progress.wait_finished(job.remaining())
+    try:
+        return encode_done_chunk(job.request_id, job.transfer_id, job.generation, len(job.plan),
+                                 job.kv_cache.shape[0], first_token_id, logprobs)
+    except TypeError as exc:
+        ctl.type_error = exc
+        ctl.error = f"first_token_logprobs is not msgpack-able: {exc}"
+        return None

@@ -1,0 +1,104 @@
+"""Shared helpers of the KV transport tests: a decode side over the real ``TransferTable``.
+
+The receiver is a real gRPC server on loopback with :func:`add_kv_transfer_servicer`
+and a :class:`TableSink` (the decode worker's reservation table, minus the scheduler).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from decode_worker.transfers import TransferTable
+from kvtransfer import (
+    KvReceiverSink,
+    KvTransferServicer,
+    StaleTransferError,
+    add_kv_transfer_servicer,
+    kv_server_options,
+)
+from pdcluster.v1 import worker_pb2
+
+HEADS, HEAD_DIM = 2, 4
+
+
+class TableSink(KvReceiverSink):
+    """:class:`KvReceiverSink` over a :class:`TransferTable`; ``complete``/``fail`` close the reservation."""
+
+    def __init__(self, table: TransferTable) -> None:
+        self.table = table
+        self.lock = threading.Lock()
+        self.completed: dict[str, int] = {}
+        self.failed: dict[str, str] = {}
+        self.writes = 0
+
+    def begin(self, transfer_id, generation, request_id) -> bool:
+        return self.table.is_open(transfer_id, generation)
+
+    def write(self, transfer_id, generation, layer_start, layer_end, block_ids, tensor, *, token_start) -> None:
+        self.table.write(transfer_id, generation, layer_start, layer_end, list(block_ids), tensor,
+                         token_start=token_start)
+        with self.lock:
+            self.writes += 1
+
+    def complete(self, transfer_id, generation, first_token_id, first_token_logprobs) -> None:
+        if self.table.close(transfer_id, generation) is None:
+            raise StaleTransferError(f"transfer {transfer_id} generation {generation} is not open")
+        with self.lock:
+            self.completed[transfer_id] = first_token_id
+
+    def fail(self, transfer_id, generation, reason) -> None:
+        if self.table.close(transfer_id, generation) is not None:
+            with self.lock:
+                self.failed[transfer_id] = reason
+
+
+@dataclass
+class Receiver:
+    server: grpc.Server
+    sink: TableSink
+    servicer: KvTransferServicer
+    endpoint: str
+    block_size: int
+
+    @property
+    def cache(self) -> torch.Tensor:
+        return self.sink.table.kv_cache
+
+    def reserve(self, transfer_id: str, block_ids: Sequence[int]) -> worker_pb2.KvDestination:
+        gen = self.sink.table.open(transfer_id, "r-" + transfer_id, list(block_ids), time.monotonic() + 60)
+        return worker_pb2.KvDestination(worker_id="d0", kv_endpoint=self.endpoint, block_ids=list(block_ids),
+                                        block_size=self.block_size, generation=gen, dtype="float32")
+
+    def wait_closed(self, transfer_id: str, timeout_s: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while any(t == transfer_id for t in list(self.sink.table._open)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def start_receiver(layers: int, num_blocks: int, block_size: int) -> Receiver:
+    cache = torch.full((layers, 2, num_blocks, block_size, HEADS, HEAD_DIM), -1.0)
+    sink = TableSink(TransferTable(cache))
+    server = grpc.server(ThreadPoolExecutor(max_workers=4), options=kv_server_options())
+    servicer = add_kv_transfer_servicer(server, sink)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return Receiver(server, sink, servicer, f"127.0.0.1:{port}", block_size)
+
+
+def sender_cache(layers: int, num_blocks: int, block_size: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((layers, 2, num_blocks, block_size, HEADS, HEAD_DIM), generator=g)
+
+
+def tokens_of(cache: torch.Tensor, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
+    """``[L, 2, num_tokens, H, D]``: the first ``num_tokens`` tokens held by ``block_ids`` in order."""
+    picked = cache[:, :, list(block_ids)]
+    L, _, n, bs, h, d = picked.shape
+    return picked.reshape(L, 2, n * bs, h, d)[:, :, :num_tokens]
