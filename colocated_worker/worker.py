@@ -22,9 +22,11 @@ from decode_worker.scheduler import DecodeScheduler
 from decode_worker.server import DecodeWorkerServicer
 from engine.builder import build_runner
 from engine.config import WorkerConfig
+from engine.logprobs import from_dict
 from engine.request import Request
-from engine.step import TokenLogprobs
-from kvtransfer import GrpcKvSender, add_kv_transfer_servicer
+from kvtransfer import add_kv_transfer_servicer
+from kvtransfer.factory import create_sender
+from kvtransfer.progress import LayerProgress
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 from pdcluster.worker_host import WorkerHost
 from prefill_worker.scheduler import ExternalBlocks, PrefillScheduler
@@ -69,8 +71,9 @@ def local_route(worker_id: str, decode: DecodeScheduler, fallback: Route) -> Rou
             return fallback(msg, req)
         tid, gen = req.transfer_id, dest.generation
 
-        def complete(r: Request, first_token: int, lp: TokenLogprobs | None) -> int:
-            decode.kv_complete(tid, gen, first_token, lp)
+        def complete(r: Request, progress: LayerProgress) -> int:
+            first_token, lp = progress.wait_finished(timeout_s=60.0)
+            decode.kv_complete(tid, gen, first_token, from_dict(lp))
             return 0
 
         return complete, ExternalBlocks(list(dest.block_ids), lambda: decode.transfers.is_open(tid, gen))
@@ -78,13 +81,12 @@ def local_route(worker_id: str, decode: DecodeScheduler, fallback: Route) -> Rou
     return route
 
 
-def create_colocated_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "",
-                            layers_per_chunk: int = 6) -> WorkerHost:
+def create_colocated_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -> WorkerHost:
     """Build (not start) a colocated worker."""
     model_cfg, runner = build_runner(cfg)
     wake = threading.Event()
     decode = DecodeScheduler(runner, cfg.cache, cfg.scheduler, model_cfg.eos_token_ids, wake=wake)
-    prefill = PrefillScheduler(runner, cfg.cache, cfg.scheduler, wake=wake)
+    prefill = PrefillScheduler(runner, cfg.cache, cfg.scheduler, wake=wake, layerwise=cfg.kv.layerwise)
     loop = ColocatedLoop(prefill, decode, wake)
     sink = DecodeKvSink(decode)
     host = WorkerHost(cfg, loop, lambda server: add_kv_transfer_servicer(server, sink), SERVICES, port=port,
@@ -92,7 +94,7 @@ def create_colocated_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "",
                       num_total_blocks=decode.pool.num_usable, node_id=node_id)
     device: torch.device = runner.device
     route = local_route(cfg.worker_id, decode,
-                        remote_route(GrpcKvSender(), runner.kv_cache, layers_per_chunk))
+                        remote_route(create_sender(cfg.kv), runner.kv_cache, cfg.kv.layers_per_chunk))
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
         PrefillWorkerServicer(prefill, route, cfg.worker_id, device), host.server)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(

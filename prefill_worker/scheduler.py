@@ -8,6 +8,12 @@ prompt's last chunk its first token is sampled and its KV blocks are handed to
 the KV sender; the blocks are freed only when the decode side acknowledged (or
 the transfer failed).
 
+Layer-wise streaming (``layerwise=True``): the transfer of a prompt whose last
+chunk runs in a step starts when the step starts; the model reports each layer
+whose KV it finished writing (:class:`kvtransfer.progress.LayerProgress`), so the
+sender ships layer l while layer l+1 computes, and the "done" message with the
+first token leaves right after sampling (DistServe / Mooncake-style overlap).
+
 Thread model: gRPC handlers call ``submit_*``; sender threads report back through
 the inbox; only :meth:`step` (the loop thread) changes state or touches the pool.
 """
@@ -30,7 +36,9 @@ from engine.inbox import Inbox, run_steps
 from engine.prefix_hash import block_hashes
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
+from engine.logprobs import to_dict
 from engine.step import ScheduledSeq, StepPlan, TokenLogprobs
+from kvtransfer.progress import LayerProgress
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +57,15 @@ class PrefillResult:
     first_logprobs: TokenLogprobs | None
     kv_bytes_sent: int
     prefill_s: float
-    transfer_s: float
+    transfer_s: float  # exposed transfer time: from the end of compute to the ack (seconds)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    transfer_total_s: float = 0.0  # whole send, start to ack (seconds); > transfer_s when streamed
 
 
-# send_fn(request, first_token_id, first_logprobs) -> bytes sent; raises on failure.
-SendFn = Callable[[Request, int, "TokenLogprobs | None"], int]
+# send_fn(request, progress) -> KV payload bytes sent; blocking; raises on failure. The
+# first token and its logprobs (engine.logprobs.to_dict form) come from
+# progress.wait_finished(); layers become readable as progress reports them.
+SendFn = Callable[[Request, LayerProgress], int]
 
 
 @dataclass(frozen=True)
@@ -86,7 +97,8 @@ class _SendDone:
     request_id: str
     error: BaseException | None
     kv_bytes: int
-    transfer_s: float
+    started_at: float  # time.monotonic()
+    ended_at: float
 
 
 @dataclass
@@ -98,7 +110,9 @@ class _Entry:
     first_token: int = -1
     first_logprobs: TokenLogprobs | None = None
     prefill_s: float = 0.0
+    computed_at: float = 0.0  # time.monotonic() when the last prefill step ended
     aborted: bool = False
+    step_error: "PrefillError | None" = None  # the streamed step failed: fail once the sender returned
     block_hashes: list[bytes] = field(default_factory=list)
     cached_tokens: int = 0
 
@@ -113,11 +127,16 @@ class PrefillScheduler:
         sender_threads: concurrent KV transfers.
         wake: event set whenever a message arrives (shared by schedulers on one loop).
         model_id: model identity salted into prefix-cache hashes.
+        layerwise: start a request's transfer with its last prefill step and stream
+            the KV layer by layer (requests writing into external blocks never stream).
     """
 
     def __init__(self, runner: ModelRunner, cache: CacheConfig, sched: SchedulerConfig,
-                 sender_threads: int = 4, wake: threading.Event | None = None, model_id: str = "") -> None:
+                 sender_threads: int = 4, wake: threading.Event | None = None, model_id: str = "",
+                 layerwise: bool = False) -> None:
         self.runner = runner
+        self.layerwise = layerwise
+        self.num_layers = runner.kv_cache.shape[0]
         self.block_size = cache.block_size
         self.prefix_caching = cache.enable_prefix_caching
         self.model_id = model_id
@@ -241,18 +260,41 @@ class PrefillScheduler:
         for i in range(first, last):
             self.pool.cache(req.block_table[i], entry.block_hashes[i])
 
+    def _start_streams(self, seqs: list[ScheduledSeq]) -> dict[str, LayerProgress]:
+        """Start the transfers of the prompts this step completes (layer-wise streaming)."""
+        streams: dict[str, LayerProgress] = {}
+        for s in seqs:
+            entry = self._entries[s.request_id]
+            if s.sample and entry.external is None:
+                streams[s.request_id] = progress = LayerProgress(self.num_layers)
+                entry.request.status = RequestStatus.TRANSFERRING
+                self._senders.submit(self._send, entry, progress)
+        return streams
+
     def _prefill_step(self, block: bool) -> bool:
         seqs = self._schedule()
         if not seqs:
             self._drain_inbox(block=block)  # out of blocks: wait for a transfer to finish
             return False
+        streams = self._start_streams(seqs) if self.layerwise else {}
+        hook = None
+        if streams:
+            def hook(layer: int) -> None:
+                for progress in streams.values():
+                    progress.layer_done(layer)
         t0 = time.perf_counter()
         try:
-            out = self.runner.execute(StepPlan(seqs))
+            out = self.runner.execute(StepPlan(seqs, on_layer_done=hook))
         except Exception as e:  # noqa: BLE001 - fail this batch, keep serving everyone else
             log.exception("prefill step failed; failing its %d requests", len(seqs))
+            err = PrefillError(grpc.StatusCode.INTERNAL, f"prefill step failed: {e}")
             for s in seqs:
-                self._fail(s.request_id, PrefillError(grpc.StatusCode.INTERNAL, f"prefill step failed: {e}"))
+                if s.request_id in streams:  # its sender may be reading the blocks: free them when it returns
+                    self._entries[s.request_id].step_error = err
+                    self._queue.remove(s.request_id)
+                    streams[s.request_id].fail(str(err))
+                else:
+                    self._fail(s.request_id, err)
             return True
         for s in seqs:
             entry = self._entries[s.request_id]
@@ -261,29 +303,36 @@ class PrefillScheduler:
             if entry.block_hashes:
                 self._publish_blocks(entry, s.num_computed)
         elapsed = time.perf_counter() - t0
+        now = time.monotonic()
         for rid, tok, lp in zip(out.request_ids, out.token_ids, out.logprobs):
             entry = self._entries[rid]
             entry.first_token, entry.first_logprobs, entry.prefill_s = tok, lp, elapsed
+            entry.computed_at = now
             entry.request.status = RequestStatus.TRANSFERRING
             self._queue.remove(rid)
-            self._senders.submit(self._send, entry)
+            if rid in streams:
+                streams[rid].finish(tok, to_dict(lp))
+            else:
+                self._senders.submit(self._send, entry, LayerProgress.ready(self.num_layers, tok, to_dict(lp)))
         return True
 
-    def _send(self, entry: _Entry) -> None:
+    def _send(self, entry: _Entry, progress: LayerProgress) -> None:
         """Sender thread: push the KV, then report back to the loop."""
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         try:
-            nbytes = entry.send(entry.request, entry.first_token, entry.first_logprobs)
+            nbytes = entry.send(entry.request, progress)
             err = None
         except BaseException as e:  # noqa: BLE001 - reported to the loop
             nbytes, err = 0, e
-        self._inbox.put(_SendDone(entry.request.request_id, err, nbytes, time.perf_counter() - t0))
+        self._inbox.put(_SendDone(entry.request.request_id, err, nbytes, t0, time.monotonic()))
 
     def _on_send_done(self, msg: _SendDone) -> None:
         entry = self._entries.get(msg.request_id)
         if entry is None:
             return
-        if entry.aborted:
+        if entry.step_error is not None:
+            self._fail(msg.request_id, entry.step_error)
+        elif entry.aborted:
             self._fail(msg.request_id, PrefillError(grpc.StatusCode.CANCELLED, "request aborted"))
         elif msg.error is not None:
             self.num_failed_transfers += 1
@@ -292,8 +341,10 @@ class PrefillScheduler:
         else:
             self._release(msg.request_id)
             self.num_finished += 1
+            exposed = msg.ended_at - max(msg.started_at, entry.computed_at)
             entry.future.set_result(PrefillResult(entry.first_token, entry.first_logprobs, msg.kv_bytes,
-                                                  entry.prefill_s, msg.transfer_s, entry.cached_tokens))
+                                                  entry.prefill_s, exposed, entry.cached_tokens,
+                                                  msg.ended_at - msg.started_at))
 
     def _on_abort(self, request_id: str) -> None:
         entry = self._entries.get(request_id)

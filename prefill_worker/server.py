@@ -6,10 +6,9 @@ from typing import Callable
 
 import torch
 
-from engine.logprobs import to_dict
 from engine.request import Request, request_from_proto
-from engine.step import TokenLogprobs
 from kvtransfer import KvSender
+from kvtransfer.progress import LayerProgress
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.scheduler import ExternalBlocks, PrefillError, PrefillScheduler, SendFn
 
@@ -19,14 +18,15 @@ Route = Callable[[worker_pb2.PrefillRequest, Request], tuple[SendFn, "ExternalBl
 
 
 def remote_route(sender: KvSender, kv_cache: torch.Tensor, layers_per_chunk: int) -> Route:
-    """Push the KV to the destination decode worker through ``sender`` (the normal path)."""
+    """Push the KV to the destination decode worker through ``sender`` (the normal path);
+    chunks leave as ``progress`` reports their layers computed."""
 
     def route(msg: worker_pb2.PrefillRequest, req: Request):
         dest = msg.destination
 
-        def send(r: Request, first_token: int, lp: TokenLogprobs | None) -> int:
+        def send(r: Request, progress: LayerProgress) -> int:
             result = sender.send(r.request_id, r.transfer_id, dest, kv_cache, list(r.block_table),
-                                 first_token, to_dict(lp), layers_per_chunk=layers_per_chunk)
+                                 None, layers_per_chunk=layers_per_chunk, progress=progress)
             return result.bytes_sent
 
         return send, None

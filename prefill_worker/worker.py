@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.builder import build_runner
 from engine.config import WorkerConfig
-from kvtransfer import GrpcKvSender
+from kvtransfer.factory import create_sender
 from pdcluster.cache_index import CacheIndexPublisher
 from pdcluster.v1 import worker_pb2_grpc
 from pdcluster.worker_host import WorkerHost
@@ -14,13 +14,13 @@ from prefill_worker.server import PrefillWorkerServicer, remote_route
 SERVICES = ["pdcluster.v1.PrefillWorker"]
 
 
-def create_prefill_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "",
-                          layers_per_chunk: int = 6, transfer_timeout_s: float = 30.0) -> WorkerHost:
-    """Build (not start) a prefill worker."""
+def create_prefill_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -> WorkerHost:
+    """Build (not start) a prefill worker; ``cfg.kv`` picks the KV transport and streaming."""
     model_cfg, runner = build_runner(cfg)
-    sched = PrefillScheduler(runner, cfg.cache, cfg.scheduler, model_id=f"{model_cfg.name}:{cfg.cache.dtype}")
-    sender = GrpcKvSender(timeout_s=transfer_timeout_s)
-    route = remote_route(sender, runner.kv_cache, layers_per_chunk)
+    sched = PrefillScheduler(runner, cfg.cache, cfg.scheduler, model_id=f"{model_cfg.name}:{cfg.cache.dtype}",
+                             layerwise=cfg.kv.layerwise)
+    sender = create_sender(cfg.kv)
+    route = remote_route(sender, runner.kv_cache, cfg.kv.layers_per_chunk)
     servicer = PrefillWorkerServicer(sched, route, cfg.worker_id, runner.device)
 
     def add(server):

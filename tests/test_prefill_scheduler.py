@@ -41,7 +41,8 @@ class FakeSend:
         per_block = self.runner.kv_cache[:, :, 0].numel() * self.runner.kv_cache.element_size()
         return len(blocks) * per_block
 
-    def __call__(self, request: Request, first_token: int, first_logprobs) -> int:
+    def __call__(self, request: Request, progress) -> int:
+        first_token, _ = progress.wait_finished(timeout_s=30)
         blocks = list(request.block_table)
         self.calls.append((request.request_id, blocks, first_token))
         self.kv[request.request_id] = self.runner.kv_cache[:, :, blocks].clone()

@@ -58,7 +58,7 @@ def _req(rid, prompt):
 
 
 def _run(sched, req):
-    fut = sched.submit(req, lambda r, tok, lp: 123)
+    fut = sched.submit(req, lambda r, progress: 123)
     while not fut.done():
         sched.step()
     return fut.result()
@@ -94,7 +94,7 @@ def test_block_whose_write_failed_is_not_visible(model, model_config, text_ids):
         raise RuntimeError("device fault")
 
     runner.execute = broken
-    fut: Future = sched.submit(_req("x", prompt), lambda r, tok, lp: 0)
+    fut: Future = sched.submit(_req("x", prompt), lambda r, progress: 0)
     sched.step()
     with pytest.raises(Exception, match="prefill step failed"):
         fut.result(timeout=1)
