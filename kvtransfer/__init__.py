@@ -10,6 +10,7 @@ by name (:mod:`kvtransfer.transport`): ``"grpc"`` and ``"torch_dist"``.
 """
 
 from kvtransfer.blocks import check_kv_cache, gather_blocks, scatter_blocks
+from kvtransfer.dist_transport import DistKvSender
 from kvtransfer.errors import KvIntegrityError, KvTransferError, StaleTransferError
 from kvtransfer.grpc_transport import (
     DEFAULT_MAX_CHUNK_BYTES,
@@ -40,6 +41,7 @@ from kvtransfer.wire import (
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
+    "DistKvSender",
     "GrpcKvSender",
     "KvChunkMeta",
     "KvDestinationLike",

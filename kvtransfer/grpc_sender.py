@@ -204,6 +204,10 @@ class GrpcKvSender(KvSender):
                 if ctl.type_error is not None:
                     self._states.set(job.transfer_id, TransferState.FAILED)
                     raise ctl.type_error
+                # The root cause first: a receiver's rejection ends the data plane too, while a
+                # local error (producer failed, data plane down) is what made a stream incomplete.
+                if not ack.ok and (ctl.error is None or not ack.error.startswith("incomplete:")):
+                    raise self._failure(job.transfer_id, f"receiver rejected: {ack.error}")
                 if ctl.error is not None:
                     raise self._failure(job.transfer_id, f"local error while sending: {ctl.error}")
                 if not ack.ok:
