@@ -10,20 +10,20 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-
-import grpc
-import torch
 
 import _common
 import _kv_measure as km
 import _kv_pyspy
 import _kv_report
 import _prefill_measure as pm
+import grpc
+import torch
+from prefill import load
+
 from engine.block_pool import blocks_needed
 from kvtransfer import DEFAULT_MAX_CHUNK_BYTES
-from prefill import load
 
 PROFILE_TRANSFERS = 10
 
@@ -40,6 +40,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--layers-per-chunk", type=int, default=6, help="gRPC sender's layers per chunk (the prefill "
                                                                     "worker's default)")
     p.add_argument("--max-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES, help="gRPC payload bytes per chunk")
+    p.add_argument("--no-torch-dist", action="store_true",
+                   help="skip the torch_dist transport (gRPC control plane, tensors over a gloo pair group)")
     p.add_argument("--model", default="smollm2-135m-instruct", help="model spec (engine.model_loader)")
     p.add_argument("--no-py-spy", action="store_true", help="skip the py-spy sampling of gRPC transfers")
     p.add_argument("--out-dir", type=Path, default=None,
@@ -86,14 +88,14 @@ def records(n: int, m: dict, pre: dict, load_avg: tuple[float, float]) -> list[d
     """One record per transport for prompt length ``n``."""
     raw_gbps = m["raw_tcp"]["gb_per_s"]
     out = []
-    for name in ("grpc", "raw_tcp"):
+    for name in [t for t in ("grpc", "torch_dist", "raw_tcp") if t in m]:
         t = m[name]
         out.append({"transport": name, "prompt_tokens": n, "payload_bytes": m["payload_bytes"],
                     "gb_per_s": t["gb_per_s"], "latency_ms": t["latency_ms"], "ratio_raw_tcp": t["gb_per_s"] / raw_gbps,
                     "ratio_prefill_time": t["latency_ms"] / 1e3 / pre["prefill_s"],
                     "ratio_prefill_time_at_roofline": t["latency_ms"] / 1e3 / pre["prefill_roofline_s"],
-                    "ratio_raw_tcp_paired": m["ratio_paired"] if name == "grpc" else 1.0,
-                    "verified": m["verified"] if name == "grpc" else None,
+                    "ratio_raw_tcp_paired": m["ratio_paired"] if name == "grpc" else t.get("ratio_paired", 1.0),
+                    "verified": m["verified"] if name == "grpc" else t.get("verified"),
                     **{k: v for k, v in t.items() if k not in ("gb_per_s", "latency_ms")}, **pre,
                     "load_avg_1m": load_avg[0], "load_avg_1m_after": load_avg[1]})
     return out
@@ -118,7 +120,8 @@ def run(args) -> dict:
             kv, src, pre = prefill_prompt(model, cfg, params, prompt, args.budget, args.prefill_reps)
             log(f"  {pre['prefill_s']:.2f} s; transfers of {len(src)} blocks, load {_common.load_avg_1m():.2f}")
             before = _common.load_avg_1m()
-            m = km.measure_transports(receiver, kv, src, args.reps, args.layers_per_chunk, args.max_chunk_bytes)
+            m = km.measure_transports(receiver, kv, src, args.reps, args.layers_per_chunk, args.max_chunk_bytes,
+                                      torch_dist=not args.no_torch_dist)
             recs = records(n, m, pre, (before, _common.load_avg_1m()))
             for r in recs:
                 log(f"  {r['transport']}: {r['latency_ms']:.1f} ms, {r['gb_per_s']:.2f} GB/s, "
@@ -142,7 +145,7 @@ def run(args) -> dict:
     res = {
         "benchmark": "kvtransfer", "quick": args.quick, "model": args.model, "dtype": "float32",
         "cpu": _common.cpu_name(), "cpu_count": os.cpu_count(), "torch": torch.__version__, "grpc": grpc.__version__,
-        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "kv_bytes_per_token": kv_bytes_per_token, "block_size": pm.BLOCK_SIZE, "reps": args.reps,
         "layers_per_chunk": args.layers_per_chunk, "max_chunk_bytes": args.max_chunk_bytes,
         "budget_tokens": args.budget,

@@ -31,9 +31,15 @@ from pathlib import Path
 import torch
 
 from decode_worker.transfers import TransferTable
-from kvtransfer import GrpcKvSender, gather_blocks
+from kvtransfer import DistKvSender, GrpcKvSender, gather_blocks
 from kvtransfer.chunking import plan_chunks
-from kvtransfer.wire import KvChunkMeta, decode_chunk, encode_kv_chunk, tensor_from_bytes, tensor_to_bytes
+from kvtransfer.wire import (
+    KvChunkMeta,
+    decode_chunk,
+    encode_kv_chunk,
+    tensor_from_bytes,
+    tensor_to_bytes,
+)
 from pdcluster.v1 import kv_pb2, worker_pb2
 
 HEADER = struct.Struct("<Q")
@@ -73,7 +79,7 @@ class Receiver:
                 self.proc.kill()
                 self.proc.wait()
 
-    def __enter__(self) -> "Receiver":
+    def __enter__(self) -> Receiver:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -96,13 +102,15 @@ def raw_tcp_once(sock: socket.socket, view: memoryview) -> float:
 
 
 class GrpcPath:
-    """Transfers of one prompt's blocks with a :class:`GrpcKvSender` into fresh reservations."""
+    """Transfers of one prompt's blocks with a :class:`GrpcKvSender` (or ``sender_cls``, e.g.
+    :class:`DistKvSender`: same control plane, tensors over a gloo pair group) into fresh
+    reservations."""
 
     def __init__(self, receiver: Receiver, kv_cache: torch.Tensor, src_ids: list[int], layers_per_chunk: int,
-                 max_chunk_bytes: int) -> None:
+                 max_chunk_bytes: int, sender_cls: type[GrpcKvSender] = GrpcKvSender) -> None:
         self.receiver, self.kv_cache, self.src_ids = receiver, kv_cache, src_ids
         self.layers_per_chunk = layers_per_chunk
-        self.sender = GrpcKvSender(timeout_s=600.0, max_chunk_bytes=max_chunk_bytes)
+        self.sender = sender_cls(timeout_s=600.0, max_chunk_bytes=max_chunk_bytes)
         self.count = 0
         self.last_block_ids: list[int] = []
         self.num_chunks = 0
@@ -136,12 +144,14 @@ def _stats(times: list[float], nbytes: int) -> dict:
 
 
 def measure_transports(receiver: Receiver, kv_cache: torch.Tensor, src_ids: list[int], reps: int,
-                       layers_per_chunk: int, max_chunk_bytes: int, between=None) -> dict:
+                       layers_per_chunk: int, max_chunk_bytes: int, between=None, torch_dist: bool = False) -> dict:
     """Time ``reps`` transfers of ``src_ids``'s KV per transport (after one warm-up each).
 
     Args:
         between: called with no argument after the warm-ups, before the timed repetitions
             (e.g. to start a profiler); None for nothing.
+        torch_dist: also time the ``torch_dist`` transport (:class:`DistKvSender`), reported
+            under ``"torch_dist"`` with its own ``verified`` and ``ratio_paired``.
 
     Returns:
         ``{"payload_bytes", "verified", "grpc": {...}, "raw_tcp": {...}, "ratio_paired"}``:
@@ -175,10 +185,26 @@ def measure_transports(receiver: Receiver, kv_cache: torch.Tensor, src_ids: list
     finally:
         sock.close()
         grpc_path.close()
-    return {"payload_bytes": nbytes, "verified": verified,
+    dist = _measure_dist(receiver, kv_cache, src_ids, reps, layers_per_chunk, max_chunk_bytes, view,
+                         raw_t) if torch_dist else {}
+    return dist | {"payload_bytes": nbytes, "verified": verified,
             "grpc": _stats(grpc_t, nbytes) | {"num_chunks": grpc_path.num_chunks, "layers_per_chunk": layers_per_chunk},
             "raw_tcp": _stats(raw_t, nbytes),
             "ratio_paired": statistics.median(r / g for r, g in zip(raw_t, grpc_t, strict=True))}
+
+
+def _measure_dist(receiver: Receiver, kv_cache: torch.Tensor, src_ids: list[int], reps: int,
+                  layers_per_chunk: int, max_chunk_bytes: int, view: memoryview, raw_t: list[float]) -> dict:
+    path = GrpcPath(receiver, kv_cache, src_ids, layers_per_chunk, max_chunk_bytes, sender_cls=DistKvSender)
+    try:
+        path.once()  # warm-up: builds the pair group
+        verified = receiver.call(cmd="digest", block_ids=path.last_block_ids)["crc32"] == zlib.crc32(view)
+        times = [path.once() for _ in range(reps)]
+    finally:
+        path.close()
+    return {"torch_dist": _stats(times, len(view)) | {
+        "num_chunks": path.num_chunks, "layers_per_chunk": layers_per_chunk, "verified": verified,
+        "ratio_paired": statistics.median(r / t for r, t in zip(raw_t, times, strict=True))}}
 
 
 def _timed(acc: dict, key: str, fn, *args):
@@ -214,7 +240,7 @@ def _stage_costs_once(kv_cache: torch.Tensor, src_ids: list[int], layers_per_chu
         total += len(payload)
         del payload
         meta = KvChunkMeta("r", "s", gen, spec.layer_start, spec.layer_end,
-                           dst_ids[spec.block_start:spec.block_end], bs)
+                           dst_ids[spec.block_start:spec.block_end], bs, spec.block_start * bs)
         chunk = _timed(snd, "encode_total", encode_kv_chunk, meta, blocks)
         dtype, shape = blocks.dtype, list(blocks.shape)
         del blocks
@@ -231,8 +257,8 @@ def _stage_costs_once(kv_cache: torch.Tensor, src_ids: list[int], layers_per_chu
         header, tensor = _timed(rcv, "decode_total", decode_chunk, got)
         _timed(rcv, "payload_len", getattr, got, "payload")  # the servicer's len(chunk.payload)
         del got
-        _timed(rcv, "write", table.write, "s", gen, header["layer_start"], header["layer_end"],
-               header["block_ids"], tensor)
+        _timed(rcv, "write", lambda *a, ts=header["token_start"]: table.write(*a, token_start=ts), "s", gen,
+               header["layer_start"], header["layer_end"], header["block_ids"], tensor)
         del tensor
         torch.set_num_threads(sender_threads)
     table.close("s", gen)
@@ -279,6 +305,6 @@ def grpc_stage_costs(kv_cache: torch.Tensor, src_ids: list[int], layers_per_chun
     table = TransferTable(dst)
     runs = [_stage_costs_once(kv_cache, src_ids, layers_per_chunk, max_chunk_bytes, table, receiver_threads)
             for _ in range(reps)]
-    least = lambda i: {k: min(r[i][k] for r in runs) * 1e3 for k in runs[0][i]}  # noqa: E731
+    least = lambda i: {k: min(r[i][k] for r in runs) * 1e3 for k in runs[0][i]}
     return {"payload_bytes": runs[0][3], "num_chunks": runs[0][4], "reps": reps,
             "sender": least(0), "receiver": least(1), "plain_copy": least(2)}
