@@ -171,3 +171,21 @@ def test_registry_serves_torch_backend():
     assert get_attention_backend("torch") is paged_attention_torch
     with pytest.raises(KeyError, match="unknown attention backend 'nope'"):
         get_attention_backend("nope")
+
+
+@pytest.mark.parametrize("num_computed,num_new,kind", [(0, 37, "causal"), (36, 1, "none"), (20, 17, "mask")])
+def test_single_sequence_fast_paths_match_the_explicit_mask(num_computed, num_new, kind):
+    """One sequence: ``is_causal`` (no cached context) or no mask (one decode token) gives
+    exactly what the explicit boolean mask gives."""
+    from dataclasses import replace
+
+    g = torch.Generator().manual_seed(3)
+    bs, kh, h, d = 8, 2, 6, 16
+    k_cache = torch.randn(12, bs, kh, d, generator=g)
+    v_cache = torch.randn(12, bs, kh, d, generator=g)
+    meta = build_attention_metadata([SeqSlice(num_computed, num_new, [7, 2, 9, 4, 11, 1])], bs)
+    assert meta.mask_kind == kind
+    q = torch.randn(num_new, h, d, generator=g)
+    fast = paged_attention_torch(q, k_cache, v_cache, meta, d**-0.5)
+    masked = paged_attention_torch(q, k_cache, v_cache, replace(meta, mask_kind="mask"), d**-0.5)
+    torch.testing.assert_close(fast, masked, rtol=1e-5, atol=1e-5)

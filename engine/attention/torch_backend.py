@@ -48,8 +48,8 @@ def paged_attention_torch(
         q_pad[meta.query_pad_index] = q
         q_pad = q_pad.view(b, max_q, h, d)
     out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), keys, values, attn_mask=meta.attn_mask, scale=scale,
-        enable_gqa=kh != h,
+        q_pad.transpose(1, 2), keys, values, attn_mask=meta.attn_mask if meta.mask_kind == "mask" else None,
+        is_causal=meta.mask_kind == "causal", scale=scale, enable_gqa=kh != h,
     )  # [B, H, max_q, D]
     out = out.transpose(1, 2).reshape(b * max_q, h, d)
     return out if max_q == 1 else out[meta.query_pad_index]
