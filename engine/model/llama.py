@@ -52,10 +52,23 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
+    def for_positions(self, positions: torch.Tensor, dtype: torch.dtype) -> "RopeStep":
+        """The rotation for one step's ``[T] int64`` positions, looked up once for all layers."""
+        return RopeStep(self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype))
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: ``[T, H, D]``, k: ``[T, KH, D]``; returns both rotated, same dtype."""
-        cos = self.cos[positions][:, None, :].to(q.dtype)
-        sin = self.sin[positions][:, None, :].to(q.dtype)
+        return self.for_positions(positions, q.dtype)(q, k)
+
+
+class RopeStep:
+    """cos/sin ``[T, 1, D]`` of one step's positions; rotates ``q``/``k`` of every layer."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos, self.sin = cos, sin
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos, self.sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -77,13 +90,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x, meta: AttentionMetadata, kv_cache: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x, meta: AttentionMetadata, kv_cache: torch.Tensor, rope: RopeStep,
                 backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(meta.positions, q, k)
+        q, k = rope(q, k)
         k_cache, v_cache = kv_cache[self.layer, 0], kv_cache[self.layer, 1]
         kh, d = self.num_kv_heads, self.head_dim
         k_cache.view(-1, kh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
@@ -155,8 +168,9 @@ class LlamaForCausalLM(nn.Module):
             ``[T, hidden_size]`` final hidden states (after the last norm).
         """
         x = self.model.embed_tokens(input_ids)
+        rope = self.rope.for_positions(meta.positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, meta, kv_cache, self.rope, self.backend)
+            x = layer(x, meta, kv_cache, rope, self.backend)
             if on_layer_done is not None:
                 on_layer_done(i)
         return self.model.norm(x)
