@@ -3,7 +3,7 @@
 * A chunk corrupted in flight (``--kv-test-corrupt-chunk``): under policy "error" the
   request ends with UNAVAILABLE naming the corrupt chunk and others are unaffected;
   under "recompute" the decode worker rebuilds the prompt's KV itself and the answer
-  is token-exact against HF transformers.
+  is token-exact against HF transformers (and a seeded one equals a colocated run).
 * A prefill worker killed mid-transfer (``--kv-test-chunk-delay-s`` holds transfers
   open): the decode worker's reserved blocks come back within the lease + 1 s, the
   request ends with UNAVAILABLE and a new request is served token-exact.
@@ -33,8 +33,10 @@ from cluster_utils import (
     running_cluster,
     worker_loads,
 )
+from sched_helpers import _colocated, model  # noqa: F401 - fixture
 from test_e2e import _mt_bench_first_turns
 
+from engine.sampling import SamplingOptions
 from kvtransfer import DEFAULT_MAX_CHUNK_BYTES, GrpcKvSender, KvTransferError
 from kvtransfer.chunking import plan_chunks
 from pdcluster.client import PdclusterClient
@@ -198,6 +200,19 @@ class TestCorruptChunkRecompute:
             assert_greedy_matches(res.token_ids, ref, gaps, label=prompt[:40])
         decode = _load(cluster, "decode")
         assert decode.num_kv_recomputes - before == len(prompts), decode
+        assert_no_leak(cluster)
+
+    def test_recomputed_seeded_request_draws_like_a_colocated_run(self, cluster, model, model_config, tokenizer):
+        """The decode worker samples the first token itself with the request's seed: the
+        tokens equal one engine's prefill + decode with that seed (no draw skipped)."""
+        ids = tokenizer.encode("Write a haiku about winter light.")
+        sampling = SamplingOptions(temperature=0.8, seed=4321)
+        _, want = _colocated(model, model_config, ids, 8, sampling)
+        before = _load(cluster, "decode").num_kv_recomputes
+        with _client(cluster) as client:
+            res = client.generate(ids, max_tokens=8, temperature=0.8, seed=4321, ignore_eos=True)
+        assert res.token_ids == want
+        assert _load(cluster, "decode").num_kv_recomputes == before + 1
         assert_no_leak(cluster)
 
 
