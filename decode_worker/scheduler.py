@@ -33,12 +33,13 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 
 import grpc
 import torch
 
 from decode_worker.events import DecodeEventT, Failed, Reserved, Tokens
-from decode_worker.kv_recovery import KvRecoveryMixin
+from decode_worker.kv_recovery import KvFailureOutcome
 from decode_worker.messages import (
     AbortMsg,
     FailTransferMsg,
@@ -58,7 +59,7 @@ from engine.stop_check import check_finish
 log = logging.getLogger(__name__)
 
 
-class DecodeScheduler(KvRecoveryMixin):
+class DecodeScheduler:
     """Continuous-batching decode over a paged KV cache.
 
     Args:
@@ -90,7 +91,9 @@ class DecodeScheduler(KvRecoveryMixin):
         self.num_preemptions = 0
         self.num_finished = 0
         self.step_count = 0
-        self._init_recovery()
+        self.num_failed_transfers = 0
+        self.num_kv_recomputes = 0
+        self._recovered: set[str] = set()  # requests whose KV is rebuilt here after a failed transfer
 
     # ---- called from other threads -------------------------------------------------
     def submit_reserve(self, request: Request, stream: queue.Queue[DecodeEventT]) -> None:
@@ -200,7 +203,7 @@ class DecodeScheduler(KvRecoveryMixin):
             req.block_table = self.pool.allocate(blocks_needed(len(req.prompt_token_ids), self.block_size))
             req.status = RequestStatus.TRANSFERRING
             gen = self.transfers.open(req.transfer_id, req.request_id, req.block_table,
-                                      time.monotonic() + self.sched.lease_s)
+                                      time.monotonic() + self.sched.lease_s, lease_s=self.sched.lease_s)
             self._emit(req.request_id, Reserved(req.transfer_id, gen, list(req.block_table)))
 
     def _on_kv_done(self, msg: KvDoneMsg) -> None:
@@ -312,6 +315,51 @@ class DecodeScheduler(KvRecoveryMixin):
             self._emit(rid, Tokens([tok], [lp], reason))
             if reason:
                 self._release(rid)
+
+    # ---- failed transfers (policy: decode_worker.kv_recovery) ------------------------
+    def submit_fail_transfer(self, request_id: str, transfer_id: str, reason: str) -> Future[KvFailureOutcome]:
+        """The prefill side of ``transfer_id`` failed (thread-safe); the future resolves
+        to a :class:`KvFailureOutcome` once the loop handled it."""
+        reply: Future[KvFailureOutcome] = Future()
+        self._inbox.put(FailTransferMsg(request_id, transfer_id, reason, reply))
+        return reply
+
+    def _on_kv_failed(self, msg: KvFailedMsg) -> None:
+        t = self.transfers.close(msg.transfer_id, msg.generation)
+        if t is not None:
+            self._transfer_lost(t.request_id, f"KV transfer failed: {msg.reason}")
+
+    def _expire_leases(self) -> None:
+        for t in self.transfers.expired(time.monotonic()):
+            self._transfer_lost(t.request_id, f"KV transfer lease expired after {self.sched.lease_s:.1f}s "
+                                              "(prefill worker lost?)")
+
+    def _on_fail_transfer(self, msg: FailTransferMsg) -> None:
+        req = self._requests.get(msg.request_id)
+        if req is None or req.transfer_id != msg.transfer_id or req.status == RequestStatus.WAITING:
+            outcome = KvFailureOutcome.UNKNOWN_REQUEST  # gone, another transfer, or no blocks offered yet
+        elif req.status == RequestStatus.TRANSFERRING and self.transfers.close(req.transfer_id, None):
+            outcome = self._transfer_lost(req.request_id, f"KV transfer failed: prefill side failed: {msg.reason}")
+        else:
+            outcome = KvFailureOutcome.RECOMPUTING if req.request_id in self._recovered else KvFailureOutcome.KV_COMPLETE
+        log.info("prefill side of %s (transfer %s) failed (%s): %s", msg.request_id, msg.transfer_id,
+                 msg.reason, outcome.value)
+        msg.reply.set_result(outcome)
+
+    def _transfer_lost(self, request_id: str, why: str) -> KvFailureOutcome:
+        """Apply the policy to a request whose transfer was just closed undelivered."""
+        self.num_failed_transfers += 1
+        if self.sched.kv_failure_policy != "recompute":
+            self._finish_error(request_id, grpc.StatusCode.UNAVAILABLE, why)
+            return KvFailureOutcome.FAILED
+        req = self._requests[request_id]
+        req.num_computed, req.status = 0, RequestStatus.RECOMPUTING
+        self._recovered.add(request_id)
+        self._ready.append(request_id)  # joins the batch (recomputing) when a slot frees
+        self.num_kv_recomputes += 1
+        log.warning("%s; recomputing the %d-token prompt of %s here (%d recomputes so far)", why,
+                    len(req.prompt_token_ids), request_id, self.num_kv_recomputes)
+        return KvFailureOutcome.RECOMPUTING
 
     # ---- endings -------------------------------------------------------------------
     def _finish_error(self, request_id: str, code: grpc.StatusCode, message: str) -> None:

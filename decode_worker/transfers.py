@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ class OpenTransfer:
     block_ids: list[int]
     deadline: float  # time.monotonic() seconds
     bytes_written: int = 0
+    lease_s: float = 0.0  # > 0: every accepted chunk pushes the deadline to now + lease_s
 
 
 class TransferTable:
@@ -43,11 +45,16 @@ class TransferTable:
         self._open: dict[str, OpenTransfer] = {}
         self._generations = itertools.count(1)
 
-    def open(self, transfer_id: str, request_id: str, block_ids: list[int], deadline: float) -> int:
-        """Open a transfer into ``block_ids``; returns its generation number."""
+    def open(self, transfer_id: str, request_id: str, block_ids: list[int], deadline: float,
+             lease_s: float = 0.0) -> int:
+        """Open a transfer into ``block_ids`` until ``deadline`` (``time.monotonic()``
+        seconds); with ``lease_s`` > 0 each written chunk renews the lease to now +
+        ``lease_s`` (a slow transfer that keeps moving is not reclaimed; a silent one is).
+        Returns its generation number."""
         with self._lock:
             gen = next(self._generations)
-            self._open[transfer_id] = OpenTransfer(transfer_id, request_id, gen, list(block_ids), deadline)
+            self._open[transfer_id] = OpenTransfer(transfer_id, request_id, gen, list(block_ids), deadline,
+                                                   lease_s=lease_s)
             return gen
 
     def close(self, transfer_id: str, generation: int | None) -> OpenTransfer | None:
@@ -102,6 +109,8 @@ class TransferTable:
                 )
             scatter_tokens(self.kv_cache, layer_start, layer_end, t.block_ids, token_start, kv)
             t.bytes_written += kv.numel() * kv.element_size()
+            if t.lease_s > 0:
+                t.deadline = max(t.deadline, time.monotonic() + t.lease_s)
 
     def expired(self, now: float) -> list[OpenTransfer]:
         """Close and return every transfer whose lease deadline has passed."""

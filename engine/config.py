@@ -144,7 +144,7 @@ class SchedulerConfig:
         max_num_batched_tokens: tokens in one prefill step (the token budget).
         max_model_len: prompt + generated tokens of one request.
         lease_s: seconds a decode-side reservation may wait for its KV before its
-            blocks are reclaimed (seconds).
+            blocks are reclaimed (seconds); every chunk that arrives renews it.
         watermark: share of the KV pool kept free when admitting or resuming a
             request (vLLM's ``watermark``), so running requests can grow before
             anything has to be preempted.
