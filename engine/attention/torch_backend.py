@@ -39,8 +39,10 @@ def paged_attention_torch(
     kh = k_cache.shape[2]
     k_flat = k_cache.reshape(-1, kh, d)
     v_flat = v_cache.reshape(-1, kh, d)
-    keys = k_flat[meta.kv_gather_index].transpose(1, 2)  # [B, KH, max_kv, D]
-    values = v_flat[meta.kv_gather_index].transpose(1, 2)
+    # index_select on the flattened slots: ~5x faster than advanced indexing on CPU
+    flat_index = meta.kv_gather_index.view(-1)
+    keys = k_flat.index_select(0, flat_index).view(b, -1, kh, d).transpose(1, 2)  # [B, KH, max_kv, D]
+    values = v_flat.index_select(0, flat_index).view(b, -1, kh, d).transpose(1, 2)
     if max_q == 1:
         q_pad = q.view(b, 1, h, d)
     else:
@@ -52,4 +54,4 @@ def paged_attention_torch(
         is_causal=meta.mask_kind == "causal", scale=scale, enable_gqa=kh != h,
     )  # [B, H, max_q, D]
     out = out.transpose(1, 2).reshape(b * max_q, h, d)
-    return out if max_q == 1 else out[meta.query_pad_index]
+    return out if max_q == 1 else out.index_select(0, meta.query_pad_index)
