@@ -96,6 +96,12 @@ def test_one_prefill_point_and_report(model, model_config, tokenizer):
     assert "| 2048 | single | 2 | 1 | 2 | 16 |" in md and "## Profile" in md and "(diagnostic)" in md
 
 
+def _line_of(path: str, text: str) -> int:
+    """1-based number of the first line of ``path`` (repo-relative) containing ``text``."""
+    lines = (BENCH.parent / path).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line)
+
+
 def test_transfers_per_transport_and_report():
     shape = (2, 2, 6, 4, 2, 8)  # layers, K/V, blocks, block size, KV heads, head_dim
     kv = torch.randn(*shape)
@@ -106,7 +112,8 @@ def test_transfers_per_transport_and_report():
         assert m["grpc"]["num_chunks"] == 4 and len(m["raw_tcp"]["latency_ms_all"]) == 2
         samples = _kv_pyspy.summarize(collections.Counter({
             "gather_blocks (kvtransfer/blocks.py:76)": 3, "Condition.wait (threading.py:331)": 5,
-            "encode_kv_chunk (kvtransfer/wire.py:163)": 2, "_transform (grpc/_common.py:87)": 1}))
+            f"encode_kv_chunk (kvtransfer/wire.py:{_line_of('kvtransfer/wire.py', 'zlib.crc32(payload)')})": 2,
+            "_transform (grpc/_common.py:87)": 1}))
     assert (samples["busy_samples"], samples["idle_samples"]) == (6, 5)
     cats = {c["category"]: c["samples"] for c in samples["categories"]}
     assert cats["CRC32"] == 2 and cats["gather (index_select of the blocks)"] == 3
