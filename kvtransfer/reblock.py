@@ -120,7 +120,8 @@ def scatter_tokens(
         raise ValueError("re-blocking writes need a contiguous kv_cache")
     t = torch.arange(token_start, end)
     slots = (ids[t // dst_bs] * dst_bs + t % dst_bs).to(kv_cache.device)
-    tokens = blocks.reshape(n_layers, 2, n_tokens, heads, head_dim)[:, :, : end - token_start]
-    flat = kv_cache[layer_start:layer_end].view(n_layers, 2, num_blocks * dst_bs, heads, head_dim)
-    flat.index_copy_(2, slots, tokens.to(device=kv_cache.device, dtype=kv_cache.dtype))
+    tokens = blocks.reshape(n_layers * 2, n_tokens, heads * head_dim)[:, : end - token_start]
+    # token rows of a [layers * 2, slots, H * D] view: one row copy per token and layer
+    flat = kv_cache[layer_start:layer_end].view(n_layers * 2, num_blocks * dst_bs, heads * head_dim)
+    flat.index_copy_(1, slots, tokens.to(device=kv_cache.device, dtype=kv_cache.dtype))
     return end - token_start
