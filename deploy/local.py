@@ -71,7 +71,8 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False) -> ClusterSpec:
         pbs = args.prefill_block_size  # same token capacity as the decode side's pool
         prefill_cache = replace(cache, block_size=pbs, num_blocks=max(2, blocks * args.block_size // pbs))
     kv = KvTransferConfig(transport=args.kv_transport, layers_per_chunk=args.kv_layers_per_chunk,
-                          layerwise=args.kv_layerwise, timeout_s=args.kv_timeout_s,
+                          layerwise=use_cuda if args.kv_layerwise is None else args.kv_layerwise,
+                          timeout_s=args.kv_timeout_s,
                           test_corrupt_chunk_index=args.kv_test_corrupt_chunk,
                           test_chunk_delay_s=args.kv_test_chunk_delay_s)
     worker = WorkerConfig(role="prefill", worker_id="template", model=args.model, redis_url=redis_url,

@@ -119,8 +119,11 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                    help="KV transport from prefill to decode: gRPC streaming, or torch.distributed point-to-point "
                         "(gloo on CPU, NCCL on GPU) with a gRPC control stream")
     p.add_argument("--kv-layers-per-chunk", type=int, default=2, help="layers per KV chunk at most")
+    p.add_argument("--kv-layerwise", dest="kv_layerwise", action="store_true", default=None,
+                   help="stream a request's KV layer by layer during its last prefill step (default on GPUs; "
+                        "on CPU the sender competes with the prefill for the same cores: bench/results/layerwise.md)")
     p.add_argument("--no-kv-layerwise", dest="kv_layerwise", action="store_false",
-                   help="send a request's KV after its last prefill step instead of layer by layer during it")
+                   help="send a request's KV after its last prefill step (default on CPU)")
     p.add_argument("--kv-timeout-s", type=float, default=30.0, help="deadline of one KV transfer (seconds)")
     p.add_argument("--kv-lease-s", type=float, default=120.0,
                    help="seconds a decode worker holds blocks for a transfer that does not finish")

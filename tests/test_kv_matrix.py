@@ -51,8 +51,7 @@ def cluster(request, tmp_path_factory):
             "--kv-transport", transport, "--kv-layers-per-chunk", "3", "--heartbeat-s", "0.5"]
     if not prefix:
         args.append("--no-prefix-caching")
-    if not layerwise:
-        args.append("--no-kv-layerwise")
+    args.append("--kv-layerwise" if layerwise else "--no-kv-layerwise")
     with running_cluster(tmp_path_factory.mktemp("state"), *args) as state:
         state["matrix"] = dict(zip(("transport", "pbs", "dbs", "prefix", "budget", "layerwise"), CONFIGS[request.param]))
         yield state
