@@ -38,17 +38,18 @@ def _why(r: dict) -> list[str]:
         f"inside the step" + (f" ({gemm_rate / ref:.2f} of the square-GEMM rate around it)" if gemm_rate else "")
         + f", {gemm['share']:.0%} of the step. They are the only part the roofline budgets at full speed.",
         f"* Attention: {fl['attention_flops'] / 1e9:.0f} GFLOP of causal work at {_f(attn_rate, '.1f')} GFLOP/s, "
-        f"{attn['share']:.0%} of the step. The torch backend passes an explicit boolean mask to SDPA, so the "
-        "CPU flash kernel also computes the masked upper triangle.",
+        f"{attn['share']:.0%} of the step. The torch backend calls SDPA with `is_causal=True` for one prompt "
+        "without cached context (this step) and with an explicit boolean mask for batched or prefix steps, where "
+        "the CPU flash kernel also computes the masked upper triangle.",
         f"* Elementwise work (RMSNorm, RoPE's rotate-half, SwiGLU, residual adds): {elem['share']:.0%}, and "
-        f"indexing (KV gather, cache writes, the RoPE table looked up once per layer) with mask building: "
+        f"indexing (KV gather, cache writes, the RoPE table looked up once per step) with mask building: "
         f"{idx['share']:.0%}. The roofline counts no FLOPs for either. These are memory-bound passes over "
         "`[tokens, hidden]` and `[tokens, intermediate]` activations, one kernel each.",
     ]
     av = pr.get("attention_variants")
     if av:
-        out += ["", f"One layer's attention at {av['prompt_len']} tokens, same run: masked SDPA (as the backend calls "
-                f"it) {av['masked_ms']:.0f} ms, `is_causal=True` {av['is_causal_ms']:.0f} ms ({av['speedup']:.2f}x "
+        out += ["", f"One layer's attention at {av['prompt_len']} tokens, same run: masked SDPA (the backend's path for "
+                f"batched or prefix steps) {av['masked_ms']:.0f} ms, `is_causal=True` {av['is_causal_ms']:.0f} ms ({av['speedup']:.2f}x "
                 f"faster, max abs difference {av['max_abs_diff']:.1e})."]
     return out
 
@@ -94,14 +95,12 @@ CLOSE = [
     "",
     "0. Thread budget: give a worker no more torch threads than cores it actually gets (the diagnostic above); "
     "on a machine shared with other jobs, 2 threads on 2 nominal cores lose to 1.",
-    "1. Attention: call SDPA with `is_causal=True` (no mask tensor) for prompts without a cached prefix, "
-    "or a causal varlen kernel, so the masked triangle is skipped (the same-run comparison above).",
+    "1. Attention: a causal varlen kernel for batched and prefix steps, so the masked triangle is skipped there "
+    "too (single prompts without a cached prefix already use `is_causal=True`; the same-run comparison above).",
     "2. Elementwise: fuse RMSNorm, RoPE and SwiGLU (e.g. `torch.compile` of the decoder layer with inductor's "
     "CPU backend, or hand-fused kernels) so each activation is read and written once instead of once per op.",
-    "3. Indexing: look up RoPE's cos/sin for the step's positions once per step instead of once per layer, and "
-    "build the attention mask only for steps that need one.",
-    "4. GEMMs: oneDNN prepacked weights (`bench/decode.py` measures `torch.ops.mkldnn._linear_pointwise` "
-    "against `F.linear`) for the linear layers' shapes, which run below the square-GEMM rate.",
+    "3. Indexing: build the attention mask only for steps that need one.",
+    "4. GEMMs: merge the Q/K/V and gate/up projections into one GEMM each (fewer, larger oneDNN calls).",
 ]
 
 
