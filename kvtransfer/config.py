@@ -21,7 +21,9 @@ class KvTransferConfig:
         layers_per_chunk: at most this many layers per chunk (>= 1); with
             ``layerwise`` a chunk leaves as soon as its layers are computed.
         layerwise: stream the KV of a request's final prefill step layer by layer
-            while the next layers compute (False: send after the step).
+            while the next layers compute (False: send after the step). ``pdcluster
+            up`` sets it for GPU workers and clears it for CPU ones, where the sender
+            competes with the prefill for the same cores (bench/results/layerwise.md).
         timeout_s: deadline of one whole transfer on the sender (seconds).
         max_chunk_bytes: payload bytes per chunk at most.
         test_corrupt_chunk_index: test hook: flip one payload byte of this chunk
