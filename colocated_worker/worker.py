@@ -89,15 +89,15 @@ def create_colocated_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "")
     prefill = PrefillScheduler(runner, cfg.cache, cfg.scheduler, wake=wake, layerwise=cfg.kv.layerwise)
     loop = ColocatedLoop(prefill, decode, wake)
     sink = DecodeKvSink(decode)
-    host = WorkerHost(cfg, loop, lambda server: add_kv_transfer_servicer(server, sink), SERVICES, port=port,
-                      kv_endpoint_same_port=True, block_size=cfg.cache.block_size,
-                      num_total_blocks=decode.pool.num_usable, node_id=node_id)
+    host = WorkerHost(cfg, loop, lambda server: None, SERVICES, port=port,
+                      add_kv_servicers=lambda server: add_kv_transfer_servicer(server, sink),
+                      block_size=cfg.cache.block_size, num_total_blocks=decode.pool.num_usable, node_id=node_id)
     device: torch.device = runner.device
     route = local_route(cfg.worker_id, decode,
                         remote_route(create_sender(cfg.kv), runner.kv_cache, cfg.kv.layers_per_chunk))
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
         PrefillWorkerServicer(prefill, route, cfg.worker_id, device), host.server)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
-        DecodeWorkerServicer(decode, cfg.worker_id, host.address, cfg.cache.block_size, cfg.cache.dtype, device),
+        DecodeWorkerServicer(decode, cfg.worker_id, host.kv_address, cfg.cache.block_size, cfg.cache.dtype, device),
         host.server)
     return host

@@ -15,14 +15,15 @@ SERVICES = ["pdcluster.v1.DecodeWorker", "pdcluster.v1.KvTransfer"]
 
 
 def create_decode_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -> WorkerHost:
-    """Build (not start) a decode worker; its KV receiver shares the gRPC port."""
+    """Build (not start) a decode worker; its KV receiver has a gRPC server (and port) of its own."""
     model_cfg, runner = build_runner(cfg)
     sched = DecodeScheduler(runner, cfg.cache, cfg.scheduler, model_cfg.eos_token_ids)
     sink = DecodeKvSink(sched)
-    host = WorkerHost(cfg, sched, lambda server: add_kv_transfer_servicer(server, sink), SERVICES, port=port, kv_endpoint_same_port=True,
+    host = WorkerHost(cfg, sched, lambda server: None, SERVICES, port=port,
+                      add_kv_servicers=lambda server: add_kv_transfer_servicer(server, sink),
                       block_size=cfg.cache.block_size, num_total_blocks=sched.pool.num_usable,
                       node_id=node_id)
-    servicer = DecodeWorkerServicer(sched, cfg.worker_id, host.address, cfg.cache.block_size,
+    servicer = DecodeWorkerServicer(sched, cfg.worker_id, host.kv_address, cfg.cache.block_size,
                                     cfg.cache.dtype, runner.device)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, host.server)
     return host

@@ -30,7 +30,7 @@ from deploy.ray_env import LOOPBACK_ENV
 from deploy.state import DEFAULT_STATE_DIR, read_state, state_path
 from deploy.redis_control import stop_redis_at
 from deploy.redis_server import LocalRedisServer, free_port
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from engine.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig, WorkerConfig
 from engine.model_loader import resolve_model
 from kvtransfer.config import KvTransferConfig
 from pdcluster.registry import WorkerRegistry
@@ -56,6 +56,9 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False) -> ClusterSpec:
     Raises:
         ValueError / engine.config.ConfigError: a flag value out of range.
     """
+    for flag, bs in (("--block-size", args.block_size), ("--prefill-block-size", args.prefill_block_size)):
+        if bs is not None and (bs <= 0 or bs & (bs - 1)):
+            raise ConfigError(f"{flag} must be a power of two, got {bs}")
     folder = resolve_model(args.model)  # dequantize once here, not in every worker
     model_cfg = ModelConfig.from_hf_folder(folder, name=args.model)
     kv_dtype = "float32" if args.dtype in ("auto", "float32") and not use_cuda else (
@@ -222,6 +225,7 @@ def up(args) -> dict:
             ``--redis-url``; Ray, Redis, a worker or the router failed to start.
         TimeoutError: the workers or the router were not healthy within ``--timeout-s``.
     """
+    spec_from_args(args, "redis://127.0.0.1:0", use_cuda=args.device == "cuda")  # flag errors before anything starts
     state_dir = Path(args.state_dir or DEFAULT_STATE_DIR).expanduser()
     state_dir.mkdir(parents=True, exist_ok=True)
     if state_path(state_dir).exists():
@@ -326,6 +330,9 @@ def cmd_up(args) -> int:
     except PlacementError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except (ConfigError, ValueError) as e:  # a flag out of range, found before anything started
+        print(f"pdcluster up: error: {e}", file=sys.stderr)
+        return 2
     kinds = (f"{args.workers} colocated workers" if args.colocated
              else f"{args.prefill} prefill + {args.decode} decode workers")
     redis_at = state["redis_url"].rsplit("@", 1)[-1]  # without the password

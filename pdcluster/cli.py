@@ -36,6 +36,14 @@ def default_address() -> str:
     return address or FALLBACK_ADDRESS
 
 
+def _port(value: str) -> int:
+    """argparse type: a TCP port number, 0 (any free port) to 65535."""
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {port}")
+    return port
+
+
 def _state_dir(value: str) -> Path:
     return Path(value).expanduser()
 
@@ -100,7 +108,7 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--placement-timeout-s", type=float, default=120,
                    help="seconds to wait for Ray to find the workers' resources before failing")
     p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
-    p.add_argument("--port", type=int, default=50051, help="router port")
+    p.add_argument("--port", type=_port, default=50051, help="router port (0: any free port)")
     p.add_argument("--host", default="127.0.0.1", help="router bind host (0.0.0.0: every interface)")
     p.add_argument("--redis-url", default=None, help="existing Redis URL (default: start one)")
     p.add_argument("--redis-port", type=int, default=0, help="port of the Redis `up` starts (0: any free)")

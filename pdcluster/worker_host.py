@@ -26,6 +26,13 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.05
 
 
+RPC_THREADS = 64
+"""Threads of a worker's main gRPC server (router-facing RPCs; a ``Reserve`` or ``Prefill``
+holds one for its request's lifetime; calls beyond this wait in the server's queue)."""
+KV_THREADS = 32
+"""Threads of a decode worker's KV receiving server (one per transfer in flight)."""
+
+
 class Scheduler(Protocol):
     def run(self, stop: threading.Event) -> None: ...
     def load(self) -> dict: ...
@@ -86,11 +93,15 @@ class WorkerHost:
         add_servicers: ``f(server)`` attaching the role's servicers.
         services: full service names reported SERVING by the health service.
         port: gRPC port (0 = any free port).
+        add_kv_servicers: ``f(server)`` attaching the KV receiver (decode and colocated
+            workers). It gets a server of its own on another port with its own thread
+            pool (``KV_THREADS``), so long-lived ``Reserve`` streams holding every thread
+            of the main server can never starve the transfers that would complete them.
     """
 
     def __init__(self, cfg: WorkerConfig, scheduler: Scheduler,
                  add_servicers: Callable[[grpc.Server], None], services: list[str],
-                 port: int = 0, kv_endpoint_same_port: bool = False, block_size: int = 0,
+                 port: int = 0, add_kv_servicers: Callable[[grpc.Server], None] | None = None, block_size: int = 0,
                  num_total_blocks: int = 0, node_id: str = "", companions: list | None = None) -> None:
         self.cfg = cfg
         self.scheduler = scheduler
@@ -98,17 +109,24 @@ class WorkerHost:
         self._stop = threading.Event()
         self._draining = False
         self.rpcs = ActiveRpcs()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), options=GRPC_OPTIONS,
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS), options=GRPC_OPTIONS,
                                   interceptors=[self.rpcs])
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         add_servicers(self.server)
         self.port = bind(self.server, cfg.host, port)
         self.address = f"{cfg.host}:{self.port}"
+        self.kv_server, self.kv_address = None, ""
+        if add_kv_servicers is not None:
+            self.kv_server = grpc.server(futures.ThreadPoolExecutor(max_workers=KV_THREADS), options=GRPC_OPTIONS,
+                                         interceptors=[self.rpcs])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.kv_server)
+            add_kv_servicers(self.kv_server)
+            self.kv_address = f"{cfg.host}:{bind(self.kv_server, cfg.host, 0)}"
         self.services = services
         self.info = WorkerInfo(
             worker_id=cfg.worker_id, role=cfg.role, address=self.address,
-            kv_endpoint=self.address if kv_endpoint_same_port else "", node_id=node_id,
+            kv_endpoint=self.kv_address, node_id=node_id,
             model=cfg.model, block_size=block_size, num_total_blocks=num_total_blocks,
             started_at=time.time(),
         )
@@ -134,6 +152,8 @@ class WorkerHost:
     def start(self) -> str:
         """Start serving and register; returns the gRPC address ``host:port``."""
         self._loop.start()
+        if self.kv_server is not None:
+            self.kv_server.start()
         self.server.start()
         set_serving(self.health, self.services)
         self.heartbeater.start()
@@ -219,5 +239,7 @@ class WorkerHost:
         self.heartbeater.stop(deregister=True)
         set_serving(self.health, self.services, serving=False)
         self.server.stop(grace_s).wait()
+        if self.kv_server is not None:
+            self.kv_server.stop(grace_s).wait()
         self._stop.set()
         self._loop.join(timeout=5)

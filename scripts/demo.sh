@@ -14,7 +14,7 @@ import json, pathlib
 rows = [json.loads(l) for l in pathlib.Path("../shared/traces/prompts/mt_bench_question.jsonl").read_text().splitlines()] \
     if pathlib.Path("../shared/traces/prompts/mt_bench_question.jsonl").exists() else []
 prompts = [r["turns"][0] for r in rows[:3]] or ["What is the capital of France?", "Write a haiku about the sea."]
-pathlib.Path("/tmp/pdcluster-demo-prompts.txt").write_text("\n".join(prompts))
+pathlib.Path("/tmp/pdcluster-demo-prompts.txt").write_text("".join(p + "\n" for p in prompts))
 PY
 while IFS= read -r prompt; do
   echo; echo "### $prompt"

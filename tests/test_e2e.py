@@ -105,6 +105,18 @@ def test_sixteen_concurrent_match_alone(client):
     assert seeded == seeded_alone
 
 
+def test_more_requests_than_server_threads_all_complete(client):
+    """150 requests at once: more than the workers' 64 RPC threads and the decode batch.
+    Waiting ``Reserve`` streams hold main-server threads; the KV transfers that complete
+    them run on the decode worker's own KV server, so nothing times out."""
+    prompts = [f"Say the number {i} in words:" for i in range(150)]
+    alone = client.generate(prompts[0], max_tokens=4, temperature=0).token_ids
+    with ThreadPoolExecutor(150) as pool:
+        results = list(pool.map(lambda p: client.generate(p, max_tokens=4, temperature=0), prompts))
+    assert all(1 <= len(r.token_ids) <= 4 for r in results)
+    assert results[0].token_ids == alone
+
+
 def test_stream_equals_non_stream_and_stop_strings(client):
     kwargs = dict(max_tokens=40, temperature=0)
     prompt = [{"role": "user", "content": "List three fruits, one per line."}]
