@@ -187,7 +187,8 @@ class WorkerConfig:
         device: ``"cpu"``, ``"cuda"`` or ``"auto"``.
         dtype: weights/activations dtype, ``"auto"`` = float32 on CPU, bfloat16 on CUDA.
         num_threads: torch intra-op threads (CPU share of this worker).
-        heartbeat_s: registry heartbeat period (seconds); the key TTL is 3x this.
+        heartbeat_s: registry heartbeat period (seconds): liveness expires 1.5x this after
+            the last beat (a dead worker is dropped within 2 periods); beats go out twice per period.
         cache: KV cache geometry.
         scheduler: step limits.
         kv: how a prefill (or colocated) worker ships KV to decode workers.

@@ -118,8 +118,11 @@ class Heartbeater:
         return True
 
     def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
+        # fixed rate: the time a beat takes does not push the next one later
+        next_at = time.monotonic() + self.period_s
+        while not self._stop.wait(max(0.0, next_at - time.monotonic())):
             self.beat()
+            next_at = max(next_at + self.period_s, time.monotonic())
 
     def stop(self, deregister: bool = True, timeout_s: float = 5.0) -> None:
         """Stop the thread (joining it for up to ``timeout_s`` seconds) and,

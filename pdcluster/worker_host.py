@@ -131,8 +131,11 @@ class WorkerHost:
             started_at=time.time(),
         )
         self.registry = WorkerRegistry(cfg.redis_url, cfg.cluster)
+        # Liveness expires 1.5 heartbeat periods after the last beat (a dead worker is
+        # dropped within 2); beats go out twice per period, so a beat delayed by up to a
+        # whole period on a loaded machine does not drop a live worker.
         self.heartbeater = Heartbeater(self.registry, self.info, self._snapshot,
-                                       period_s=cfg.heartbeat_s, ttl_s=1.5 * cfg.heartbeat_s)
+                                       period_s=cfg.heartbeat_s / 2, ttl_s=1.5 * cfg.heartbeat_s)
         self._loop = threading.Thread(target=scheduler.run, args=(self._stop,), daemon=True,
                                       name=f"{cfg.role}-scheduler")
 
