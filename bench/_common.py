@@ -7,16 +7,42 @@ second, ``_GFLOPs`` 1e9 floating-point operations per second, ``_bytes`` bytes.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 import statistics
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SONNET = REPO.parent / "shared" / "traces" / "prompts" / "sonnet.txt"
+
+
+def logger(tag: str) -> Callable[[str], None]:
+    """A progress printer for one benchmark: ``[tag HH:MM:SS] message`` on stderr."""
+
+    def log(msg: str) -> None:
+        print(f"[{tag} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    return log
+
+
+def write_results(res: dict, out_dir: Path, name: str, markdown: Callable[[dict], str]) -> tuple[Path, str]:
+    """Write ``<out_dir>/<name>.json`` (``res``, indented) and ``<name>.md`` (``markdown(res)``).
+
+    Returns:
+        ``(stem, json_text)``: the path without suffix and the JSON written.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / name
+    text = json.dumps(res, indent=2) + "\n"
+    stem.with_suffix(".json").write_text(text)
+    stem.with_suffix(".md").write_text(markdown(res))
+    return stem, text
 
 
 def load_avg_1m() -> float:

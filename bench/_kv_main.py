@@ -4,7 +4,6 @@ transfers per transport, the gRPC path's stage costs and py-spy profile, the res
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -57,8 +56,7 @@ def _parse(argv=None) -> argparse.Namespace:
     return a
 
 
-def log(msg: str) -> None:
-    print(f"[kvtransfer {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = _common.logger("kvtransfer")
 
 
 def prefill_prompt(model, cfg, params: int, prompt: list[int], budget: int, reps: int,
@@ -163,11 +161,7 @@ def run(args) -> dict:
 def main(argv=None) -> int:
     args = _parse(argv)
     res = run(args)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / args.name
-    text = json.dumps(res, indent=2) + "\n"
-    stem.with_suffix(".json").write_text(text)
-    stem.with_suffix(".md").write_text(_kv_report.markdown(res))
+    stem, text = _common.write_results(res, args.out_dir, args.name, _kv_report.markdown)
     log(f"wrote {stem}.json and {stem}.md in {res['duration_s']:.0f} s")
     sys.stdout.write(text)
     return 0

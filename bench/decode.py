@@ -94,8 +94,7 @@ def _parse(argv=None) -> argparse.Namespace:
     return a
 
 
-def log(msg: str) -> None:
-    print(f"[decode {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = _common.logger("decode")
 
 
 def _new_tokens(args, ctx: int) -> int:
@@ -225,10 +224,7 @@ def _profiles(args, model, cfg, hf, prompts, prefilled) -> list[dict]:
 def save(res: dict, out_dir: Path, name: str) -> Path:
     """Write ``<name>.json`` and ``<name>.md`` (targets recomputed); returns the stem."""
     res["targets"] = _decode_report.targets(res)
-    stem = out_dir / name
-    stem.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(_decode_report.markdown(res))
-    return stem
+    return _common.write_results(res, out_dir, name, _decode_report.markdown)[0]
 
 
 def run(args) -> dict:

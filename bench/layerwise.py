@@ -63,8 +63,7 @@ BLOCK_SIZE = 16
 MODES = ("after", "layerwise")
 
 
-def log(msg: str) -> None:
-    print(f"[layerwise {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = _common.logger("layerwise")
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -224,17 +223,11 @@ def run(args) -> dict:
     return res
 
 
-def save(res: dict, out_dir: Path, name: str) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
-    (out_dir / f"{name}.md").write_text(markdown(res))
-    return out_dir / name
-
-
 def main(argv=None) -> int:
     args = _parse(argv)
     res = run(args)
-    log(f"wrote {save(res, args.out_dir, args.name)}.json and .md")
+    stem, _ = _common.write_results(res, args.out_dir, args.name, markdown)
+    log(f"wrote {stem}.json and .md")
     sys.stdout.write(json.dumps({k: v for k, v in res.items() if k != "points"} |
                                 {"points": [{k: v for k, v in p.items() if k != "runs"} for p in res["points"]]},
                                 indent=2) + "\n")

@@ -31,7 +31,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -77,8 +76,7 @@ def _parse(argv=None) -> argparse.Namespace:
     return a
 
 
-def log(msg: str) -> None:
-    print(f"[prefill {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = _common.logger("prefill")
 
 
 def load(model_spec: str):
@@ -196,11 +194,7 @@ def targets(res: dict) -> list[dict]:
 def main(argv=None) -> int:
     args = _parse(argv)
     res = run(args)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / args.name
-    text = json.dumps(res, indent=2) + "\n"
-    stem.with_suffix(".json").write_text(text)
-    stem.with_suffix(".md").write_text(_prefill_report.markdown(res))
+    stem, text = _common.write_results(res, args.out_dir, args.name, _prefill_report.markdown)
     log(f"wrote {stem}.json and {stem}.md in {res['duration_s']:.0f} s")
     sys.stdout.write(text)
     return 0
