@@ -10,6 +10,7 @@ import torch
 
 from deploy import local
 from pdcluster.cli import build_parser
+from pdcluster.client import PdclusterClient
 from pdcluster.registry import WorkerRegistry
 from pdcluster.serving import channel
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
@@ -25,6 +26,15 @@ def running_cluster(state_dir, *extra_args: str):
         yield state
     finally:
         local.down(state_dir)
+
+
+@contextmanager
+def router_client(state: dict, timeout_s: float = 300.0, ready_s: float = 30.0):
+    """A :class:`PdclusterClient` of the cluster's router (per-call deadline ``timeout_s``
+    seconds), once the router reports SERVING (within ``ready_s`` seconds)."""
+    with PdclusterClient(state["router_address"], timeout_s=timeout_s) as client:
+        client.wait_ready(ready_s)
+        yield client
 
 
 def worker_loads(state: dict) -> list[worker_pb2.WorkerLoad]:
@@ -80,5 +90,5 @@ def assert_greedy_matches(ours: list[int], ref: list[int], gaps: list[float], la
     assert len(ours) == len(ref), f"{label}: length {len(ours)} != HF {len(ref)}; ours={ours} ref={ref}"
 
 
-__all__ = ["running_cluster", "worker_loads", "assert_no_leak", "hf_greedy", "assert_greedy_matches",
+__all__ = ["running_cluster", "router_client", "worker_loads", "assert_no_leak", "hf_greedy", "assert_greedy_matches",
            "render_chat", "grpc"]

@@ -2,10 +2,11 @@
 
 The real model and a tokenized text (fixtures ``model`` and ``text_ids``: import
 them into a test module to use them), a model runner over a fresh KV cache,
-greedy requests, and the decode-side plumbing: a :class:`DecodeScheduler` over
+greedy requests, a :class:`PrefillScheduler` and a loop stepping it by hand, and the
+decode-side plumbing: a :class:`DecodeScheduler` over
 a real runner, the KV and tokens a colocated runner produces for a prompt, and
 what the KV receiver does (write into a reservation's blocks, then complete).
-Used by ``test_prefill_scheduler.py``, ``test_decode_scheduler.py``,
+Used by ``test_prefill_scheduler.py``, ``test_prefill_layerwise.py``, ``test_decode_scheduler.py``,
 ``test_decode_preemption.py``, ``test_decode_recompute.py`` and ``test_prefix_cache.py``.
 """
 
@@ -27,6 +28,7 @@ from engine.model_runner import ModelRunner
 from engine.request import Request, RequestParams
 from engine.sampling import SamplingOptions, make_generator
 from engine.step import ScheduledSeq, StepPlan
+from prefill_worker.scheduler import PrefillScheduler
 
 CPU = torch.device("cpu")
 BS = 16
@@ -66,6 +68,26 @@ def _req(rid: str, prompt: list[int], max_tokens: int = 4, logprobs: int = 0,
 
 def _no_leak(sched) -> None:
     assert sched.pool.num_free == sched.pool.num_usable
+
+
+# ---- prefill ---------------------------------------------------------------------------
+
+def _prefill_sched(model, model_config, budget=2048, num_blocks=32, max_num_seqs=64, prefix_caching=False,
+                   layerwise=False):
+    runner = _runner(model, model_config, num_blocks)
+    sched = PrefillScheduler(runner, CacheConfig(block_size=BS, num_blocks=num_blocks,
+                                                 enable_prefix_caching=prefix_caching),
+                             SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs),
+                             layerwise=layerwise)
+    return runner, sched
+
+
+def _pump(sched, done, timeout=20.0) -> None:
+    """Step ``sched`` by hand until ``done()``; fails after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "scheduler made no progress"
+        sched.step()
 
 
 # ---- decode ----------------------------------------------------------------------------

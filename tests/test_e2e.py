@@ -11,9 +11,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-
-from cluster_utils import assert_greedy_matches, assert_no_leak, hf_greedy, render_chat, running_cluster
-from pdcluster.client import PdclusterClient
+from cluster_utils import (
+    assert_greedy_matches,
+    assert_no_leak,
+    hf_greedy,
+    render_chat,
+    router_client,
+    running_cluster,
+)
 
 MAX_MODEL_LEN = 512
 PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "prompts"
@@ -36,8 +41,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    with PdclusterClient(cluster["router_address"], timeout_s=300) as c:
-        c.wait_ready(30)
+    with router_client(cluster) as c:
         yield c
 
 

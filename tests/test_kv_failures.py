@@ -30,6 +30,7 @@ from cluster_utils import (
     assert_no_leak,
     hf_greedy,
     render_chat,
+    router_client,
     running_cluster,
     worker_loads,
 )
@@ -39,7 +40,6 @@ from test_e2e import _mt_bench_first_turns
 from engine.sampling import SamplingOptions
 from kvtransfer import DEFAULT_MAX_CHUNK_BYTES, GrpcKvSender, KvTransferError
 from kvtransfer.chunking import plan_chunks
-from pdcluster.client import PdclusterClient
 from pdcluster.registry import WorkerRegistry
 from pdcluster.serving import channel
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -49,9 +49,7 @@ SMALL = ("--block-size", str(BS), "--heartbeat-s", "0.5", "--max-num-seqs", "8")
 
 
 def _client(state):
-    c = PdclusterClient(state["router_address"], timeout_s=180)
-    c.wait_ready(60)
-    return c
+    return router_client(state, timeout_s=180, ready_s=60)
 
 
 def _load(state, role: str) -> worker_pb2.WorkerLoad:

@@ -19,11 +19,10 @@ from cluster_utils import (
     assert_no_leak,
     hf_greedy,
     render_chat,
+    router_client,
     running_cluster,
 )
 from test_e2e import _mt_bench_first_turns
-
-from pdcluster.client import PdclusterClient
 
 NEW_TOKENS = 16
 CONFIGS = {
@@ -59,8 +58,7 @@ def cluster(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    with PdclusterClient(cluster["router_address"], timeout_s=300) as c:
-        c.wait_ready(30)
+    with router_client(cluster) as c:
         yield c
 
 

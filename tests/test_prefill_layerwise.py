@@ -14,14 +14,13 @@ import time
 import grpc
 import pytest
 import torch
-from sched_helpers import BS, _no_leak, _req, _runner, model, text_ids  # noqa: F401 - fixtures
+from sched_helpers import BS, _no_leak, _prefill_sched, _pump, _req, _runner, model, text_ids  # noqa: F401 - fixtures
 
 from engine.block_pool import blocks_needed
-from engine.config import CacheConfig, SchedulerConfig
 from engine.sampling import SamplingOptions
 from engine.step import ScheduledSeq, StepPlan
 from kvtransfer.errors import KvTransferError
-from prefill_worker.scheduler import PrefillError, PrefillScheduler
+from prefill_worker.scheduler import PrefillError
 
 
 class LayerSnapshots:
@@ -68,29 +67,15 @@ class TimedRunner:
         return out
 
 
-def _sched(model, model_config, budget=2048, num_blocks=32):
-    runner = _runner(model, model_config, num_blocks)
-    sched = PrefillScheduler(runner, CacheConfig(block_size=BS, num_blocks=num_blocks, enable_prefix_caching=False),
-                             SchedulerConfig(max_num_batched_tokens=budget), layerwise=True)
-    return runner, sched
-
-
-def _pump(sched, done, timeout=30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, "scheduler made no progress"
-        sched.step()
-
-
 @pytest.mark.parametrize("budget", [2048, 16])
 def test_each_layer_is_streamed_complete_during_the_last_step(model, model_config, text_ids, budget):
-    runner, sched = _sched(model, model_config, budget=budget)
+    runner, sched = _prefill_sched(model, model_config, budget=budget, layerwise=True)
     timed = TimedRunner(runner)
     send = LayerSnapshots(runner)
     prompt = text_ids[:40]
     fut = sched.submit(_req("s", prompt), send)
     try:
-        _pump(sched, fut.done)
+        _pump(sched, fut.done, timeout=30.0)
         res = fut.result(0)
     finally:
         sched.shutdown()
@@ -112,12 +97,12 @@ def test_each_layer_is_streamed_complete_during_the_last_step(model, model_confi
 
 
 def test_streamed_step_failure_fails_the_send_and_frees_after_it_returned(model, model_config, text_ids):
-    runner, sched = _sched(model, model_config)
+    runner, sched = _prefill_sched(model, model_config, layerwise=True)
     TimedRunner(runner, fail_after=3)
     send = LayerSnapshots(runner)
     fut = sched.submit(_req("f", text_ids[:20]), send)
     try:
-        _pump(sched, fut.done)
+        _pump(sched, fut.done, timeout=30.0)
     finally:
         sched.shutdown()
     with pytest.raises(PrefillError) as e:
@@ -129,7 +114,7 @@ def test_streamed_step_failure_fails_the_send_and_frees_after_it_returned(model,
 
 
 def test_abort_during_a_streamed_step_frees_once_the_sender_returns(model, model_config, text_ids):
-    runner, sched = _sched(model, model_config)
+    runner, sched = _prefill_sched(model, model_config, layerwise=True)
     gate = threading.Event()
 
     def slow_send(request, progress):
@@ -144,7 +129,7 @@ def test_abort_during_a_streamed_step_frees_once_the_sender_returns(model, model
         sched.step(block=False)
         assert not fut.done() and sched.pool.num_free < sched.pool.num_usable
         gate.set()
-        _pump(sched, fut.done)
+        _pump(sched, fut.done, timeout=30.0)
     finally:
         sched.shutdown()
     with pytest.raises(PrefillError) as e:

@@ -8,20 +8,18 @@ Shared helpers and the ``model`` / ``text_ids`` fixtures: ``sched_helpers.py``.
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
 import torch
-from sched_helpers import BS, _no_leak, _req, _runner, model, text_ids  # noqa: F401 - fixtures
+from sched_helpers import BS, _no_leak, _prefill_sched, _pump, _req, _runner, model, text_ids  # noqa: F401 - fixtures
 
 from engine.block_pool import blocks_needed
-from engine.config import CacheConfig, SchedulerConfig
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling import SamplingOptions
 from engine.step import ScheduledSeq, StepPlan
-from prefill_worker.scheduler import PrefillError, PrefillResult, PrefillScheduler
+from prefill_worker.scheduler import PrefillError, PrefillResult
 
 
 class FakeSend:
@@ -65,21 +63,6 @@ class PlanRecorder:
     def __call__(self, plan: StepPlan):
         self.plans.append(plan)
         return self._execute(plan)
-
-
-def _prefill_sched(model, model_config, budget=2048, num_blocks=32, max_num_seqs=64, prefix_caching=False):
-    runner = _runner(model, model_config, num_blocks)
-    sched = PrefillScheduler(runner, CacheConfig(block_size=BS, num_blocks=num_blocks,
-                                                 enable_prefix_caching=prefix_caching),
-                             SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs))
-    return runner, sched
-
-
-def _pump(sched, done, timeout=20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, "scheduler made no progress"
-        sched.step()
 
 
 def _first_token(model, model_config, prompt: list[int], logprobs: int = 0):

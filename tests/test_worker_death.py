@@ -12,9 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from cluster_utils import assert_no_leak, router_client, running_cluster, worker_loads
 
-from cluster_utils import assert_no_leak, running_cluster, worker_loads
-from pdcluster.client import PdclusterClient
 from pdcluster.registry import WorkerRegistry
 
 HEARTBEAT_S = 0.5
@@ -30,8 +29,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    with PdclusterClient(cluster["router_address"], timeout_s=120) as c:
-        c.wait_ready(30)
+    with router_client(cluster, timeout_s=120) as c:
         yield c
 
 
