@@ -69,6 +69,21 @@ class Receiver:
         self.proc.stdin.flush()
         return self._read()
 
+    def reserve(self, transfer_id: str, request_id: str, num_blocks: int,
+                block_size: int) -> worker_pb2.KvDestination:
+        """Open a reservation of ``num_blocks`` blocks, as a decode worker does before the
+        prefill starts; returns the destination a sender is handed."""
+        r = self.call(cmd="open", transfer_id=transfer_id, request_id=request_id, num_blocks=num_blocks)
+        return worker_pb2.KvDestination(worker_id="bench-decode", kv_endpoint=self.grpc_endpoint,
+                                        block_ids=r["block_ids"], block_size=block_size,
+                                        generation=r["generation"], dtype="float32")
+
+    def check_completed(self, transfer_id: str) -> None:
+        """Raises RuntimeError unless the receiver completed ``transfer_id``."""
+        done = self.call(cmd="completed", transfer_id=transfer_id)
+        if not done["completed"]:
+            raise RuntimeError(f"transfer {transfer_id} not completed on the receiver: {done}")
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
@@ -119,18 +134,13 @@ class GrpcPath:
         """Seconds of one ``send`` (call to acknowledgement); raises if not completed."""
         self.count += 1
         tid = f"t{self.count}"
-        r = self.receiver.call(cmd="open", transfer_id=tid, request_id=f"r{self.count}", num_blocks=len(self.src_ids))
-        dest = worker_pb2.KvDestination(worker_id="bench-decode", kv_endpoint=self.receiver.grpc_endpoint,
-                                        block_ids=r["block_ids"], block_size=self.kv_cache.shape[3],
-                                        generation=r["generation"], dtype="float32")
+        dest = self.receiver.reserve(tid, f"r{self.count}", len(self.src_ids), self.kv_cache.shape[3])
         t0 = time.perf_counter()
         res = self.sender.send(f"r{self.count}", tid, dest, self.kv_cache, self.src_ids, 0,
                                layers_per_chunk=self.layers_per_chunk)
         s = time.perf_counter() - t0
-        done = self.receiver.call(cmd="completed", transfer_id=tid)
-        if not done["completed"]:
-            raise RuntimeError(f"transfer {tid} not completed on the receiver: {done}")
-        self.last_block_ids, self.num_chunks = r["block_ids"], res.num_chunks
+        self.receiver.check_completed(tid)
+        self.last_block_ids, self.num_chunks = list(dest.block_ids), res.num_chunks
         return s
 
     def close(self) -> None:

@@ -56,7 +56,6 @@ from engine.request import Request, RequestParams  # noqa: E402
 from engine.sampling import SamplingOptions  # noqa: E402
 from kvtransfer.config import KvTransferConfig  # noqa: E402
 from kvtransfer.factory import create_sender  # noqa: E402
-from pdcluster.v1 import worker_pb2  # noqa: E402
 from prefill_worker.scheduler import PrefillScheduler  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -108,11 +107,7 @@ class Bench:
         """Prefill + transfer of one prompt; the scheduler's timings and the wall time."""
         self.count += 1
         tid, rid = f"t{self.count}", f"r{self.count}"
-        r = self.receiver.call(cmd="open", transfer_id=tid, request_id=rid,
-                               num_blocks=blocks_needed(len(prompt), BLOCK_SIZE))
-        dest = worker_pb2.KvDestination(worker_id="bench-decode", kv_endpoint=self.receiver.grpc_endpoint,
-                                        block_ids=r["block_ids"], block_size=BLOCK_SIZE,
-                                        generation=r["generation"], dtype="float32")
+        dest = self.receiver.reserve(tid, rid, blocks_needed(len(prompt), BLOCK_SIZE), BLOCK_SIZE)
         sched = self.scheds[mode]
         kv = sched.runner.kv_cache
 
@@ -129,8 +124,7 @@ class Bench:
             sched.step()
         res = fut.result()
         wall = time.perf_counter() - t0
-        if not self.receiver.call(cmd="completed", transfer_id=tid)["completed"]:
-            raise RuntimeError(f"transfer {tid} not completed on the receiver")
+        self.receiver.check_completed(tid)
         return {"prefill_s": res.prefill_s, "exposed_s": res.transfer_s, "transfer_total_s": res.transfer_total_s,
                 "wall_s": wall, "kv_bytes": res.kv_bytes_sent}
 
