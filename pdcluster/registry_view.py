@@ -111,6 +111,15 @@ class RegistryView:
                 and not (info.worker_id in self._marked and load.updated_at <= self._marked[info.worker_id])
             ]
 
+    def workers_now(self, role: str) -> list[tuple[WorkerInfo, WorkerLoadSnapshot]]:
+        """:meth:`workers` of ``role``; when the cached view has none, Redis is read once
+        first, so a worker that registered since the last periodic refresh (e.g. the
+        first request right after start-up) is found instead of reported missing."""
+        found = self.workers(role)
+        if not found and self.refresh():
+            found = self.workers(role)
+        return found
+
     def mark_unreachable(self, worker_id: str) -> None:
         """Exclude ``worker_id`` now, until a heartbeat newer than this call."""
         with self._lock:

@@ -98,7 +98,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     # ---- the relay ----------------------------------------------------------------
     def _pick(self, role: str, context):
         try:
-            return self.policies[role](self.view.workers(role), self.inflight)
+            return self.policies[role](self.view.workers_now(role), self.inflight)
         except NoWorkerError:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"no live {role} worker")
 
@@ -106,7 +106,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if self.cache_index is None:
             return self._pick("prefill", context)
         try:
-            info, _ = choose_prefill(self.view.workers("prefill"), prep.prompt_token_ids, self.cache_index,
+            info, _ = choose_prefill(self.view.workers_now("prefill"), prep.prompt_token_ids, self.cache_index,
                                      self.queued)
         except NoWorkerError:
             context.abort(grpc.StatusCode.UNAVAILABLE, "no live prefill worker")

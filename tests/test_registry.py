@@ -282,3 +282,17 @@ def test_view_mark_unreachable(registry):
         assert _ids(view.workers("decode")) == ["d0"]
     finally:
         view.stop()
+
+
+def test_view_workers_now_reads_redis_when_the_cached_view_has_none(registry):
+    view = RegistryView(registry, period_s=60.0).start()  # no periodic refresh during the test
+    try:
+        assert view.workers_now("decode") == []
+        registry.register(_info("d0"), 5.0)
+        registry.heartbeat("d0", _load(), 5.0)
+        assert view.workers("decode") == []  # the cached view has not seen it yet
+        assert _ids(view.workers_now("decode")) == ["d0"]  # read at once
+        view.mark_unreachable("d0")
+        assert view.workers_now("decode") == []  # a re-read does not undo the mark
+    finally:
+        view.stop()
