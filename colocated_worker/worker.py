@@ -28,7 +28,7 @@ from kvtransfer import add_kv_transfer_servicer
 from kvtransfer.factory import create_sender
 from kvtransfer.progress import LayerProgress
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
-from pdcluster.worker_host import WorkerHost
+from serving.worker_host import WorkerHost
 from prefill_worker.scheduler import ExternalBlocks, PrefillScheduler
 from prefill_worker.server import PrefillWorkerServicer, Route, remote_route
 

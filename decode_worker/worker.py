@@ -9,7 +9,7 @@ from decode_worker.scheduler import DecodeScheduler
 from decode_worker.server import DecodeWorkerServicer
 from kvtransfer import add_kv_transfer_servicer
 from pdcluster.v1 import worker_pb2_grpc
-from pdcluster.worker_host import WorkerHost
+from serving.worker_host import WorkerHost
 
 SERVICES = ["pdcluster.v1.DecodeWorker", "pdcluster.v1.KvTransfer"]
 

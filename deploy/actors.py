@@ -56,7 +56,7 @@ class WorkerActor:
 
     def drain(self, timeout_s: float) -> dict:
         """Stop taking new requests, finish the in-flight ones, deregister
-        (:meth:`pdcluster.worker_host.WorkerHost.drain`); returns its summary."""
+        (:meth:`serving.worker_host.WorkerHost.drain`); returns its summary."""
         if self.host is None:
             idle = {"num_running": 0, "num_waiting": 0, "active_rpcs": 0}
             return {"drained": True, "waited_s": 0.0, **idle, "at_start": idle}

@@ -33,7 +33,7 @@ from deploy.redis_server import LocalRedisServer, free_port
 from engine.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig, WorkerConfig
 from engine.model_loader import resolve_model
 from kvtransfer.config import KvTransferConfig
-from pdcluster.registry import WorkerRegistry
+from serving.registry import WorkerRegistry
 from router.server import RouterConfig
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -3,7 +3,7 @@
 Added workers go into a new placement group (one per ``scale`` call, the
 strategy, pinning and per-worker resources ``up`` recorded) and serve as soon
 as they registered. Removed workers are the newest of their role; each first
-drains (:meth:`pdcluster.worker_host.WorkerHost.drain`: the router stops
+drains (:meth:`serving.worker_host.WorkerHost.drain`: the router stops
 sending it requests, it finishes the ones it has, then deregisters), and only
 then is stopped and its actor killed, so nothing in flight is lost. A placement
 group whose workers are all gone is removed. Workers are added before any is

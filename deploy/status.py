@@ -8,7 +8,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from pdcluster.registry import WorkerRegistry
+from serving.registry import WorkerRegistry
 
 
 def collect(state: dict) -> list[dict]:

@@ -3,7 +3,7 @@
 Block 0 is reserved as the null block (block-table padding points at it) and is
 never handed out. A block whose reference count drops to zero goes to the tail
 of the free list; the head is the least recently freed block, taken first.
-Full blocks can carry a chained content hash (:mod:`engine.prefix_hash`): such a
+Full blocks can carry a chained content hash (:mod:`common.prefix_hash`): such a
 block stays findable by :meth:`lookup` while it sits unreferenced in the free list
 (an evictable cached block) and loses its hash only when :meth:`allocate` hands it
 out again — LRU eviction, as in vLLM v1's ``BlockPool``.

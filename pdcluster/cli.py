@@ -173,7 +173,7 @@ def _add_scale(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_loadtest(sub: argparse._SubParsersAction) -> None:
-    importlib.import_module("pdcluster.loadtest.cli").register(sub)
+    importlib.import_module("loadtest.cli").register(sub)
 
 
 def _deploy(name: str):

@@ -33,7 +33,7 @@ import grpc
 from engine.block_pool import BlockPool, blocks_needed
 from engine.config import CacheConfig, SchedulerConfig
 from engine.inbox import Inbox, run_steps
-from engine.prefix_hash import block_hashes
+from common.prefix_hash import block_hashes
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
 from engine.logprobs import to_dict

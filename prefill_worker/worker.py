@@ -5,9 +5,9 @@ from __future__ import annotations
 from engine.builder import build_runner
 from engine.config import WorkerConfig
 from kvtransfer.factory import create_sender
-from pdcluster.cache_index import CacheIndexPublisher
+from serving.cache_index import CacheIndexPublisher
 from pdcluster.v1 import worker_pb2_grpc
-from pdcluster.worker_host import WorkerHost
+from serving.worker_host import WorkerHost
 from prefill_worker.scheduler import PrefillScheduler
 from prefill_worker.server import PrefillWorkerServicer, remote_route
 

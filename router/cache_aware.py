@@ -1,7 +1,7 @@
 """Cache-aware choice of a prefill worker.
 
 Score of a worker = the prompt tokens it would have to compute (those past its
-longest cached prefix, from the blocks it publishes: :mod:`pdcluster.cache_index`)
+longest cached prefix, from the blocks it publishes: :mod:`serving.cache_index`)
 plus the prompt tokens the router has already sent it and not yet seen finish
 (its queue). The lowest score wins; ties go to the most free KV blocks. This is
 the "expected prefill work" rule of SGLang's cache-aware router and of Mooncake's
@@ -13,9 +13,9 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-from engine.prefix_hash import block_hashes
-from pdcluster.cache_index import CacheIndexView
-from pdcluster.registry import WorkerInfo, WorkerLoadSnapshot
+from common.prefix_hash import block_hashes
+from serving.cache_index import CacheIndexView
+from serving.registry import WorkerInfo, WorkerLoadSnapshot
 from router.policy import NoWorkerError
 
 Candidate = tuple[WorkerInfo, WorkerLoadSnapshot]

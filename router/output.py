@@ -8,7 +8,7 @@ non-streamed text and never contains a stop string.
 
 from __future__ import annotations
 
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from common.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
 
 

@@ -11,7 +11,7 @@ import threading
 from collections import Counter
 from typing import Callable
 
-from pdcluster.registry import WorkerInfo, WorkerLoadSnapshot
+from serving.registry import WorkerInfo, WorkerLoadSnapshot
 
 Candidate = tuple[WorkerInfo, WorkerLoadSnapshot]
 

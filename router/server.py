@@ -9,10 +9,10 @@ from transformers import AutoTokenizer
 
 from engine.config import ModelConfig
 from engine.model_loader import resolve_model
-from pdcluster.cache_index import CacheIndexView
-from pdcluster.registry import WorkerRegistry
-from pdcluster.registry_view import RegistryView
-from pdcluster.serving import bind, make_server, set_serving
+from serving.cache_index import CacheIndexView
+from serving.registry import WorkerRegistry
+from serving.discovery import RegistryView
+from serving.rpc import bind, make_server, set_serving
 from pdcluster.v1 import router_pb2, router_pb2_grpc
 from router.policy import get_policy
 from router.service import RouterServicer

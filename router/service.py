@@ -18,8 +18,8 @@ import uuid
 
 import grpc
 
-from pdcluster.cache_index import CacheIndexView
-from pdcluster.registry_view import RegistryView
+from serving.cache_index import CacheIndexView
+from serving.discovery import RegistryView
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from router.cache_aware import QueuedTokens, choose_prefill
 from router.handle import RequestHandle, status_of

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from pdcluster.serving import channel
+from serving.rpc import channel
 from pdcluster.v1 import worker_pb2_grpc
 
 _STUBS = {"decode": worker_pb2_grpc.DecodeWorkerStub, "prefill": worker_pb2_grpc.PrefillWorkerStub}

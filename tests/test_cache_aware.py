@@ -7,9 +7,9 @@ import time
 import pytest
 
 from deploy.redis_server import LocalRedisServer
-from engine.prefix_hash import block_hashes
-from pdcluster.cache_index import CacheIndexPublisher, CacheIndexView
-from pdcluster.registry import WorkerInfo, WorkerLoadSnapshot
+from common.prefix_hash import block_hashes
+from serving.cache_index import CacheIndexPublisher, CacheIndexView
+from serving.registry import WorkerInfo, WorkerLoadSnapshot
 from router.cache_aware import QueuedTokens, cached_prefix_tokens, choose_prefill
 
 

@@ -29,7 +29,7 @@ from sched_helpers import (  # noqa: F401
 )
 
 from decode_worker.server import DecodeWorkerServicer
-from pdcluster.serving import bind, channel, make_server
+from serving.rpc import bind, channel, make_server
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from router.handle import RequestHandle
 

@@ -1,4 +1,4 @@
-"""Tests for engine.detokenizer with the real SmolLM2 tokenizer."""
+"""Tests for common.detokenizer with the real SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from common.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 SMOL_DIR = "/tmp/smol"
 

@@ -40,8 +40,8 @@ from test_e2e import _mt_bench_first_turns
 from engine.sampling import SamplingOptions
 from kvtransfer import DEFAULT_MAX_CHUNK_BYTES, GrpcKvSender, KvTransferError
 from kvtransfer.chunking import plan_chunks
-from pdcluster.registry import WorkerRegistry
-from pdcluster.serving import channel
+from serving.registry import WorkerRegistry
+from serving.rpc import channel
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 BS = 16

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from pdcluster.loadtest.metrics import (SLO, InvariantError, latency_stats_ms, max_rate_meeting, parse_duration_s,
+from loadtest.metrics import (SLO, InvariantError, latency_stats_ms, max_rate_meeting, parse_duration_s,
                                         parse_slo, pooled_itls_s, summarize)
-from pdcluster.loadtest.records import RequestRecord
-from pdcluster.loadtest.report import summary_table, write_markdown, write_summary
+from loadtest.records import RequestRecord
+from loadtest.report import summary_table, write_markdown, write_summary
 
 
 def rec(index, arrival, times, status="OK", expected=None):

@@ -13,10 +13,10 @@ import time
 import grpc
 import pytest
 
-from pdcluster.loadtest.metrics import summarize
-from pdcluster.loadtest.runner import LoadRunner, RunConfig
-from pdcluster.loadtest.workload import PlannedRequest
-from pdcluster.serving import bind, make_server, set_serving
+from loadtest.metrics import summarize
+from loadtest.runner import LoadRunner, RunConfig
+from loadtest.workload import PlannedRequest
+from serving.rpc import bind, make_server, set_serving
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 OK, FAIL, HANG, SLOW, ABORT, PAIRS = range(6)

@@ -8,10 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from pdcluster.loadtest.prompts import PromptFactory, corpus_text
-from pdcluster.loadtest.traces import (MOONCAKE_BLOCK_TOKENS, default_traces_dir, load_trace, spread_ties,
+from loadtest.prompts import PromptFactory, corpus_text
+from loadtest.traces import (MOONCAKE_BLOCK_TOKENS, default_traces_dir, load_trace, spread_ties,
                                        trace_path)
-from pdcluster.loadtest.workload import PlannedRequest, WorkloadConfig, WorkloadError, build_plan
+from loadtest.workload import PlannedRequest, WorkloadConfig, WorkloadError, build_plan
 
 TRACES = default_traces_dir()
 pytestmark = pytest.mark.skipif(not TRACES.is_dir(), reason=f"no shared traces at {TRACES}")

@@ -23,7 +23,7 @@ from deploy.placement import PIN_AMOUNT, PlacementError, diagnose
 from deploy.state import state_path
 from pdcluster.cli import build_parser
 from pdcluster.client import PdclusterClient
-from pdcluster.serving import channel
+from serving.rpc import channel
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 
 HEAD_RESOURCES = {"CPU": 4, "prefill_node": 1, "decode_node": 1}

@@ -13,7 +13,7 @@ from engine.block_pool import BlockPool
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache import allocate_kv_cache
 from engine.model_runner import ModelRunner
-from engine.prefix_hash import block_hashes
+from common.prefix_hash import block_hashes
 from engine.request import Request, RequestParams
 from engine.sampling import SamplingOptions
 from prefill_worker.scheduler import PrefillScheduler

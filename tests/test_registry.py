@@ -16,9 +16,9 @@ from deploy import redis_control as rc
 from deploy import redis_server as rs
 from deploy.redis_control import stop_redis_at
 from deploy.redis_server import LocalRedisServer
-from pdcluster.heartbeat import Heartbeater
-from pdcluster.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
-from pdcluster.registry_view import RegistryView
+from serving.heartbeat import Heartbeater
+from serving.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
+from serving.discovery import RegistryView
 
 
 @pytest.fixture
@@ -222,7 +222,7 @@ def test_heartbeater_keeps_alive_and_stop_deregisters(registry):
 def test_heartbeater_survives_redis_restart(server, registry, caplog):
     info = _info("d0")
     hb = Heartbeater(registry, info, _load, period_s=0.1).start()
-    caplog.set_level(logging.WARNING, logger="pdcluster.heartbeat")
+    caplog.set_level(logging.WARNING, logger="serving.heartbeat")
     port = server.port
     server.stop()
     assert _wait_for(lambda: not hb.healthy, 2.0)

@@ -27,7 +27,7 @@ from deploy.scale import ScaleTarget, plan, scale, scale_from_state_dir
 from deploy.state import read_state, state_path
 from engine.config import CacheConfig, SchedulerConfig, WorkerConfig
 from pdcluster.client import PdclusterClient
-from pdcluster.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
+from serving.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
 from prefill_worker.worker import create_prefill_worker
 from router.policy import InFlight, NoWorkerError, RoundRobin, least_loaded
 from router.server import RouterConfig, RouterServer

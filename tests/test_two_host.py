@@ -40,8 +40,8 @@ MAX_NEW = 12
 CLIENT = r"""
 import json, sys, uuid
 from pdcluster.client import PdclusterClient
-from pdcluster.registry import WorkerRegistry
-from pdcluster.serving import channel
+from serving.registry import WorkerRegistry
+from serving.rpc import channel
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 state, prompts, max_new = json.load(open(sys.argv[1])), json.loads(sys.argv[2]), int(sys.argv[3])

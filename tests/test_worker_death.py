@@ -14,7 +14,7 @@ import grpc
 import pytest
 from cluster_utils import assert_no_leak, router_client, running_cluster, worker_loads
 
-from pdcluster.registry import WorkerRegistry
+from serving.registry import WorkerRegistry
 
 HEARTBEAT_S = 0.5
 

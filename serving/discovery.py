@@ -1,6 +1,6 @@
 """The router's cached, periodically refreshed view of the live workers.
 
-:class:`RegistryView` reads :meth:`~pdcluster.registry.WorkerRegistry.live_workers`
+:class:`RegistryView` reads :meth:`~serving.registry.WorkerRegistry.live_workers`
 in a background thread, keeps the last good view while Redis is unreachable, and
 lets the router exclude a worker it could not reach until that worker beats again.
 """
@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 
-from pdcluster.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
+from serving.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
 
 log = logging.getLogger(__name__)
 

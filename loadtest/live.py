@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from pdcluster.loadtest.runner import Counters
+from loadtest.runner import Counters
 
 
 class _CountersColumn(ProgressColumn):

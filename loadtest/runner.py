@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdcluster.client import GenerationStream, PdclusterClient, finish_reason_name
-from pdcluster.loadtest.records import OK, RequestRecord
-from pdcluster.loadtest.workload import PlannedRequest
+from loadtest.records import OK, RequestRecord
+from loadtest.workload import PlannedRequest
 
 _CANCEL_GRACE_S = 10.0
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdcluster.loadtest.traces import MOONCAKE_BLOCK_TOKENS, TRACE_FILES, TraceRow, load_trace, spread_ties
+from loadtest.traces import MOONCAKE_BLOCK_TOKENS, TRACE_FILES, TraceRow, load_trace, spread_ties
 
 SOURCES = (*TRACE_FILES, "synthetic")
 ARRIVALS = ("poisson", "gamma")

@@ -1,8 +1,8 @@
 """Keeping one worker registered and live in the Redis worker registry.
 
 A :class:`Heartbeater` runs in every worker process: it registers the worker's
-:class:`~pdcluster.registry.WorkerInfo` and refreshes its liveness key with a
-:class:`~pdcluster.registry.WorkerLoadSnapshot` every period, riding out Redis
+:class:`~serving.registry.WorkerInfo` and refreshes its liveness key with a
+:class:`~serving.registry.WorkerLoadSnapshot` every period, riding out Redis
 outages and restarts.
 """
 
@@ -16,7 +16,7 @@ from typing import Callable
 
 import redis
 
-from pdcluster.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
+from serving.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdcluster.loadtest.records import RequestRecord
+from loadtest.records import RequestRecord
 
 PERCENTILES = (50, 90, 95, 99)
 SLO_KEYS = ("ttft", "tpot", "e2e")

@@ -50,7 +50,7 @@ class TraceRow:
 
 def default_traces_dir() -> Path:
     """``<repo root>/../shared/traces`` (the shared, read-only trace folder)."""
-    return Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+    return Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 
 
 def trace_path(name: str, traces_dir: Path | str | None = None) -> Path:

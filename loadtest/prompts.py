@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdcluster.loadtest.workload import PlannedRequest
+from loadtest.workload import PlannedRequest
 
 PROMPT_FILES = ("prompts/mt_bench_question.jsonl", "prompts/vicuna_bench_question.jsonl", "prompts/sonnet.txt")
 

@@ -12,14 +12,14 @@ from pathlib import Path
 from rich.console import Console
 
 from pdcluster.client import PdclusterClient
-from pdcluster.loadtest.live import LiveProgress
-from pdcluster.loadtest.metrics import SLO, summarize
-from pdcluster.loadtest.prompts import PromptFactory, load_tokenizer
-from pdcluster.loadtest.records import RequestRecord
-from pdcluster.loadtest.report import summary_table, write_markdown, write_records, write_summary
-from pdcluster.loadtest.runner import LoadRunner, RunConfig
-from pdcluster.loadtest.traces import default_traces_dir
-from pdcluster.loadtest.workload import WorkloadConfig, build_plan
+from loadtest.live import LiveProgress
+from loadtest.metrics import SLO, summarize
+from loadtest.prompts import PromptFactory, load_tokenizer
+from loadtest.records import RequestRecord
+from loadtest.report import summary_table, write_markdown, write_records, write_summary
+from loadtest.runner import LoadRunner, RunConfig
+from loadtest.traces import default_traces_dir
+from loadtest.workload import WorkloadConfig, build_plan
 
 
 @dataclass
@@ -83,7 +83,7 @@ def run_loadtest(workload: WorkloadConfig, run: RunConfig, *, slo: SLO | None = 
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
         if plots:
-            from pdcluster.loadtest.plots import write_plots
+            from loadtest.plots import write_plots
 
             files += write_plots(result.records, result.duration_s, out)
         write_summary(out / "summary.json", summary)

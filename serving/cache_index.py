@@ -1,7 +1,7 @@
 """Which prefix-cache blocks each prefill worker holds, published through Redis.
 
 A prefill worker's :class:`CacheIndexPublisher` mirrors its pool's cached block
-hashes (:mod:`engine.prefix_hash`) into a Redis set every period, sending only
+hashes (:mod:`common.prefix_hash`) into a Redis set every period, sending only
 the difference since the last publication (block events in batches), plus the
 hash salt and block size needed to compute comparable hashes. The router's
 :class:`CacheIndexView` reads them back periodically, so cache-aware routing

@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Group
 from rich.table import Table
 
-from pdcluster.loadtest.records import RequestRecord
+from loadtest.records import RequestRecord
 
 LATENCY_KEYS = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
 STAT_KEYS = ("mean", "p50", "p90", "p95", "p99")

@@ -15,8 +15,8 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from pdcluster.loadtest.metrics import pooled_itls_s
-from pdcluster.loadtest.records import RequestRecord
+from loadtest.metrics import pooled_itls_s
+from loadtest.records import RequestRecord
 
 _DPI = 110
 

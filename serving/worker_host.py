@@ -17,9 +17,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from engine.config import WorkerConfig
-from pdcluster.heartbeat import Heartbeater
-from pdcluster.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
-from pdcluster.serving import GRPC_OPTIONS, bind, set_serving
+from serving.heartbeat import Heartbeater
+from serving.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
+from serving.rpc import GRPC_OPTIONS, bind, set_serving
 
 log = logging.getLogger(__name__)
 

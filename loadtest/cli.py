@@ -68,9 +68,9 @@ def configs_from_args(args: argparse.Namespace):
     Raises:
         ValueError: an invalid option value or combination.
     """
-    from pdcluster.loadtest.metrics import parse_slo
-    from pdcluster.loadtest.runner import RunConfig
-    from pdcluster.loadtest.workload import WorkloadConfig
+    from loadtest.metrics import parse_slo
+    from loadtest.runner import RunConfig
+    from loadtest.workload import WorkloadConfig
 
     workload = WorkloadConfig(
         source=args.workload, num_requests=args.num_requests, skip=args.skip, time_scale=args.time_scale,
@@ -90,8 +90,8 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     import grpc
     from rich.console import Console
 
-    from pdcluster.loadtest.driver import run_loadtest
-    from pdcluster.loadtest.metrics import InvariantError
+    from loadtest.driver import run_loadtest
+    from loadtest.metrics import InvariantError
 
     console = Console(stderr=False)
     try:

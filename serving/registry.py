@@ -8,8 +8,8 @@ Key layout, under the namespace ``pdcluster:<cluster>:``:
   as JSON (TTL'd); a worker is live exactly while this key exists.
 * ``state:<key>`` - small JSON documents (e.g. the router address).
 
-Workers keep themselves registered with a :class:`pdcluster.heartbeat.Heartbeater`;
-the router reads the live set through a :class:`pdcluster.registry_view.RegistryView`.
+Workers keep themselves registered with a :class:`serving.heartbeat.Heartbeater`;
+the router reads the live set through a :class:`serving.discovery.RegistryView`.
 """
 
 from __future__ import annotations
