@@ -30,10 +30,11 @@ import time
 import torch
 
 import engine.model_runner as model_runner_mod
+from common.model_config import ModelConfig
 from decode_worker.events import Reserved, Tokens
 from decode_worker.scheduler import DecodeScheduler
 from engine.block_pool import blocks_needed
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache import allocate_kv_cache
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestParams

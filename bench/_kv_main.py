@@ -12,7 +12,6 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-import _common
 import _kv_measure as km
 import _kv_pyspy
 import _kv_report
@@ -23,6 +22,8 @@ from prefill import load
 
 from engine.block_pool import blocks_needed
 from kvtransfer import DEFAULT_MAX_CHUNK_BYTES
+
+import _common
 
 PROFILE_TRANSFERS = 10
 

@@ -26,14 +26,16 @@ import time
 
 import torch
 
-import _common
+from common.model_config import ModelConfig
 from engine.block_pool import blocks_needed
-from engine.config import CacheConfig, ModelConfig
+from engine.config import CacheConfig
 from engine.kv_cache import allocate_kv_cache
 from engine.model.linear import dense_weights
 from engine.model_runner import ModelRunner
 from engine.sampling import SamplingOptions
 from engine.step import ScheduledSeq, StepPlan
+
+import _common
 
 GREEDY = SamplingOptions(temperature=0.0)
 BLOCK_SIZE = 16

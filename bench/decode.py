@@ -42,14 +42,15 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-
-import _common
 import _decode_hf
 import _decode_ours
 import _decode_report
+import torch
 from _decode_vllm import VllmError, VllmPeer
+
 from engine.model.linear import dense_weights
+
+import _common
 
 BLOCK_SIZE = 16
 VLLM_BUDGET = ("1 OpenMP model thread bound to core 0; core 1 reserved for its engine-core scheduler and "
@@ -229,10 +230,10 @@ def save(res: dict, out_dir: Path, name: str) -> Path:
 
 def run(args) -> dict:
     """The whole benchmark; results are saved after every point (``complete`` false until the end)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.config import ModelConfig
+    from common.model_config import ModelConfig
     from engine.model import load_model
     from engine.model_loader import resolve_model
 

@@ -43,11 +43,11 @@ from deploy.ray_env import use_loopback_ray  # noqa: E402
 
 use_loopback_ray()  # before anything imports ray: the local clusters stay on loopback
 
-from pdcluster.cli import build_parser  # noqa: E402
 from loadtest.driver import run_loadtest  # noqa: E402
 from loadtest.metrics import max_rate_meeting, parse_slo  # noqa: E402
 from loadtest.runner import RunConfig  # noqa: E402
 from loadtest.workload import WorkloadConfig  # noqa: E402
+from pdcluster.cli import build_parser  # noqa: E402
 
 DISAGG_ARGS = ["--prefill", "1", "--decode", "1"]
 """Extra ``pdcluster up`` arguments of the disaggregated mode (2 workers)."""

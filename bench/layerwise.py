@@ -43,11 +43,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-
-import _common  # noqa: E402
 from _kv_measure import Receiver  # noqa: E402
+
+from common.model_config import ModelConfig  # noqa: E402
 from engine.block_pool import blocks_needed  # noqa: E402
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from engine.config import CacheConfig, SchedulerConfig  # noqa: E402
 from engine.kv_cache import allocate_kv_cache  # noqa: E402
 from engine.model import load_model  # noqa: E402
 from engine.model_loader import resolve_model  # noqa: E402
@@ -57,6 +57,8 @@ from engine.sampling import SamplingOptions  # noqa: E402
 from kvtransfer.config import KvTransferConfig  # noqa: E402
 from kvtransfer.factory import create_sender  # noqa: E402
 from prefill_worker.scheduler import PrefillScheduler  # noqa: E402
+
+import _common  # noqa: E402
 
 BLOCK_SIZE = 16
 MODES = ("after", "layerwise")

@@ -40,11 +40,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages
 
+import _prefill_measure as pm  # noqa: E402
+import _prefill_report  # noqa: E402
 import torch  # noqa: E402
 
 import _common  # noqa: E402
-import _prefill_measure as pm  # noqa: E402
-import _prefill_report  # noqa: E402
 
 TARGET_LENGTH, TARGET_RATIO = 2048, 0.6
 
@@ -83,7 +83,7 @@ def load(model_spec: str):
     """(model config, float32 model on CPU, tokenizer) of ``model_spec``."""
     from transformers import AutoTokenizer
 
-    from engine.config import ModelConfig
+    from common.model_config import ModelConfig
     from engine.model import load_model
     from engine.model_loader import resolve_model
 

@@ -21,16 +21,16 @@ from decode_worker.kv_sink import DecodeKvSink
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.server import DecodeWorkerServicer
 from engine.builder import build_runner
-from engine.config import WorkerConfig
 from engine.logprobs import from_dict
 from engine.request import Request
 from kvtransfer import add_kv_transfer_servicer
 from kvtransfer.factory import create_sender
 from kvtransfer.progress import LayerProgress
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
-from serving.worker_host import WorkerHost
 from prefill_worker.scheduler import ExternalBlocks, PrefillScheduler
 from prefill_worker.server import PrefillWorkerServicer, Route, remote_route
+from serving.worker_config import WorkerConfig
+from serving.worker_host import WorkerHost
 
 log = logging.getLogger(__name__)
 SERVICES = ["pdcluster.v1.PrefillWorker", "pdcluster.v1.DecodeWorker", "pdcluster.v1.KvTransfer"]
@@ -83,7 +83,8 @@ def local_route(worker_id: str, decode: DecodeScheduler, fallback: Route) -> Rou
 
 def create_colocated_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -> WorkerHost:
     """Build (not start) a colocated worker."""
-    model_cfg, runner = build_runner(cfg)
+    model_cfg, runner = build_runner(cfg.model, cfg.cache, device=cfg.device, dtype=cfg.dtype,
+                                     num_threads=cfg.num_threads, model_cache_dir=cfg.model_cache_dir)
     wake = threading.Event()
     decode = DecodeScheduler(runner, cfg.cache, cfg.scheduler, model_cfg.eos_token_ids, wake=wake)
     prefill = PrefillScheduler(runner, cfg.cache, cfg.scheduler, wake=wake, layerwise=cfg.kv.layerwise)

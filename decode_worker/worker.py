@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from engine.builder import build_runner
-from engine.config import WorkerConfig
 from decode_worker.kv_sink import DecodeKvSink
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.server import DecodeWorkerServicer
+from engine.builder import build_runner
 from kvtransfer import add_kv_transfer_servicer
 from pdcluster.v1 import worker_pb2_grpc
+from serving.worker_config import WorkerConfig
 from serving.worker_host import WorkerHost
 
 SERVICES = ["pdcluster.v1.DecodeWorker", "pdcluster.v1.KvTransfer"]
@@ -16,7 +16,8 @@ SERVICES = ["pdcluster.v1.DecodeWorker", "pdcluster.v1.KvTransfer"]
 
 def create_decode_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -> WorkerHost:
     """Build (not start) a decode worker; its KV receiver has a gRPC server (and port) of its own."""
-    model_cfg, runner = build_runner(cfg)
+    model_cfg, runner = build_runner(cfg.model, cfg.cache, device=cfg.device, dtype=cfg.dtype,
+                                     num_threads=cfg.num_threads, model_cache_dir=cfg.model_cache_dir)
     sched = DecodeScheduler(runner, cfg.cache, cfg.scheduler, model_cfg.eos_token_ids)
     sink = DecodeKvSink(sched)
     host = WorkerHost(cfg, sched, lambda server: None, SERVICES, port=port,

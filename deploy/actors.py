@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import ray
 
-from engine.config import WorkerConfig
+from serving.worker_config import WorkerConfig
 
 
 def _node_ip() -> str:

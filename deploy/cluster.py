@@ -20,8 +20,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from deploy.actors import RouterActor, WorkerActor
 from deploy.placement import PlacementConfig, PlacementError, WorkerShape, decide_shape, reserve
-from engine.config import CacheConfig, SchedulerConfig, WorkerConfig
+from engine.config import CacheConfig, SchedulerConfig
 from router.server import RouterConfig
+from serving.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 NAMESPACE = "pdcluster"
@@ -82,7 +83,7 @@ def worker_config_from_dict(d: dict) -> WorkerConfig:
     """Inverse of :func:`worker_config_to_dict`.
 
     Raises:
-        TypeError / engine.config.ConfigError: the dict does not describe a valid config.
+        TypeError / common.model_config.ConfigError: the dict does not describe a valid config.
     """
     return WorkerConfig.from_dict(d)
 

@@ -25,8 +25,15 @@ from pathlib import Path
 
 import ray
 
-from deploy.cluster import (NAMESPACE, WORKER_ROLES, actor_name, kill_actors, remove_groups, start_workers,
-                            worker_config_from_dict)
+from deploy.cluster import (
+    NAMESPACE,
+    WORKER_ROLES,
+    actor_name,
+    kill_actors,
+    remove_groups,
+    start_workers,
+    worker_config_from_dict,
+)
 from deploy.placement import PlacementConfig, WorkerShape
 from deploy.state import DEFAULT_STATE_DIR, read_state, state_path
 

@@ -1,27 +1,36 @@
-"""Build a worker's model runner from its :class:`WorkerConfig`."""
+"""Build a worker's model runner: resolve the model, load the weights, allocate the KV cache."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.config import ModelConfig, WorkerConfig
+from common.model_config import ModelConfig
+from engine.config import CacheConfig
 from engine.kv_cache import allocate_kv_cache
 from engine.model import load_model, resolve_device_dtype
 from engine.model_loader import resolve_model
 from engine.model_runner import ModelRunner
 
 
-def build_runner(cfg: WorkerConfig) -> tuple[ModelConfig, ModelRunner]:
-    """Resolve the model, load weights, allocate the KV cache (``cfg.cache``), set the
-    torch thread budget (``cfg.num_threads``).
+def build_runner(model: str, cache: CacheConfig, *, device: str = "auto", dtype: str = "auto",
+                 num_threads: int = 1, model_cache_dir: str | None = None) -> tuple[ModelConfig, ModelRunner]:
+    """Resolve ``model``, load its weights, allocate the KV cache (``cache``), set the
+    torch thread budget.
+
+    Args:
+        model: a model spec accepted by :func:`engine.model_loader.resolve_model`.
+        cache: KV cache geometry (blocks, block size in tokens, dtype).
+        device / dtype: ``"auto"`` = CUDA + bfloat16 where available, else CPU + float32.
+        num_threads: torch intra-op threads (this worker's CPU share).
+        model_cache_dir: where converted models are kept (default ``~/.cache/pdcluster/models``).
 
     Raises:
         ModelNotFoundError: the model spec names nothing loadable.
     """
-    torch.set_num_threads(cfg.num_threads)
-    folder = resolve_model(cfg.model, cfg.model_cache_dir)
-    model_cfg = ModelConfig.from_hf_folder(folder, name=cfg.model)
-    device, dtype = resolve_device_dtype(cfg.device, cfg.dtype)
-    model = load_model(model_cfg, device, dtype)
-    kv_cache = allocate_kv_cache(model_cfg, cfg.cache, device)
-    return model_cfg, ModelRunner(model, kv_cache, cfg.cache.block_size)
+    torch.set_num_threads(num_threads)
+    folder = resolve_model(model, model_cache_dir)
+    model_cfg = ModelConfig.from_hf_folder(folder, name=model)
+    dev, dt = resolve_device_dtype(device, dtype)
+    net = load_model(model_cfg, dev, dt)
+    kv_cache = allocate_kv_cache(model_cfg, cache, dev)
+    return model_cfg, ModelRunner(net, kv_cache, cache.block_size)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import CacheConfig, ModelConfig
+from common.model_config import ModelConfig
+from engine.config import CacheConfig
 
 
 def allocate_kv_cache(model: ModelConfig, cache: CacheConfig, device: torch.device) -> torch.Tensor:

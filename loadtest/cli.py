@@ -17,7 +17,7 @@ _WORKLOADS = ("azure-conv", "azure-code", "mooncake-conv", "mooncake-synthetic",
 
 def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``loadtest`` subcommand to ``sub`` and return its parser."""
-    p = sub.add_parser("loadtest", help="replay a request trace against a router and report latencies",
+    p = sub.add_parser("loadtest", allow_abbrev=False, help="replay a request trace against a router and report latencies",
                        description="Replay a trace or synthetic workload against ROUTER and report TTFT, TPOT, "
                                    "ITL, E2E, throughput, SLO attainment and goodput.")
     p.add_argument("--address", required=True, metavar="HOST:PORT", help="router address (the only target)")

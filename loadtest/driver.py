@@ -11,7 +11,6 @@ from pathlib import Path
 
 from rich.console import Console
 
-from pdcluster.client import PdclusterClient
 from loadtest.live import LiveProgress
 from loadtest.metrics import SLO, summarize
 from loadtest.prompts import PromptFactory, load_tokenizer
@@ -20,6 +19,7 @@ from loadtest.report import summary_table, write_markdown, write_records, write_
 from loadtest.runner import LoadRunner, RunConfig
 from loadtest.traces import default_traces_dir
 from loadtest.workload import WorkloadConfig, build_plan
+from pdcluster.client import PdclusterClient
 
 
 @dataclass

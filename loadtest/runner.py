@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdcluster.client import GenerationStream, PdclusterClient, finish_reason_name
 from loadtest.records import OK, RequestRecord
 from loadtest.workload import PlannedRequest
+from pdcluster.client import GenerationStream, PdclusterClient, finish_reason_name
 
 _CANCEL_GRACE_S = 10.0
 

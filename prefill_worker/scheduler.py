@@ -30,13 +30,13 @@ from typing import Callable
 
 import grpc
 
+from common.prefix_hash import block_hashes
 from engine.block_pool import BlockPool, blocks_needed
 from engine.config import CacheConfig, SchedulerConfig
 from engine.inbox import Inbox, run_steps
-from common.prefix_hash import block_hashes
+from engine.logprobs import to_dict
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
-from engine.logprobs import to_dict
 from engine.step import ScheduledSeq, StepPlan, TokenLogprobs
 from kvtransfer.progress import LayerProgress
 

@@ -12,7 +12,6 @@ from kvtransfer.progress import LayerProgress
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.scheduler import ExternalBlocks, PrefillError, PrefillScheduler, SendFn
 
-
 # route(prefill_request, request) -> (send function, external destination blocks or None)
 Route = Callable[[worker_pb2.PrefillRequest, Request], tuple[SendFn, "ExternalBlocks | None"]]
 

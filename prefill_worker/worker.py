@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 from engine.builder import build_runner
-from engine.config import WorkerConfig
 from kvtransfer.factory import create_sender
-from serving.cache_index import CacheIndexPublisher
 from pdcluster.v1 import worker_pb2_grpc
-from serving.worker_host import WorkerHost
 from prefill_worker.scheduler import PrefillScheduler
 from prefill_worker.server import PrefillWorkerServicer, remote_route
+from serving.cache_index import CacheIndexPublisher
+from serving.worker_config import WorkerConfig
+from serving.worker_host import WorkerHost
 
 SERVICES = ["pdcluster.v1.PrefillWorker"]
 
 
 def create_prefill_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -> WorkerHost:
     """Build (not start) a prefill worker; ``cfg.kv`` picks the KV transport and streaming."""
-    model_cfg, runner = build_runner(cfg)
+    model_cfg, runner = build_runner(cfg.model, cfg.cache, device=cfg.device, dtype=cfg.dtype,
+                                     num_threads=cfg.num_threads, model_cache_dir=cfg.model_cache_dir)
     sched = PrefillScheduler(runner, cfg.cache, cfg.scheduler, model_id=f"{model_cfg.name}:{cfg.cache.dtype}",
                              layerwise=cfg.kv.layerwise)
     sender = create_sender(cfg.kv)

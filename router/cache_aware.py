@@ -14,9 +14,9 @@ import threading
 from collections import Counter
 
 from common.prefix_hash import block_hashes
+from router.policy import NoWorkerError
 from serving.cache_index import CacheIndexView
 from serving.registry import WorkerInfo, WorkerLoadSnapshot
-from router.policy import NoWorkerError
 
 Candidate = tuple[WorkerInfo, WorkerLoadSnapshot]
 

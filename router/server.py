@@ -5,18 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from grpc_reflection.v1alpha import reflection
-from transformers import AutoTokenizer
 
-from engine.config import ModelConfig
-from engine.model_loader import resolve_model
-from serving.cache_index import CacheIndexView
-from serving.registry import WorkerRegistry
-from serving.discovery import RegistryView
-from serving.rpc import bind, make_server, set_serving
+from common.model_config import ModelConfig
+from common.tokenizer import load_tokenizer
 from pdcluster.v1 import router_pb2, router_pb2_grpc
 from router.policy import get_policy
 from router.service import RouterServicer
 from router.validation import Limits, RequestValidator
+from serving.cache_index import CacheIndexView
+from serving.discovery import RegistryView
+from serving.registry import WorkerRegistry
+from serving.rpc import bind, make_server, set_serving
 
 SERVICE = "pdcluster.v1.Router"
 
@@ -26,8 +25,10 @@ class RouterConfig:
     """Router settings.
 
     Attributes:
-        model: model spec (resolved like the workers'; the router only reads its
-            config and tokenizer).
+        model: model name, as clients see it (``GetModelInfo``).
+        model_path: the model's resolved HF folder (``deploy`` resolves the spec once,
+            :func:`engine.model_loader.resolve_model`); the router reads only its
+            ``config.json`` and tokenizer, so it never loads torch.
         redis_url / cluster: the worker registry.
         host / port: where clients connect (port 0 = any free port).
         max_model_len: prompt + max_tokens limit (tokens).
@@ -40,6 +41,7 @@ class RouterConfig:
     """
 
     model: str
+    model_path: str
     redis_url: str
     cluster: str = "default"
     host: str = "127.0.0.1"
@@ -49,7 +51,6 @@ class RouterConfig:
     policy: str = "least_loaded"
     prefill_policy: str = "cache_aware"
     view_period_s: float = 0.25
-    model_cache_dir: str | None = None
     max_workers: int = 128
 
     def __post_init__(self) -> None:
@@ -64,10 +65,10 @@ class RouterServer:
     """The router process' server. ``start()`` returns ``host:port``."""
 
     def __init__(self, cfg: RouterConfig) -> None:
-        folder = resolve_model(cfg.model, cfg.model_cache_dir)
+        folder = cfg.model_path
         model_cfg = ModelConfig.from_hf_folder(folder, name=cfg.model)
         max_len = min(cfg.max_model_len, model_cfg.max_position_embeddings)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = load_tokenizer(folder)
         self.view = RegistryView(WorkerRegistry(cfg.redis_url, cfg.cluster), period_s=cfg.view_period_s)
         info = router_pb2.ModelInfo(model_name=cfg.model, max_model_len=max_len, vocab_size=model_cfg.vocab_size,
                                     eos_token_ids=list(model_cfg.eos_token_ids), block_size=cfg.block_size)

@@ -18,8 +18,6 @@ import uuid
 
 import grpc
 
-from serving.cache_index import CacheIndexView
-from serving.discovery import RegistryView
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from router.cache_aware import QueuedTokens, choose_prefill
 from router.handle import RequestHandle, status_of
@@ -27,6 +25,8 @@ from router.output import OutputAssembler
 from router.policy import InFlight, NoWorkerError, Policy
 from router.stubs import StubCache
 from router.validation import InvalidRequest, PreparedRequest, RequestValidator
+from serving.cache_index import CacheIndexView
+from serving.discovery import RegistryView
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from serving.rpc import channel
 from pdcluster.v1 import worker_pb2_grpc
+from serving.rpc import channel
 
 _STUBS = {"decode": worker_pb2_grpc.DecodeWorkerStub, "prefill": worker_pb2_grpc.PrefillWorkerStub}
 

@@ -16,10 +16,10 @@ from typing import Callable, Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from engine.config import WorkerConfig
 from serving.heartbeat import Heartbeater
 from serving.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
 from serving.rpc import GRPC_OPTIONS, bind, set_serving
+from serving.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ import torch
 from deploy import local
 from pdcluster.cli import build_parser
 from pdcluster.client import PdclusterClient
-from serving.registry import WorkerRegistry
-from serving.rpc import channel
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 from router.validation import render_chat
+from serving.registry import WorkerRegistry
+from serving.rpc import channel
 
 
 @contextmanager

@@ -8,7 +8,7 @@ use_loopback_ray()  # local test clusters stay on loopback (before anything impo
 
 import pytest  # noqa: E402
 
-from engine.config import ModelConfig
+from common.model_config import ModelConfig
 from engine.model_loader import DEFAULT_MODEL, resolve_model
 
 # Plain asserts in the shared scheduler helpers get pytest's introspection too.

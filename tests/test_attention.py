@@ -8,7 +8,6 @@ import torch
 from engine.attention import SeqSlice, build_attention_metadata, get_attention_backend
 from engine.attention.torch_backend import paged_attention_torch
 
-
 # ---- metadata on a hand-made step ------------------------------------------------------
 
 def _hand_made():

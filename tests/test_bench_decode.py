@@ -11,12 +11,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-import _common  # noqa: E402
 import _decode_ours  # noqa: E402
 import _decode_report  # noqa: E402
 import decode  # noqa: E402
 from _decode_vllm import steady_window  # noqa: E402
+
 from engine.model import load_model  # noqa: E402
+
+import _common  # noqa: E402
 
 
 @pytest.fixture(scope="module")

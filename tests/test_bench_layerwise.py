@@ -14,6 +14,7 @@ sys.path.append(str(BENCH))
 
 import layerwise  # noqa: E402
 from _kv_measure import Receiver  # noqa: E402
+
 from engine.model import load_model  # noqa: E402
 
 

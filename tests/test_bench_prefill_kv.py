@@ -17,7 +17,6 @@ import torch
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.append(str(BENCH))
 
-import _common  # noqa: E402
 import _kv_main  # noqa: E402
 import _kv_measure as km  # noqa: E402
 import _kv_pyspy  # noqa: E402
@@ -25,8 +24,11 @@ import _kv_report  # noqa: E402
 import _prefill_measure as pm  # noqa: E402
 import _prefill_report  # noqa: E402
 import prefill  # noqa: E402
+
 from engine.model import load_model  # noqa: E402
 from engine.model.linear import dense_weights  # noqa: E402
+
+import _common  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from deploy.redis_server import LocalRedisServer
 from common.prefix_hash import block_hashes
+from deploy.redis_server import LocalRedisServer
+from router.cache_aware import QueuedTokens, cached_prefix_tokens, choose_prefill
 from serving.cache_index import CacheIndexPublisher, CacheIndexView
 from serving.registry import WorkerInfo, WorkerLoadSnapshot
-from router.cache_aware import QueuedTokens, cached_prefix_tokens, choose_prefill
 
 
 @pytest.fixture

@@ -12,12 +12,15 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from cluster_utils import assert_greedy_matches, hf_greedy, render_chat
 from colocated_worker.worker import create_colocated_worker
 from deploy.redis_server import LocalRedisServer
-from engine.config import CacheConfig, SchedulerConfig, WorkerConfig
+from engine.config import CacheConfig, SchedulerConfig
+from engine.model_loader import resolve_model
 from pdcluster.client import PdclusterClient
 from router.server import RouterConfig, RouterServer
+from serving.worker_config import WorkerConfig
+
+from cluster_utils import assert_greedy_matches, hf_greedy, render_chat
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +31,7 @@ def colocated(tmp_path_factory):
                        scheduler=SchedulerConfig(max_num_batched_tokens=24, max_model_len=512))
     host = create_colocated_worker(cfg)
     host.start()
-    router = RouterServer(RouterConfig(model="smollm2-135m-instruct", redis_url=redis.url, port=0,
+    router = RouterServer(RouterConfig(model="smollm2-135m-instruct", model_path=str(resolve_model("smollm2-135m-instruct")), redis_url=redis.url, port=0,
                                        max_model_len=512, view_period_s=0.1))
     address = router.start()
     with PdclusterClient(address, timeout_s=120) as client:

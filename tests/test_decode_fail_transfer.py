@@ -18,6 +18,12 @@ import uuid
 
 import grpc
 import pytest
+
+from decode_worker.server import DecodeWorkerServicer
+from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from router.handle import RequestHandle
+from serving.rpc import bind, channel, make_server
+
 from sched_helpers import (  # noqa: F401
     BS,
     CPU,
@@ -27,11 +33,6 @@ from sched_helpers import (  # noqa: F401
     model,
     text_ids,
 )
-
-from decode_worker.server import DecodeWorkerServicer
-from serving.rpc import bind, channel, make_server
-from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from router.handle import RequestHandle
 
 
 class _FailingPrefill(worker_pb2_grpc.PrefillWorkerServicer):

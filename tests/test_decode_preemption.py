@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-from sched_helpers import (  # noqa: F401 - fixtures
-    BS, _collect_tokens, _colocated, _decode_sched, _deliver, _events, _no_decode_leak, _req, model, text_ids,
-)
-
 from decode_worker.events import Reserved, Tokens
 from engine.block_pool import blocks_needed
+
+from sched_helpers import (  # noqa: F401 - fixtures
+    BS,
+    _collect_tokens,
+    _colocated,
+    _decode_sched,
+    _deliver,
+    _events,
+    _no_decode_leak,
+    _req,
+    model,
+    text_ids,
+)
 
 
 def test_preemption_recomputes_and_matches_unpreempted(model, model_config, text_ids):

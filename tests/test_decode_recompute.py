@@ -15,6 +15,13 @@ import time
 import grpc
 import pytest
 import torch
+
+from decode_worker.events import Failed, Tokens
+from decode_worker.kv_recovery import KvFailureOutcome
+from engine.request import RequestStatus
+from engine.sampling import SamplingOptions
+from kvtransfer.errors import StaleTransferError
+
 from sched_helpers import (  # noqa: F401 - fixtures
     _collect_tokens,
     _colocated,
@@ -27,12 +34,6 @@ from sched_helpers import (  # noqa: F401 - fixtures
     model,
     text_ids,
 )
-
-from decode_worker.events import Failed, Tokens
-from decode_worker.kv_recovery import KvFailureOutcome
-from engine.request import RequestStatus
-from engine.sampling import SamplingOptions
-from kvtransfer.errors import StaleTransferError
 
 
 def _fail_by(trigger: str, sched, res, request_id: str):

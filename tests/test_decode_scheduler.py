@@ -14,15 +14,25 @@ import time
 import grpc
 import pytest
 import torch
-from sched_helpers import (  # noqa: F401 - fixtures
-    BS, _collect_tokens, _colocated, _decode_sched, _deliver, _events, _no_decode_leak, _req, _reserve, model,
-    text_ids,
-)
 
 from decode_worker.events import Failed, Reserved, Tokens
 from engine.block_pool import blocks_needed
 from engine.request import RequestStatus
 from kvtransfer.errors import StaleTransferError
+
+from sched_helpers import (  # noqa: F401 - fixtures
+    BS,
+    _collect_tokens,
+    _colocated,
+    _decode_sched,
+    _deliver,
+    _events,
+    _no_decode_leak,
+    _req,
+    _reserve,
+    model,
+    text_ids,
+)
 
 
 def test_decode_reserve_write_complete_until_length(model, model_config, text_ids):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from cluster_utils import (
     assert_greedy_matches,
     assert_no_leak,

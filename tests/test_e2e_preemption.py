@@ -7,10 +7,11 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from test_e2e import _mt_bench_first_turns
+
+from pdcluster.client import PdclusterClient
 
 from cluster_utils import assert_greedy_matches, assert_no_leak, hf_greedy, render_chat, running_cluster, worker_loads
-from pdcluster.client import PdclusterClient
-from test_e2e import _mt_bench_first_turns
 
 NUM_BLOCKS = 40  # 39 usable blocks of 16 tokens; 20 requests need ~6 each
 

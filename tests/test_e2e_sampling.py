@@ -6,8 +6,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from cluster_utils import assert_no_leak, running_cluster
 from pdcluster.client import PdclusterClient
+
+from cluster_utils import assert_no_leak, running_cluster
 
 VOCAB = 49152
 LOOP_PROMPT = "one two three one two three one two three one two three"

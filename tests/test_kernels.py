@@ -41,11 +41,13 @@ if RUN_HERE:
     from engine.attention import SeqSlice, build_attention_metadata, get_attention_backend
     from engine.kernels import paged_decode_attention as decode_mod
     from engine.kernels.paged_decode_attention import (
-        paged_decode_attention, paged_decode_attention_reference,
+        paged_decode_attention,
+        paged_decode_attention_reference,
     )
     from engine.kernels.triton_backend import paged_attention_triton
     from engine.kernels.varlen_prefill_attention import (
-        varlen_prefill_attention, varlen_prefill_attention_reference,
+        varlen_prefill_attention,
+        varlen_prefill_attention_reference,
     )
     from engine.model import default_attention_backend
 

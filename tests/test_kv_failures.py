@@ -25,6 +25,15 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
+from test_e2e import _mt_bench_first_turns
+
+from engine.sampling import SamplingOptions
+from kvtransfer import DEFAULT_MAX_CHUNK_BYTES, GrpcKvSender, KvTransferError
+from kvtransfer.chunking import plan_chunks
+from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from serving.registry import WorkerRegistry
+from serving.rpc import channel
+
 from cluster_utils import (
     assert_greedy_matches,
     assert_no_leak,
@@ -35,14 +44,6 @@ from cluster_utils import (
     worker_loads,
 )
 from sched_helpers import _colocated, model  # noqa: F401 - fixture
-from test_e2e import _mt_bench_first_turns
-
-from engine.sampling import SamplingOptions
-from kvtransfer import DEFAULT_MAX_CHUNK_BYTES, GrpcKvSender, KvTransferError
-from kvtransfer.chunking import plan_chunks
-from serving.registry import WorkerRegistry
-from serving.rpc import channel
-from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 BS = 16
 SMALL = ("--block-size", str(BS), "--heartbeat-s", "0.5", "--max-num-seqs", "8")

@@ -14,6 +14,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from test_e2e import _mt_bench_first_turns
+
 from cluster_utils import (
     assert_greedy_matches,
     assert_no_leak,
@@ -22,7 +24,6 @@ from cluster_utils import (
     router_client,
     running_cluster,
 )
-from test_e2e import _mt_bench_first_turns
 
 NEW_TOKENS = 16
 CONFIGS = {

@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from cluster_utils import assert_no_leak, running_cluster
-from pdcluster.cli import main
 from loadtest.traces import default_traces_dir, load_trace
+from pdcluster.cli import main
+
+from cluster_utils import assert_no_leak, running_cluster
 
 N, MAX_IN, MAX_OUT = 20, 128, 16
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")

@@ -6,8 +6,16 @@ import json
 
 import pytest
 
-from loadtest.metrics import (SLO, InvariantError, latency_stats_ms, max_rate_meeting, parse_duration_s,
-                                        parse_slo, pooled_itls_s, summarize)
+from loadtest.metrics import (
+    SLO,
+    InvariantError,
+    latency_stats_ms,
+    max_rate_meeting,
+    parse_duration_s,
+    parse_slo,
+    pooled_itls_s,
+    summarize,
+)
 from loadtest.records import RequestRecord
 from loadtest.report import summary_table, write_markdown, write_summary
 

@@ -16,8 +16,8 @@ import pytest
 from loadtest.metrics import summarize
 from loadtest.runner import LoadRunner, RunConfig
 from loadtest.workload import PlannedRequest
-from serving.rpc import bind, make_server, set_serving
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc
+from serving.rpc import bind, make_server, set_serving
 
 OK, FAIL, HANG, SLOW, ABORT, PAIRS = range(6)
 GAP_S = 0.02

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from loadtest.prompts import PromptFactory, corpus_text
-from loadtest.traces import (MOONCAKE_BLOCK_TOKENS, default_traces_dir, load_trace, spread_ties,
-                                       trace_path)
+from loadtest.traces import MOONCAKE_BLOCK_TOKENS, default_traces_dir, load_trace, spread_ties, trace_path
 from loadtest.workload import PlannedRequest, WorkloadConfig, WorkloadError, build_plan
 
 TRACES = default_traces_dir()

@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.model_config import ModelConfig
 from engine.attention import SeqSlice, build_attention_metadata, get_attention_backend
-from engine.config import CacheConfig, ModelConfig
+from engine.config import CacheConfig
 from engine.kv_cache import allocate_kv_cache
 from engine.model import load_model
 from engine.model.llama import LlamaForCausalLM

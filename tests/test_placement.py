@@ -17,14 +17,15 @@ from contextlib import contextmanager
 import pytest
 import ray
 
-from cluster_utils import assert_greedy_matches, assert_no_leak, hf_greedy
 from deploy import local
 from deploy.placement import PIN_AMOUNT, PlacementError, diagnose
 from deploy.state import state_path
 from pdcluster.cli import build_parser
 from pdcluster.client import PdclusterClient
-from serving.rpc import channel
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
+from serving.rpc import channel
+
+from cluster_utils import assert_greedy_matches, assert_no_leak, hf_greedy
 
 HEAD_RESOURCES = {"CPU": 4, "prefill_node": 1, "decode_node": 1}
 COMMON = ["--worker-cpus", "1", "--num-kv-blocks", "200", "--max-model-len", "512", "--heartbeat-s", "0.5"]

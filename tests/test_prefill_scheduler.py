@@ -12,7 +12,6 @@ import threading
 import grpc
 import pytest
 import torch
-from sched_helpers import BS, _no_leak, _prefill_sched, _pump, _req, _runner, model, text_ids  # noqa: F401 - fixtures
 
 from engine.block_pool import blocks_needed
 from engine.model_runner import ModelRunner
@@ -20,6 +19,8 @@ from engine.request import Request
 from engine.sampling import SamplingOptions
 from engine.step import ScheduledSeq, StepPlan
 from prefill_worker.scheduler import PrefillError, PrefillResult
+
+from sched_helpers import BS, _no_leak, _prefill_sched, _pump, _req, _runner, model, text_ids  # noqa: F401 - fixtures
 
 
 class FakeSend:

@@ -7,16 +7,17 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from sched_helpers import model, text_ids  # noqa: F401 - fixtures
 
+from common.prefix_hash import block_hashes
 from engine.block_pool import BlockPool
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache import allocate_kv_cache
 from engine.model_runner import ModelRunner
-from common.prefix_hash import block_hashes
 from engine.request import Request, RequestParams
 from engine.sampling import SamplingOptions
 from prefill_worker.scheduler import PrefillScheduler
+
+from sched_helpers import model, text_ids  # noqa: F401 - fixtures
 
 
 def test_block_hashes_chain_and_salt():

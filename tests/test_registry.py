@@ -16,9 +16,9 @@ from deploy import redis_control as rc
 from deploy import redis_server as rs
 from deploy.redis_control import stop_redis_at
 from deploy.redis_server import LocalRedisServer
+from serving.discovery import RegistryView
 from serving.heartbeat import Heartbeater
 from serving.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
-from serving.discovery import RegistryView
 
 
 @pytest.fixture

@@ -19,18 +19,20 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import ray
 
-from cluster_utils import (assert_greedy_matches, assert_no_leak, hf_greedy, render_chat, running_cluster,
-                           worker_loads)
 from decode_worker.worker import create_decode_worker
 from deploy.redis_server import LocalRedisServer
 from deploy.scale import ScaleTarget, plan, scale, scale_from_state_dir
 from deploy.state import read_state, state_path
-from engine.config import CacheConfig, SchedulerConfig, WorkerConfig
+from engine.config import CacheConfig, SchedulerConfig
+from engine.model_loader import resolve_model
 from pdcluster.client import PdclusterClient
-from serving.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
 from prefill_worker.worker import create_prefill_worker
 from router.policy import InFlight, NoWorkerError, RoundRobin, least_loaded
 from router.server import RouterConfig, RouterServer
+from serving.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
+from serving.worker_config import WorkerConfig
+
+from cluster_utils import assert_greedy_matches, assert_no_leak, hf_greedy, render_chat, running_cluster, worker_loads
 
 MODEL = "smollm2-135m-instruct"
 
@@ -78,7 +80,7 @@ def in_process_cluster(tmp_path_factory):
         hosts[wid] = create_decode_worker(WorkerConfig(role="decode", worker_id=wid, **base))
     for h in hosts.values():
         h.start()
-    router = RouterServer(RouterConfig(model=MODEL, redis_url=redis.url, cluster="drain", port=0,
+    router = RouterServer(RouterConfig(model=MODEL, model_path=str(resolve_model(MODEL)), redis_url=redis.url, cluster="drain", port=0,
                                        max_model_len=512, view_period_s=0.075))
     address = router.start()
     try:

@@ -12,9 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from cluster_utils import assert_no_leak, router_client, running_cluster, worker_loads
 
 from serving.registry import WorkerRegistry
+
+from cluster_utils import assert_no_leak, router_client, running_cluster, worker_loads
 
 HEARTBEAT_S = 0.5
 

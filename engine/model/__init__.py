@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from common.model_config import ModelConfig
 from engine.attention import get_attention_backend
-from engine.config import ModelConfig
 from engine.model.linear import apply_linear_backend, default_linear_backend
 from engine.model.llama import LlamaForCausalLM
 

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.model_config import ConfigError, ModelConfig
 from engine.attention import AttentionMetadata
 from engine.attention.registry import AttentionBackend
-from engine.config import ConfigError, ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,71 @@
+"""The cluster that ``pdcluster up``'s flags describe: the one place the worker, router and
+placement configs are built from command-line flags."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from common.model_config import ConfigError, ModelConfig
+from deploy.cluster import ClusterSpec
+from deploy.placement import PlacementConfig
+from engine.config import CacheConfig, SchedulerConfig
+from engine.model_loader import resolve_model
+from kvtransfer.config import KvTransferConfig
+from router.server import RouterConfig
+from serving.worker_config import WorkerConfig
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def num_kv_blocks(model: ModelConfig, block_size: int, dtype: str, kv_cache_gb: float) -> int:
+    """Blocks that fit in ``kv_cache_gb`` GiB of KV cache."""
+    per_block = block_size * model.kv_bytes_per_token(_DTYPE_BYTES[dtype])
+    return max(2, int(kv_cache_gb * (1 << 30) // per_block))
+
+
+def spec_from_args(args, redis_url: str, use_cuda: bool = False) -> ClusterSpec:
+    """The cluster ``up``'s flags describe.
+
+    Args:
+        args: the parsed ``pdcluster up`` flags.
+        redis_url: the registry the workers and the router use.
+        use_cuda: whether the workers will run on GPUs (decides the KV dtype for ``--dtype auto``).
+
+    Raises:
+        ValueError / common.model_config.ConfigError: a flag value out of range.
+    """
+    for flag, bs in (("--block-size", args.block_size), ("--prefill-block-size", args.prefill_block_size)):
+        if bs is not None and (bs <= 0 or bs & (bs - 1)):
+            raise ConfigError(f"{flag} must be a power of two, got {bs}")
+    folder = resolve_model(args.model)  # dequantize once here, not in every worker
+    model_cfg = ModelConfig.from_hf_folder(folder, name=args.model)
+    kv_dtype = "float32" if args.dtype in ("auto", "float32") and not use_cuda else (
+        "bfloat16" if args.dtype == "auto" else args.dtype)
+    blocks = args.num_kv_blocks or num_kv_blocks(model_cfg, args.block_size, kv_dtype, args.kv_cache_gb)
+    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                            max_model_len=args.max_model_len, lease_s=args.kv_lease_s,
+                            kv_failure_policy=args.kv_failure_policy)
+    cache = CacheConfig(block_size=args.block_size, num_blocks=blocks, dtype=kv_dtype,
+                        enable_prefix_caching=args.prefix_caching)
+    prefill_cache = None
+    if args.prefill_block_size and args.prefill_block_size != args.block_size:
+        pbs = args.prefill_block_size  # same token capacity as the decode side's pool
+        prefill_cache = replace(cache, block_size=pbs, num_blocks=max(2, blocks * args.block_size // pbs))
+    kv = KvTransferConfig(transport=args.kv_transport, layers_per_chunk=args.kv_layers_per_chunk,
+                          layerwise=use_cuda if args.kv_layerwise is None else args.kv_layerwise,
+                          timeout_s=args.kv_timeout_s,
+                          test_corrupt_chunk_index=args.kv_test_corrupt_chunk,
+                          test_chunk_delay_s=args.kv_test_chunk_delay_s)
+    worker = WorkerConfig(role="prefill", worker_id="template", model=args.model, redis_url=redis_url,
+                          cluster=args.cluster, device=args.device, dtype=args.dtype,
+                          heartbeat_s=args.heartbeat_s, cache=cache, scheduler=sched, kv=kv,
+                          prefill_cache=prefill_cache)
+    router = RouterConfig(model=args.model, model_path=str(folder), redis_url=redis_url, cluster=args.cluster, host=args.host,
+                          port=args.port, max_model_len=args.max_model_len, block_size=args.block_size,
+                          view_period_s=args.heartbeat_s / 4)
+    placement = PlacementConfig(strategy=args.placement, prefill_resource=args.prefill_resource,
+                                decode_resource=args.decode_resource, worker_cpus=args.worker_cpus,
+                                timeout_s=args.placement_timeout_s)
+    if args.colocated:
+        return ClusterSpec(0, 0, worker, router, placement, num_colocated=args.workers, timeout_s=args.timeout_s)
+    return ClusterSpec(args.prefill, args.decode, worker, router, placement, timeout_s=args.timeout_s)

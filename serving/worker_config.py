@@ -1,0 +1,82 @@
+"""Everything one worker process needs to start, built in one place from ``pdcluster up``'s
+flags (:func:`deploy.flags.cluster_spec`) and handed to each worker through its Ray actor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from common.model_config import ConfigError
+from engine.config import CacheConfig, SchedulerConfig
+from kvtransfer.config import KvTransferConfig
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything one prefill or decode worker needs to start.
+
+    Attributes:
+        role: ``"prefill"``, ``"decode"`` or ``"colocated"`` (both on one engine).
+        worker_id: unique id registered in Redis.
+        model: a model spec accepted by :func:`engine.model_loader.resolve_model`.
+        host: interface the worker's gRPC servers bind to.
+        redis_url: registry location.
+        cluster: registry namespace (several clusters may share one Redis).
+        device: ``"cpu"``, ``"cuda"`` or ``"auto"``.
+        dtype: weights/activations dtype, ``"auto"`` = float32 on CPU, bfloat16 on CUDA.
+        num_threads: torch intra-op threads (CPU share of this worker).
+        heartbeat_s: registry heartbeat period (seconds): liveness expires 1.5x this after
+            the last beat (a dead worker is dropped within 2 periods); beats go out twice per period.
+        cache: KV cache geometry.
+        scheduler: step limits.
+        kv: how a prefill (or colocated) worker ships KV to decode workers.
+        prefill_cache: cache geometry of prefill workers when it differs from
+            ``cache`` (e.g. another block size); applied by :meth:`for_role`.
+    """
+
+    role: str
+    worker_id: str
+    model: str
+    redis_url: str
+    cluster: str = "default"
+    host: str = "127.0.0.1"
+    device: str = "auto"
+    dtype: str = "auto"
+    num_threads: int = 1
+    heartbeat_s: float = 1.0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    model_cache_dir: str | None = None
+    kv: KvTransferConfig = field(default_factory=KvTransferConfig)
+    prefill_cache: CacheConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode", "colocated"):
+            raise ConfigError(f"role must be 'prefill', 'decode' or 'colocated', got {self.role!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be auto/cpu/cuda, got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"unsupported dtype {self.dtype!r}")
+        if self.num_threads <= 0 or self.heartbeat_s <= 0:
+            raise ConfigError("num_threads and heartbeat_s must be positive")
+
+    def for_role(self, role: str, worker_id: str, **changes) -> "WorkerConfig":
+        """This template as the config of one worker: ``role`` and ``worker_id`` set,
+        ``prefill_cache`` applied to a prefill worker, other fields from ``changes``.
+
+        Raises:
+            ConfigError: invalid role or changed values.
+        """
+        cache = self.prefill_cache if role == "prefill" and self.prefill_cache is not None else self.cache
+        return replace(self, role=role, worker_id=worker_id, cache=cache, prefill_cache=None, **changes)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "WorkerConfig":
+        """Inverse of :func:`dataclasses.asdict` on a worker config.
+
+        Raises:
+            TypeError / ConfigError: the dict does not describe a valid config.
+        """
+        pc = d.get("prefill_cache")
+        return cls(**{**d, "cache": CacheConfig(**d["cache"]), "scheduler": SchedulerConfig(**d["scheduler"]),
+                      "kv": KvTransferConfig(**d.get("kv", {})),
+                      "prefill_cache": CacheConfig(**pc) if pc else None})
