@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+# the architecture's layering contracts (pyproject.toml [tool.importlinter])
+lint-imports
 python3 -m pytest -q tests "$@"

@@ -44,7 +44,6 @@ class RegistryView:
         self._lock = threading.Lock()
         self._view: list[tuple[WorkerInfo, WorkerLoadSnapshot]] = []
         self._marked: dict[str, float] = {}
-        self._last_ok_at: float | None = None
         self._failing = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -86,7 +85,6 @@ class RegistryView:
         self._failing = False
         with self._lock:
             self._view = fresh
-            self._last_ok_at = time.time()
             present = {info.worker_id: load for info, load in fresh}
             for wid, marked_at in list(self._marked.items()):
                 load = present.get(wid)
@@ -124,11 +122,6 @@ class RegistryView:
         """Exclude ``worker_id`` now, until a heartbeat newer than this call."""
         with self._lock:
             self._marked[worker_id] = time.time()
-
-    @property
-    def last_ok_at(self) -> float | None:
-        """Unix seconds of the last successful refresh, ``None`` if none yet."""
-        return self._last_ok_at
 
     @property
     def stale(self) -> bool:

@@ -172,9 +172,6 @@ class WorkerRegistry:
     def _hb_key(self, worker_id: str) -> str:
         return f"{self.prefix}worker:{worker_id}:hb"
 
-    def _state_key(self, key: str) -> str:
-        return f"{self.prefix}state:{key}"
-
     # -- workers ------------------------------------------------------------
     def register(self, info: WorkerInfo, ttl_s: float) -> None:
         """Write (or overwrite) a worker's info; it stays for ``ttl_s`` seconds
@@ -264,37 +261,6 @@ class WorkerRegistry:
         """
         h = self._r.hgetall(self._info_key(worker_id))
         return WorkerInfo.from_hash(h) if h else None
-
-    # -- small cluster-wide state -------------------------------------------
-    def set_cluster_state(self, key: str, value: dict, ttl_s: float | None = None) -> None:
-        """Store a small JSON document under ``key`` (optionally expiring after
-        ``ttl_s`` seconds).
-
-        Raises:
-            TypeError: ``value`` is not JSON-serialisable.
-            ValueError: ``ttl_s`` is given and not positive.
-            redis.exceptions.RedisError: Redis unreachable or failing.
-        """
-        text = json.dumps(value)
-        px = _ttl_ms(ttl_s) if ttl_s is not None else None
-        self._r.set(self._state_key(key), text, px=px)
-
-    def get_cluster_state(self, key: str) -> dict | None:
-        """The document stored under ``key``, or ``None``.
-
-        Raises:
-            redis.exceptions.RedisError: Redis unreachable or failing.
-        """
-        text = self._r.get(self._state_key(key))
-        return json.loads(text) if text is not None else None
-
-    def delete_cluster_state(self, key: str) -> None:
-        """Remove the document stored under ``key`` (no error if absent).
-
-        Raises:
-            redis.exceptions.RedisError: Redis unreachable or failing.
-        """
-        self._r.delete(self._state_key(key))
 
     def close(self) -> None:
         """Release the connection pool."""

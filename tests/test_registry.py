@@ -163,11 +163,7 @@ def test_clusters_are_separate_namespaces(server, registry):
     registry.register(_info("d0"), 5.0)
     registry.heartbeat("d0", _load(), 5.0)
     assert other.live_workers() == []
-    registry.set_cluster_state("router", {"address": "127.0.0.1:8000"})
-    assert registry.get_cluster_state("router") == {"address": "127.0.0.1:8000"}
-    assert other.get_cluster_state("router") is None
-    registry.delete_cluster_state("router")
-    assert registry.get_cluster_state("router") is None
+    assert registry.live_workers() != []
     other.close()
     with pytest.raises(ValueError):
         WorkerRegistry(server.url, cluster="a:b")

@@ -91,15 +91,7 @@ def build_attention_metadata(
     if bool((num_new <= 0).any()):
         raise ValueError("every scheduled sequence needs at least one new token")
     seq_lens = num_computed + num_new
-    max_blocks = max(len(s.block_table) for s in seqs)
-    for s in seqs:
-        if len(s.block_table) * block_size < s.num_computed + s.num_new:
-            raise ValueError(
-                f"block table of {len(s.block_table)} blocks cannot hold {s.num_computed + s.num_new} tokens"
-            )
-    block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int64)
-    for i, s in enumerate(seqs):
-        block_tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
+    block_tables = _block_tables(seqs, block_size)
 
     b = len(seqs)
     max_q = int(num_new.max())
@@ -114,17 +106,7 @@ def build_attention_metadata(
     blocks = block_tables[seq_of_token, positions // block_size]
     slot_mapping = blocks * block_size + positions % block_size
 
-    kv_pos = torch.arange(max_kv)
-    kv_blocks = block_tables.gather(1, (kv_pos // block_size).clamp(max=max_blocks - 1).expand(b, -1))
-    kv_gather_index = kv_blocks * block_size + kv_pos % block_size
-    valid_kv = kv_pos[None, :] < seq_lens[:, None]
-    kv_gather_index = torch.where(valid_kv, kv_gather_index, torch.zeros_like(kv_gather_index))
-
-    q_pos = num_computed[:, None] + torch.arange(max_q)[None, :]  # [B, max_q]
-    valid_q = torch.arange(max_q)[None, :] < num_new[:, None]
-    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & valid_kv[:, None, :]
-    mask = mask & valid_q[:, :, None]
-    mask[:, :, 0] |= ~valid_q  # padding rows attend to one slot: finite, discarded
+    kv_gather_index, mask = _context_index_and_mask(block_tables, block_size, num_computed, num_new, seq_lens)
     query_pad_index = seq_of_token * max_q + offset_in_seq
     logits_index = query_start_loc[1:] - 1
 
@@ -143,6 +125,44 @@ def build_attention_metadata(
         logits_index=to(logits_index),
         mask_kind=_mask_kind(seqs),
     )
+
+
+def _context_index_and_mask(block_tables: torch.Tensor, block_size: int, num_computed: torch.Tensor,
+                            num_new: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache slot of every context position, ``[B, max_seq_len]`` int64 (0 past a sequence's
+    end), and the causal mask ``[B, max_query_len, max_seq_len]`` bool (padding query rows
+    attend to slot 0 only: finite, discarded)."""
+    b, max_blocks = block_tables.shape
+    max_q, max_kv = int(num_new.max()), int(seq_lens.max())
+    kv_pos = torch.arange(max_kv)
+    kv_blocks = block_tables.gather(1, (kv_pos // block_size).clamp(max=max_blocks - 1).expand(b, -1))
+    kv_gather_index = kv_blocks * block_size + kv_pos % block_size
+    valid_kv = kv_pos[None, :] < seq_lens[:, None]
+    kv_gather_index = torch.where(valid_kv, kv_gather_index, torch.zeros_like(kv_gather_index))
+    q_pos = num_computed[:, None] + torch.arange(max_q)[None, :]  # [B, max_q]
+    valid_q = torch.arange(max_q)[None, :] < num_new[:, None]
+    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & valid_kv[:, None, :]
+    mask = mask & valid_q[:, :, None]
+    mask[:, :, 0] |= ~valid_q
+    return kv_gather_index, mask
+
+
+def _block_tables(seqs: list[SeqSlice], block_size: int) -> torch.Tensor:
+    """The step's block tables, ``[num_seqs, max blocks]`` int64, zero-padded.
+
+    Raises:
+        ValueError: a block table too short for its sequence's tokens.
+    """
+    max_blocks = max(len(s.block_table) for s in seqs)
+    for s in seqs:
+        if len(s.block_table) * block_size < s.num_computed + s.num_new:
+            raise ValueError(
+                f"block table of {len(s.block_table)} blocks cannot hold {s.num_computed + s.num_new} tokens"
+            )
+    block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        block_tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
+    return block_tables
 
 
 def _mask_kind(seqs: list[SeqSlice]) -> str:

@@ -172,19 +172,26 @@ def paged_decode_attention(
         return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    if partition_size is None:
-        num_sms = _num_sms(q.device) if q.is_cuda else 1
-        partition_size = choose_partition_size(num_seqs, num_kv_heads, max_seq_len, num_sms)
-    if partition_size <= 0 or partition_size % BLOCK_N:
-        raise ValueError(f"partition_size must be a positive multiple of {BLOCK_N}, got {partition_size}")
+    partition_size = _partition_size(q, num_kv_heads, max_seq_len, partition_size)
     num_splits = triton.cdiv(max_seq_len, partition_size)
+    split = num_splits > 1
+    part_out, part_max, part_sum = _split_buffers(q, num_splits)
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    _launch_partitions(q, k_cache, v_cache, block_tables, seq_lens, out, (part_out, part_max, part_sum),
+                       scale, partition_size, num_splits, num_kv_heads, block_size, head_dim_pad)
+    if split:
+        _reduce_splits(out, part_out, part_max, part_sum, seq_lens, partition_size, head_dim_pad)
+    return out
+
+
+def _launch_partitions(q, k_cache, v_cache, block_tables, seq_lens, out, parts, scale: float, partition_size: int,
+                       num_splits: int, num_kv_heads: int, block_size: int, head_dim_pad: int) -> None:
+    """Launch the per-split kernel over ``(num_seqs, num_kv_heads, num_splits)`` programs
+    (arguments as in :func:`paged_decode_attention`; ``parts`` from :func:`_split_buffers`)."""
+    part_out, part_max, part_sum = parts
+    num_seqs, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
     split = num_splits > 1
-    f32 = torch.float32
-    part_out = q.new_empty((num_seqs, num_heads, num_splits, head_dim) if split else (1, 1, 1, 1), dtype=f32)
-    part_max = q.new_empty((num_seqs, num_heads, num_splits) if split else (1, 1, 1), dtype=f32)
-    part_sum = torch.empty_like(part_max)
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_max, part_sum,
         scale * LOG2_E, partition_size,
@@ -198,15 +205,44 @@ def paged_decode_attention(
         DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=8 if k_cache.dtype == torch.float32 and head_dim_pad > 128 else 4,  # no sm_90 spills
     )
-    if split:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_max, part_sum, seq_lens, partition_size,
-            out.stride(0), out.stride(1), part_out.stride(0), part_out.stride(1), part_out.stride(2),
-            part_max.stride(0), part_max.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
-        )
-    return out
+
+
+def _split_buffers(q: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 partial output ``[S, H, splits, D]``, running max and sum ``[S, H, splits]``
+    of a split launch (1-element placeholders when ``num_splits == 1``)."""
+    num_seqs, num_heads, head_dim = q.shape
+    split = num_splits > 1
+    f32 = torch.float32
+    part_out = q.new_empty((num_seqs, num_heads, num_splits, head_dim) if split else (1, 1, 1, 1), dtype=f32)
+    part_max = q.new_empty((num_seqs, num_heads, num_splits) if split else (1, 1, 1), dtype=f32)
+    return part_out, part_max, torch.empty_like(part_max)
+
+
+def _partition_size(q: torch.Tensor, num_kv_heads: int, max_seq_len: int, partition_size: int | None) -> int:
+    """``partition_size`` checked, or chosen by :func:`choose_partition_size` when None.
+
+    Raises:
+        ValueError: not a positive multiple of ``BLOCK_N``.
+    """
+    if partition_size is None:
+        num_sms = _num_sms(q.device) if q.is_cuda else 1
+        partition_size = choose_partition_size(q.shape[0], num_kv_heads, max_seq_len, num_sms)
+    if partition_size <= 0 or partition_size % BLOCK_N:
+        raise ValueError(f"partition_size must be a positive multiple of {BLOCK_N}, got {partition_size}")
+    return partition_size
+
+
+def _reduce_splits(out: torch.Tensor, part_out: torch.Tensor, part_max: torch.Tensor, part_sum: torch.Tensor,
+                   seq_lens: torch.Tensor, partition_size: int, head_dim_pad: int) -> None:
+    """Flash-decoding reduce: combine the per-split partial outputs into ``out`` (in place)."""
+    num_seqs, num_heads, num_splits, head_dim = part_out.shape
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        out, part_out, part_max, part_sum, seq_lens, partition_size,
+        out.stride(0), out.stride(1), part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_max.stride(0), part_max.stride(1),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+    )
 
 
 def paged_decode_attention_reference(
