@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SONNET = REPO.parent / "shared" / "traces" / "prompts" / "sonnet.txt"
+SONNET = REPO / "loadtest" / "data" / "prompts" / "sonnet.txt"
 
 
 def logger(tag: str) -> Callable[[str], None]:

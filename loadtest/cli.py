@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--address", required=True, metavar="HOST:PORT", help="router address (the only target)")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=_WORKLOADS, default="azure-conv", help="trace or synthetic (default azure-conv)")
-    w.add_argument("--traces-dir", type=Path, default=None, help="trace folder (default <repo>/../shared/traces)")
+    w.add_argument("--traces-dir", type=Path, default=None, help="trace folder (default: the traces shipped in loadtest/data)")
     w.add_argument("--num-requests", type=int, default=100, help="requests to send (default 100)")
     w.add_argument("--skip", type=int, default=0, help="trace rows to skip before the slice")
     w.add_argument("--time-scale", type=float, default=1.0,

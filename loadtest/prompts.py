@@ -1,6 +1,6 @@
 """Exact-length prompts (token ids) cut from real text.
 
-The corpus is the real prompt text in ``shared/traces/prompts`` (MT-Bench turns,
+The corpus is the real prompt text in ``loadtest/data/prompts`` (MT-Bench turns,
 Vicuna-Bench questions, Shakespeare's sonnets), tokenized once with the served model's
 tokenizer. A plain request of ``n`` tokens takes ``n`` consecutive corpus tokens from a
 seeded random offset (wrapping around). A Mooncake request is the concatenation of its

@@ -1,8 +1,8 @@
-"""Parsers of the public request traces kept in ``shared/traces`` (read-only).
+"""Parsers of the public request traces shipped in ``loadtest/data`` (read-only).
 
 Each parser returns :class:`TraceRow` objects in file order, with arrival times in
 seconds relative to the first row. File formats and statistics are described in
-``shared/traces/README.md``:
+``loadtest/data/README.md``:
 
 * Azure LLM inference trace 2023 (Splitwise, ISCA'24), ``azure2023/*.csv``: columns
   ``TIMESTAMP`` (``YYYY-MM-DD HH:MM:SS.fffffff``, 100 ns resolution), ``ContextTokens``,
@@ -49,8 +49,9 @@ class TraceRow:
 
 
 def default_traces_dir() -> Path:
-    """``<repo root>/../shared/traces`` (the shared, read-only trace folder)."""
-    return Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+    """``loadtest/data``: the traces and prompt sets shipped with pdcluster (sources,
+    licenses and statistics in its ``README.md``)."""
+    return Path(__file__).resolve().parent / "data"
 
 
 def trace_path(name: str, traces_dir: Path | str | None = None) -> Path:

@@ -3,7 +3,7 @@
 Sources (:data:`SOURCES`):
 
 * a trace (``azure-conv``, ``azure-code``, ``mooncake-conv``, ``mooncake-synthetic``):
-  arrival times and token counts from ``shared/traces``; rows ``skip .. skip+num_requests``.
+  arrival times and token counts from ``loadtest/data``; rows ``skip .. skip+num_requests``.
   ``rate`` rescales the slice's arrival times to that mean rate (req/s, keeping the burst
   pattern); otherwise ``time_scale`` multiplies them (0.1 = ten times faster). Mooncake
   timestamps are bucketed to ~3 s; ties are spread evenly (:func:`traces.spread_ties`).

@@ -11,9 +11,8 @@ pdcluster up --local --prefill 1 --decode 1 --port 50051 --state-dir "$STATE_DIR
 pdcluster status --state-dir "$STATE_DIR"
 python3 - <<'PY'
 import json, pathlib
-rows = [json.loads(l) for l in pathlib.Path("../shared/traces/prompts/mt_bench_question.jsonl").read_text().splitlines()] \
-    if pathlib.Path("../shared/traces/prompts/mt_bench_question.jsonl").exists() else []
-prompts = [r["turns"][0] for r in rows[:3]] or ["What is the capital of France?", "Write a haiku about the sea."]
+rows = [json.loads(l) for l in pathlib.Path("loadtest/data/prompts/mt_bench_question.jsonl").read_text().splitlines()]
+prompts = [r["turns"][0] for r in rows[:3]]
 pathlib.Path("/tmp/pdcluster-demo-prompts.txt").write_text("".join(p + "\n" for p in prompts))
 PY
 while IFS= read -r prompt; do

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 
 from common.detokenizer import IncrementalDetokenizer, StopStringMatcher
-
-SMOL_DIR = "/tmp/smol"
+from common.tokenizer import load_tokenizer
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -23,11 +21,9 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    if not os.path.isdir(SMOL_DIR):
-        pytest.skip(f"SmolLM2 tokenizer not found at {SMOL_DIR}")
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(SMOL_DIR)
+def tokenizer(model_dir):
+    """The router's torch-free tokenizer of the bundled model."""
+    return load_tokenizer(model_dir)
 
 
 def _stream(tokenizer, prompt_ids, output_ids, chunk_sizes, skip_special_tokens=True):

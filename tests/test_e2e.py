@@ -7,10 +7,11 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
+
+from loadtest.traces import default_traces_dir
 
 from cluster_utils import (
     assert_greedy_matches,
@@ -22,13 +23,11 @@ from cluster_utils import (
 )
 
 MAX_MODEL_LEN = 512
-PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "prompts"
+PROMPTS = default_traces_dir() / "prompts"
 
 
 def _mt_bench_first_turns(n: int) -> list[str]:
     path = PROMPTS / "mt_bench_question.jsonl"
-    if not path.exists():
-        path = Path("/work/shared/traces/prompts/mt_bench_question.jsonl")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r["turns"][0] for r in rows[:n]]
 
@@ -226,8 +225,7 @@ def test_abort_while_queued_and_prefilling(cluster, client):
 
 @pytest.mark.parametrize("length", [63, 64, 65, 128])
 def test_prefix_cache_second_send_is_a_hit(client, tokenizer, length):
-    text = (PROMPTS / "sonnet.txt").read_text() if (PROMPTS / "sonnet.txt").exists() else \
-        Path("/work/shared/traces/prompts/sonnet.txt").read_text()
+    text = (PROMPTS / "sonnet.txt").read_text()
     offset = {63: 500, 64: 4000, 65: 8000, 128: 12000}[length]
     ids = tokenizer.encode(text[offset:])[:length]  # a prefix no other test sent
     first = client.generate(ids, max_tokens=8, temperature=0)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from loadtest.traces import default_traces_dir, load_trace
+from loadtest.traces import load_trace
 from pdcluster.cli import main
 
 from cluster_utils import assert_no_leak, running_cluster
@@ -15,7 +15,6 @@ from cluster_utils import assert_no_leak, running_cluster
 N, MAX_IN, MAX_OUT = 20, 128, 16
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
-pytestmark = pytest.mark.skipif(not default_traces_dir().is_dir(), reason="no shared traces")
 
 
 @pytest.fixture(scope="module")

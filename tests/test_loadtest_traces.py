@@ -1,4 +1,4 @@
-"""Trace parsers on the real files in ../shared/traces (statistics from its README.md),
+"""Trace parsers on the real files shipped in loadtest/data (statistics from its README.md),
 workload planning and exact-length prompts with the model's tokenizer."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from loadtest.traces import MOONCAKE_BLOCK_TOKENS, default_traces_dir, load_trac
 from loadtest.workload import PlannedRequest, WorkloadConfig, WorkloadError, build_plan
 
 TRACES = default_traces_dir()
-pytestmark = pytest.mark.skipif(not TRACES.is_dir(), reason=f"no shared traces at {TRACES}")
 
 
 @pytest.fixture(scope="module")
