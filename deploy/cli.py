@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from router.policy_names import DEFAULT_POLICY, POLICY_NAMES
+
 
 def _port(value: str) -> int:
     """argparse type: a TCP port number, 0 (any free port) to 65535."""
@@ -52,6 +54,11 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                    help="logical CPUs per worker (default: 1 with GPUs, else the cluster's CPUs shared)")
     p.add_argument("--placement-timeout-s", type=float, default=120,
                    help="seconds to wait for Ray to find the workers' resources before failing")
+    p.add_argument("--router-policy", default=DEFAULT_POLICY, choices=POLICY_NAMES,
+                   help="how the router chooses workers: cache_aware (prefill workers by least expected prefill "
+                        "work, i.e. uncached prompt tokens + prompt tokens queued there; decode workers least "
+                        "loaded), least_loaded (fewest requests in flight) or round_robin "
+                        f"(default: {DEFAULT_POLICY})")
     p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
     p.add_argument("--port", type=_port, default=50051, help="router port (0: any free port)")
     p.add_argument("--host", default="127.0.0.1", help="router bind host (0.0.0.0: every interface)")

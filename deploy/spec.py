@@ -62,7 +62,7 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False) -> ClusterSpec:
                           prefill_cache=prefill_cache)
     router = RouterConfig(model=args.model, model_path=str(folder), redis_url=redis_url, cluster=args.cluster, host=args.host,
                           port=args.port, max_model_len=args.max_model_len, block_size=args.block_size,
-                          view_period_s=args.heartbeat_s / 4)
+                          policy=args.router_policy, view_period_s=args.heartbeat_s / 4)
     placement = PlacementConfig(strategy=args.placement, prefill_resource=args.prefill_resource,
                                 decode_resource=args.decode_resource, worker_cpus=args.worker_cpus,
                                 timeout_s=args.placement_timeout_s)

@@ -51,6 +51,7 @@ class RequestHandle:
         prefill_error: the failed prefill call's exception while it decides the
             request's fate (cleared when the decode worker recomputes instead).
         fail_transfer_timeout_s: deadline of the ``FailTransfer`` call (seconds).
+        load: the request's share of the router's load (:class:`router.load.RequestLoad`).
     """
 
     def __init__(self, request_id: str, fail_transfer_timeout_s: float = 10.0) -> None:
@@ -64,7 +65,7 @@ class RequestHandle:
         self.aborted = False
         self.prefill_error: grpc.RpcError | None = None
         self.fail_transfer_timeout_s = fail_transfer_timeout_s
-        self.on_prefill_finished = lambda *_: None
+        self.load = None
 
     def cancel_calls(self) -> None:
         """Cancel both worker calls; each worker then frees the request's blocks."""

@@ -9,7 +9,10 @@ from grpc_reflection.v1alpha import reflection
 from common.model_config import ModelConfig
 from common.tokenizer import load_tokenizer
 from pdcluster.v1 import router_pb2, router_pb2_grpc
-from router.policy import get_policy
+from router.load import LoadTracker
+from router.placement import POLICIES, Placer, make_policy
+from router.policy import Signals
+from router.policy_names import DEFAULT_POLICY, check_policy
 from router.service import RouterServicer
 from router.validation import Limits, RequestValidator
 from serving.cache_index import CacheIndexView
@@ -33,11 +36,16 @@ class RouterConfig:
         host / port: where clients connect (port 0 = any free port).
         max_model_len: prompt + max_tokens limit (tokens).
         block_size: decode workers' KV block size, reported by GetModelInfo.
-        policy: decode worker choice, ``least_loaded`` or ``round_robin``.
-        prefill_policy: prefill worker choice: ``cache_aware`` (least expected prefill
-            work given each worker's published prefix cache), ``least_loaded`` or
-            ``round_robin``.
+        policy: the worker choice for every role, one of
+            :data:`router.policy_names.POLICY_NAMES` (``pdcluster up --router-policy``):
+            ``cache_aware`` (prefill workers by least expected prefill work given their
+            published prefix caches, decode and colocated workers least loaded),
+            ``least_loaded`` or ``round_robin``.
         view_period_s: how often the registry view refreshes (seconds).
+
+    Raises:
+        ValueError: a non-positive ``max_model_len`` or ``view_period_s``, or an
+            unregistered ``policy`` (the message lists the registered names).
     """
 
     model: str
@@ -48,17 +56,14 @@ class RouterConfig:
     port: int = 50051
     max_model_len: int = 2048
     block_size: int = 16
-    policy: str = "least_loaded"
-    prefill_policy: str = "cache_aware"
+    policy: str = DEFAULT_POLICY
     view_period_s: float = 0.25
     max_workers: int = 128
 
     def __post_init__(self) -> None:
         if self.max_model_len <= 0 or self.view_period_s <= 0:
             raise ValueError("max_model_len and view_period_s must be positive")
-        get_policy(self.policy)
-        if self.prefill_policy != "cache_aware":
-            get_policy(self.prefill_policy)
+        check_policy(self.policy)
 
 
 class RouterServer:
@@ -72,14 +77,14 @@ class RouterServer:
         self.view = RegistryView(WorkerRegistry(cfg.redis_url, cfg.cluster), period_s=cfg.view_period_s)
         info = router_pb2.ModelInfo(model_name=cfg.model, max_model_len=max_len, vocab_size=model_cfg.vocab_size,
                                     eos_token_ids=list(model_cfg.eos_token_ids), block_size=cfg.block_size)
-        cache_aware = cfg.prefill_policy == "cache_aware"
         self.cache_index = CacheIndexView(
             cfg.redis_url, cfg.cluster, lambda: [w.worker_id for w, _ in self.view.workers("prefill")],
-            period_s=cfg.view_period_s) if cache_aware else None
+            period_s=cfg.view_period_s) if POLICIES[cfg.policy].needs_cache_index else None
+        load = LoadTracker()
+        policy = make_policy(cfg.policy, Signals(load, self.cache_index))
         self.servicer = RouterServicer(
-            RequestValidator(tokenizer, Limits(max_len, model_cfg.vocab_size)), tokenizer, self.view,
-            get_policy("least_loaded" if cache_aware else cfg.prefill_policy), get_policy(cfg.policy), info,
-            cache_index=self.cache_index)
+            RequestValidator(tokenizer, Limits(max_len, model_cfg.vocab_size)), tokenizer,
+            Placer(self.view, policy), load, info)
         self.server, self.health = make_server(cfg.max_workers)
         router_pb2_grpc.add_RouterServicer_to_server(self.servicer, self.server)
         reflection.enable_server_reflection(

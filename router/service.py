@@ -1,7 +1,8 @@
 """The ``Router`` gRPC service: validate, place, relay, abort.
 
-Per request (DESIGN.md "decode-led reservation, prefill push"): pick a decode
-worker D and a prefill worker P; ``D.Reserve`` allocates blocks and opens the
+Per request (DESIGN.md "decode-led reservation, prefill push"): the placement step
+(:mod:`router.placement`) picks a decode worker D and a prefill worker P (one worker
+for both in a colocated cluster); ``D.Reserve`` allocates blocks and opens the
 token stream; ``P.Prefill`` (with D's block ids) computes the prompt and pushes
 its KV to D; D's token stream is detokenized here and relayed to the client.
 An abort, a client disconnect or a decode worker failure cancels both calls, which
@@ -19,14 +20,13 @@ import uuid
 import grpc
 
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
-from router.cache_aware import QueuedTokens, choose_prefill
 from router.handle import RequestHandle, status_of
+from router.load import LoadTracker
 from router.output import OutputAssembler
-from router.policy import InFlight, NoWorkerError, Policy
+from router.placement import Placer
+from router.policy import NoWorkerError, RequestContext
 from router.stubs import StubCache
 from router.validation import InvalidRequest, PreparedRequest, RequestValidator
-from serving.cache_index import CacheIndexView
-from serving.discovery import RegistryView
 
 log = logging.getLogger(__name__)
 
@@ -37,25 +37,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     Args:
         validator: request validation and tokenization.
         tokenizer: for detokenization.
-        view: live workers from the Redis registry.
-        prefill_policy / decode_policy: worker choice.
+        placer: the placement step (its registry view also learns of unreachable workers).
+        load: the router's per-worker load, which the placer's policy reads; counted
+            here from placement until the request ends.
         model_info: answer of ``GetModelInfo``.
-        cache_index: published prefix-cache blocks of prefill workers; when given, the
-            prefill worker is chosen cache-aware (:mod:`router.cache_aware`).
     """
 
-    def __init__(self, validator: RequestValidator, tokenizer, view: RegistryView,
-                 prefill_policy: Policy, decode_policy: Policy, model_info: router_pb2.ModelInfo,
-                 cache_index: CacheIndexView | None = None) -> None:
+    def __init__(self, validator: RequestValidator, tokenizer, placer: Placer, load: LoadTracker,
+                 model_info: router_pb2.ModelInfo) -> None:
         self.validator = validator
         self.tokenizer = tokenizer
-        self.view = view
-        self.policies = {"prefill": prefill_policy, "decode": decode_policy}
+        self.placer = placer
+        self.view = placer.view
+        self.load = load
         self.model_info = model_info
         self.stubs = StubCache()
-        self.inflight = InFlight()
-        self.cache_index = cache_index
-        self.queued = QueuedTokens()
         self._lock = threading.Lock()
         self._table: dict[str, RequestHandle] = {}
 
@@ -96,51 +92,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return self.model_info
 
     # ---- the relay ----------------------------------------------------------------
-    def _pick(self, role: str, context):
-        try:
-            return self.policies[role](self.view.workers_now(role), self.inflight)
-        except NoWorkerError:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"no live {role} worker")
-
-    def _pick_prefill(self, prep: PreparedRequest, h: RequestHandle, context):
-        if self.cache_index is None:
-            return self._pick("prefill", context)
-        try:
-            info, _ = choose_prefill(self.view.workers_now("prefill"), prep.prompt_token_ids, self.cache_index,
-                                     self.queued)
-        except NoWorkerError:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "no live prefill worker")
-        n = len(prep.prompt_token_ids)
-        self.queued.add(info.worker_id, n)
-        released = threading.Event()
-
-        def release(*_):
-            if not released.is_set():
-                released.set()
-                self.queued.done(info.worker_id, n)
-
-        h.on_prefill_finished = release
-        return info
-
     def _serve(self, prep: PreparedRequest, h: RequestHandle, context):
-        colocated = self.view.workers("colocated")
-        if colocated:  # one engine does both halves: no KV crosses a process
-            try:
-                h.decode = h.prefill = self.policies["decode"](colocated, self.inflight)
-            except NoWorkerError:
-                context.abort(grpc.StatusCode.UNAVAILABLE, "no live colocated worker (all draining)")
-        else:
-            h.decode = self._pick("decode", context)
-            h.prefill = self._pick_prefill(prep, h, context)
-        self.inflight.acquire(h.decode.worker_id)
-        self.inflight.acquire(h.prefill.worker_id)
+        try:
+            placement = self.placer.place(RequestContext(prep.request_id, prep.prompt_token_ids))
+        except NoWorkerError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        h.prefill, h.decode = placement.prefill, placement.decode
+        h.load = self.load.begin(h.prefill.worker_id, h.decode.worker_id, len(prep.prompt_token_ids))
         context.add_callback(h.cancel_calls)  # client cancelled or disconnected
         try:
             yield from self._relay(prep, h, context)
         finally:
-            self.inflight.release(h.decode.worker_id)
-            self.inflight.release(h.prefill.worker_id)
-            h.on_prefill_finished()
+            h.load.end()
 
     def _relay(self, prep: PreparedRequest, h: RequestHandle, context):
         transfer_id = h.transfer_id = uuid.uuid4().hex
@@ -158,7 +121,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 worker_pb2.PrefillRequest(request=prep.worker_request, transfer_id=transfer_id,
                                           destination=first.reservation))
             h.p_future.add_done_callback(h.on_prefill_done)
-            h.p_future.add_done_callback(h.on_prefill_finished)
+            h.p_future.add_done_callback(h.load.prefill_finished)
             decode_finished = False
             for ev in h.d_call:
                 msg = out.add(ev.tokens)

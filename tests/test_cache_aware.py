@@ -1,4 +1,4 @@
-"""Cache-aware prefill routing: publication through a real Redis and the scoring rule."""
+"""Cache-aware prefill routing: publication through a real Redis, read back by the policy."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import pytest
 
 from common.prefix_hash import block_hashes
 from deploy.redis_server import LocalRedisServer
-from router.cache_aware import QueuedTokens, cached_prefix_tokens, choose_prefill
+from router.cache_aware import CacheAware, cached_prefix_tokens
+from router.load import LoadTracker
+from router.policy import RequestContext, Signals
 from serving.cache_index import CacheIndexPublisher, CacheIndexView
 from serving.registry import WorkerInfo, WorkerLoadSnapshot
 
@@ -45,7 +47,7 @@ def test_publisher_sends_differences_and_view_reads_them(redis_url):
     assert view.get("p0") is None
 
 
-def test_choose_prefill_scores_uncached_plus_queued_tokens(redis_url):
+def test_cache_aware_scores_uncached_plus_queued_tokens(redis_url):
     prompt = list(range(200, 328))  # 8 blocks of 16
     hashes = block_hashes(prompt, 16, "m")
     pubs = [CacheIndexPublisher(redis_url, "t", "warm", lambda: hashes[:6], "m", 16),
@@ -54,13 +56,18 @@ def test_choose_prefill_scores_uncached_plus_queued_tokens(redis_url):
         p.publish()
     view = CacheIndexView(redis_url, "t", lambda: ["warm", "cold"])
     view.refresh()
-    queued = QueuedTokens()
+    load = LoadTracker()
+    policy = CacheAware(Signals(load, view))
+    request = RequestContext("r", prompt)
     cands = [_cand("cold", free=50), _cand("warm", free=5)]
-    assert choose_prefill(cands, prompt, view, queued) == (cands[1][0], 96)
-    queued.add("warm", 100)  # 32 uncached + 100 queued > 128 uncached + 0 queued
-    assert choose_prefill(cands, prompt, view, queued)[0].worker_id == "cold"
-    queued.done("warm", 100)
-    assert choose_prefill([_cand("cold"), _cand("warm", draining=True)], prompt, view, queued)[0].worker_id == "cold"
+    choice = policy.choose("prefill", cands, request)
+    assert (choice.worker, choice.cached_tokens) == (cands[1][0], 96)
+    queued = load.begin("warm", "some-decode", 100)  # 32 uncached + 100 queued > 128 uncached + 0 queued
+    assert policy.choose("prefill", cands, request).worker.worker_id == "cold"
+    queued.end()
+    assert policy.choose("prefill", cands, request).worker.worker_id == "warm"
+    draining = [_cand("cold"), _cand("warm", draining=True)]
+    assert policy.choose("prefill", draining, request).worker.worker_id == "cold"
     for p in pubs:
         p.stop()
 

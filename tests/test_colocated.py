@@ -40,7 +40,7 @@ def colocated(tmp_path_factory):
         while not router.view.workers("colocated"):
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        yield host, client
+        yield host, client, router.servicer.load
     router.stop()
     host.stop()
     redis.stop()
@@ -57,7 +57,7 @@ def _assert_no_leak(host, timeout_s=2.0):
 
 
 def test_colocated_token_exact_with_chunked_prefill(colocated, hf_model, tokenizer):
-    host, client = colocated
+    host, client, _ = colocated
     prompts = ["Explain what a KV cache is in two sentences.", "Give me three names for a cat.",
                "What is 17 times 23?", "Write a short poem about autumn leaves and rain."]
     with ThreadPoolExecutor(4) as pool:
@@ -73,7 +73,7 @@ def test_colocated_token_exact_with_chunked_prefill(colocated, hf_model, tokeniz
 
 
 def test_colocated_abort_and_disconnect(colocated):
-    host, client = colocated
+    host, client, load = colocated
     stream = client.stream("Tell me a long story.", max_tokens=300, ignore_eos=True, temperature=0,
                            request_id="colo-abort")
     it = iter(stream)
@@ -89,3 +89,7 @@ def test_colocated_abort_and_disconnect(colocated):
         client.generate("hi", max_tokens=0)
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     _assert_no_leak(host)
+    deadline = time.monotonic() + 2  # the router's own count of the worker's load is back to zero
+    while load.in_flight("colo-0") or load.queued_tokens("colo-0"):
+        assert time.monotonic() < deadline, (load.in_flight("colo-0"), load.queued_tokens("colo-0"))
+        time.sleep(0.05)

@@ -1,6 +1,5 @@
 """Live scaling: draining workers and ``pdcluster scale``.
 
-* Policies never pick a draining worker.
 * ``WorkerHost.drain`` on a decode worker with a request in flight (real workers, router
   and Redis in this process): the registry shows it draining at once, new requests go
   elsewhere, the in-flight one finishes token-exact, then it deregisters; nothing leaks.
@@ -27,31 +26,13 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.model_loader import resolve_model
 from pdcluster.client import PdclusterClient
 from prefill_worker.worker import create_prefill_worker
-from router.policy import InFlight, NoWorkerError, RoundRobin, least_loaded
 from router.server import RouterConfig, RouterServer
-from serving.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
+from serving.registry import WorkerRegistry
 from serving.worker_config import WorkerConfig
 
 from cluster_utils import assert_greedy_matches, assert_no_leak, hf_greedy, render_chat, running_cluster, worker_loads
 
 MODEL = "smollm2-135m-instruct"
-
-
-def _cand(wid: str, draining: bool, waiting: int = 0):
-    return (WorkerInfo(worker_id=wid, role="decode", address=f"127.0.0.1:{len(wid)}"),
-            WorkerLoadSnapshot(num_waiting=waiting, num_free_blocks=10, num_total_blocks=10, draining=draining))
-
-
-def test_policies_skip_draining_workers():
-    # decode-0 would win on load, but it is draining
-    cands = [_cand("decode-0", True), _cand("decode-1", False, waiting=5), _cand("decode-2", True)]
-    assert least_loaded(cands, InFlight()).worker_id == "decode-1"
-    rr = RoundRobin()
-    assert {rr(cands, InFlight()).worker_id for _ in range(4)} == {"decode-1"}
-    with pytest.raises(NoWorkerError, match="2 draining"):
-        least_loaded([_cand("a", True), _cand("b", True)], InFlight())
-    with pytest.raises(NoWorkerError):
-        rr([], InFlight())
 
 
 def test_plan_removes_newest_and_never_reuses_ids():

@@ -1,0 +1,74 @@
+"""Where a request runs: the policies by name, and the placement step.
+
+:meth:`Placer.place` reads the registry view and asks the one configured policy for
+each role the cluster has: a colocated cluster (colocated workers registered) gets
+one worker doing both halves, so no KV crosses a process; otherwise a decode worker
+and a prefill worker are chosen.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from router.cache_aware import CacheAware
+from router.policy import Candidate, LeastLoaded, Policy, RequestContext, RoundRobin, Signals
+from router.policy_names import CACHE_AWARE, LEAST_LOADED, ROUND_ROBIN, check_policy
+from serving.discovery import RegistryView
+from serving.registry import WorkerInfo
+
+log = logging.getLogger(__name__)
+
+POLICIES: dict[str, type[Policy]] = {CACHE_AWARE: CacheAware, LEAST_LOADED: LeastLoaded, ROUND_ROBIN: RoundRobin}
+
+
+def make_policy(name: str, signals: Signals) -> Policy:
+    """The registered policy ``name`` reading ``signals``.
+
+    Raises:
+        ValueError: ``name`` is not registered (the message lists the names), or the
+            policy needs a signal that ``signals`` lacks.
+    """
+    check_policy(name)
+    return POLICIES[name](signals)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The workers of one request (the same worker twice in a colocated cluster)."""
+
+    prefill: WorkerInfo
+    decode: WorkerInfo
+
+
+class Placer:
+    """The placement step: which workers serve a request.
+
+    Args:
+        view: live workers from the registry.
+        policy: the worker choice, asked once per role.
+    """
+
+    def __init__(self, view: RegistryView, policy: Policy) -> None:
+        self.view = view
+        self.policy = policy
+
+    def place(self, request: RequestContext) -> Placement:
+        """Choose the request's workers.
+
+        Raises:
+            router.policy.NoWorkerError: a role has no live, non-draining worker.
+        """
+        colocated = self.view.workers("colocated")
+        if colocated:
+            both = self._choose("colocated", colocated, request)
+            return Placement(prefill=both, decode=both)
+        decode = self._choose("decode", self.view.workers_now("decode"), request)
+        prefill = self._choose("prefill", self.view.workers_now("prefill"), request)
+        return Placement(prefill=prefill, decode=decode)
+
+    def _choose(self, role: str, candidates: list[Candidate], request: RequestContext) -> WorkerInfo:
+        choice = self.policy.choose(role, candidates, request)
+        log.debug("request %s: %s worker %s (%d prompt tokens expected cached)", request.request_id, role,
+                  choice.worker.worker_id, choice.cached_tokens)
+        return choice.worker
