@@ -10,7 +10,6 @@ other nodes reach it at; ``127.0.0.1`` in a loopback-only local cluster).
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import replace
 
@@ -28,7 +27,7 @@ class WorkerActor:
     """Hosts one prefill, decode or colocated worker."""
 
     def __init__(self, cfg: WorkerConfig) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        cfg.log.apply()
         self.cfg = cfg
         self.host = None
 
@@ -76,7 +75,7 @@ class RouterActor:
     """
 
     def __init__(self, cfg) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        cfg.log.apply()
         self.cfg = cfg
         self.server = None
 
@@ -85,9 +84,12 @@ class RouterActor:
 
         self.server = RouterServer(self.cfg)
         address = self.server.start()
+        http = self.server.http_address
         if self.cfg.host == "0.0.0.0":
             address = f"{_node_ip()}:{self.server.port}"
-        return {"address": address, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+            http = f"{_node_ip()}:{self.server.http.port}" if http else ""
+        return {"address": address, "http_address": http, "pid": os.getpid(),
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     def stop(self) -> None:
         if self.server:

@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 
 from router.policy_names import DEFAULT_POLICY, POLICY_NAMES
+from serving.logs import LOG_FORMATS, LOG_LEVELS
 
 
 def _port(value: str) -> int:
@@ -92,6 +93,12 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                         "KV on the decode worker")
     p.add_argument("--kv-test-corrupt-chunk", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--kv-test-chunk-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--http-port", type=_port, default=8000,
+                   help="OpenAI-compatible HTTP port of the router, also /metrics and /health (0: any free port)")
+    p.add_argument("--no-http", dest="http", action="store_false", help="serve gRPC only")
+    p.add_argument("--log-format", default="text", choices=list(LOG_FORMATS), help="log lines as text or JSON")
+    p.add_argument("--log-level", default="INFO", choices=list(LOG_LEVELS),
+                   help="log level of every process (DEBUG adds one line per engine step)")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="registry heartbeat period in seconds")
     p.add_argument("--timeout-s", type=float, default=300, help="seconds to wait for the cluster to be ready")
     p.add_argument("--cluster", default="default", help="cluster name (registry namespace)")

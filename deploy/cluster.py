@@ -173,7 +173,8 @@ def launch(spec: ClusterSpec) -> dict:
         if isinstance(e, PlacementError):
             raise
         raise RuntimeError(f"pdcluster failed to start: {e}") from e
-    state.update(router_address=r["address"], router_pid=r["pid"], router_node_id=r["node_id"])
+    state.update(router_address=r["address"], router_http_address=r["http_address"], router_pid=r["pid"],
+                 router_node_id=r["node_id"])
     return state
 
 

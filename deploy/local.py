@@ -277,7 +277,8 @@ def cmd_up(args) -> int:
     kinds = (f"{args.workers} colocated workers" if args.colocated
              else f"{args.prefill} prefill + {args.decode} decode workers")
     redis_at = state["redis_url"].rsplit("@", 1)[-1]  # without the password
-    print(f"pdcluster is up: router at {state['router_address']} ({kinds}, redis {redis_at})")
+    http = f", OpenAI HTTP at http://{state['router_http_address']}/v1" if state.get("router_http_address") else ""
+    print(f"pdcluster is up: router at {state['router_address']}{http} ({kinds}, redis {redis_at})")
     print(state["router_address"])
     return 0
 

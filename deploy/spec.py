@@ -12,6 +12,7 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.model_loader import resolve_model
 from kvtransfer.config import KvTransferConfig
 from router.server import RouterConfig
+from serving.logs import LogConfig
 from serving.worker_config import WorkerConfig
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -56,13 +57,15 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False) -> ClusterSpec:
                           timeout_s=args.kv_timeout_s,
                           test_corrupt_chunk_index=args.kv_test_corrupt_chunk,
                           test_chunk_delay_s=args.kv_test_chunk_delay_s)
+    log = LogConfig(args.log_format, args.log_level)
     worker = WorkerConfig(role="prefill", worker_id="template", model=args.model, redis_url=redis_url,
                           cluster=args.cluster, device=args.device, dtype=args.dtype,
                           heartbeat_s=args.heartbeat_s, cache=cache, scheduler=sched, kv=kv,
-                          prefill_cache=prefill_cache)
-    router = RouterConfig(model=args.model, model_path=str(folder), redis_url=redis_url, cluster=args.cluster, host=args.host,
-                          port=args.port, max_model_len=args.max_model_len, block_size=args.block_size,
-                          policy=args.router_policy, view_period_s=args.heartbeat_s / 4)
+                          prefill_cache=prefill_cache, log=log)
+    router = RouterConfig(model=args.model, model_path=str(folder), redis_url=redis_url, cluster=args.cluster,
+                          host=args.host, port=args.port, max_model_len=args.max_model_len, block_size=args.block_size,
+                          policy=args.router_policy, view_period_s=args.heartbeat_s / 4,
+                          http_port=args.http_port if args.http else None, log=log)
     placement = PlacementConfig(strategy=args.placement, prefill_resource=args.prefill_resource,
                                 decode_resource=args.decode_resource, worker_cpus=args.worker_cpus,
                                 timeout_s=args.placement_timeout_s)

@@ -1,15 +1,24 @@
-"""Build and run the router: tokenizer, registry view, Router + health + reflection."""
+"""Build and run the router process: tokenizer, registry view, the request path
+(:mod:`router.core`) behind two front doors, gRPC (``Router`` + health + reflection) and
+OpenAI-compatible HTTP (:mod:`router.openai.app`, with ``/metrics`` and Prometheus service
+discovery). Health is SERVING only while a live prefill and a live decode worker (or a
+colocated worker) exist."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 
 from grpc_reflection.v1alpha import reflection
 
 from common.model_config import ModelConfig
 from common.tokenizer import load_tokenizer
 from pdcluster.v1 import router_pb2, router_pb2_grpc
+from router.core import RequestRouter
+from router.http import HttpServer
 from router.load import LoadTracker
+from router.openai.app import FrontDoorState, build_app
 from router.placement import POLICIES, Placer, make_policy
 from router.policy import Signals
 from router.policy_names import DEFAULT_POLICY, check_policy
@@ -17,6 +26,8 @@ from router.service import RouterServicer
 from router.validation import Limits, RequestValidator
 from serving.cache_index import CacheIndexView
 from serving.discovery import RegistryView
+from serving.logs import LogConfig
+from serving.metrics import ProcessMetrics
 from serving.registry import WorkerRegistry
 from serving.rpc import bind, make_server, set_serving
 
@@ -42,6 +53,9 @@ class RouterConfig:
             published prefix caches, decode and colocated workers least loaded),
             ``least_loaded`` or ``round_robin``.
         view_period_s: how often the registry view refreshes (seconds).
+        log: log format and level of the router process.
+        http_port: the OpenAI-compatible HTTP port on ``host`` (0 = any free port,
+            ``None`` = no HTTP server).
 
     Raises:
         ValueError: a non-positive ``max_model_len`` or ``view_period_s``, or an
@@ -59,21 +73,26 @@ class RouterConfig:
     policy: str = DEFAULT_POLICY
     view_period_s: float = 0.25
     max_workers: int = 128
+    http_port: int | None = None
+    log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
         if self.max_model_len <= 0 or self.view_period_s <= 0:
             raise ValueError("max_model_len and view_period_s must be positive")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
         check_policy(self.policy)
 
 
 class RouterServer:
-    """The router process' server. ``start()`` returns ``host:port``."""
+    """The router process' servers. ``start()`` returns the gRPC ``host:port``; the HTTP
+    port (when enabled) is ``http_address`` after ``start()``."""
 
     def __init__(self, cfg: RouterConfig) -> None:
-        folder = cfg.model_path
-        model_cfg = ModelConfig.from_hf_folder(folder, name=cfg.model)
+        self.cfg = cfg
+        model_cfg = ModelConfig.from_hf_folder(cfg.model_path, name=cfg.model)
         max_len = min(cfg.max_model_len, model_cfg.max_position_embeddings)
-        tokenizer = load_tokenizer(folder)
+        tokenizer = load_tokenizer(cfg.model_path)
         self.view = RegistryView(WorkerRegistry(cfg.redis_url, cfg.cluster), period_s=cfg.view_period_s)
         info = router_pb2.ModelInfo(model_name=cfg.model, max_model_len=max_len, vocab_size=model_cfg.vocab_size,
                                     eos_token_ids=list(model_cfg.eos_token_ids), block_size=cfg.block_size)
@@ -82,9 +101,10 @@ class RouterServer:
             period_s=cfg.view_period_s) if POLICIES[cfg.policy].needs_cache_index else None
         load = LoadTracker()
         policy = make_policy(cfg.policy, Signals(load, self.cache_index))
-        self.servicer = RouterServicer(
-            RequestValidator(tokenizer, Limits(max_len, model_cfg.vocab_size)), tokenizer,
-            Placer(self.view, policy), load, info)
+        self.metrics = ProcessMetrics("router", "router", cfg.model)
+        self.core = RequestRouter(RequestValidator(tokenizer, Limits(max_len, model_cfg.vocab_size)), tokenizer,
+                                  Placer(self.view, policy), load, self.metrics)
+        self.servicer = RouterServicer(self.core, info)
         self.server, self.health = make_server(cfg.max_workers)
         router_pb2_grpc.add_RouterServicer_to_server(self.servicer, self.server)
         reflection.enable_server_reflection(
@@ -92,17 +112,58 @@ class RouterServer:
              "grpc.health.v1.Health"), self.server)
         self.port = bind(self.server, cfg.host, cfg.port)
         self.address = f"{cfg.host}:{self.port}"
+        self.http = None
+        self.http_address = ""
+        if cfg.http_port is not None:
+            self.http = HttpServer(build_app(FrontDoorState(
+                self.core, cfg.model, tokenizer, self.serving_now, self.scrape_targets, self.metrics.registry,
+                int(time.time()))), cfg.host, cfg.http_port)
+        self._stop = threading.Event()
+        self._health_thread = threading.Thread(target=self._watch_health, name="router-health", daemon=True)
+
+    def serving_now(self) -> tuple[bool, str]:
+        """Whether requests can be served now, and if not why (no live worker of a role)."""
+        if any(not load.draining for _, load in self.view.workers("colocated")):
+            return True, ""
+        missing = [role for role in ("prefill", "decode")
+                   if not any(not load.draining for _, load in self.view.workers(role))]
+        return (not missing), (f"no live {' or '.join(missing)} worker" if missing else "")
+
+    def scrape_targets(self) -> list[dict]:
+        """Prometheus HTTP service discovery: every live process' ``/metrics`` with its role and id."""
+        out = [{"targets": [self.http_address], "labels": {"role": "router", "worker_id": "router"}}] \
+            if self.http_address else []
+        for info, _ in self.view.workers():
+            if info.metrics_address:
+                out.append({"targets": [info.metrics_address], "labels": {"role": info.role,
+                                                                         "worker_id": info.worker_id}})
+        return out
+
+    def _watch_health(self) -> None:
+        serving = None
+        while not self._stop.is_set():
+            now, _ = self.serving_now()
+            if now != serving:
+                set_serving(self.health, [SERVICE], serving=now)
+                serving = now
+            self._stop.wait(self.cfg.view_period_s)
 
     def start(self) -> str:
         self.view.start()
         if self.cache_index is not None:
             self.cache_index.start()
+        set_serving(self.health, [SERVICE], serving=False)
         self.server.start()
-        set_serving(self.health, [SERVICE])
+        if self.http is not None:
+            self.http_address = f"{self.cfg.host}:{self.http.start()}"
+        self._health_thread.start()
         return self.address
 
     def stop(self, grace_s: float = 1.0) -> None:
+        self._stop.set()
         set_serving(self.health, [SERVICE], serving=False)
+        if self.http is not None:
+            self.http.stop()
         self.server.stop(grace_s).wait()
         self.view.stop()
         if self.cache_index is not None:

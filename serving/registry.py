@@ -50,6 +50,7 @@ class WorkerInfo:
         block_size: tokens per KV block.
         num_total_blocks: KV blocks in its pool.
         started_at: start time, unix seconds.
+        metrics_address: ``host:port`` serving its Prometheus ``/metrics`` (``""``: none).
     """
 
     worker_id: str
@@ -61,6 +62,7 @@ class WorkerInfo:
     block_size: int = 0
     num_total_blocks: int = 0
     started_at: float = 0.0
+    metrics_address: str = ""
 
     def __post_init__(self) -> None:
         if not self.worker_id:

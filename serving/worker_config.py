@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from common.model_config import ConfigError
 from engine.config import CacheConfig, SchedulerConfig
 from kvtransfer.config import KvTransferConfig
+from serving.logs import LogConfig
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class WorkerConfig:
         kv: how a prefill (or colocated) worker ships KV to decode workers.
         prefill_cache: cache geometry of prefill workers when it differs from
             ``cache`` (e.g. another block size); applied by :meth:`for_role`.
+        log: log format and level of the worker process.
     """
 
     role: str
@@ -48,6 +50,7 @@ class WorkerConfig:
     model_cache_dir: str | None = None
     kv: KvTransferConfig = field(default_factory=KvTransferConfig)
     prefill_cache: CacheConfig | None = None
+    log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -79,4 +82,5 @@ class WorkerConfig:
         pc = d.get("prefill_cache")
         return cls(**{**d, "cache": CacheConfig(**d["cache"]), "scheduler": SchedulerConfig(**d["scheduler"]),
                       "kv": KvTransferConfig(**d.get("kv", {})),
-                      "prefill_cache": CacheConfig(**pc) if pc else None})
+                      "prefill_cache": CacheConfig(**pc) if pc else None,
+                      "log": LogConfig(**d.get("log", {}))})

@@ -20,7 +20,8 @@ from serving.rpc import channel
 @contextmanager
 def running_cluster(state_dir, *extra_args: str):
     """``pdcluster up --local`` with the CLI's own parser, then ``down`` at exit."""
-    args = build_parser().parse_args(["up", "--local", "--port", "0", "--state-dir", str(state_dir), *extra_args])
+    args = build_parser().parse_args(["up", "--local", "--port", "0", "--http-port", "0", "--state-dir", str(state_dir),
+                                      *extra_args])
     state = local.up(args)
     try:
         yield state

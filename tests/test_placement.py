@@ -43,7 +43,7 @@ def ray_head(tmp_path_factory):
 @contextmanager
 def cluster_on(ray_address: str, state_dir, *extra: str):
     """``pdcluster up --ray-address`` (the CLI's own parser), then ``down`` at exit."""
-    args = build_parser().parse_args(["up", "--ray-address", ray_address, "--port", "0", "--state-dir",
+    args = build_parser().parse_args(["up", "--ray-address", ray_address, "--port", "0", "--http-port", "0", "--state-dir",
                                       str(state_dir), *COMMON, *extra])
     state = local.up(args)
     try:
@@ -111,7 +111,7 @@ def test_colocated_workers_deploy_and_serve(ray_head, tmp_path, hf_model, tokeni
     (["--prefill", "3", "--decode", "3"], "the workers need 6 CPU in total, the cluster has 4"),
 ])
 def test_up_with_impossible_resources_fails_in_time(ray_head, tmp_path, extra, missing):
-    args = build_parser().parse_args(["up", "--ray-address", ray_head, "--port", "0", "--state-dir", str(tmp_path),
+    args = build_parser().parse_args(["up", "--ray-address", ray_head, "--port", "0", "--http-port", "0", "--state-dir", str(tmp_path),
                                       *COMMON, "--placement-timeout-s", "3", *extra])
     t0 = time.monotonic()
     with pytest.raises(PlacementError) as exc:
@@ -128,7 +128,7 @@ def test_local_head_advertises_ray_resources(tmp_path):
     ``decode_node`` but not ``prefill_node``, so only the prefill pin is reported missing
     (and the head and Redis ``up`` started are stopped again)."""
     args = build_parser().parse_args([
-        "up", "--local", "--port", "0", "--state-dir", str(tmp_path), *COMMON, "--placement-timeout-s", "3",
+        "up", "--local", "--port", "0", "--http-port", "0", "--state-dir", str(tmp_path), *COMMON, "--placement-timeout-s", "3",
         "--ray-resources", '{"CPU": 4, "decode_node": 1}', "--prefill-resource", "prefill_node",
         "--decode-resource", "decode_node"])
     with pytest.raises(PlacementError) as exc:

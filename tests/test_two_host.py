@@ -194,7 +194,7 @@ def test_prefill_on_one_host_decode_on_the_other(tmp_path, hf_model, tokenizer, 
         hosts.start_ray()
         up = _pdcluster(hosts, "up", "--ray-address", hosts.ray_address, "--prefill", "1", "--decode", "1",
                         "--prefill-resource", "prefill_node", "--decode-resource", "decode_node",
-                        "--worker-cpus", "1", "--port", "0", "--num-kv-blocks", "200", "--max-model-len", "512",
+                        "--worker-cpus", "1", "--port", "0", "--http-port", "0", "--num-kv-blocks", "200", "--max-model-len", "512",
                         "--heartbeat-s", "0.5", "--placement-timeout-s", "120", "--state-dir", str(state_dir),
                         timeout_s=420)
         assert up.returncode == 0, f"pdcluster up failed:\n{up.stdout[-3000:]}\n{up.stderr[-5000:]}"

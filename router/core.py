@@ -1,0 +1,256 @@
+"""The router's request path, shared by the gRPC and the OpenAI-compatible HTTP front doors.
+
+Lifecycle of one request (DESIGN.md "decode-led reservation, prefill push"):
+
+1. :meth:`RequestRouter.start` validates and tokenizes it (:mod:`router.validation`) and
+   registers its id (a duplicate of a running id is refused);
+2. :meth:`ActiveRequest.responses` places it (:mod:`router.placement`: a decode worker D
+   and a prefill worker P, one worker for both in a colocated cluster); ``D.Reserve``
+   allocates blocks and opens the token stream; ``P.Prefill`` (with D's block ids)
+   computes the prompt and pushes its KV to D; D's token stream is detokenized here
+   (:mod:`router.output`) and yielded as ``GenerateResponse`` messages;
+3. it ends finished (stop, length), aborted (:meth:`RequestRouter.abort`), cancelled
+   (:meth:`ActiveRequest.cancel`: the client went away) or failed (:class:`RouterError`).
+   Abort, cancel and a decode worker failure cancel both calls, which makes both
+   workers free the request's blocks. A failed prefill call is reported to the
+   decode worker, whose KV failure policy decides whether the request fails or is
+   recomputed there (:mod:`router.handle`).
+
+Errors are :class:`RouterError` with a gRPC status code; each front door maps them to
+its own wire (gRPC status, HTTP status + OpenAI error body).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Iterator
+
+import grpc
+
+from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
+from router.handle import RequestHandle, status_of
+from router.load import LoadTracker
+from router.output import OutputAssembler
+from router.placement import Placer
+from router.policy import NoWorkerError, RequestContext
+from router.stats import RequestStats, RouterGauges
+from router.stubs import StubCache
+from router.validation import InvalidRequest, PreparedRequest, RequestValidator
+from serving.logs import REQUEST_ID_METADATA, request_scope
+from serving.metrics import ProcessMetrics
+
+log = logging.getLogger(__name__)
+
+_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+            common_pb2.FINISH_REASON_ABORT: "abort"}
+
+
+class RouterError(Exception):
+    """A request failed; ``code`` is its gRPC status, ``message`` names the cause."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+class RequestRouter:
+    """Every request in flight on this router. Methods are thread-safe; a request's
+    responses are produced on the caller's thread and block only on its own calls.
+
+    Args:
+        validator: request validation and tokenization.
+        tokenizer: for detokenization.
+        placer: the placement step (its registry view also learns of unreachable workers).
+        load: the router's per-worker load, which the placer's policy reads.
+        metrics: the router's Prometheus metrics.
+    """
+
+    def __init__(self, validator: RequestValidator, tokenizer, placer: Placer, load: LoadTracker,
+                 metrics: ProcessMetrics) -> None:
+        self.validator = validator
+        self.tokenizer = tokenizer
+        self.placer = placer
+        self.load = load
+        self.metrics = metrics
+        self.gauges = RouterGauges(metrics)
+        self.stubs = StubCache()
+        self._lock = threading.Lock()
+        self._table: dict[str, RequestHandle] = {}
+
+    def start(self, request: router_pb2.GenerateRequest) -> "ActiveRequest":
+        """Validate ``request`` and register it; nothing is allocated yet.
+
+        Raises:
+            RouterError: INVALID_ARGUMENT (the message names the field or limit),
+                ALREADY_EXISTS (a running request has this id).
+        """
+        try:
+            prep = self.validator.prepare(request)
+        except InvalidRequest as e:
+            self.metrics.inc("request_errors", code=grpc.StatusCode.INVALID_ARGUMENT.name)
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        handle = RequestHandle(prep.request_id)
+        with self._lock:
+            if prep.request_id in self._table:
+                raise RouterError(grpc.StatusCode.ALREADY_EXISTS,
+                                  f"request_id {prep.request_id!r} is already running")
+            self._table[prep.request_id] = handle
+        return ActiveRequest(self, prep, handle)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a running request (its stream ends with finish reason ABORT); returns
+        whether it was found."""
+        with self._lock:
+            handle = self._table.get(request_id)
+        if handle is None:
+            return False
+        handle.aborted = True
+        for role, info in (("decode", handle.decode), ("prefill", handle.prefill)):
+            if info is None:
+                continue
+            try:
+                self.stubs.get(role, info.address).Abort(
+                    worker_pb2.WorkerAbortRequest(request_id=request_id), timeout=2.0,
+                    metadata=((REQUEST_ID_METADATA, request_id),))
+            except grpc.RpcError as e:
+                log.warning("abort on %s worker %s failed: %s", role, info.worker_id, e.code())
+        return True
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._table.pop(request_id, None)
+
+
+class ActiveRequest:
+    """One registered request: iterate :meth:`responses` once; :meth:`cancel` from any thread."""
+
+    def __init__(self, router: RequestRouter, prep: PreparedRequest, handle: RequestHandle) -> None:
+        self.router = router
+        self.prep = prep
+        self.h = handle
+        self.request_id = prep.request_id
+        self.client_gone = False
+        self.stats = RequestStats(router.metrics, router.gauges, len(prep.prompt_token_ids))
+
+    def discard(self) -> None:
+        """Forget a request whose :meth:`responses` will never run (a sibling was refused)."""
+        self.stats.close()
+        self.router._forget(self.request_id)
+
+    def cancel(self) -> None:
+        """The client went away: cancel both worker calls (both workers free the blocks)."""
+        self.client_gone = True
+        self.h.cancel_calls()
+
+    def responses(self) -> Iterator[router_pb2.GenerateResponse]:
+        """The request's responses: one per token delta when streaming, one in total otherwise.
+
+        Raises:
+            RouterError: UNAVAILABLE (no live worker, a worker failed or a KV transfer
+                failed), CANCELLED (the client went away), or the failing worker's status.
+        """
+        with request_scope(self.request_id):
+            try:
+                yield from self._serve()
+            except RouterError as e:
+                self.stats.failed(e.code.name)
+                log.info("request failed: %s", e)
+                raise
+            finally:
+                self.stats.close()
+                self.router._forget(self.request_id)
+
+    def _serve(self) -> Iterator[router_pb2.GenerateResponse]:
+        prep, h = self.prep, self.h
+        try:
+            placement = self.router.placer.place(RequestContext(prep.request_id, prep.prompt_token_ids))
+        except NoWorkerError as e:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        h.prefill, h.decode = placement.prefill, placement.decode
+        h.load = self.router.load.begin(h.prefill.worker_id, h.decode.worker_id, len(prep.prompt_token_ids))
+        try:
+            yield from self._relay()
+        finally:
+            h.load.end()
+
+    def _relay(self) -> Iterator[router_pb2.GenerateResponse]:
+        prep, h, stubs = self.prep, self.h, self.router.stubs
+        meta = ((REQUEST_ID_METADATA, prep.request_id),)
+        transfer_id = h.transfer_id = uuid.uuid4().hex
+        out = OutputAssembler(self.router.tokenizer, prep.request_id, prep.prompt_token_ids, prep.stop)
+        h.decode_stub = stubs.get("decode", h.decode.address)
+        h.d_call = h.decode_stub.Reserve(
+            worker_pb2.ReserveRequest(request=prep.worker_request, transfer_id=transfer_id), metadata=meta)
+        if self.client_gone:
+            h.cancel_calls()
+        decode_finished = False
+        try:
+            first = next(h.d_call)
+            self.stats.reserved()
+            if h.aborted:
+                h.cancel_calls()
+                yield from self._final(out, common_pb2.FINISH_REASON_ABORT)
+                self.stats.finished("abort")
+                return
+            h.p_future = stubs.get("prefill", h.prefill.address).Prefill.future(
+                worker_pb2.PrefillRequest(request=prep.worker_request, transfer_id=transfer_id,
+                                          destination=first.reservation), metadata=meta)
+            h.p_future.add_done_callback(h.on_prefill_done)
+            h.p_future.add_done_callback(h.load.prefill_finished)
+            for ev in h.d_call:
+                msg = out.add(ev.tokens)
+                if out.finished:
+                    self._settle_usage(out, msg)
+                decode_finished = ev.tokens.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                self.stats.tokens(len(msg.token_ids))
+                if prep.stream and (msg.token_ids or msg.text or out.finished):
+                    yield msg
+                if out.finished:
+                    break
+                if h.aborted:
+                    yield from self._final(out, common_pb2.FINISH_REASON_ABORT)
+                    break
+        except grpc.RpcError as e:
+            self._fail(e)
+        if not out.finished:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                              f"decode worker {h.decode.worker_id} closed the stream before finishing")
+        if not decode_finished:
+            h.d_call.cancel()  # stopped here (stop string / abort): the decode worker frees
+        self.stats.finished(_REASONS.get(out.finish_reason, "stop"))
+        if not prep.stream:
+            yield out.whole()
+
+    def _settle_usage(self, out: OutputAssembler, msg) -> None:
+        """Fill cached_prompt_tokens from the prefill worker's answer, which follows the
+        decode side's acknowledgement by moments (waits at most 5 s)."""
+        try:
+            res = self.h.p_future.result(timeout=5.0)
+        except Exception:  # noqa: BLE001 - failed/cancelled prefill: usage stays without cache info
+            return
+        out.cached_prompt_tokens = res.cached_prompt_tokens
+        msg.usage.cached_prompt_tokens = res.cached_prompt_tokens
+
+    def _final(self, out: OutputAssembler, reason: int):
+        out.finish_reason = reason
+        if self.prep.stream:
+            yield router_pb2.GenerateResponse(request_id=self.prep.request_id, finish_reason=reason,
+                                              usage=out.usage())
+
+    def _fail(self, e: grpc.RpcError) -> None:
+        """Map a worker failure onto the request's error; always raises :class:`RouterError`."""
+        h, view = self.h, self.router.placer.view
+        h.cancel_calls()
+        if h.prefill_error is not None:
+            code, details = status_of(h.prefill_error)
+            if code == grpc.StatusCode.UNAVAILABLE and "KV transfer failed" not in details:
+                view.mark_unreachable(h.prefill.worker_id)  # lost, not just its transfer
+            raise RouterError(code, f"prefill worker {h.prefill.worker_id}: {details}")
+        if e.code() == grpc.StatusCode.CANCELLED and self.client_gone:
+            raise RouterError(grpc.StatusCode.CANCELLED, "client cancelled")
+        if e.code() == grpc.StatusCode.UNAVAILABLE and "KV" not in (e.details() or ""):
+            view.mark_unreachable(h.decode.worker_id)
+        raise RouterError(e.code(), f"decode worker {h.decode.worker_id}: {e.details()}")

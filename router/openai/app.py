@@ -1,0 +1,201 @@
+"""The OpenAI-compatible HTTP front door (FastAPI): the router's request path behind OpenAI's API.
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``GET /health`` (503 while no live prefill or decode worker), ``GET /metrics`` (the router's
+Prometheus metrics) and ``GET /v1/prometheus/targets`` (Prometheus HTTP service discovery of
+every process' ``/metrics``).
+
+A request becomes one :class:`router.core.ActiveRequest` per prompt x ``n``; each is relayed
+on its own thread and its messages reach the event loop through a queue. With ``n`` > 1 the
+first sample runs alone until its first token (its prefill is done and its full blocks are in
+the prefill worker's prefix cache), then the others start and reuse them. Streams are SSE
+(sse-starlette) ending with ``data: [DONE]``; a client that disconnects cancels every
+sub-request on both workers. Errors use OpenAI's body ``{"error": {message, type, param, code}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sse_starlette.sse import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
+
+from router.core import ActiveRequest, RequestRouter, RouterError
+from router.openai.errors import error_response, router_error_response
+from router.openai.protocol import ChatCompletionRequest, CompletionRequest
+from router.openai.requests import OpenAIRequestError, SubRequest, chat_requests, completion_requests
+from router.openai.responses import ResponseBuilder, totals
+
+FIRST_SAMPLE_WAIT_S = 600.0
+
+
+@dataclass
+class FrontDoorState:
+    """What the routes read.
+
+    Attributes:
+        core: the request path.
+        model_name: the served model's name (requests naming another get 404).
+        tokenizer: for logprob token strings.
+        health: ``() -> (serving, reason)``.
+        targets: ``() -> `` the HTTP-SD document of every ``/metrics`` endpoint.
+        metrics_registry: the router's Prometheus registry.
+        created: Unix seconds the model was loaded (``/v1/models``).
+    """
+
+    core: RequestRouter
+    model_name: str
+    tokenizer: object
+    health: Callable[[], tuple[bool, str]]
+    targets: Callable[[], list[dict]]
+    metrics_registry: object
+    created: int = 0
+
+
+def build_app(state: FrontDoorState) -> FastAPI:
+    """The FastAPI application of the router's HTTP port."""
+    app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid request body')}", param=param)
+
+    @app.get("/health")
+    async def health():
+        serving, reason = state.health()
+        return Response(status_code=200) if serving else error_response(503, reason)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(state.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/prometheus/targets")
+    async def targets():
+        return JSONResponse(await run_in_threadpool(state.targets))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "pdcluster", "root": state.model_name}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        return await _generate(state, body, "completion", completion_requests)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest):
+        return await _generate(state, body, "chat", chat_requests)
+
+    return app
+
+
+async def _generate(state: FrontDoorState, body, kind: str, expand):
+    if body.model != state.model_name:
+        return error_response(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
+                              param="model", code="model_not_found")
+    try:
+        base, subs = expand(body)
+        actives = await run_in_threadpool(_start_all, state.core, subs)
+    except OpenAIRequestError as e:
+        return error_response(e.status, e.message, param=e.param, code=e.code)
+    except RouterError as e:
+        return router_error_response(e)
+    builder = ResponseBuilder(kind, base, state.model_name, state.tokenizer, logprobs=bool(subs[0].top_logprobs
+                              or subs[0].request.sampling.logprobs))
+    events = _pump(subs, actives)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventSourceResponse(_sse(events, builder, subs, body.n, include_usage), ping=15)
+    choices: dict[int, list] = {}
+    async for index, item in events:
+        if isinstance(item, RouterError):
+            return router_error_response(item)
+        choices.setdefault(index, []).append(item)
+    return builder.whole(choices, subs[0].top_logprobs, body.n)
+
+
+def _start_all(core: RequestRouter, subs: list[SubRequest]) -> list[ActiveRequest]:
+    """Validate and register every sub-request (all or none).
+
+    Raises:
+        RouterError: the first one refused (the others are discarded).
+    """
+    actives: list[ActiveRequest] = []
+    try:
+        for sub in subs:
+            actives.append(core.start(sub.request))
+    except RouterError:
+        for a in actives:
+            a.discard()
+        raise
+    return actives
+
+
+async def _pump(subs: list[SubRequest], actives: list[ActiveRequest]) -> AsyncIterator[tuple[int, object]]:
+    """Yield ``(choice index, GenerateResponse | RouterError)`` as the sub-requests produce them;
+    cancels every sub-request if the consumer stops early (client gone, first error)."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    first_token = threading.Event()
+
+    def relay(i: int, active: ActiveRequest) -> None:
+        try:
+            if i > 0 and not first_token.wait(FIRST_SAMPLE_WAIT_S):
+                raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "the first sample did not start in time")
+            for msg in active.responses():
+                loop.call_soon_threadsafe(queue.put_nowait, (subs[i].index, msg))
+                if msg.token_ids:
+                    first_token.set()
+        except RouterError as e:
+            loop.call_soon_threadsafe(queue.put_nowait, (subs[i].index, e))
+        finally:
+            first_token.set()
+            loop.call_soon_threadsafe(queue.put_nowait, (subs[i].index, None))
+
+    for i, active in enumerate(actives):
+        threading.Thread(target=relay, args=(i, active), name=f"http-{active.request_id}", daemon=True).start()
+    pending = len(actives)
+    try:
+        while pending:
+            index, item = await queue.get()
+            if item is None:
+                pending -= 1
+                continue
+            yield index, item
+    finally:
+        if pending:
+            for a in actives:
+                a.cancel()
+            first_token.set()
+
+
+async def _sse(events, builder: ResponseBuilder, subs: list[SubRequest], n: int, include_usage: bool):
+    offsets: dict[int, int] = {}
+    usages = {}
+    try:
+        async for index, item in events:
+            if isinstance(item, RouterError):
+                yield {"data": json.dumps(router_error_response(item, body_only=True))}
+                break
+            first = index not in offsets
+            chunk = builder.chunk(index, item, subs[0].top_logprobs, offsets.get(index, 0), first)
+            offsets[index] = offsets.get(index, 0) + len(item.text)
+            if item.HasField("usage") and item.finish_reason:
+                usages[index] = item.usage
+            yield {"data": json.dumps(chunk)}
+        if include_usage:
+            yield {"data": json.dumps(builder.usage_chunk(*totals(usages, n)))}
+        yield {"data": "[DONE]"}
+    finally:
+        await events.aclose()

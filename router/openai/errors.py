@@ -1,0 +1,49 @@
+"""OpenAI-style error bodies: ``{"error": {"message", "type", "param", "code"}}``.
+
+gRPC status -> HTTP status: INVALID_ARGUMENT / OUT_OF_RANGE / ALREADY_EXISTS 400,
+UNAUTHENTICATED 401, NOT_FOUND 404, RESOURCE_EXHAUSTED 429, CANCELLED 499 (client closed),
+UNAVAILABLE 503, DEADLINE_EXCEEDED 504, anything else 500. ``param`` is the request field
+a router message names (``sampling.top_p ...`` -> ``top_p``; ``prompt: ...`` -> ``prompt``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import grpc
+from fastapi.responses import JSONResponse
+
+from router.core import RouterError
+
+_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.ALREADY_EXISTS: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "invalid_request_error", 429: "rate_limit_error", 499: "invalid_request_error"}
+_PARAM = re.compile(r"^(?:sampling\.)?([a-z_]+)(?:\[[^\]]*\])?[ :]")
+
+
+def http_status(code: grpc.StatusCode) -> int:
+    """The HTTP status of a gRPC status code (500 when unmapped)."""
+    return _HTTP.get(code, 500)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param,
+                      "code": code if code is not None else status}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    """A JSON error response in OpenAI's shape."""
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def router_error_response(e: RouterError, body_only: bool = False):
+    """The response (or with ``body_only`` the body) of a :class:`RouterError`."""
+    status = http_status(e.code)
+    match = _PARAM.match(e.message) if status == 400 else None
+    body = error_body(status, e.message, param=match.group(1) if match else None, code=e.code.name.lower())
+    return body if body_only else JSONResponse(body, status_code=status)

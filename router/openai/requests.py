@@ -1,0 +1,146 @@
+"""OpenAI request bodies -> the router's ``GenerateRequest`` messages (one per prompt x ``n``).
+
+The sampling fields map one to one onto ``pdcluster.v1.SamplingParams`` (the router's
+validator then checks them exactly as for the gRPC API); the differences are:
+
+* ``max_completion_tokens`` (chat) wins over ``max_tokens``;
+* ``logprobs``: an int on ``/v1/completions``; on chat a bool, with ``top_logprobs``
+  alternatives (the chosen token's logprob needs at least one top entry from the workers,
+  trimmed again in the response);
+* ``logit_bias`` keys are token ids written as strings;
+* ``n`` > 1: sample ``i`` gets ``seed + i`` when a seed is given, so the samples differ.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from pdcluster.v1 import common_pb2, router_pb2
+from router.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+MAX_N = 16
+
+
+class OpenAIRequestError(ValueError):
+    """A request body the router refuses before validation (HTTP 400/404)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+
+@dataclass(frozen=True)
+class SubRequest:
+    """One generation of an HTTP request: choice ``index``, the message for the router."""
+
+    index: int
+    request: router_pb2.GenerateRequest
+    top_logprobs: int
+
+
+def chat_text(request: ChatCompletionRequest) -> list[common_pb2.ChatMessage]:
+    """The chat messages with text content (a string, or text parts joined by newlines).
+
+    Raises:
+        OpenAIRequestError: a content part whose type is not ``text`` (named with its index).
+    """
+    out = []
+    for i, m in enumerate(request.messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise OpenAIRequestError(
+                        f"messages[{i}].content[{j}]: content part type {part.get('type')!r} is not supported "
+                        f"(only 'text' parts are served)", param=f"messages[{i}].content")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        out.append(common_pb2.ChatMessage(role=m.role, content=content or ""))
+    return out
+
+
+def _sampling(body, logprobs: int, max_tokens: int | None) -> common_pb2.SamplingParams:
+    s = common_pb2.SamplingParams()
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "seed"):
+        value = getattr(body, name)
+        if value is not None:
+            try:
+                setattr(s, name, value)
+            except (TypeError, ValueError) as e:
+                raise OpenAIRequestError(f"{name}: {e}", param=name) from None
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise OpenAIRequestError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+        s.max_tokens = max_tokens
+    s.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop or [])
+    s.stop_token_ids.extend(body.stop_token_ids or [])
+    s.ignore_eos = body.ignore_eos
+    s.logprobs = logprobs
+    for key, bias in (body.logit_bias or {}).items():
+        try:
+            s.logit_bias[int(key)] = bias
+        except (TypeError, ValueError):
+            raise OpenAIRequestError(f"logit_bias: key {key!r} is not a token id", param="logit_bias") from None
+    return s
+
+
+def _expand(prompts: list[dict], body, logprobs: int, top_logprobs: int,
+            max_tokens: int | None, prefix: str) -> tuple[str, list[SubRequest]]:
+    if not 1 <= body.n <= MAX_N:
+        raise OpenAIRequestError(f"n must be in [1, {MAX_N}], got {body.n}", param="n")
+    base = f"{prefix}-{uuid.uuid4().hex}"
+    subs = []
+    for p, prompt in enumerate(prompts):
+        for j in range(body.n):
+            index = p * body.n + j
+            sampling = _sampling(body, logprobs, max_tokens)
+            if body.seed is not None and j:
+                sampling.seed = (body.seed + j) % (1 << 64)
+            req = router_pb2.GenerateRequest(request_id=f"{base}-{index}", sampling=sampling, stream=True, **prompt)
+            subs.append(SubRequest(index, req, top_logprobs))
+    return base, subs
+
+
+def completion_requests(body: CompletionRequest) -> tuple[str, list[SubRequest]]:
+    """The sub-requests of a ``/v1/completions`` body (choice index = prompt x n + sample).
+
+    Raises:
+        OpenAIRequestError: an empty prompt list, ``n`` or ``logprobs`` out of shape.
+    """
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompts = [{"text": prompt}]
+    elif prompt and all(isinstance(x, str) for x in prompt):
+        prompts = [{"text": x} for x in prompt]
+    elif prompt and all(isinstance(x, list) for x in prompt):
+        prompts = [{"token_ids": router_pb2.TokenIds(ids=x)} for x in prompt]
+    elif prompt:
+        prompts = [{"token_ids": router_pb2.TokenIds(ids=prompt)}]
+    else:
+        raise OpenAIRequestError("prompt must not be empty", param="prompt")
+    if any("token_ids" in p and any(t < 0 for t in p["token_ids"].ids) for p in prompts):
+        raise OpenAIRequestError("prompt: token ids must be >= 0", param="prompt")
+    logprobs = body.logprobs or 0
+    if logprobs < 0:
+        raise OpenAIRequestError(f"logprobs must be >= 0, got {logprobs}", param="logprobs")
+    return _expand(prompts, body, logprobs, logprobs, body.max_tokens, "cmpl")
+
+
+def chat_requests(body: ChatCompletionRequest) -> tuple[str, list[SubRequest]]:
+    """The sub-requests of a ``/v1/chat/completions`` body (``n`` of them).
+
+    Raises:
+        OpenAIRequestError: a non-text content part, ``n`` or ``top_logprobs`` out of shape.
+    """
+    messages = router_pb2.MessageList(messages=chat_text(body))
+    top = body.top_logprobs or 0
+    if top < 0:
+        raise OpenAIRequestError(f"top_logprobs must be >= 0, got {top}", param="top_logprobs")
+    if top and not body.logprobs:
+        raise OpenAIRequestError("top_logprobs requires logprobs: true", param="top_logprobs")
+    logprobs = max(top, 1) if body.logprobs else 0
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return _expand([{"messages": messages}], body, logprobs, top, max_tokens, "chatcmpl")

@@ -1,0 +1,126 @@
+"""The router's ``GenerateResponse`` messages -> OpenAI response and stream-chunk bodies.
+
+Shapes from the OpenAI API reference: ``text_completion`` / ``chat.completion`` objects,
+``chat.completion.chunk`` stream chunks (the first carrying ``role``), ``usage`` with
+``prompt_tokens_details.cached_tokens``, completions ``logprobs`` as ``tokens`` /
+``token_logprobs`` / ``top_logprobs`` / ``text_offset``, chat ``logprobs.content`` entries
+with ``token``, ``logprob``, ``bytes`` and ``top_logprobs``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pdcluster.v1 import common_pb2
+
+FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+          common_pb2.FINISH_REASON_ABORT: "abort"}
+
+
+def finish_reason(msg) -> str | None:
+    return FINISH.get(msg.finish_reason)
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def totals(usages: dict[int, common_pb2.Usage], n: int) -> tuple[int, int, int]:
+    """Prompt, completion and cached tokens of a request: each prompt counted once (its
+    ``n`` samples share it; cached = the most any sample found in the prefix cache),
+    completions summed over every choice."""
+    prompt = cached = 0
+    for p in range((max(usages) // n) + 1 if usages else 0):
+        samples = [usages[i] for i in range(p * n, p * n + n) if i in usages]
+        if samples:
+            prompt += samples[0].prompt_tokens
+            cached += max(u.cached_prompt_tokens for u in samples)
+    return prompt, sum(u.completion_tokens for u in usages.values()), cached
+
+
+class LogprobText:
+    """Token strings for logprobs (each token decoded alone, as vLLM reports them)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def chat(self, logprobs, top_n: int) -> list[dict]:
+        """``logprobs.content`` entries of chat for ``TokenLogprob`` messages."""
+        out = []
+        for lp in logprobs:
+            text = self.token(lp.token_id)
+            tops = [{"token": (t := self.token(x.token_id)), "logprob": x.logprob, "bytes": list(t.encode())}
+                    for x in list(lp.top)[:top_n]]
+            out.append({"token": text, "logprob": lp.logprob, "bytes": list(text.encode()), "top_logprobs": tops})
+        return out
+
+    def completion(self, logprobs, offset: int) -> dict:
+        """Completions-style ``logprobs`` for ``TokenLogprob`` messages whose text starts at ``offset``."""
+        tokens, lps, tops, offsets = [], [], [], []
+        for lp in logprobs:
+            text = self.token(lp.token_id)
+            tokens.append(text)
+            lps.append(lp.logprob)
+            tops.append({self.token(x.token_id): x.logprob for x in lp.top})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+class ResponseBuilder:
+    """Bodies of one HTTP request (``kind``: ``"chat"`` or ``"completion"``)."""
+
+    def __init__(self, kind: str, request_id: str, model: str, tokenizer, logprobs: bool) -> None:
+        self.kind, self.id, self.model = kind, request_id, model
+        self.created = int(time.time())
+        self.logprobs = logprobs
+        self.text = LogprobText(tokenizer)
+        self.object = "chat.completion" if kind == "chat" else "text_completion"
+
+    def _envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def _logprobs(self, msgs, top_n: int, offset: int = 0):
+        lps = [lp for m in msgs for lp in m.logprobs]
+        if not self.logprobs:
+            return None
+        return {"content": self.text.chat(lps, top_n)} if self.kind == "chat" else self.text.completion(lps, offset)
+
+    def whole(self, choices: dict[int, list], top_n: int, n: int) -> dict:
+        """The non-streamed body from every choice's messages (index -> messages in order;
+        choice ``index`` is sample ``index % n`` of prompt ``index // n``)."""
+        out = []
+        for index in sorted(choices):
+            msgs = choices[index]
+            text = "".join(m.text for m in msgs)
+            body = {"index": index, "logprobs": self._logprobs(msgs, top_n), "finish_reason": finish_reason(msgs[-1])}
+            if self.kind == "chat":
+                body["message"] = {"role": "assistant", "content": text}
+            else:
+                body["text"] = text
+            out.append(body)
+        doc = self._envelope(self.object, out)
+        doc["usage"] = usage(*totals({i: msgs[-1].usage for i, msgs in choices.items()}, n))
+        return doc
+
+    def chunk(self, index: int, msg, top_n: int, offset: int, first: bool) -> dict:
+        """One stream chunk for ``msg`` of choice ``index`` (``first``: its first chunk)."""
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": msg.text} if first else (
+                {"content": msg.text} if msg.text else {})
+            choice = {"index": index, "delta": delta}
+        else:
+            choice = {"index": index, "text": msg.text}
+        choice["logprobs"] = self._logprobs([msg], top_n, offset)
+        choice["finish_reason"] = finish_reason(msg)
+        return self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion", [choice])
+
+    def usage_chunk(self, prompt: int, completion: int, cached: int) -> dict:
+        """The final chunk of ``stream_options.include_usage``: no choices, the request's usage."""
+        doc = self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion", [])
+        doc["usage"] = usage(prompt, completion, cached)
+        return doc

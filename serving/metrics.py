@@ -1,0 +1,171 @@
+"""Every Prometheus metric of pdcluster, declared once, and the per-process set built from it.
+
+Names follow vLLM's (``vllm/v1/metrics/loggers.py``) with the ``pdcluster:`` prefix, so a
+vLLM dashboard ports by replacing the prefix; counters are declared without ``_total``
+(prometheus-client appends it). Every series carries ``role``, ``worker_id`` and
+``model_name``; a few add one label of their own (``finished_reason``, ``code``, ``reason``).
+Units are in the names: ``_seconds``, ``_tokens``, ``_bytes``; ``kv_cache_usage_perc`` is a
+fraction in [0, 1] as in vLLM.
+
+Exposition, histogram buckets and quantile math are prometheus-client's and Prometheus'
+own; nothing here formats text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PREFIX = "pdcluster:"
+BASE_LABELS = ("role", "worker_id", "model_name")
+ROUTER, PREFILL, DECODE = "router", "prefill", "decode"
+WORKERS = (PREFILL, DECODE)
+
+# Buckets (seconds / tokens). vLLM's request-latency buckets, widened at the low end
+# for CPU decode steps of tens of milliseconds.
+_LATENCY_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+              7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_E2E_S = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+          480.0, 960.0, 1920.0)
+_TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+_BATCH = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
+_BYTES = (1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28, 1 << 30)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric.
+
+    Attributes:
+        name: without the prefix; counters without ``_total``.
+        kind: ``"counter"``, ``"gauge"`` or ``"histogram"``.
+        help: the HELP text (unit included).
+        roles: the processes that export it (``router``, ``prefill``, ``decode``).
+        labels: labels besides :data:`BASE_LABELS`.
+        buckets: histogram upper bounds.
+    """
+
+    name: str
+    kind: str
+    help: str
+    roles: tuple[str, ...]
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+
+def _h(name: str, help: str, roles: tuple[str, ...], buckets: tuple[float, ...]) -> MetricSpec:
+    return MetricSpec(name, "histogram", help, roles, buckets=buckets)
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    # -- router: per request, as the client sees it ----------------------------------------
+    _h("time_to_first_token_seconds", "Time to first token (seconds), from arrival at the router.", (ROUTER,),
+       _LATENCY_S),
+    _h("inter_token_latency_seconds", "Time between consecutive output tokens (seconds).", (ROUTER,), _LATENCY_S),
+    _h("request_time_per_output_token_seconds", "Mean time per output token after the first (TPOT, seconds).",
+       (ROUTER,), _LATENCY_S),
+    _h("e2e_request_latency_seconds", "End-to-end request latency (seconds).", (ROUTER,), _E2E_S),
+    _h("request_queue_time_seconds", "Time a request waited before its prefill began (seconds).",
+       (ROUTER, PREFILL), _LATENCY_S),
+    _h("request_prompt_tokens", "Prompt length of finished requests (tokens).", (ROUTER,), _TOKENS),
+    _h("request_generation_tokens", "Generated tokens of finished requests (tokens).", (ROUTER,), _TOKENS),
+    MetricSpec("prompt_tokens", "counter", "Prompt tokens of finished requests.", (ROUTER,)),
+    MetricSpec("generation_tokens", "counter", "Generated tokens of finished requests.", (ROUTER,)),
+    MetricSpec("request_success", "counter", "Finished requests by finish reason.", (ROUTER,),
+               labels=("finished_reason",)),
+    MetricSpec("request_errors", "counter", "Failed requests by status code.", (ROUTER,), labels=("code",)),
+    MetricSpec("num_requests_running", "gauge", "Requests running (router: relayed; workers: in a batch).",
+               (ROUTER, PREFILL, DECODE)),
+    MetricSpec("num_requests_waiting", "gauge", "Requests waiting (router: for a worker; workers: for a step).",
+               (ROUTER, PREFILL, DECODE)),
+    # -- prefill worker ---------------------------------------------------------------------
+    _h("prefill_time_seconds", "Prefill compute time of one request (seconds), summed over its steps.",
+       (PREFILL,), _LATENCY_S),
+    _h("prefill_step_seconds", "Wall time of one prefill step (seconds).", (PREFILL,), _LATENCY_S),
+    _h("prefill_batch_tokens", "Tokens computed in one prefill step.", (PREFILL,), _TOKENS),
+    MetricSpec("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.", (PREFILL,)),
+    MetricSpec("prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache.", (PREFILL,)),
+    MetricSpec("kv_transfer_bytes", "counter", "KV payload bytes sent to decode workers.", (PREFILL,)),
+    _h("kv_transfer_seconds", "Wall time of one request's KV transfer (seconds).", (PREFILL,), _LATENCY_S),
+    MetricSpec("kv_transfer_failures", "counter", "Failed KV transfers by reason.", (PREFILL, DECODE),
+               labels=("reason",)),
+    # -- decode worker ----------------------------------------------------------------------
+    _h("decode_time_seconds", "Wall time of one decode step (seconds).", (DECODE,), _LATENCY_S),
+    _h("decode_batch_size", "Requests in one decode step.", (DECODE,), _BATCH),
+    MetricSpec("num_preemptions", "counter", "Requests preempted (their blocks taken back).", (DECODE,)),
+    MetricSpec("num_kv_recomputes", "counter", "Requests whose KV was recomputed on the decode worker.", (DECODE,)),
+    MetricSpec("kv_received_bytes", "counter", "KV payload bytes received from prefill workers.", (DECODE,)),
+    _h("kv_reservation_wait_seconds", "Time a request waited for its KV blocks on the decode worker (seconds).",
+       (DECODE,), _LATENCY_S),
+    # -- both workers -----------------------------------------------------------------------
+    MetricSpec("kv_cache_usage_perc", "gauge", "KV-cache usage: used blocks / all blocks (fraction, 0-1).",
+               WORKERS),
+)
+
+_KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+
+
+def spec(name: str) -> MetricSpec:
+    """The declaration of ``name``.
+
+    Raises:
+        KeyError: no metric is declared under ``name``.
+    """
+    for m in METRICS:
+        if m.name == name:
+            return m
+    raise KeyError(f"no metric {name!r} is declared in serving.metrics.METRICS")
+
+
+class ProcessMetrics:
+    """The metrics one process exports, bound to its ``role`` / ``worker_id`` / ``model_name``.
+
+    A colocated worker (one engine doing both halves) exports the prefill and decode sets.
+
+    Args:
+        role: ``router``, ``prefill``, ``decode`` or ``colocated``.
+        worker_id: this process' id (the router's is ``"router"``).
+        model_name: the served model's name.
+        registry: where the collectors live (a fresh registry by default, so several
+            processes' worth can coexist in one test interpreter).
+    """
+
+    def __init__(self, role: str, worker_id: str, model_name: str, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        roles = {PREFILL, DECODE} if role == "colocated" else {role}
+        if not roles & {ROUTER, PREFILL, DECODE}:
+            raise ValueError(f"role must be router, prefill, decode or colocated, got {role!r}")
+        self.base = {"role": role, "worker_id": worker_id, "model_name": model_name}
+        self._metrics = {}
+        for m in METRICS:
+            if roles & set(m.roles):
+                kwargs = {"buckets": m.buckets} if m.kind == "histogram" else {}
+                self._metrics[m.name] = _KINDS[m.kind](PREFIX + m.name, m.help, BASE_LABELS + m.labels,
+                                                       registry=self.registry, **kwargs)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._metrics
+
+    def get(self, name: str, **labels: str):
+        """The child series of ``name`` for this process (``labels`` = the metric's own labels).
+
+        Raises:
+            KeyError: ``name`` is not exported by this process' role.
+            ValueError: ``labels`` do not match the declaration.
+        """
+        if name not in self._metrics:
+            raise KeyError(f"metric {name!r} is not exported by role {self.base['role']!r}")
+        return self._metrics[name].labels(**self.base, **labels)
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        """Histogram observation (seconds, tokens or bytes, as the name says)."""
+        self.get(name, **labels).observe(value)
+
+    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
+        """Counter increment."""
+        self.get(name, **labels).inc(amount)
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        """Gauge value."""
+        self.get(name, **labels).set(value)
