@@ -92,7 +92,7 @@ def create_colocated_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "")
     sink = DecodeKvSink(decode)
     host = WorkerHost(cfg, loop, lambda server: None, SERVICES, port=port,
                       add_kv_servicers=lambda server: add_kv_transfer_servicer(server, sink),
-                      block_size=cfg.cache.block_size, num_total_blocks=decode.pool.num_usable, node_id=node_id)
+                      block_size=cfg.cache.block_size, num_total_blocks=decode.kv.num_usable, node_id=node_id)
     device: torch.device = runner.device
     route = local_route(cfg.worker_id, decode,
                         remote_route(create_sender(cfg.kv), runner.kv_cache, cfg.kv.layers_per_chunk))

@@ -40,7 +40,7 @@ class AbortMsg:
 @dataclass(frozen=True)
 class FailTransferMsg:
     """The router saw the prefill side of ``transfer_id`` fail; ``reply`` gets the
-    :class:`decode_worker.kv_recovery.KvFailureOutcome`."""
+    :class:`decode_worker.kv_failure.KvFailureOutcome`."""
 
     request_id: str
     transfer_id: str

@@ -1,29 +1,38 @@
-"""Decode scheduler: the one owner of a decode worker's requests and KV blocks.
+"""Decode scheduler: the request state machine of a decode worker.
 
-Lifecycle of a request here (decode-led reservation, DESIGN.md):
-``reserve`` -> WAITING (no room yet) -> TRANSFERRING (blocks allocated, lease
-running, the prefill worker writes into them) -> RUNNING (KV verified, first token
-known) -> finished / aborted / failed, blocks back in the pool.
+Lifecycle of a request (decode-led reservation, DESIGN.md); every transition happens
+on the loop thread, in :meth:`DecodeScheduler.step`:
 
-Admission: a reservation is admitted when its prompt blocks plus one token of
-growth fit while a watermark of the pool stays free (blocks pre-allocated for
-transfers still in flight are already out of the free list); otherwise it waits
-(backpressure). A request that could never fit (prompt + max_tokens > pool) is
-refused with RESOURCE_EXHAUSTED. When blocks run out mid-decode, the most
-recently admitted running request is preempted: its blocks are freed and it is
-resumed later by recomputing its KV (prompt + generated tokens) here, in chunks
-under the token budget, then decoding on (vLLM's recompute preemption). Preempted
-requests resume before new reservations are admitted. A transfer that fails (corrupt
-or incomplete stream, lease expiry, prefill side lost) ends its request with
-UNAVAILABLE or, under ``kv_failure_policy="recompute"``, is rebuilt here through the
-same recompute path (:mod:`decode_worker.kv_recovery`).
+* ``reserve`` -> **WAITING** (``_pending``, FIFO): refused at once with
+  RESOURCE_EXHAUSTED if prompt + max_tokens could never fit the pool, or
+  ALREADY_EXISTS for a live request id.
+* WAITING -> **TRANSFERRING**: the KV manager admits it (prompt blocks plus one
+  token of growth fit above the watermark) and reserves its prompt blocks; a
+  transfer lease opens and ``Reserved`` tells the prefill side where to write.
+  No reservation is admitted while a preempted request waits to resume.
+* TRANSFERRING -> ``_ready`` -> **RUNNING** (``_running``, admission order): the KV
+  arrived with the first token (sampled by the prefill worker); it joins the batch
+  when a slot (``max_num_seqs``) is free.
+* TRANSFERRING -> (transfer lost: receiver failure, lease expiry, FailTransfer)
+  -> the KV-failure policy (:mod:`decode_worker.kv_failure`): ended with
+  UNAVAILABLE, or **RECOMPUTING** (``_ready``, then ``_recomputing``): its prompt
+  KV is rebuilt here, in chunks under the token budget, then -> RUNNING.
+* RUNNING -> **PREEMPTED** (``_preempted``, resumed first): a running request's
+  newest token needs a block and the pool is empty; the KV manager picks the victim
+  (the most recently admitted) and its blocks go back.
+* PREEMPTED -> RECOMPUTING -> RUNNING: resumed when its tokens plus growth fit above
+  the watermark; its KV (prompt + generated tokens but the newest) is recomputed
+  (vLLM's recompute preemption).
+* any -> **FINISHED**: stop / length, abort, a failed model step (INTERNAL) or a
+  lost transfer under "error"; every block goes back and the request is forgotten.
 
 Continuous batching: every step runs one token for every running request (plus
-recompute chunks); arrivals join and finished requests leave between steps.
+recompute chunks); arrivals join and finished requests leave between steps. Blocks
+come only from :class:`decode_worker.kv_manager.DecodeKvManager`.
 
 Thread model: gRPC handlers and the KV receiver call the ``submit_*`` methods and
-the :class:`TransferTable` (both thread-safe); only :meth:`step` (the loop
-thread) changes request state or allocates blocks.
+the :class:`TransferTable` (both thread-safe); only :meth:`DecodeScheduler.step`
+(the loop thread) changes request state or allocates blocks.
 """
 
 from __future__ import annotations
@@ -36,23 +45,17 @@ from collections import deque
 from concurrent.futures import Future
 
 import grpc
-import torch
 
 from decode_worker.events import DecodeEventT, Failed, Reserved, Tokens
-from decode_worker.kv_recovery import KvFailureOutcome
-from decode_worker.messages import (
-    AbortMsg,
-    FailTransferMsg,
-    KvDoneMsg,
-    KvFailedMsg,
-    ReserveMsg,
-)
+from decode_worker.kv_failure import KvFailureOutcome, make_kv_failure_policy
+from decode_worker.kv_manager import DecodeKvManager
+from decode_worker.messages import AbortMsg, FailTransferMsg, KvDoneMsg, KvFailedMsg, ReserveMsg
 from decode_worker.transfers import TransferTable
-from engine.block_pool import BlockPool, blocks_needed
 from engine.config import CacheConfig, SchedulerConfig
 from engine.inbox import Inbox, run_steps
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
+from engine.sampling import skip_draw
 from engine.step import ScheduledSeq, StepPlan, TokenLogprobs
 from engine.stop_check import check_finish
 
@@ -64,20 +67,23 @@ class DecodeScheduler:
 
     Args:
         runner: the stateless model runner (owns the KV cache tensor).
-        cache: pool geometry (``num_blocks``, ``block_size``).
-        sched: limits (``max_num_seqs``, ``max_model_len``, ``lease_s``) and the
-            ``kv_failure_policy``.
+        cache: pool geometry (``num_blocks``, ``block_size``) of the KV manager.
+        sched: limits (``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
+            ``lease_s``), the ``watermark`` and the ``kv_failure_policy`` name.
         eos_token_ids: the model's EOS ids.
         wake: event set whenever a message arrives (shared by schedulers on one loop).
+
+    Raises:
+        ValueError: ``sched.kv_failure_policy`` names no registered policy.
     """
 
     def __init__(self, runner: ModelRunner, cache: CacheConfig, sched: SchedulerConfig,
                  eos_token_ids: tuple[int, ...], wake: threading.Event | None = None) -> None:
         self.runner = runner
-        self.block_size = cache.block_size
         self.sched = sched
         self.eos = eos_token_ids
-        self.pool = BlockPool(cache.num_blocks)
+        self.kv = DecodeKvManager(cache, sched.watermark)
+        self.kv_failure = make_kv_failure_policy(sched.kv_failure_policy)
         self.transfers = TransferTable(runner.kv_cache)
         self._inbox = Inbox(wake)
         self._streams: dict[str, queue.Queue] = {}
@@ -87,13 +93,11 @@ class DecodeScheduler:
         self._running: list[str] = []           # decoding, in admission order
         self._preempted: deque[str] = deque()   # blocks taken back, resume first
         self._recomputing: list[str] = []       # rebuilding KV (preempted, or its transfer failed)
-        self.watermark_blocks = int(sched.watermark * self.pool.num_usable)
         self.num_preemptions = 0
         self.num_finished = 0
         self.step_count = 0
         self.num_failed_transfers = 0
         self.num_kv_recomputes = 0
-        self._recovered: set[str] = set()  # requests whose KV is rebuilt here after a failed transfer
 
     # ---- called from other threads -------------------------------------------------
     def submit_reserve(self, request: Request, stream: queue.Queue[DecodeEventT]) -> None:
@@ -117,8 +121,8 @@ class DecodeScheduler:
         return {
             "num_waiting": len(self._pending),
             "num_running": len(self._requests) - len(self._pending),
-            "num_free_blocks": self.pool.num_free,
-            "num_total_blocks": self.pool.num_usable,
+            "num_free_blocks": self.kv.num_free,
+            "num_total_blocks": self.kv.num_usable,
             "num_finished": self.num_finished,
             "num_failed_transfers": self.num_failed_transfers,
             "num_preemptions": self.num_preemptions,
@@ -159,12 +163,6 @@ class DecodeScheduler:
     def _num_scheduled(self) -> int:
         return len(self._running) + len(self._recomputing)
 
-    def _fits(self, n: int) -> bool:
-        """``n`` more blocks can be taken while the watermark stays free (an empty pool
-        ignores the watermark, so a request that fits the pool always runs)."""
-        empty = self.pool.num_free == self.pool.num_usable
-        return self.pool.num_free - n >= (0 if empty else self.watermark_blocks)
-
     def _handle(self, msg: object) -> None:
         if isinstance(msg, ReserveMsg):
             self._on_reserve(msg)
@@ -182,12 +180,12 @@ class DecodeScheduler:
         if req.request_id in self._requests:
             msg.stream.put(Failed(grpc.StatusCode.ALREADY_EXISTS, f"request {req.request_id} is running"))
             return
-        need = req.max_blocks(self.block_size)
-        if need > self.pool.num_usable:
+        need = req.max_blocks(self.kv.block_size)
+        if need > self.kv.num_usable:
             msg.stream.put(Failed(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"request needs {need} KV blocks (prompt + max_tokens), the decode pool has "
-                f"{self.pool.num_usable}",
+                f"{self.kv.num_usable}",
             ))
             return
         self._requests[req.request_id] = req
@@ -197,10 +195,10 @@ class DecodeScheduler:
     def _admit_pending(self) -> None:
         while self._pending and not self._preempted:
             req = self._requests[self._pending[0]]
-            if not self._fits(blocks_needed(len(req.prompt_token_ids) + 1, self.block_size)):
+            if not self.kv.can_allocate(len(req.prompt_token_ids)):
                 return  # FIFO: wait for blocks (backpressure)
             self._pending.popleft()
-            req.block_table = self.pool.allocate(blocks_needed(len(req.prompt_token_ids), self.block_size))
+            self.kv.allocate(req, len(req.prompt_token_ids), in_transfer=True)
             req.status = RequestStatus.TRANSFERRING
             gen = self.transfers.open(req.transfer_id, req.request_id, req.block_table,
                                       time.monotonic() + self.sched.lease_s, lease_s=self.sched.lease_s)
@@ -211,14 +209,12 @@ class DecodeScheduler:
         if t is None:
             return  # reclaimed or aborted meanwhile: stale
         req = self._requests[t.request_id]
+        self.kv.transfer_ended(req)
         req.num_computed = len(req.prompt_token_ids)
         req.output_token_ids.append(msg.first_token_id)
-        if req.generator is not None and req.params.sampling.temperature > 0.0:
-            # The prefill worker drew this request's first uniform from the same
-            # seed; skip it so the stream of draws matches a colocated run (greedy
-            # rows draw nothing: Sampler's RNG contract). A request rebuilt here after
-            # a failed transfer draws its first uniform itself instead.
-            torch.rand(1, generator=req.generator, device=req.generator.device)
+        # The prefill worker sampled the first token from the same seed. (A request
+        # rebuilt here after a failed transfer samples it here instead: no skip.)
+        skip_draw(req.generator, req.params.sampling)
         req.status = RequestStatus.RUNNING
         reason = check_finish(req, self.eos, self.sched.max_model_len)
         self._emit(req.request_id, Tokens([msg.first_token_id], [msg.first_logprobs], reason))
@@ -236,10 +232,10 @@ class DecodeScheduler:
     def _resume_preempted(self) -> None:
         while self._preempted and self._num_scheduled() < self.sched.max_num_seqs:
             req = self._requests[self._preempted[0]]
-            if not self._fits(blocks_needed(req.num_tokens, self.block_size)):
+            if not self.kv.can_allocate(req.num_tokens - 1):  # all but the newest token are cached
                 return
             self._preempted.popleft()
-            req.block_table = self.pool.allocate(blocks_needed(req.num_tokens - 1, self.block_size))
+            self.kv.allocate(req, req.num_tokens - 1)
             req.num_computed = 0
             req.status = RequestStatus.RECOMPUTING
             self._recomputing.append(req.request_id)
@@ -248,8 +244,7 @@ class DecodeScheduler:
         """Free a running request's blocks; it resumes by recomputation."""
         req = self._requests[request_id]
         self._running.remove(request_id)
-        self.pool.free(req.block_table)
-        req.block_table = []
+        self.kv.free(req)
         req.num_computed = 0
         req.status = RequestStatus.PREEMPTED
         self._preempted.appendleft(request_id)
@@ -273,19 +268,26 @@ class DecodeScheduler:
         for rid in list(self._running):
             if rid not in self._running:
                 continue  # preempted below for an earlier request
+            if not self._grow(rid):
+                continue  # preempted itself
             req = self._requests[rid]
             pos = req.num_tokens - 1  # the newest token is not in the cache yet
-            if pos // self.block_size >= len(req.block_table):
-                while self.pool.num_free == 0 and rid in self._running:
-                    self._preempt(self._running[-1])  # the most recently admitted
-                if rid not in self._running:
-                    continue
-                req.block_table.extend(self.pool.allocate(1))
             newest = req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1]
             seqs.append(ScheduledSeq(rid, [newest], pos, req.block_table, True,
                                      req.params.sampling, req.generator,
                                      req.prompt_token_ids, req.output_token_ids))
         return seqs
+
+    def _grow(self, request_id: str) -> bool:
+        """Room for a running request's newest token, preempting the victims the KV
+        manager picks while the pool is dry; False when the request itself was picked."""
+        req = self._requests[request_id]
+        while not self.kv.grow(req):
+            victim = self.kv.choose_victim(self._running)
+            self._preempt(victim)
+            if victim == request_id:
+                return False
+        return True
 
     def _model_step(self) -> None:
         seqs = self._plan()
@@ -296,7 +298,7 @@ class DecodeScheduler:
         except Exception as e:
             log.exception("decode step failed; failing its %d requests", len(seqs))
             for s in seqs:
-                self._finish_error(s.request_id, grpc.StatusCode.INTERNAL, f"decode step failed: {e}")
+                self.fail_request(s.request_id, grpc.StatusCode.INTERNAL, f"decode step failed: {e}")
             return
         self.step_count += 1
         for s in seqs:
@@ -316,7 +318,7 @@ class DecodeScheduler:
             if reason:
                 self._release(rid)
 
-    # ---- failed transfers (policy: decode_worker.kv_recovery) ------------------------
+    # ---- failed transfers (policy: decode_worker.kv_failure) -------------------------
     def submit_fail_transfer(self, request_id: str, transfer_id: str, reason: str) -> Future[KvFailureOutcome]:
         """The prefill side of ``transfer_id`` failed (thread-safe); the future resolves
         to a :class:`KvFailureOutcome` once the loop handled it."""
@@ -336,33 +338,34 @@ class DecodeScheduler:
 
     def _on_fail_transfer(self, msg: FailTransferMsg) -> None:
         req = self._requests.get(msg.request_id)
-        if req is None or req.transfer_id != msg.transfer_id or req.status == RequestStatus.WAITING:
-            outcome = KvFailureOutcome.UNKNOWN_REQUEST  # gone, another transfer, or no blocks offered yet
-        elif req.status == RequestStatus.TRANSFERRING and self.transfers.close(req.transfer_id, None):
+        outcome = self.kv_failure.fail_transfer_outcome(req, msg.transfer_id)
+        if outcome is None:  # TRANSFERRING: its transfer is open (only this thread closes one)
+            self.transfers.close(req.transfer_id, None)
             outcome = self._transfer_lost(req.request_id, f"KV transfer failed: prefill side failed: {msg.reason}")
-        else:
-            outcome = KvFailureOutcome.RECOMPUTING if req.request_id in self._recovered else KvFailureOutcome.KV_COMPLETE
         log.info("prefill side of %s (transfer %s) failed (%s): %s", msg.request_id, msg.transfer_id,
                  msg.reason, outcome.value)
         msg.reply.set_result(outcome)
 
     def _transfer_lost(self, request_id: str, why: str) -> KvFailureOutcome:
-        """Apply the policy to a request whose transfer was just closed undelivered."""
+        """Hand a request whose transfer was just closed undelivered to the policy."""
         self.num_failed_transfers += 1
-        if self.sched.kv_failure_policy != "recompute":
-            self._finish_error(request_id, grpc.StatusCode.UNAVAILABLE, why)
-            return KvFailureOutcome.FAILED
+        return self.kv_failure.transfer_lost(request_id, why, self)
+
+    def recompute_request(self, request_id: str, why: str) -> None:
+        """TRANSFERRING -> RECOMPUTING (:class:`RecoveryActions`, loop thread only): keep
+        the reserved prompt blocks and rebuild the prompt's KV here once a batch slot frees."""
         req = self._requests[request_id]
+        self.kv.transfer_ended(req)
         req.num_computed, req.status = 0, RequestStatus.RECOMPUTING
-        self._recovered.add(request_id)
-        self._ready.append(request_id)  # joins the batch (recomputing) when a slot frees
+        self._ready.append(request_id)
         self.num_kv_recomputes += 1
         log.warning("%s; recomputing the %d-token prompt of %s here (%d recomputes so far)", why,
                     len(req.prompt_token_ids), request_id, self.num_kv_recomputes)
-        return KvFailureOutcome.RECOMPUTING
 
     # ---- endings -------------------------------------------------------------------
-    def _finish_error(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
+    def fail_request(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
+        """End a live request with ``code`` / ``message`` and free its blocks (no-op for an
+        unknown id; :class:`RecoveryActions`, loop thread only)."""
         if request_id in self._requests:
             self._emit(request_id, Failed(code, message))
             self._release(request_id)
@@ -371,16 +374,14 @@ class DecodeScheduler:
         """Free every block of the request and forget it (idempotent)."""
         req = self._requests.pop(request_id, None)
         self._streams.pop(request_id, None)
-        self._recovered.discard(request_id)
+        self.kv_failure.forget(request_id)
         if req is None:
             return
         if req.status == RequestStatus.TRANSFERRING:
             # Close the transfer under its lock so no late chunk can write into
             # blocks that go back to the pool now.
             self.transfers.close(req.transfer_id, None)
-        if req.block_table:
-            self.pool.free(req.block_table)
-            req.block_table = []
+        self.kv.free(req)
         for lst in (self._pending, self._ready, self._running, self._preempted, self._recomputing):
             if request_id in lst:
                 lst.remove(request_id)

@@ -9,7 +9,7 @@ import grpc
 import torch
 
 from decode_worker.events import Failed, Reserved, Tokens
-from decode_worker.kv_recovery import KvFailureOutcome
+from decode_worker.kv_failure import KvFailureOutcome
 from decode_worker.scheduler import DecodeScheduler
 from engine.logprobs import to_proto
 from engine.request import request_from_proto

@@ -22,7 +22,7 @@ def create_decode_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") ->
     sink = DecodeKvSink(sched)
     host = WorkerHost(cfg, sched, lambda server: None, SERVICES, port=port,
                       add_kv_servicers=lambda server: add_kv_transfer_servicer(server, sink),
-                      block_size=cfg.cache.block_size, num_total_blocks=sched.pool.num_usable,
+                      block_size=cfg.cache.block_size, num_total_blocks=sched.kv.num_usable,
                       node_id=node_id)
     servicer = DecodeWorkerServicer(sched, cfg.worker_id, host.kv_address, cfg.cache.block_size,
                                     cfg.cache.dtype, runner.device)

@@ -77,7 +77,11 @@ class BlockPool:
         return out
 
     def touch(self, block_ids: list[int]) -> None:
-        """Take one reference to each (cached) block, pulling free ones off the free list."""
+        """Take one reference to each (cached) block, pulling free ones off the free list.
+
+        Raises:
+            ValueError: a block id outside ``1 .. num_blocks - 1`` (nothing is taken).
+        """
         for b in block_ids:
             if not 0 < b < self.num_blocks:
                 raise ValueError(f"invalid block {b}")
@@ -102,13 +106,6 @@ class BlockPool:
 
     def cached_hashes(self) -> list[bytes]:
         return list(self._cached)
-
-    def incref(self, block_ids: list[int]) -> None:
-        for b in block_ids:
-            if not 0 < b < self.num_blocks or self._ref[b] <= 0:
-                raise ValueError(f"block {b} is not allocated")
-        for b in block_ids:
-            self._ref[b] += 1
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference of each block; blocks reaching zero go to the free list tail

@@ -179,6 +179,23 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     return gen
 
 
+def skip_draw(generator: torch.Generator | None, options: SamplingOptions) -> None:
+    """Consume from ``generator`` the draw one :meth:`Sampler.sample` call makes for a
+    row with ``options``, without sampling anything.
+
+    For a token of this request that was sampled elsewhere from the same seed: a
+    decode worker receives the first token from the prefill worker, which drew its
+    uniform from its own generator built from the request's seed; skipping that draw
+    here keeps the decode side's stream of draws (and so every later token) equal to
+    a colocated run's. Exactly the call of the RNG contract (see :class:`Sampler`):
+    one ``torch.rand(1)`` on the generator's device when ``options.temperature > 0``;
+    nothing for a greedy row or without a generator (an unseeded row draws from the
+    sampler-wide generator, whose stream no request relies on).
+    """
+    if generator is not None and options.temperature > 0.0:
+        torch.rand(1, generator=generator, device=generator.device)
+
+
 class Sampler:
     """Samples one token per row of a logits batch.
 

@@ -112,12 +112,12 @@ def _colocated(model, model_config, prompt: list[int], n: int, sampling: Samplin
 
 
 def _decode_sched(model, model_config, num_blocks=32, lease_s=30.0, max_num_seqs=8, kv_failure_policy="error",
-                  max_num_batched_tokens=2048):
+                  max_num_batched_tokens=2048, watermark=0.01):
     runner = _runner(model, model_config, num_blocks)
     sched = DecodeScheduler(runner, CacheConfig(block_size=BS, num_blocks=num_blocks),
                             SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=512, lease_s=lease_s,
                                             kv_failure_policy=kv_failure_policy,
-                                            max_num_batched_tokens=max_num_batched_tokens),
+                                            max_num_batched_tokens=max_num_batched_tokens, watermark=watermark),
                             model_config.eos_token_ids)
     return runner, sched
 
@@ -162,5 +162,6 @@ def _collect_tokens(sched, stream, timeout=20.0) -> list[Tokens]:
 
 
 def _no_decode_leak(sched) -> None:
-    _no_leak(sched)
+    assert sched.kv.num_free == sched.kv.num_usable
+    assert sched.kv.num_in_transfer == 0
     assert len(sched.transfers) == 0

@@ -78,8 +78,8 @@ def test_freed_blocks_go_to_tail():
 def test_refcount_block_freed_only_at_zero():
     pool = BlockPool(4)
     b = pool.allocate(2)  # [1, 2]
-    pool.incref([1])
-    pool.incref([1])
+    pool.touch([1])  # a second and third holder (a shared prefix block)
+    pool.touch([1])
     assert pool._ref[1] == 3
     pool.free(b)  # 1 -> 2 refs, 2 -> free
     assert list(pool._free) == [3, 2]
@@ -91,13 +91,13 @@ def test_refcount_block_freed_only_at_zero():
     assert pool._ref == [0, 0, 0, 0]
 
 
-def test_incref_unallocated_raises():
+@pytest.mark.parametrize("bad", [0, -1, 4])
+def test_touch_invalid_block_raises(bad):
     pool = BlockPool(4)
-    with pytest.raises(ValueError, match="block 2 is not allocated"):
-        pool.incref([2])
-    with pytest.raises(ValueError, match="block 0 is not allocated"):
-        pool.incref([0])
-    assert pool.num_free == 3
+    before = _state(pool)
+    with pytest.raises(ValueError, match=f"invalid block {bad}"):
+        pool.touch([1, bad])
+    assert _state(pool) == before
 
 
 def test_double_free_raises_and_keeps_free_list():

@@ -112,7 +112,7 @@ def _prefill_fails(h: RequestHandle, prefill_address: str, wreq, dest) -> None:
 
 def _settled(sched, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while sched.pool.num_free != sched.pool.num_usable or sched.load()["num_running"]:
+    while sched.kv.num_free != sched.kv.num_usable or sched.load()["num_running"]:
         assert time.monotonic() < deadline, f"decode side not back at baseline: {sched.load()}"
         time.sleep(0.02)
     _no_decode_leak(sched)

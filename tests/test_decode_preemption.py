@@ -59,9 +59,9 @@ def test_preemption_recomputes_and_matches_unpreempted(model, model_config, text
 def test_watermark_and_resume_priority(model, model_config, text_ids):
     """With a watermark, admission keeps blocks free; preempted requests resume before
     new reservations are admitted."""
-    runner, sched = _decode_sched(model, model_config, num_blocks=8)
+    runner, sched = _decode_sched(model, model_config, num_blocks=8, watermark=0.3)
     assert blocks_needed(21, BS) == 2
-    sched.watermark_blocks = 2
+    assert sched.kv.watermark_blocks == 2  # int(0.3 * 7)
     import queue
     first: queue.Queue = queue.Queue()
     sched.submit_reserve(_req("a", text_ids[:20], max_tokens=4), first)

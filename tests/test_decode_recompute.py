@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from decode_worker.events import Failed, Tokens
-from decode_worker.kv_recovery import KvFailureOutcome
+from decode_worker.kv_failure import KvFailureOutcome
 from engine.request import RequestStatus
 from engine.sampling import SamplingOptions
 from kvtransfer.errors import StaleTransferError
@@ -192,5 +192,5 @@ def test_abort_while_recomputing_frees_everything(model, model_config, text_ids)
     sched.submit_abort("ab")
     sched.step()
     assert _events(stream) == [Tokens([], [], "abort")]
-    assert not sched._recovered
+    assert not sched.kv_failure.is_rebuilding("ab")
     _no_decode_leak(sched)

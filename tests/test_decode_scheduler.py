@@ -45,7 +45,7 @@ def test_decode_reserve_write_complete_until_length(model, model_config, text_id
     assert len(res.block_ids) == blocks_needed(21, BS) == 2 and 0 not in res.block_ids
     assert req.status == RequestStatus.TRANSFERRING
     assert sched.transfers.is_open("xfer-d", res.generation)
-    assert sched.pool.num_free == sched.pool.num_usable - 2
+    assert sched.kv.num_free == sched.kv.num_usable - 2
 
     _deliver(sched, res, kv, want[0])
     torch.testing.assert_close(runner.kv_cache[:, :, res.block_ids], kv, atol=0, rtol=0)
@@ -134,7 +134,7 @@ def test_decode_lease_expiry_reclaims_blocks(model, model_config, text_ids):
     runner, sched = _decode_sched(model, model_config, lease_s=0.2)
     req = _req("slow", text_ids[:40], max_tokens=3)
     stream, res = _reserve(sched, req)
-    assert sched.pool.num_free == sched.pool.num_usable - 3
+    assert sched.kv.num_free == sched.kv.num_usable - 3
     time.sleep(0.25)
     sched.step()
     (ev,) = _events(stream)
