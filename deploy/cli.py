@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from engine.config import KV_FAILURE_POLICIES
 from router.policy_names import DEFAULT_POLICY, POLICY_NAMES
 from serving.logs import LOG_FORMATS, LOG_LEVELS
 
@@ -88,7 +89,7 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-timeout-s", type=float, default=30.0, help="deadline of one KV transfer (seconds)")
     p.add_argument("--kv-lease-s", type=float, default=120.0,
                    help="seconds a decode worker holds blocks for a transfer that does not finish")
-    p.add_argument("--kv-failure-policy", default="error", choices=["error", "recompute"],
+    p.add_argument("--kv-failure-policy", default="error", choices=list(KV_FAILURE_POLICIES),
                    help="when a KV transfer fails: end the request with UNAVAILABLE, or recompute the prompt's "
                         "KV on the decode worker")
     p.add_argument("--kv-test-corrupt-chunk", type=int, default=None, help=argparse.SUPPRESS)
