@@ -57,6 +57,7 @@ from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
 from engine.sampling import skip_draw
 from engine.step import ScheduledSeq, StepPlan, TokenLogprobs
+from engine.step_stats import StepObserver, execute_timed
 from engine.stop_check import check_finish
 
 log = logging.getLogger(__name__)
@@ -72,14 +73,16 @@ class DecodeScheduler:
             ``lease_s``), the ``watermark`` and the ``kv_failure_policy`` name.
         eos_token_ids: the model's EOS ids.
         wake: event set whenever a message arrives (shared by schedulers on one loop).
+        on_step: called with every executed step's :class:`engine.step_stats.StepStats`.
 
     Raises:
         ValueError: ``sched.kv_failure_policy`` names no registered policy.
     """
 
     def __init__(self, runner: ModelRunner, cache: CacheConfig, sched: SchedulerConfig,
-                 eos_token_ids: tuple[int, ...], wake: threading.Event | None = None) -> None:
-        self.runner = runner
+                 eos_token_ids: tuple[int, ...], wake: threading.Event | None = None,
+                 on_step: StepObserver | None = None) -> None:
+        self.runner, self.on_step = runner, on_step
         self.sched = sched
         self.eos = eos_token_ids
         self.kv = DecodeKvManager(cache, sched.watermark)
@@ -294,7 +297,7 @@ class DecodeScheduler:
         if not seqs:
             return
         try:
-            out = self.runner.execute(StepPlan(seqs))
+            out, _ = execute_timed(self.runner, StepPlan(seqs), "decode", self.on_step)
         except Exception as e:
             log.exception("decode step failed; failing its %d requests", len(seqs))
             for s in seqs:

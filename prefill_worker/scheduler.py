@@ -38,6 +38,7 @@ from engine.logprobs import to_dict
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
 from engine.step import ScheduledSeq, StepPlan, TokenLogprobs
+from engine.step_stats import StepObserver, execute_timed
 from kvtransfer.progress import LayerProgress
 
 log = logging.getLogger(__name__)
@@ -129,12 +130,14 @@ class PrefillScheduler:
         model_id: model identity salted into prefix-cache hashes.
         layerwise: start a request's transfer with its last prefill step and stream
             the KV layer by layer (requests writing into external blocks never stream).
+        on_step: called with every executed step's :class:`engine.step_stats.StepStats`.
     """
 
     def __init__(self, runner: ModelRunner, cache: CacheConfig, sched: SchedulerConfig,
                  sender_threads: int = 4, wake: threading.Event | None = None, model_id: str = "",
-                 layerwise: bool = False) -> None:
+                 layerwise: bool = False, on_step: StepObserver | None = None) -> None:
         self.runner = runner
+        self.on_step = on_step
         self.layerwise = layerwise
         self.num_layers = runner.kv_cache.shape[0]
         self.block_size = cache.block_size
@@ -282,9 +285,8 @@ class PrefillScheduler:
             def hook(layer: int) -> None:
                 for progress in streams.values():
                     progress.layer_done(layer)
-        t0 = time.perf_counter()
         try:
-            out = self.runner.execute(StepPlan(seqs, on_layer_done=hook))
+            out, stats = execute_timed(self.runner, StepPlan(seqs, on_layer_done=hook), "prefill", self.on_step)
         except Exception as e:  # noqa: BLE001 - fail this batch, keep serving everyone else
             log.exception("prefill step failed; failing its %d requests", len(seqs))
             err = PrefillError(grpc.StatusCode.INTERNAL, f"prefill step failed: {e}")
@@ -298,15 +300,15 @@ class PrefillScheduler:
             return True
         for s in seqs:
             entry = self._entries[s.request_id]
+            entry.prefill_s += stats.seconds
             entry.request.num_computed += len(s.token_ids)
             entry.request.status = RequestStatus.PREFILLING
             if entry.block_hashes:
                 self._publish_blocks(entry, s.num_computed)
-        elapsed = time.perf_counter() - t0
         now = time.monotonic()
         for rid, tok, lp in zip(out.request_ids, out.token_ids, out.logprobs):
             entry = self._entries[rid]
-            entry.first_token, entry.first_logprobs, entry.prefill_s = tok, lp, elapsed
+            entry.first_token, entry.first_logprobs = tok, lp
             entry.computed_at = now
             entry.request.status = RequestStatus.TRANSFERRING
             self._queue.remove(rid)

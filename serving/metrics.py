@@ -143,6 +143,8 @@ class ProcessMetrics:
                 kwargs = {"buckets": m.buckets} if m.kind == "histogram" else {}
                 self._metrics[m.name] = _KINDS[m.kind](PREFIX + m.name, m.help, BASE_LABELS + m.labels,
                                                        registry=self.registry, **kwargs)
+                if not m.labels:  # the series exists (at 0) from the start, so queries over it return data
+                    self._metrics[m.name].labels(**self.base)
 
     def __contains__(self, name: str) -> bool:
         return name in self._metrics

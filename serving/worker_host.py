@@ -20,6 +20,7 @@ from serving.heartbeat import Heartbeater
 from serving.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
 from serving.rpc import GRPC_OPTIONS, bind, set_serving
 from serving.worker_config import WorkerConfig
+from serving.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -97,13 +98,17 @@ class WorkerHost:
             workers). It gets a server of its own on another port with its own thread
             pool (``KV_THREADS``), so long-lived ``Reserve`` streams holding every thread
             of the main server can never starve the transfers that would complete them.
+        metrics: the worker's Prometheus metrics; their ``/metrics`` endpoint starts here
+            (any free port) and its address is registered with the worker.
     """
 
     def __init__(self, cfg: WorkerConfig, scheduler: Scheduler,
                  add_servicers: Callable[[grpc.Server], None], services: list[str],
                  port: int = 0, add_kv_servicers: Callable[[grpc.Server], None] | None = None, block_size: int = 0,
-                 num_total_blocks: int = 0, node_id: str = "", companions: list | None = None) -> None:
+                 num_total_blocks: int = 0, node_id: str = "", companions: list | None = None,
+                 metrics: WorkerMetrics | None = None) -> None:
         self.cfg = cfg
+        self.metrics = metrics
         self.scheduler = scheduler
         self.companions = companions or []  # objects with start()/stop() living as long as the server
         self._stop = threading.Event()
@@ -128,7 +133,7 @@ class WorkerHost:
             worker_id=cfg.worker_id, role=cfg.role, address=self.address,
             kv_endpoint=self.kv_address, node_id=node_id,
             model=cfg.model, block_size=block_size, num_total_blocks=num_total_blocks,
-            started_at=time.time(),
+            started_at=time.time(), metrics_address=metrics.serve(cfg.host) if metrics is not None else "",
         )
         self.registry = WorkerRegistry(cfg.redis_url, cfg.cluster)
         # Liveness expires 1.5 heartbeat periods after the last beat (a dead worker is
@@ -246,3 +251,5 @@ class WorkerHost:
             self.kv_server.stop(grace_s).wait()
         self._stop.set()
         self._loop.join(timeout=5)
+        if self.metrics is not None:
+            self.metrics.stop()
