@@ -21,7 +21,6 @@ from decode_worker.kv_sink import DecodeKvSink
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.server import DecodeWorkerServicer
 from engine.builder import build_runner
-from engine.logprobs import from_dict
 from engine.request import Request
 from kvtransfer import add_kv_transfer_servicer
 from kvtransfer.factory import create_sender
@@ -29,6 +28,7 @@ from kvtransfer.progress import LayerProgress
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.scheduler import ExternalBlocks, PrefillScheduler
 from prefill_worker.server import PrefillWorkerServicer, Route, remote_route
+from serving.convert import logprobs_from_dict
 from serving.worker_config import WorkerConfig
 from serving.worker_host import WorkerHost
 
@@ -73,7 +73,7 @@ def local_route(worker_id: str, decode: DecodeScheduler, fallback: Route) -> Rou
 
         def complete(r: Request, progress: LayerProgress) -> int:
             first_token, lp = progress.wait_finished(timeout_s=60.0)
-            decode.kv_complete(tid, gen, first_token, from_dict(lp))
+            decode.kv_complete(tid, gen, first_token, logprobs_from_dict(lp))
             return 0
 
         return complete, ExternalBlocks(list(dest.block_ids), lambda: decode.transfers.is_open(tid, gen))

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from decode_worker.scheduler import DecodeScheduler
-from engine.logprobs import from_dict
 from kvtransfer import KvReceiverSink, StaleTransferError
+from serving.convert import logprobs_from_dict
 
 
 class DecodeKvSink(KvReceiverSink):
@@ -32,7 +32,7 @@ class DecodeKvSink(KvReceiverSink):
                  first_token_logprobs: dict[Any, Any] | None) -> None:
         if not self.table.is_open(transfer_id, generation):
             raise StaleTransferError(f"transfer {transfer_id} generation {generation} is not open")
-        self.scheduler.kv_complete(transfer_id, generation, first_token_id, from_dict(first_token_logprobs))
+        self.scheduler.kv_complete(transfer_id, generation, first_token_id, logprobs_from_dict(first_token_logprobs))
 
     def fail(self, transfer_id: str, generation: int, reason: str) -> None:
         self.scheduler.kv_failed(transfer_id, generation, reason)

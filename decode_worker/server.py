@@ -11,9 +11,8 @@ import torch
 from decode_worker.events import Failed, Reserved, Tokens
 from decode_worker.kv_failure import KvFailureOutcome
 from decode_worker.scheduler import DecodeScheduler
-from engine.logprobs import to_proto
-from engine.request import request_from_proto
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from serving.convert import logprobs_to_proto, request_from_proto
 
 FINISH = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -67,7 +66,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             elif isinstance(ev, Tokens):
                 delta = worker_pb2.TokenDelta(token_ids=ev.token_ids)
                 if request.request.sampling.logprobs:
-                    delta.logprobs.extend(to_proto(t, lp) for t, lp in zip(ev.token_ids, ev.logprobs))
+                    delta.logprobs.extend(logprobs_to_proto(t, lp) for t, lp in zip(ev.token_ids, ev.logprobs))
                 if ev.finish_reason:
                     delta.finish_reason = FINISH[ev.finish_reason]
                 yield worker_pb2.DecodeEvent(tokens=delta)

@@ -8,14 +8,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.sampling_params import sampling_param
 from engine.block_pool import blocks_needed
-from engine.sampling import SamplingOptions, make_generator
-from pdcluster.v1 import worker_pb2
+from engine.sampling import SamplingOptions
 
 
 @dataclass(frozen=True)
 class RequestParams:
     """Resolved generation limits and sampling of one request (router applied defaults).
+
+    Built from the wire by :func:`serving.convert.request_from_proto`; the fields
+    besides ``sampling`` are the parameters of :mod:`common.sampling_params` with
+    target ``REQUEST``.
 
     Attributes:
         max_tokens: new tokens to generate at most (>= 1).
@@ -27,8 +31,8 @@ class RequestParams:
 
     max_tokens: int
     sampling: SamplingOptions
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = sampling_param("stop_token_ids").default
+    ignore_eos: bool = sampling_param("ignore_eos").default
 
 
 class RequestStatus(enum.Enum):
@@ -76,25 +80,3 @@ class Request:
         """Blocks this request can ever need (prompt + max_tokens; the last sampled
         token never enters the cache)."""
         return blocks_needed(len(self.prompt_token_ids) + self.params.max_tokens - 1, block_size)
-
-
-def request_from_proto(msg: worker_pb2.WorkerRequest, transfer_id: str, device: torch.device) -> Request:
-    """Build a worker-side request from the router's resolved :class:`WorkerRequest`.
-
-    Raises:
-        ValueError: a sampling field is out of range (see :class:`SamplingOptions`).
-    """
-    s = msg.sampling
-    options = SamplingOptions(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-        seed=s.seed if s.HasField("seed") else None, logprobs=s.logprobs, min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-        logit_bias=dict(s.logit_bias),
-    )
-    params = RequestParams(
-        max_tokens=s.max_tokens, sampling=options,
-        stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-    )
-    gen = make_generator(options.seed, device) if options.seed is not None else None
-    return Request(msg.request_id, list(msg.prompt_token_ids), params, transfer_id=transfer_id, generator=gen)

@@ -53,21 +53,17 @@ Nothing stronger is promised on CUDA / bfloat16, where the rounding is larger.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from engine.logits_processors import (
-    History,
-    apply_logits_processors,
-    token_counts,  # noqa: F401 - re-exported for existing callers
-)
+from common.sampling_params import Target, sampling_param, sampling_params
+from engine.logits_processors import History, apply_logits_processors
 
-_UINT64_MAX = (1 << 64) - 1
-MAX_ABS_LOGIT_BIAS = 100.0
-MAX_ABS_PENALTY = 2.0
+
+def _default(name: str):
+    return sampling_param(name).default
 
 
 @dataclass(frozen=True)
@@ -94,49 +90,35 @@ class SamplingOptions:
             sorted by token id. Ids are checked against the vocabulary by
             :meth:`Sampler.sample`.
 
+    Defaults and ranges come from :mod:`common.sampling_params` (every parameter
+    declared there with target ``SAMPLER`` is a field here).
+
     Raises:
-        ValueError: a field is out of range or not finite.
+        ValueError: a field is out of range or not finite, or ``logit_bias`` has
+            a token id twice.
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    logprobs: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
+    temperature: float = _default("temperature")
+    top_p: float = _default("top_p")
+    top_k: int = _default("top_k")
+    seed: int | None = _default("seed")
+    logprobs: int = _default("logprobs")
+    min_p: float = _default("min_p")
+    repetition_penalty: float = _default("repetition_penalty")
+    presence_penalty: float = _default("presence_penalty")
+    frequency_penalty: float = _default("frequency_penalty")
+    logit_bias: tuple[tuple[int, float], ...] = _default("logit_bias")
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0 or math.isinf(self.temperature):
-            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
-        if self.seed is not None and not 0 <= self.seed <= _UINT64_MAX:
-            raise ValueError(f"seed must be a uint64, got {self.seed}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not 0.0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -MAX_ABS_PENALTY <= getattr(self, name) <= MAX_ABS_PENALTY:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         pairs = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
         pairs = tuple(sorted((int(t), float(b)) for t, b in pairs))
-        for t, b in pairs:
-            if t < 0:
-                raise ValueError(f"logit_bias token id must be >= 0, got {t}")
-            if not -MAX_ABS_LOGIT_BIAS <= b <= MAX_ABS_LOGIT_BIAS:
-                raise ValueError(f"logit_bias[{t}] must be in [-100, 100], got {b}")
         if len({t for t, _ in pairs}) != len(pairs):
             raise ValueError("logit_bias has a token id twice")
         object.__setattr__(self, "logit_bias", pairs)
+        for param in sampling_params(Target.SAMPLER):
+            problem = param.problem(getattr(self, param.name))
+            if problem is not None:
+                raise ValueError(problem)
 
 
 @dataclass
@@ -172,8 +154,9 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     Raises:
         ValueError: ``seed`` is not a uint64.
     """
-    if not 0 <= seed <= _UINT64_MAX:
-        raise ValueError(f"seed must be a uint64, got {seed}")
+    problem = sampling_param("seed").problem(seed)
+    if problem is not None:
+        raise ValueError(problem)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
@@ -260,17 +243,7 @@ class Sampler:
             ValueError: ``logits`` is not 2-D, list lengths differ from ``num_seqs``,
                 a seeded row has no generator, or see :func:`apply_logits_processors`.
         """
-        if logits.dim() != 2:
-            raise ValueError(f"logits must be [num_seqs, vocab], got shape {tuple(logits.shape)}")
-        num_seqs, vocab = logits.shape
-        if len(options) != num_seqs or len(generators) != num_seqs:
-            raise ValueError(
-                f"got {len(options)} options and {len(generators)} generators for {num_seqs} rows"
-            )
-        for i, (opt, gen) in enumerate(zip(options, generators)):
-            if opt.seed is not None and gen is None:
-                raise ValueError(f"row {i} has seed {opt.seed} but no generator")
-        device = logits.device
+        _check_batch(logits, options, generators)
         raw = logits.float()
         processed = apply_logits_processors(raw, options, histories)
 
@@ -278,22 +251,11 @@ class Sampler:
         rows = [i for i, opt in enumerate(options) if opt.temperature > 0.0]
         if rows:
             picked = self._sample_rows(processed, rows, options, generators)
-            if len(rows) == num_seqs:
+            if len(rows) == len(options):
                 token_ids = picked
             else:
-                token_ids[torch.tensor(rows, device=device)] = picked
-
-        max_n = max((opt.logprobs for opt in options), default=0)
-        if max_n == 0:
-            return SamplerOutput(token_ids=token_ids)
-        logp = torch.log_softmax(raw, dim=-1)
-        top_logprobs, top_ids = logp.topk(min(max_n, vocab), dim=-1)
-        return SamplerOutput(
-            token_ids=token_ids,
-            logprobs=logp.gather(1, token_ids.unsqueeze(1)).squeeze(1),
-            top_ids=top_ids,
-            top_logprobs=top_logprobs,
-        )
+                token_ids[torch.tensor(rows, device=logits.device)] = picked
+        return _with_logprobs(raw, token_ids, max((opt.logprobs for opt in options), default=0))
 
     def _sample_rows(
         self,
@@ -357,3 +319,36 @@ class Sampler:
                 len(shared), generator=self._shared_generator(device), device=device
             )
         return uniforms
+
+
+def _check_batch(
+    logits: torch.Tensor,
+    options: Sequence[SamplingOptions],
+    generators: Sequence[torch.Generator | None],
+) -> None:
+    """Raises ValueError: ``logits`` is not 2-D, list lengths differ from
+    ``num_seqs``, or a seeded row has no generator."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [num_seqs, vocab], got shape {tuple(logits.shape)}")
+    num_seqs = logits.shape[0]
+    if len(options) != num_seqs or len(generators) != num_seqs:
+        raise ValueError(f"got {len(options)} options and {len(generators)} generators for {num_seqs} rows")
+    for i, (opt, gen) in enumerate(zip(options, generators)):
+        if opt.seed is not None and gen is None:
+            raise ValueError(f"row {i} has seed {opt.seed} but no generator")
+
+
+def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, max_n: int) -> SamplerOutput:
+    """The output of ``token_ids`` (``[num_seqs]`` int64), with the raw-distribution
+    logprobs of the chosen tokens and the ``max_n`` top ones when ``max_n > 0``
+    (``raw``: ``[num_seqs, vocab]`` float32 model logits)."""
+    if max_n == 0:
+        return SamplerOutput(token_ids=token_ids)
+    logp = torch.log_softmax(raw, dim=-1)
+    top_logprobs, top_ids = logp.topk(min(max_n, raw.shape[1]), dim=-1)
+    return SamplerOutput(
+        token_ids=token_ids,
+        logprobs=logp.gather(1, token_ids.unsqueeze(1)).squeeze(1),
+        top_ids=top_ids,
+        top_logprobs=top_logprobs,
+    )

@@ -2,7 +2,8 @@
 
 Subcommands:
 
-* ``generate`` - send one prompt to a router and print the completion;
+* ``generate`` - send one prompt to a router and print the completion (its
+  sampling flags derive from :mod:`common.sampling_params`);
 * ``up`` / ``down`` / ``status`` / ``scale`` - manage a deployment (flags in
   :mod:`deploy.cli`; the work in :mod:`deploy.local` / :mod:`deploy.scale`, imported
   when the command runs);
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from common.sampling_params import Shape, sampling_params
 from pdcluster.client import GenerationResult, PdclusterClient, Usage, accumulate
 
 FALLBACK_ADDRESS = "127.0.0.1:50051"
@@ -38,29 +40,34 @@ def default_address() -> str:
     return address or FALLBACK_ADDRESS
 
 
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per declared sampling parameter with ``cli`` set (``--max-tokens`` ...;
+    ``dest`` is the parameter's name). Every default is ``None``: an absent flag
+    leaves the field unset and the server applies its default."""
+    for param in sampling_params():
+        if not param.cli:
+            continue
+        kwargs: dict = {"dest": param.name, "default": None, "help": param.describe()}
+        if param.type is bool:
+            kwargs["action"] = "store_true"
+        elif param.shape is Shape.REPEATED:
+            kwargs.update(action="append", type=param.type, metavar="ID" if param.token_ids else "STR")
+        else:
+            kwargs["type"] = param.type
+        p.add_argument(param.cli_flag, **kwargs)
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict:
+    """The client's sampling keyword arguments from the parsed flags (``None``: flag absent)."""
+    return {param.name: getattr(args, param.name) for param in sampling_params() if param.cli}
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", allow_abbrev=False, help="generate a completion for one prompt")
     p.add_argument("--address", default=None,
                    help=f"router HOST:PORT (default: from the local cluster state, else {FALLBACK_ADDRESS})")
     p.add_argument("--stream", action="store_true", help="print text deltas as they arrive")
-    p.add_argument("--max-tokens", type=int, default=None, help="new tokens to generate (server default 16)")
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (server default 1.0)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1] (server default 1.0)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables")
-    p.add_argument("--seed", type=int, default=None, help="per-request RNG seed")
-    p.add_argument("--min-p", type=float, default=None,
-                   help="keep tokens with prob >= MIN_P x the top prob, in [0, 1] (server default 0: off)")
-    p.add_argument("--repetition-penalty", type=float, default=None,
-                   help="> 0, over prompt + output tokens (HF semantics; server default 1.0: off)")
-    p.add_argument("--presence-penalty", type=float, default=None,
-                   help="in [-2, 2], over output tokens (OpenAI semantics; server default 0: off)")
-    p.add_argument("--frequency-penalty", type=float, default=None,
-                   help="in [-2, 2], per occurrence in the output (OpenAI semantics; server default 0: off)")
-    p.add_argument("--stop", action="append", default=[], metavar="STR",
-                   help="stop string (repeatable)")
-    p.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
-                   help="token id that ends generation (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    _add_sampling_flags(p)
     p.add_argument("--request-id", default="", help="client-chosen request id")
     p.add_argument("--chat", action="store_true",
                    help="send PROMPT as a user chat message (server applies the chat template)")
@@ -116,13 +123,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system is not None else []
         prompt = messages + [{"role": "user", "content": args.prompt}]
-    params = dict(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_id,
-        ignore_eos=args.ignore_eos, request_id=args.request_id, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-    )
+    params = {**_sampling_kwargs(args), "request_id": args.request_id}
     address = args.address or default_address()
     start = time.monotonic()
     try:

@@ -17,7 +17,6 @@ status, e.g. ``INVALID_ARGUMENT`` for bad sampling parameters or
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 import grpc
@@ -121,39 +120,21 @@ class PdclusterClient:
         self,
         prompt: Prompt,
         *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: str | Iterable[str] = (),
-        stop_token_ids: Iterable[int] = (),
-        ignore_eos: bool = False,
-        logprobs: int = 0,
         request_id: str = "",
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        presence_penalty: float | None = None,
-        frequency_penalty: float | None = None,
-        logit_bias: Mapping[int, float] | None = None,
+        **sampling: Any,
     ) -> GenerationResult:
         """Generate a whole completion (``stream=false``) and return it.
 
-        Sampling arguments are those of :func:`build_request`; ``None`` leaves
-        a field unset (server default). ``request_id`` empty: server-minted.
+        ``sampling``: one keyword per declared sampling parameter, as in
+        :func:`build_request`; ``None`` leaves a field unset (server default).
+        ``request_id`` empty: server-minted.
 
         Raises:
             grpc.RpcError: the server rejected or failed the request.
             TypeError, ValueError: see :func:`build_request`.
             RuntimeError: the server closed the call without a response.
         """
-        req = build_request(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-            logprobs=logprobs, request_id=request_id, min_p=min_p,
-            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, logit_bias=logit_bias, stream=False,
-        )
+        req = build_request(prompt, request_id=request_id, stream=False, **sampling)
         call = self._stub.Generate(req, timeout=self.timeout_s)
         try:
             return accumulate(call)
@@ -164,21 +145,8 @@ class PdclusterClient:
         self,
         prompt: Prompt,
         *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: str | Iterable[str] = (),
-        stop_token_ids: Iterable[int] = (),
-        ignore_eos: bool = False,
-        logprobs: int = 0,
         request_id: str = "",
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        presence_penalty: float | None = None,
-        frequency_penalty: float | None = None,
-        logit_bias: Mapping[int, float] | None = None,
+        **sampling: Any,
     ) -> GenerationStream:
         """Start a streaming generation (``stream=true``); one chunk per step.
 
@@ -191,13 +159,7 @@ class PdclusterClient:
             TypeError, ValueError: see :func:`build_request` (at call time).
             grpc.RpcError: from iteration, when the call fails.
         """
-        req = build_request(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-            logprobs=logprobs, request_id=request_id, min_p=min_p,
-            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, logit_bias=logit_bias, stream=True,
-        )
+        req = build_request(prompt, request_id=request_id, stream=True, **sampling)
         return GenerationStream(self._stub.Generate(req, timeout=self.timeout_s))
 
     def abort(self, request_id: str) -> bool:

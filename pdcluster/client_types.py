@@ -1,8 +1,9 @@
 """Plain data of the Python client: results, and the request / response
 conversions that need no channel.
 
-:func:`build_request` turns a prompt and sampling arguments into a
-``GenerateRequest``; :func:`accumulate` folds ``GenerateResponse`` messages into a
+:func:`build_request` turns a prompt and sampling keyword arguments (those
+declared in :mod:`common.sampling_params`) into a ``GenerateRequest``;
+:func:`accumulate` folds ``GenerateResponse`` messages into a
 :class:`GenerationResult` (with :class:`Usage` and :class:`TokenLogprob`). The
 gRPC client itself is :class:`pdcluster.client.PdclusterClient`, which re-exports
 these names.
@@ -13,8 +14,9 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Union
 
+from common.sampling_params import write_sampling
 from pdcluster.v1 import common_pb2, router_pb2
 
 _FINISH_PREFIX = "FINISH_REASON_"
@@ -140,70 +142,31 @@ def _set_prompt(req: router_pb2.GenerateRequest, prompt: Prompt) -> None:
 
 
 def build_request(
-    prompt: Prompt,
-    *,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int = 0,
-    seed: int | None = None,
-    stop: str | Iterable[str] = (),
-    stop_token_ids: Iterable[int] = (),
-    ignore_eos: bool = False,
-    logprobs: int = 0,
-    request_id: str = "",
-    stream: bool = False,
-    min_p: float | None = None,
-    repetition_penalty: float | None = None,
-    presence_penalty: float | None = None,
-    frequency_penalty: float | None = None,
-    logit_bias: Mapping[int, float] | None = None,
+    prompt: Prompt, *, request_id: str = "", stream: bool = False, **sampling: Any
 ) -> router_pb2.GenerateRequest:
     """Build a ``GenerateRequest``.
 
     ``prompt`` selects the oneof: ``str`` -> ``text``, a list of ints ->
     ``token_ids``, a list of ``{"role", "content"}`` dicts (or ``ChatMessage``)
-    -> ``messages``. Optional sampling fields left ``None`` stay unset so the
-    server applies its defaults (16 tokens, temperature 1.0, top_p 1.0, random
-    seed, repetition_penalty 1.0; ``min_p``, presence / frequency penalties and
-    ``logit_bias`` off, as are their ``0`` / empty values). ``min_p`` is in
-    [0, 1]; ``repetition_penalty`` > 0 (HF semantics, prompt + output tokens);
-    ``presence_penalty`` / ``frequency_penalty`` in [-2, 2] (OpenAI semantics,
-    output tokens); ``logit_bias`` maps token id (< vocab size) to a bias in
-    [-100, 100] added to that token's logit. A single ``str`` passed as
-    ``stop`` is one stop string. Value ranges are checked by the server
+    -> ``messages``. ``sampling`` takes one keyword per parameter declared in
+    :data:`common.sampling_params.SAMPLING_PARAMS` (``max_tokens``,
+    ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``stop_token_ids``,
+    ``ignore_eos``, ``logprobs``, ``min_p``, ``repetition_penalty``,
+    ``presence_penalty``, ``frequency_penalty``, ``logit_bias``; their ranges,
+    defaults and meaning are declared there). ``None`` leaves a field unset, so
+    the server applies its default (16 tokens clamped to the context,
+    temperature 1.0, top_p 1.0, random seed, repetition_penalty 1.0, the other
+    knobs off). A single ``str`` passed as ``stop`` is one stop string;
+    ``logit_bias`` maps token id to bias. Value ranges are checked by the server
     (``INVALID_ARGUMENT`` naming the field).
 
     Raises:
-        TypeError: the prompt or a message/token has the wrong type.
+        TypeError: the prompt or a message/token has the wrong type, a sampling
+            keyword is not a declared parameter, or a value has the wrong type.
         ValueError: the prompt list is empty, a message lacks role/content, or
             a number does not fit its protobuf field (e.g. a negative seed).
     """
     req = router_pb2.GenerateRequest(request_id=request_id, stream=stream)
     _set_prompt(req, prompt)
-    sp = req.sampling
-    if max_tokens is not None:
-        sp.max_tokens = max_tokens
-    if temperature is not None:
-        sp.temperature = temperature
-    if top_p is not None:
-        sp.top_p = top_p
-    if seed is not None:
-        sp.seed = seed
-    sp.top_k = top_k
-    sp.stop.extend([stop] if isinstance(stop, str) else stop)
-    sp.stop_token_ids.extend(stop_token_ids)
-    sp.ignore_eos = ignore_eos
-    sp.logprobs = logprobs
-    if min_p:
-        sp.min_p = min_p
-    if repetition_penalty is not None:
-        sp.repetition_penalty = repetition_penalty
-    if presence_penalty:
-        sp.presence_penalty = presence_penalty
-    if frequency_penalty:
-        sp.frequency_penalty = frequency_penalty
-    if logit_bias:
-        for token_id, bias in logit_bias.items():
-            sp.logit_bias[operator.index(token_id)] = bias
+    write_sampling(req.sampling, sampling)
     return req

@@ -34,12 +34,12 @@ from common.prefix_hash import block_hashes
 from engine.block_pool import BlockPool, blocks_needed
 from engine.config import CacheConfig, SchedulerConfig
 from engine.inbox import Inbox, run_steps
-from engine.logprobs import to_dict
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
 from engine.step import ScheduledSeq, StepPlan, TokenLogprobs
 from engine.step_stats import StepObserver, execute_timed
 from kvtransfer.progress import LayerProgress
+from serving.convert import logprobs_to_dict
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class PrefillResult:
 
 
 # send_fn(request, progress) -> KV payload bytes sent; blocking; raises on failure. The
-# first token and its logprobs (engine.logprobs.to_dict form) come from
+# first token and its logprobs (serving.convert.logprobs_to_dict form) come from
 # progress.wait_finished(); layers become readable as progress reports them.
 SendFn = Callable[[Request, LayerProgress], int]
 
@@ -313,9 +313,9 @@ class PrefillScheduler:
             entry.request.status = RequestStatus.TRANSFERRING
             self._queue.remove(rid)
             if rid in streams:
-                streams[rid].finish(tok, to_dict(lp))
+                streams[rid].finish(tok, logprobs_to_dict(lp))
             else:
-                self._senders.submit(self._send, entry, LayerProgress.ready(self.num_layers, tok, to_dict(lp)))
+                self._senders.submit(self._send, entry, LayerProgress.ready(self.num_layers, tok, logprobs_to_dict(lp)))
         return True
 
     def _send(self, entry: _Entry, progress: LayerProgress) -> None:

@@ -6,11 +6,12 @@ from typing import Callable
 
 import torch
 
-from engine.request import Request, request_from_proto
+from engine.request import Request
 from kvtransfer import KvSender
 from kvtransfer.progress import LayerProgress
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.scheduler import ExternalBlocks, PrefillError, PrefillScheduler, SendFn
+from serving.convert import request_from_proto
 
 # route(prefill_request, request) -> (send function, external destination blocks or None)
 Route = Callable[[worker_pb2.PrefillRequest, Request], tuple[SendFn, "ExternalBlocks | None"]]

@@ -2,23 +2,18 @@
 
 Every rejection is an :class:`InvalidRequest` whose message names the field or
 limit; the router returns it as ``INVALID_ARGUMENT`` before anything is allocated.
-Defaults follow vLLM/OpenAI: ``max_tokens`` 16 (clamped to what ``max_model_len``
-leaves), ``temperature`` 1.0, ``top_p`` 1.0, ``repetition_penalty`` 1.0; ``min_p``,
-``presence_penalty``, ``frequency_penalty`` 0 and an empty ``logit_bias`` are off.
+The sampling checks and defaults derive from :mod:`common.sampling_params` (vLLM/OpenAI
+defaults: ``max_tokens`` 16 clamped to what ``max_model_len`` leaves, ``temperature``
+1.0, ``top_p`` 1.0, ``repetition_penalty`` 1.0; the other knobs off).
 """
 
 from __future__ import annotations
 
-import math
 import uuid
 from dataclasses import dataclass
 
+from common.sampling_params import SamplingParam, Target, sampling_params
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
-
-DEFAULT_MAX_TOKENS = 16
-MAX_LOGPROBS = 20
-MAX_ABS_PENALTY = 2.0      # presence / frequency penalty range (OpenAI)
-MAX_ABS_LOGIT_BIAS = 100.0  # logit_bias value range (OpenAI)
 
 
 class InvalidRequest(ValueError):
@@ -62,75 +57,51 @@ class RequestValidator:
             InvalidRequest: naming the offending field or limit.
         """
         ids = self._prompt_ids(req)
-        s = req.sampling
-        n = len(ids)
-        lim = self.limits
-        if n >= lim.max_model_len:
+        n, max_model_len = len(ids), self.limits.max_model_len
+        if n >= max_model_len:
             raise InvalidRequest(
-                f"prompt has {n} tokens; max_model_len is {lim.max_model_len} "
+                f"prompt has {n} tokens; max_model_len is {max_model_len} "
                 f"(prompt + max_tokens must be <= max_model_len)")
-        if s.HasField("max_tokens"):
-            if s.max_tokens < 1:
-                raise InvalidRequest("sampling.max_tokens must be >= 1")
-            max_tokens = s.max_tokens
-            if n + max_tokens > lim.max_model_len:
-                raise InvalidRequest(
-                    f"prompt ({n} tokens) + sampling.max_tokens ({max_tokens}) = {n + max_tokens} "
-                    f"exceeds max_model_len {lim.max_model_len}")
-        else:
-            max_tokens = min(DEFAULT_MAX_TOKENS, lim.max_model_len - n)
-        temperature = s.temperature if s.HasField("temperature") else 1.0
-        if not math.isfinite(temperature) or temperature < 0:
-            raise InvalidRequest(f"sampling.temperature must be >= 0, got {temperature}")
-        top_p = s.top_p if s.HasField("top_p") else 1.0
-        if not (0.0 < top_p <= 1.0):
-            raise InvalidRequest(f"sampling.top_p must be in (0, 1], got {top_p}")
-        if s.top_k < 0:
-            raise InvalidRequest(f"sampling.top_k must be >= 0 (0 disables), got {s.top_k}")
-        if s.logprobs > MAX_LOGPROBS:
-            raise InvalidRequest(f"sampling.logprobs must be <= {MAX_LOGPROBS}, got {s.logprobs}")
-        for t in s.stop_token_ids:
-            if t >= lim.vocab_size:
-                raise InvalidRequest(f"sampling.stop_token_ids: {t} >= vocab_size {lim.vocab_size}")
-        if any(x == "" for x in s.stop):
-            raise InvalidRequest("sampling.stop: stop strings must be non-empty")
-        repetition_penalty = self._check_penalties(s)
-        resolved = common_pb2.SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=s.top_k,
-            stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos, logprobs=s.logprobs,
-            min_p=s.min_p, repetition_penalty=repetition_penalty, presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias),
-        )
-        if s.HasField("seed"):
-            resolved.seed = s.seed
+        s = req.sampling
         rid = req.request_id or uuid.uuid4().hex
         return PreparedRequest(
             request_id=rid, prompt_token_ids=ids,
-            worker_request=worker_pb2.WorkerRequest(request_id=rid, prompt_token_ids=ids, sampling=resolved),
+            worker_request=worker_pb2.WorkerRequest(
+                request_id=rid, prompt_token_ids=ids, sampling=self._resolve_sampling(s, n)),
             stop=list(s.stop), logprobs=s.logprobs, stream=req.stream,
         )
 
-    def _check_penalties(self, s: common_pb2.SamplingParams) -> float:
-        """Check min_p, the penalties and logit_bias; return the resolved repetition penalty.
+    def _resolve_sampling(self, s: common_pb2.SamplingParams, prompt_len: int) -> common_pb2.SamplingParams:
+        """Check every declared parameter (:data:`common.sampling_params.SAMPLING_PARAMS`)
+        and return the workers' copy: router-only fields left out, unset fields
+        resolved to their defaults (``seed`` stays unset).
 
         Raises:
-            InvalidRequest: naming the field (NaN and infinities are out of range).
+            InvalidRequest: ``sampling.<field> ...`` naming the limit (NaN and
+                infinities are out of range), or a token id >= vocab_size.
         """
-        if not 0.0 <= s.min_p <= 1.0:
-            raise InvalidRequest(f"sampling.min_p must be in [0, 1], got {s.min_p}")
-        repetition_penalty = s.repetition_penalty if s.HasField("repetition_penalty") else 1.0
-        if not 0.0 < repetition_penalty < math.inf:
-            raise InvalidRequest(f"sampling.repetition_penalty must be > 0, got {repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -MAX_ABS_PENALTY <= getattr(s, name) <= MAX_ABS_PENALTY:
-                raise InvalidRequest(f"sampling.{name} must be in [-2, 2], got {getattr(s, name)}")
-        for token_id, bias in sorted(s.logit_bias.items()):
-            if token_id >= self.limits.vocab_size:
-                raise InvalidRequest(
-                    f"sampling.logit_bias: token id {token_id} >= vocab_size {self.limits.vocab_size}")
-            if not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:
-                raise InvalidRequest(f"sampling.logit_bias[{token_id}] must be in [-100, 100], got {bias}")
-        return repetition_penalty
+        resolved = common_pb2.SamplingParams()
+        for p in sampling_params():
+            value = p.read(s)
+            problem = p.problem(value) or p.vocab_problem(value, self.limits.vocab_size)
+            if problem:
+                raise InvalidRequest(f"sampling.{problem}")
+            if p.context_limited:
+                value = self._fit_context(p, s, value, prompt_len)
+            if p.target is not Target.ROUTER:
+                p.write(resolved, value)
+        return resolved
+
+    def _fit_context(self, p: SamplingParam, s: common_pb2.SamplingParams, value: int, prompt_len: int) -> int:
+        """A set value must fit after the prompt; an unset one is clamped to what is left."""
+        max_model_len = self.limits.max_model_len
+        if not p.is_set(s):
+            return min(value, max_model_len - prompt_len)
+        if prompt_len + value > max_model_len:
+            raise InvalidRequest(
+                f"prompt ({prompt_len} tokens) + sampling.{p.name} ({value}) = {prompt_len + value} "
+                f"exceeds max_model_len {max_model_len}")
+        return value
 
     def _prompt_ids(self, req: router_pb2.GenerateRequest) -> list[int]:
         kind = req.WhichOneof("prompt")

@@ -16,9 +16,10 @@ import torch
 
 from engine.config import CacheConfig
 from engine.kv_cache import allocate_kv_cache
+from engine.logits_processors import apply_logits_processors
 from engine.model import load_model
 from engine.model_runner import ModelRunner
-from engine.sampling import Sampler, SamplingOptions, apply_logits_processors
+from engine.sampling import Sampler, SamplingOptions
 from engine.step import ScheduledSeq, StepPlan
 
 BLOCK = 16

@@ -12,13 +12,14 @@ import torch
 
 from engine.config import CacheConfig
 from engine.kv_cache import allocate_kv_cache
+from engine.logits_processors import apply_logits_processors, token_counts
 from engine.model import load_model
 from engine.model_runner import ModelRunner
-from engine.request import request_from_proto
-from engine.sampling import Sampler, SamplingOptions, apply_logits_processors, make_generator, token_counts
+from engine.sampling import Sampler, SamplingOptions, make_generator
 from engine.step import ScheduledSeq, StepPlan
 from pdcluster.client import build_request
 from router.validation import InvalidRequest, Limits, RequestValidator
+from serving.convert import request_from_proto
 
 VOCAB = 64
 

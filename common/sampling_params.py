@@ -1,0 +1,315 @@
+"""The one declaration of every sampling / generation parameter of a request.
+
+Each :class:`SamplingParam` in :data:`SAMPLING_PARAMS` describes one field of
+``pdcluster.v1.SamplingParams`` (``proto/pdcluster/v1/common.proto``): its Python
+type, what an unset field resolves to, its valid range, its help text, its shape
+(scalar, repeated, token-id map), whether the proto field is ``optional`` (has
+presence, so an explicit ``0`` differs from unset) and which engine type consumes
+it. Everything else derives from this declaration:
+
+* the router's checks and resolved defaults (:mod:`router.validation`);
+* the Python client's keyword arguments (:func:`pdcluster.client_types.build_request`);
+* the ``pdcluster generate`` flags (:mod:`pdcluster.cli`);
+* the proto -> engine conversion (:mod:`serving.convert`) and the range checks of
+  :class:`engine.sampling.SamplingOptions`.
+
+Adding a parameter touches this declaration, the proto and the sampler only
+(``docs/adding_a_sampling_parameter.md``). Messages are read and written duck-typed
+(``getattr`` / ``HasField``), so this module imports no wire stubs and no torch.
+Derived code looks the declaration up through :func:`sampling_params` at call
+time, never through a copy taken at import.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import operator
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_MAX_TOKENS = 16
+MAX_LOGPROBS = 20
+MAX_ABS_PENALTY = 2.0       # presence / frequency penalty range (OpenAI)
+MAX_ABS_LOGIT_BIAS = 100.0  # logit_bias value range (OpenAI)
+UINT64_MAX = (1 << 64) - 1
+
+
+class Shape(enum.Enum):
+    """How a parameter's value is laid out in the proto."""
+
+    SCALAR = "scalar"
+    REPEATED = "repeated"  # a sequence of values (a single ``str`` counts as one)
+    MAP = "map"            # token id -> value; engine form: pairs sorted by token id
+
+
+class Target(enum.Enum):
+    """Which engine type receives a parameter on the workers."""
+
+    SAMPLER = "sampler"  # a field of engine.sampling.SamplingOptions
+    REQUEST = "request"  # a field of engine.request.RequestParams (limits, stop ids)
+    ROUTER = "router"    # read by the router only, never sent to the workers
+
+
+def _num(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+@dataclass(frozen=True)
+class Range:
+    """Valid numbers: ``low``/``high`` bounds (``None``: unbounded), inclusive
+    unless ``*_open``; with ``finite`` a float must be finite (NaN and infinities
+    are refused, NaN also by every bound)."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    finite: bool = True
+
+    def contains(self, value: float) -> bool:
+        if isinstance(value, float) and (math.isnan(value) or (self.finite and math.isinf(value))):
+            return False
+        if self.low is not None and not (value > self.low if self.low_open else value >= self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self, floating: bool) -> str:
+        """``"in (0, 1]"``, ``">= 0"``, ``"> 0 and finite"`` (the last for a float
+        with an unbounded side)."""
+        if self.low is not None and self.high is not None:
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            return f"in {left}{_num(self.low)}, {_num(self.high)}{right}"
+        if self.low is not None:
+            text = f"{'>' if self.low_open else '>='} {_num(self.low)}"
+        elif self.high is not None:
+            text = f"{'<' if self.high_open else '<='} {_num(self.high)}"
+        else:
+            text = "any number"
+        return f"{text} and finite" if floating and self.finite else text
+
+
+@dataclass(frozen=True)
+class SamplingParam:
+    """One parameter: the proto field ``name`` of ``pdcluster.v1.SamplingParams``.
+
+    Attributes:
+        name: field name in the proto, the client keyword, ``SamplingOptions`` /
+            ``RequestParams`` (the CLI flag is ``--name-with-dashes`` unless ``flag``).
+        type: Python type of a value (of an element for ``REPEATED``, of a value for ``MAP``).
+        default: what an unset field resolves to; ``None`` leaves it unset (``seed``).
+        help: one line for the CLI and the docs (range and default are appended).
+        range: valid values (elements, map values); ``None``: any.
+        shape: scalar, repeated or token-id map.
+        presence: the proto field is ``optional`` (``HasField`` tells unset from ``0``).
+        target: the engine type that receives it.
+        token_ids: elements (``REPEATED``) / keys (``MAP``) are token ids: ``>= 0``,
+            and ``< vocab_size`` (checked by the router, which knows the vocabulary).
+        nonempty: ``str`` elements must be non-empty.
+        context_limited: counts against ``max_model_len``: prompt + value must fit;
+            unset resolves to ``min(default, max_model_len - prompt tokens)``.
+        cli: has a ``pdcluster generate`` flag; ``flag`` overrides its name.
+
+    Raises:
+        ValueError: the entry is inconsistent (e.g. a map with a CLI flag).
+    """
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    range: Range | None = None
+    shape: Shape = Shape.SCALAR
+    presence: bool = False
+    target: Target = Target.SAMPLER
+    token_ids: bool = False
+    nonempty: bool = False
+    context_limited: bool = False
+    cli: bool = True
+    flag: str = ""
+
+    def __post_init__(self) -> None:
+        if self.shape is not Shape.SCALAR and (self.presence or self.context_limited):
+            raise ValueError(f"{self.name}: only a scalar can be optional or context-limited")
+        if self.shape is Shape.SCALAR and not self.presence and self.default:
+            raise ValueError(f"{self.name}: unset reads as 0 unless the field is optional (presence)")
+        if self.context_limited and not self.presence:
+            raise ValueError(f"{self.name}: a context-limited parameter must be optional (unset is clamped)")
+        if self.shape is Shape.MAP and (self.cli or not self.token_ids):
+            raise ValueError(f"{self.name}: a map is keyed by token id and has no CLI flag")
+
+    @property
+    def cli_flag(self) -> str:
+        return self.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def requirement(self) -> str:
+        """The valid range in words (``"in [-2, 2]"``), ``""`` when any value is."""
+        parts = [self.range.describe(self.type is float)] if self.range else []
+        if self.nonempty:
+            parts.append("non-empty")
+        if self.token_ids:
+            parts.append("token id < vocab size")
+        return ", ".join(parts)
+
+    def describe(self) -> str:
+        """``help`` with the range, the unset value and repeatability, for the CLI and docs."""
+        notes = [self.requirement] if self.requirement else []
+        if self.shape is Shape.SCALAR and self.default is not None and self.type is not bool:
+            unset = f"unset: {_num(self.default)}"
+            notes.append(unset + ", clamped to what max_model_len leaves" if self.context_limited else unset)
+        if self.shape is Shape.REPEATED:
+            notes.append("repeatable")
+        return f"{self.help} ({'; '.join(notes)})" if notes else self.help
+
+    # ---- reading and writing a SamplingParams message (duck-typed) ----
+
+    def is_set(self, msg: Any) -> bool:
+        """Whether ``msg`` carries a value (presence fields: ``HasField``; others: non-zero / non-empty)."""
+        return msg.HasField(self.name) if self.presence else bool(getattr(msg, self.name))
+
+    def read(self, msg: Any) -> Any:
+        """The value in ``msg``; unset resolves to ``default``. Repeated -> tuple,
+        map -> ``(token_id, value)`` pairs sorted by token id."""
+        if self.shape is Shape.REPEATED:
+            return tuple(getattr(msg, self.name))
+        if self.shape is Shape.MAP:
+            return tuple(sorted(getattr(msg, self.name).items()))
+        if self.presence and not msg.HasField(self.name):
+            return self.default
+        return getattr(msg, self.name)
+
+    def write(self, msg: Any, value: Any) -> None:
+        """Set the field of ``msg`` to ``value``; ``None`` leaves it unset. A single
+        ``str`` is one element of a repeated field; a map takes a mapping or pairs.
+
+        Raises:
+            TypeError, ValueError: from protobuf, the value does not fit the field
+                (e.g. a negative uint, a non-integer token id).
+        """
+        if value is None:
+            return
+        if self.shape is Shape.REPEATED:
+            getattr(msg, self.name).extend([value] if isinstance(value, str) else value)
+        elif self.shape is Shape.MAP:
+            field = getattr(msg, self.name)
+            for key, v in _pairs(value):
+                field[operator.index(key)] = v
+        else:
+            setattr(msg, self.name, value)
+
+    # ---- checks ----
+
+    def problem(self, value: Any) -> str | None:
+        """What is wrong with an engine-form ``value`` (see :meth:`read`), or ``None``.
+
+        The message starts with the field name (``"top_p must be in (0, 1], got 0.0"``);
+        token ids are checked only for ``>= 0`` here (see :meth:`vocab_problem`).
+        """
+        if self.shape is Shape.SCALAR:
+            if value is None:
+                return None if self.default is None else f"{self.name} must be set"
+            return self._value_problem(self.name, value)
+        if self.shape is Shape.REPEATED:
+            for i, v in enumerate(value):
+                if self.nonempty and not v:
+                    return f"{self.name}[{i}] must be non-empty"
+                if self.token_ids and v < 0:
+                    return f"{self.name}: token id {v} must be >= 0"
+                if (p := self._value_problem(f"{self.name}[{i}]", v)) is not None:
+                    return p
+            return None
+        for key, v in sorted(_pairs(value)):
+            if key < 0:
+                return f"{self.name}: token id {key} must be >= 0"
+            if (p := self._value_problem(f"{self.name}[{key}]", v)) is not None:
+                return p
+        return None
+
+    def vocab_problem(self, value: Any, vocab_size: int) -> str | None:
+        """For token-id parameters: the first id ``>= vocab_size``, in words, or ``None``."""
+        if not self.token_ids:
+            return None
+        ids = [key for key, _ in _pairs(value)] if self.shape is Shape.MAP else list(value)
+        bad = [t for t in sorted(ids) if t >= vocab_size]
+        return f"{self.name}: token id {bad[0]} >= vocab_size {vocab_size}" if bad else None
+
+    def _value_problem(self, label: str, value: Any) -> str | None:
+        if self.range is None or self.range.contains(value):
+            return None
+        return f"{label} must be {self.range.describe(self.type is float)}, got {value}"
+
+
+def _pairs(value: Mapping | Iterable) -> Iterable[tuple[Any, Any]]:
+    return value.items() if isinstance(value, Mapping) else value
+
+
+_PENALTY = Range(-MAX_ABS_PENALTY, MAX_ABS_PENALTY)
+
+#: Every sampling / generation parameter, in proto field order.
+SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
+    SamplingParam("max_tokens", int, DEFAULT_MAX_TOKENS, "new tokens to generate", Range(1),
+                  presence=True, target=Target.REQUEST, context_limited=True),
+    SamplingParam("temperature", float, 1.0, "softmax temperature, 0 = greedy", Range(0.0), presence=True),
+    SamplingParam("top_p", float, 1.0, "nucleus mass, 1 disables", Range(0.0, 1.0, low_open=True), presence=True),
+    SamplingParam("top_k", int, 0, "keep the k most likely tokens, 0 disables", Range(0)),
+    SamplingParam("seed", int, None, "per-request RNG seed: same seed and parameters give the same tokens",
+                  Range(0, UINT64_MAX), presence=True),
+    SamplingParam("stop", str, (), "stop string: generation ends before it, the text excludes it",
+                  shape=Shape.REPEATED, target=Target.ROUTER, nonempty=True),
+    SamplingParam("stop_token_ids", int, (), "token id that ends generation, included in the output",
+                  shape=Shape.REPEATED, target=Target.REQUEST, token_ids=True, flag="--stop-token-id"),
+    SamplingParam("ignore_eos", bool, False, "keep generating past EOS until max_tokens", target=Target.REQUEST),
+    SamplingParam("logprobs", int, 0, "top logprobs returned per generated token (raw model distribution)",
+                  Range(0, MAX_LOGPROBS), cli=False),
+    SamplingParam("min_p", float, 0.0, "keep tokens with probability >= min_p x the top token's, 0 disables",
+                  Range(0.0, 1.0)),
+    SamplingParam("repetition_penalty", float, 1.0,
+                  "HF repetition penalty over prompt and output tokens, 1 disables",
+                  Range(0.0, low_open=True), presence=True),
+    SamplingParam("presence_penalty", float, 0.0, "OpenAI presence penalty over output tokens, 0 disables",
+                  _PENALTY),
+    SamplingParam("frequency_penalty", float, 0.0, "OpenAI frequency penalty over output tokens, 0 disables",
+                  _PENALTY),
+    SamplingParam("logit_bias", float, (), "token id -> bias added to its logit before every other step",
+                  Range(-MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS), shape=Shape.MAP, token_ids=True, cli=False),
+)
+
+
+def sampling_params(target: Target | None = None) -> tuple[SamplingParam, ...]:
+    """The declared parameters (of one ``target``, or all), in declaration order."""
+    return tuple(p for p in SAMPLING_PARAMS if target is None or p.target is target)
+
+
+def sampling_param(name: str) -> SamplingParam:
+    """The parameter called ``name``.
+
+    Raises:
+        KeyError: no such parameter.
+    """
+    for p in SAMPLING_PARAMS:
+        if p.name == name:
+            return p
+    raise KeyError(f"no sampling parameter {name!r}")
+
+
+def read_sampling(msg: Any, target: Target) -> dict[str, Any]:
+    """``{name: value}`` of ``target``'s parameters in ``msg`` (unset -> default; see
+    :meth:`SamplingParam.read`): the keyword arguments of that engine type."""
+    return {p.name: p.read(msg) for p in sampling_params(target)}
+
+
+def write_sampling(msg: Any, values: Mapping[str, Any]) -> None:
+    """Set ``msg``'s fields from ``{name: value}``; ``None`` values stay unset.
+
+    Raises:
+        TypeError: a name is not a declared parameter, or a value has the wrong type.
+        ValueError: a value does not fit its protobuf field (e.g. a negative seed).
+    """
+    params = {p.name: p for p in SAMPLING_PARAMS}
+    unknown = sorted(set(values) - set(params))
+    if unknown:
+        raise TypeError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+    for name, value in values.items():
+        params[name].write(msg, value)

@@ -1,0 +1,57 @@
+"""Conversions between the wire and the engine's types, shared by the worker servers.
+
+The engine knows no wire format; the prefill, decode and colocated workers convert
+at their edges:
+
+* :func:`request_from_proto`: the router's resolved ``WorkerRequest`` -> an engine
+  :class:`~engine.request.Request` (sampling fields by iterating
+  :mod:`common.sampling_params`);
+* :func:`logprobs_to_proto`: one generated token's :class:`~engine.step.TokenLogprobs`
+  -> ``pdcluster.v1.TokenLogprob`` (the decode worker's token stream);
+* :func:`logprobs_to_dict` / :func:`logprobs_from_dict`: the msgpack-able form of the
+  first token's logprobs carried from the prefill worker to the decode worker (KV
+  transfer completion).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.sampling_params import Target, read_sampling
+from engine.request import Request, RequestParams
+from engine.sampling import SamplingOptions, make_generator
+from engine.step import TokenLogprobs
+from pdcluster.v1 import common_pb2, worker_pb2
+
+
+def request_from_proto(msg: worker_pb2.WorkerRequest, transfer_id: str, device: torch.device) -> Request:
+    """Build a worker-side request from the router's resolved ``WorkerRequest``.
+
+    Unset sampling fields resolve to their declared defaults; a seeded request gets
+    its own generator on ``device``.
+
+    Raises:
+        ValueError: a sampling field is out of range (see :class:`SamplingOptions`).
+    """
+    options = SamplingOptions(**read_sampling(msg.sampling, Target.SAMPLER))
+    params = RequestParams(sampling=options, **read_sampling(msg.sampling, Target.REQUEST))
+    gen = make_generator(options.seed, device) if options.seed is not None else None
+    return Request(msg.request_id, list(msg.prompt_token_ids), params, transfer_id=transfer_id, generator=gen)
+
+
+def logprobs_to_proto(token_id: int, lp: TokenLogprobs | None) -> common_pb2.TokenLogprob:
+    """``TokenLogprob`` of ``token_id`` (logprob 0 and no alternatives when ``lp`` is None)."""
+    msg = common_pb2.TokenLogprob(token_id=token_id, logprob=lp.logprob if lp else 0.0)
+    for i, v in (lp.top if lp else []):
+        msg.top.add(token_id=i, logprob=v)
+    return msg
+
+
+def logprobs_to_dict(lp: TokenLogprobs | None) -> dict | None:
+    """``{"logprob": float, "top": [[token_id, logprob], ...]}``, or None."""
+    return None if lp is None else {"logprob": lp.logprob, "top": [[int(i), float(v)] for i, v in lp.top]}
+
+
+def logprobs_from_dict(d: dict | None) -> TokenLogprobs | None:
+    """Inverse of :func:`logprobs_to_dict`."""
+    return None if d is None else TokenLogprobs(float(d["logprob"]), [(int(i), float(v)) for i, v in d["top"]])
