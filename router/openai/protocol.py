@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible API (pydantic models), as OpenAI and vLLM accept them.
 
-Only what pdcluster serves is declared; unknown fields are ignored, as OpenAI's servers do
-(``extra="ignore"``). Ranges are checked by the router's validator (the same checks as the
+OpenAI's own fields are declared; other fields are kept aside (``extra="allow"``) and only
+those named like a declared sampling parameter (:mod:`common.sampling_params`) are read, so
+unknown fields are ignored, as OpenAI's servers do. Ranges are checked by the router's validator (the same checks as the
 gRPC API, :mod:`router.validation`), so both front doors refuse the same requests with the
 same messages; the models only check shapes (types, one of ``prompt`` forms, content parts).
 
@@ -21,11 +22,15 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class _Extensible(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
+class _Sampling(_Extensible):
     """Fields both endpoints share (OpenAI names; vLLM's extras)."""
 
     model: str

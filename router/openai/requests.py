@@ -1,6 +1,7 @@
 """OpenAI request bodies -> the router's ``GenerateRequest`` messages (one per prompt x ``n``).
 
-The sampling fields map one to one onto ``pdcluster.v1.SamplingParams`` (the router's
+The sampling fields map one to one, by name, onto the declared parameters
+(:mod:`common.sampling_params`, so a new parameter needs no change here; the router's
 validator then checks them exactly as for the gRPC API); the differences are:
 
 * ``max_completion_tokens`` (chat) wins over ``max_tokens``;
@@ -16,10 +17,12 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from common.sampling_params import sampling_params, write_sampling
 from pdcluster.v1 import common_pb2, router_pb2
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 MAX_N = 16
+_OPENAI_SHAPED = frozenset({"max_tokens", "logprobs", "stop", "logit_bias"})
 
 
 class OpenAIRequestError(ValueError):
@@ -62,28 +65,33 @@ def chat_text(request: ChatCompletionRequest) -> list[common_pb2.ChatMessage]:
 
 
 def _sampling(body, logprobs: int, max_tokens: int | None) -> common_pb2.SamplingParams:
-    s = common_pb2.SamplingParams()
-    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "seed"):
-        value = getattr(body, name)
-        if value is not None:
-            try:
-                setattr(s, name, value)
-            except (TypeError, ValueError) as e:
-                raise OpenAIRequestError(f"{name}: {e}", param=name) from None
-    if max_tokens is not None:
-        if max_tokens < 1:
-            raise OpenAIRequestError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
-        s.max_tokens = max_tokens
-    s.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop or [])
-    s.stop_token_ids.extend(body.stop_token_ids or [])
-    s.ignore_eos = body.ignore_eos
-    s.logprobs = logprobs
-    for key, bias in (body.logit_bias or {}).items():
+    """The proto sampling of ``body``: every declared parameter (:mod:`common.sampling_params`)
+    is read under its own name, from the model's fields or from the extra fields the body
+    carries, except the four whose OpenAI shape differs (``max_tokens``, ``logprobs``,
+    ``stop``, ``logit_bias``).
+
+    Raises:
+        OpenAIRequestError: a value that does not fit its field (naming it).
+    """
+    extra = body.model_extra or {}
+    values = {p.name: getattr(body, p.name) if p.name in type(body).model_fields else extra.get(p.name)
+              for p in sampling_params() if p.name not in _OPENAI_SHAPED}
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
         try:
-            s.logit_bias[int(key)] = bias
+            bias[int(key)] = value
         except (TypeError, ValueError):
             raise OpenAIRequestError(f"logit_bias: key {key!r} is not a token id", param="logit_bias") from None
+    if max_tokens is not None and max_tokens < 1:
+        raise OpenAIRequestError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+    values.update(max_tokens=max_tokens, logprobs=logprobs, logit_bias=bias,
+                  stop=[body.stop] if isinstance(body.stop, str) else body.stop)
+    s = common_pb2.SamplingParams()
+    for name, value in values.items():
+        try:
+            write_sampling(s, {name: value})
+        except (TypeError, ValueError) as e:
+            raise OpenAIRequestError(f"{name}: {e}", param=name) from None
     return s
 
 

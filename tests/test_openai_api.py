@@ -1,0 +1,172 @@
+"""The OpenAI-compatible HTTP API of a real local cluster, through the official ``openai`` package
+(sync and async, stream and not, chat and completions, n=2, logprobs, seed, stop), token-exact
+with the gRPC path for greedy requests; errors in OpenAI's shape; a cancelled stream frees both
+workers' blocks; health and metrics endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from cluster_utils import assert_no_leak, router_client, running_cluster
+
+MODEL = "smollm2-135m-instruct"
+CHAT = [{"role": "user", "content": "Name three rivers in Europe."}]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with running_cluster(tmp_path_factory.mktemp("state"), "--max-model-len", "512", "--num-kv-blocks", "400",
+                         "--heartbeat-s", "0.5") as state:
+        yield state
+
+
+@pytest.fixture(scope="module")
+def grpc_client(cluster):
+    with router_client(cluster) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def base_url(cluster, grpc_client):
+    return f"http://{cluster['router_http_address']}"
+
+
+@pytest.fixture(scope="module")
+def oai(base_url):
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def _leak_check(request):
+    yield
+    if "cluster" in request.fixturenames:
+        assert_no_leak(request.getfixturevalue("cluster"), timeout_s=5.0)
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_models_health_metrics(oai, base_url):
+    assert [m.id for m in oai.models.list().data] == [MODEL]
+    assert _get(f"{base_url}/health")[0] == 200
+    status, body = _get(f"{base_url}/metrics")
+    assert status == 200 and b"pdcluster:time_to_first_token_seconds" in body
+    status, body = _get(f"{base_url}/v1/prometheus/targets")
+    roles = {g["labels"]["role"] for g in json.loads(body)}
+    assert status == 200 and roles == {"router", "prefill", "decode"}
+
+
+def test_completion_greedy_equals_grpc(oai, grpc_client):
+    ref = grpc_client.generate("The capital of France is", max_tokens=24, temperature=0)
+    got = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=24, temperature=0)
+    assert got.choices[0].text == ref.text
+    assert got.choices[0].finish_reason == ref.finish_reason.lower()
+    assert got.usage.prompt_tokens == ref.usage.prompt_tokens
+    assert got.usage.completion_tokens == len(ref.token_ids)
+    tokens = oai.completions.create(model=MODEL, prompt=list(grpc_client.generate("x", max_tokens=1).token_ids) * 3,
+                                    max_tokens=4, temperature=0)
+    assert tokens.usage.prompt_tokens == 3
+
+
+def test_chat_stream_equals_grpc_stream(oai, grpc_client):
+    ref = "".join(c.text for c in grpc_client.stream(CHAT, max_tokens=32, temperature=0))
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=32, temperature=0, stream=True,
+                                              stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    whole = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=32, temperature=0)
+    assert whole.choices[0].message.content == ref and whole.object == "chat.completion"
+
+
+def test_async_client_and_parts(base_url):
+    async def go():
+        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as c:
+            parts = [{"role": "user", "content": [{"type": "text", "text": "Name three rivers in Europe."}]}]
+            a = await c.chat.completions.create(model=MODEL, messages=parts, max_tokens=16, temperature=0)
+            b = await c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
+            stream = await c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0,
+                                                stream=True)
+            text = "".join([ch.choices[0].text async for ch in stream])
+            return a, b, text
+    a, b, text = asyncio.run(go())
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert text
+
+
+def test_n2_logprobs_seed_stop(oai):
+    r = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, n=2, logprobs=True,
+                                    top_logprobs=3)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].message.content == r.choices[1].message.content  # greedy: identical samples
+    assert r.usage.prompt_tokens_details.cached_tokens >= 16  # the second sample reused the first's prefill
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == r.usage.completion_tokens // 2 and all(len(t.top_logprobs) == 3 for t in lp)
+    assert lp[0].logprob == pytest.approx(lp[0].top_logprobs[0].logprob)
+    c = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2)
+    assert len(c.choices[0].logprobs.tokens) == 6 and all(len(t) <= 2 for t in c.choices[0].logprobs.top_logprobs)
+    s1 = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=7)
+    s2 = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=7)
+    assert s1.choices[0].text == s2.choices[0].text
+    full = oai.completions.create(model=MODEL, prompt="Count: one, two, three,", max_tokens=16, temperature=0)
+    word = full.choices[0].text.split()[1]
+    cut = oai.completions.create(model=MODEL, prompt="Count: one, two, three,", max_tokens=16, temperature=0,
+                                 stop=[word])
+    assert word not in cut.choices[0].text and cut.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kwargs, status, param", [
+    ({"temperature": -1}, 400, "temperature"),
+    ({"top_p": 0}, 400, "top_p"),
+    ({"max_tokens": 10_000}, 400, None),
+    ({"n": 0}, 400, "n"),
+    ({"logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    ({"model": "no-such-model"}, 404, "model"),
+])
+def test_errors_in_openai_shape(oai, kwargs, status, param):
+    args = {"model": MODEL, "prompt": "hello", "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.APIStatusError) as info:
+        oai.completions.create(**args)
+    err = info.value
+    assert err.status_code == status
+    body = err.body if isinstance(err.body, dict) and "message" in err.body else err.body["error"]
+    assert body["message"] and body["type"]
+    if param:
+        assert body["param"] == param, body
+
+
+def test_chat_errors(oai):
+    with pytest.raises(openai.BadRequestError, match="image_url"):
+        oai.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+    with pytest.raises(openai.BadRequestError, match="messages is empty"):
+        oai.chat.completions.create(model=MODEL, messages=[], max_tokens=4)
+    r = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, extra_body={"unknown_field": 1})
+    assert r.choices[0].message.content  # unknown fields are ignored
+
+
+def test_cancelled_stream_frees_both_workers(cluster, oai):
+    stream = oai.completions.create(model=MODEL, prompt="Write a long story about a dragon.", max_tokens=400,
+                                    temperature=0, stream=True)
+    got = 0
+    for chunk in stream:
+        got += 1
+        if got == 3:
+            break
+    stream.close()
+    time.sleep(0.5)
+    assert_no_leak(cluster, timeout_s=10.0)
