@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from decode_worker.transfers import TransferTable
-from kvtransfer import DistKvSender, GrpcKvSender, gather_blocks
+from kvtransfer import KvTransferConfig, create_sender, gather_blocks
 from kvtransfer.chunking import plan_chunks
 from kvtransfer.wire import (
     KvChunkMeta,
@@ -117,15 +117,16 @@ def raw_tcp_once(sock: socket.socket, view: memoryview) -> float:
 
 
 class GrpcPath:
-    """Transfers of one prompt's blocks with a :class:`GrpcKvSender` (or ``sender_cls``, e.g.
-    :class:`DistKvSender`: same control plane, tensors over a gloo pair group) into fresh
-    reservations."""
+    """Transfers of one prompt's blocks with a sender of ``transport`` from the registry
+    (``"grpc"``, or ``"torch_dist"``: the same control plane, tensors over a gloo pair group)
+    into fresh reservations."""
 
     def __init__(self, receiver: Receiver, kv_cache: torch.Tensor, src_ids: list[int], layers_per_chunk: int,
-                 max_chunk_bytes: int, sender_cls: type[GrpcKvSender] = GrpcKvSender) -> None:
+                 max_chunk_bytes: int, transport: str = "grpc") -> None:
         self.receiver, self.kv_cache, self.src_ids = receiver, kv_cache, src_ids
         self.layers_per_chunk = layers_per_chunk
-        self.sender = sender_cls(timeout_s=600.0, max_chunk_bytes=max_chunk_bytes)
+        self.sender = create_sender(KvTransferConfig(transport=transport, timeout_s=600.0,
+                                                     max_chunk_bytes=max_chunk_bytes))
         self.count = 0
         self.last_block_ids: list[int] = []
         self.num_chunks = 0
@@ -160,7 +161,7 @@ def measure_transports(receiver: Receiver, kv_cache: torch.Tensor, src_ids: list
     Args:
         between: called with no argument after the warm-ups, before the timed repetitions
             (e.g. to start a profiler); None for nothing.
-        torch_dist: also time the ``torch_dist`` transport (:class:`DistKvSender`), reported
+        torch_dist: also time the ``torch_dist`` transport, reported
             under ``"torch_dist"`` with its own ``verified`` and ``ratio_paired``.
 
     Returns:
@@ -205,7 +206,7 @@ def measure_transports(receiver: Receiver, kv_cache: torch.Tensor, src_ids: list
 
 def _measure_dist(receiver: Receiver, kv_cache: torch.Tensor, src_ids: list[int], reps: int,
                   layers_per_chunk: int, max_chunk_bytes: int, view: memoryview, raw_t: list[float]) -> dict:
-    path = GrpcPath(receiver, kv_cache, src_ids, layers_per_chunk, max_chunk_bytes, sender_cls=DistKvSender)
+    path = GrpcPath(receiver, kv_cache, src_ids, layers_per_chunk, max_chunk_bytes, transport="torch_dist")
     try:
         path.once()  # warm-up: builds the pair group
         verified = receiver.call(cmd="digest", block_ids=path.last_block_ids)["crc32"] == zlib.crc32(view)

@@ -3,7 +3,8 @@
 It holds a real paged KV cache ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``
 (float32, zeros) and serves, on 127.0.0.1 (ephemeral ports):
 
-* gRPC: ``KvTransfer.PushKv`` through :func:`kvtransfer.add_kv_transfer_servicer` with
+* gRPC: ``KvTransfer.PushKv`` through the ``torch_dist`` transport's receiver
+  (:func:`kvtransfer.attach_receiver`; it takes ``grpc`` senders too) with
   :class:`TableSink`, a :class:`kvtransfer.KvReceiverSink` over
   :class:`decode_worker.transfers.TransferTable` (reservation check + ``index_copy_`` into
   the cache under the table's lock, as the decode worker's sink does, without a scheduler);
@@ -44,8 +45,9 @@ import torch
 from decode_worker.transfers import TransferTable
 from kvtransfer import (
     KvReceiverSink,
+    KvTransferConfig,
     StaleTransferError,
-    add_kv_transfer_servicer,
+    attach_receiver,
     gather_blocks,
     kv_server_options,
 )
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
     table = TransferTable(kv_cache)
     sink = TableSink(table)
     server = grpc.server(ThreadPoolExecutor(a.grpc_workers), options=kv_server_options(a.max_chunk_bytes))
-    add_kv_transfer_servicer(server, sink)
+    attach_receiver(KvTransferConfig(transport="torch_dist"), server, sink)
     grpc_port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     raw = RawTcpServer(a.raw_bytes)

@@ -55,7 +55,7 @@ from engine.model_runner import ModelRunner  # noqa: E402
 from engine.request import Request, RequestParams  # noqa: E402
 from engine.sampling import SamplingOptions  # noqa: E402
 from kvtransfer.config import KvTransferConfig  # noqa: E402
-from kvtransfer.factory import create_sender  # noqa: E402
+from kvtransfer.registry import create_sender  # noqa: E402
 from prefill_worker.scheduler import PrefillScheduler  # noqa: E402
 
 import _common  # noqa: E402

@@ -22,9 +22,8 @@ from decode_worker.scheduler import DecodeScheduler
 from decode_worker.server import DecodeWorkerServicer
 from engine.builder import build_runner
 from engine.request import Request
-from kvtransfer import add_kv_transfer_servicer
-from kvtransfer.factory import create_sender
 from kvtransfer.progress import LayerProgress
+from kvtransfer.registry import attach_receiver, create_sender
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.scheduler import ExternalBlocks, PrefillScheduler
 from prefill_worker.server import PrefillWorkerServicer, Route, remote_route
@@ -82,7 +81,8 @@ def local_route(worker_id: str, decode: DecodeScheduler, fallback: Route) -> Rou
 
 
 def create_colocated_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -> WorkerHost:
-    """Build (not start) a colocated worker."""
+    """Build (not start) a colocated worker; its KV sender and receiver (for other workers'
+    requests) come from the transport registry by ``cfg.kv``."""
     model_cfg, runner = build_runner(cfg.model, cfg.cache, device=cfg.device, dtype=cfg.dtype,
                                      num_threads=cfg.num_threads, model_cache_dir=cfg.model_cache_dir)
     wake = threading.Event()
@@ -91,7 +91,7 @@ def create_colocated_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "")
     loop = ColocatedLoop(prefill, decode, wake)
     sink = DecodeKvSink(decode)
     host = WorkerHost(cfg, loop, lambda server: None, SERVICES, port=port,
-                      add_kv_servicers=lambda server: add_kv_transfer_servicer(server, sink),
+                      add_kv_servicers=lambda server: attach_receiver(cfg.kv, server, sink),
                       block_size=cfg.cache.block_size, num_total_blocks=decode.kv.num_usable, node_id=node_id)
     device: torch.device = runner.device
     route = local_route(cfg.worker_id, decode,

@@ -6,7 +6,7 @@ from decode_worker.kv_sink import DecodeKvSink
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.server import DecodeWorkerServicer
 from engine.builder import build_runner
-from kvtransfer import add_kv_transfer_servicer
+from kvtransfer.registry import attach_receiver
 from pdcluster.v1 import worker_pb2_grpc
 from serving.worker_config import WorkerConfig
 from serving.worker_host import WorkerHost
@@ -15,13 +15,17 @@ SERVICES = ["pdcluster.v1.DecodeWorker", "pdcluster.v1.KvTransfer"]
 
 
 def create_decode_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -> WorkerHost:
-    """Build (not start) a decode worker; its KV receiver has a gRPC server (and port) of its own."""
+    """Build (not start) a decode worker.
+
+    Its KV receiver is the one ``cfg.kv`` names in the transport registry, attached to a
+    gRPC server (port and thread pool) of its own.
+    """
     model_cfg, runner = build_runner(cfg.model, cfg.cache, device=cfg.device, dtype=cfg.dtype,
                                      num_threads=cfg.num_threads, model_cache_dir=cfg.model_cache_dir)
     sched = DecodeScheduler(runner, cfg.cache, cfg.scheduler, model_cfg.eos_token_ids)
     sink = DecodeKvSink(sched)
     host = WorkerHost(cfg, sched, lambda server: None, SERVICES, port=port,
-                      add_kv_servicers=lambda server: add_kv_transfer_servicer(server, sink),
+                      add_kv_servicers=lambda server: attach_receiver(cfg.kv, server, sink),
                       block_size=cfg.cache.block_size, num_total_blocks=sched.kv.num_usable,
                       node_id=node_id)
     servicer = DecodeWorkerServicer(sched, cfg.worker_id, host.kv_address, cfg.cache.block_size,

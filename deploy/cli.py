@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.config import KV_FAILURE_POLICIES
 from router.policy_names import DEFAULT_POLICY, POLICY_NAMES
 from serving.logs import LOG_FORMATS, LOG_LEVELS
 
@@ -24,6 +23,14 @@ def _port(value: str) -> int:
     return port
 
 
+def _key_value(value: str) -> tuple[str, str]:
+    """argparse type: ``KEY=VALUE`` (a non-empty key; the value may be empty or hold ``=``)."""
+    key, sep, val = value.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {value!r}")
+    return key, val
+
+
 def _state_dir(value: str) -> Path:
     return Path(value).expanduser()
 
@@ -31,6 +38,43 @@ def _state_dir(value: str) -> Path:
 def _add_state_dir(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", type=_state_dir, default="~/.pdcluster",
                    help="directory of the local cluster state (default: ~/.pdcluster)")
+
+
+def _add_serving(p: argparse.ArgumentParser) -> None:
+    """The router's HTTP port and every process' logging."""
+    p.add_argument("--http-port", type=_port, default=8000,
+                   help="OpenAI-compatible HTTP port of the router, also /metrics and /health (0: any free port)")
+    p.add_argument("--no-http", dest="http", action="store_false", help="serve gRPC only")
+    p.add_argument("--log-format", default="text", choices=list(LOG_FORMATS), help="log lines as text or JSON")
+    p.add_argument("--log-level", default="INFO", choices=list(LOG_LEVELS),
+                   help="log level of every process (DEBUG adds one line per engine step)")
+
+
+def _add_kv(p: argparse.ArgumentParser) -> None:
+    """``up``'s KV transfer flags (turned into a :class:`kvtransfer.config.KvTransferConfig` by
+    :func:`deploy.spec.kv_config_from_args`; lease and failure policy go to the decode scheduler)."""
+    p.add_argument("--kv-transport", default="grpc", metavar="NAME",
+                   help="KV transport from prefill to decode: grpc (gRPC streaming), torch_dist (torch.distributed "
+                        "point-to-point, gloo on CPU, NCCL on GPU, with a gRPC control stream), or one that "
+                        "--kv-transport-module registers")
+    p.add_argument("--kv-transport-module", default=None, metavar="MODULE",
+                   help="Python module every worker imports before looking the KV transport up, so a transport "
+                        "outside pdcluster registers itself (importable on every node)")
+    p.add_argument("--kv-transport-option", dest="kv_transport_options", action="append", type=_key_value,
+                   default=[], metavar="KEY=VALUE",
+                   help="option passed to the KV transport's factories (repeatable; the transport checks its keys)")
+    p.add_argument("--kv-layers-per-chunk", type=int, default=2, help="layers per KV chunk at most")
+    p.add_argument("--kv-layerwise", dest="kv_layerwise", action="store_true", default=None,
+                   help="stream a request's KV layer by layer during its last prefill step (default on GPUs; "
+                        "on CPU the sender competes with the prefill for the same cores: bench/results/layerwise.md)")
+    p.add_argument("--no-kv-layerwise", dest="kv_layerwise", action="store_false",
+                   help="send a request's KV after its last prefill step (default on CPU)")
+    p.add_argument("--kv-timeout-s", type=float, default=30.0, help="deadline of one KV transfer (seconds)")
+    p.add_argument("--kv-lease-s", type=float, default=120.0,
+                   help="seconds a decode worker holds blocks for a transfer that does not finish")
+    p.add_argument("--kv-failure-policy", default="error", choices=list(KV_FAILURE_POLICIES),
+                   help="when a KV transfer fails: end the request with UNAVAILABLE, or recompute the prompt's "
+                        "KV on the decode worker")
 
 
 def _add_up(sub: argparse._SubParsersAction) -> None:
@@ -77,29 +121,8 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                    help="KV block size of prefill workers when it differs from --block-size (the decode side re-blocks)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="disable the prefill workers' prefix cache")
-    p.add_argument("--kv-transport", default="grpc", choices=["grpc", "torch_dist"],
-                   help="KV transport from prefill to decode: gRPC streaming, or torch.distributed point-to-point "
-                        "(gloo on CPU, NCCL on GPU) with a gRPC control stream")
-    p.add_argument("--kv-layers-per-chunk", type=int, default=2, help="layers per KV chunk at most")
-    p.add_argument("--kv-layerwise", dest="kv_layerwise", action="store_true", default=None,
-                   help="stream a request's KV layer by layer during its last prefill step (default on GPUs; "
-                        "on CPU the sender competes with the prefill for the same cores: bench/results/layerwise.md)")
-    p.add_argument("--no-kv-layerwise", dest="kv_layerwise", action="store_false",
-                   help="send a request's KV after its last prefill step (default on CPU)")
-    p.add_argument("--kv-timeout-s", type=float, default=30.0, help="deadline of one KV transfer (seconds)")
-    p.add_argument("--kv-lease-s", type=float, default=120.0,
-                   help="seconds a decode worker holds blocks for a transfer that does not finish")
-    p.add_argument("--kv-failure-policy", default="error", choices=list(KV_FAILURE_POLICIES),
-                   help="when a KV transfer fails: end the request with UNAVAILABLE, or recompute the prompt's "
-                        "KV on the decode worker")
-    p.add_argument("--kv-test-corrupt-chunk", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--kv-test-chunk-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
-    p.add_argument("--http-port", type=_port, default=8000,
-                   help="OpenAI-compatible HTTP port of the router, also /metrics and /health (0: any free port)")
-    p.add_argument("--no-http", dest="http", action="store_false", help="serve gRPC only")
-    p.add_argument("--log-format", default="text", choices=list(LOG_FORMATS), help="log lines as text or JSON")
-    p.add_argument("--log-level", default="INFO", choices=list(LOG_LEVELS),
-                   help="log level of every process (DEBUG adds one line per engine step)")
+    _add_kv(p)
+    _add_serving(p)
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="registry heartbeat period in seconds")
     p.add_argument("--timeout-s", type=float, default=300, help="seconds to wait for the cluster to be ready")
     p.add_argument("--cluster", default="default", help="cluster name (registry namespace)")

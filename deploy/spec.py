@@ -11,6 +11,7 @@ from deploy.placement import PlacementConfig
 from engine.config import CacheConfig, SchedulerConfig
 from engine.model_loader import resolve_model
 from kvtransfer.config import KvTransferConfig
+from kvtransfer.registry import load_transport
 from router.server import RouterConfig
 from serving.logs import LogConfig
 from serving.worker_config import WorkerConfig
@@ -24,6 +25,31 @@ def num_kv_blocks(model: ModelConfig, block_size: int, dtype: str, kv_cache_gb: 
     return max(2, int(kv_cache_gb * (1 << 30) // per_block))
 
 
+def kv_config_from_args(args, use_cuda: bool) -> KvTransferConfig:
+    """The KV transfer config of ``up``'s ``--kv-*`` flags, its transport checked here (the module
+    imported, the name registered) so a typo fails ``up`` instead of every worker.
+
+    Raises:
+        ConfigError: a ``--kv-transport-option`` key given twice, a ``--kv-transport-module``
+            that cannot be imported, or a ``--kv-transport`` that is not registered.
+        kvtransfer.config.KvConfigError: a value out of range.
+    """
+    options: dict[str, str] = {}
+    for key, value in args.kv_transport_options:
+        if key in options:
+            raise ConfigError(f"--kv-transport-option {key} given twice")
+        options[key] = value
+    kv = KvTransferConfig(transport=args.kv_transport, transport_module=args.kv_transport_module,
+                          transport_options=options, layers_per_chunk=args.kv_layers_per_chunk,
+                          layerwise=use_cuda if args.kv_layerwise is None else args.kv_layerwise,
+                          timeout_s=args.kv_timeout_s)
+    try:
+        load_transport(kv)
+    except (ImportError, KeyError) as exc:
+        raise ConfigError(f"KV transport {kv.transport!r}: {exc.args[0] if exc.args else exc}") from exc
+    return kv
+
+
 def spec_from_args(args, redis_url: str, use_cuda: bool = False) -> ClusterSpec:
     """The cluster ``up``'s flags describe.
 
@@ -33,7 +59,8 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False) -> ClusterSpec:
         use_cuda: whether the workers will run on GPUs (decides the KV dtype for ``--dtype auto``).
 
     Raises:
-        ValueError / common.model_config.ConfigError: a flag value out of range.
+        ValueError / common.model_config.ConfigError: a flag value out of range, or a KV
+            transport that cannot be loaded (:func:`kv_config_from_args`).
     """
     for flag, bs in (("--block-size", args.block_size), ("--prefill-block-size", args.prefill_block_size)):
         if bs is not None and (bs <= 0 or bs & (bs - 1)):
@@ -52,11 +79,7 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False) -> ClusterSpec:
     if args.prefill_block_size and args.prefill_block_size != args.block_size:
         pbs = args.prefill_block_size  # same token capacity as the decode side's pool
         prefill_cache = replace(cache, block_size=pbs, num_blocks=max(2, blocks * args.block_size // pbs))
-    kv = KvTransferConfig(transport=args.kv_transport, layers_per_chunk=args.kv_layers_per_chunk,
-                          layerwise=use_cuda if args.kv_layerwise is None else args.kv_layerwise,
-                          timeout_s=args.kv_timeout_s,
-                          test_corrupt_chunk_index=args.kv_test_corrupt_chunk,
-                          test_chunk_delay_s=args.kv_test_chunk_delay_s)
+    kv = kv_config_from_args(args, use_cuda)
     log = LogConfig(args.log_format, args.log_level)
     worker = WorkerConfig(role="prefill", worker_id="template", model=args.model, redis_url=redis_url,
                           cluster=args.cluster, device=args.device, dtype=args.dtype,

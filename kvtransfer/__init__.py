@@ -5,22 +5,32 @@ Layout of a worker's cache: one tensor
 A transfer moves the tokens of one request, all layers, in chunks of the
 sender's blocks (:mod:`kvtransfer.wire`); the receiver re-blocks when its block
 size differs (:mod:`kvtransfer.reblock`). Senders can stream layer by layer
-while the KV is computed (:class:`LayerProgress`). Transports are registered
-by name (:mod:`kvtransfer.transport`): ``"grpc"`` and ``"torch_dist"``.
+while the KV is computed (:class:`LayerProgress`).
+
+Transports are registered by name and reached only through :mod:`kvtransfer.registry`
+(:func:`create_sender`, :func:`attach_receiver`): importing this package registers
+``"grpc"`` (:mod:`kvtransfer.grpc_transport`) and ``"torch_dist"``
+(:mod:`kvtransfer.dist_transport`); others register from the module
+:attr:`KvTransferConfig.transport_module` names.
 """
 
+from kvtransfer import dist_transport, grpc_transport  # noqa: F401 - importing them registers the built-ins
 from kvtransfer.blocks import check_kv_cache, gather_blocks, scatter_blocks
-from kvtransfer.dist_transport import DistKvSender
-from kvtransfer.errors import KvIntegrityError, KvTransferError, StaleTransferError
-from kvtransfer.grpc_transport import (
-    DEFAULT_MAX_CHUNK_BYTES,
-    GrpcKvSender,
-    KvTransferServicer,
-    add_kv_transfer_servicer,
-    kv_server_options,
-)
+from kvtransfer.config import DEFAULT_MAX_CHUNK_BYTES, KvConfigError, KvTransferConfig
+from kvtransfer.errors import KvDataPlaneError, KvIntegrityError, KvTransferError, StaleTransferError
+from kvtransfer.grpc_receiver import KvTransferServicer
+from kvtransfer.grpc_sender import GrpcKvSender
+from kvtransfer.grpc_transport import kv_server_options
 from kvtransfer.progress import LayerProgress
 from kvtransfer.reblock import check_same_tokens, dest_block_range, scatter_tokens
+from kvtransfer.registry import (
+    Transport,
+    attach_receiver,
+    create_sender,
+    get_transport,
+    load_transport,
+    register_transport,
+)
 from kvtransfer.states import TransferState, TransferStateTable
 from kvtransfer.transport import (
     KvDestinationLike,
@@ -28,9 +38,6 @@ from kvtransfer.transport import (
     KvReceiverSink,
     KvSender,
     SendResult,
-    Transport,
-    get_transport,
-    register_transport,
 )
 from kvtransfer.wire import (
     KvChunkMeta,
@@ -41,14 +48,16 @@ from kvtransfer.wire import (
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
-    "DistKvSender",
     "GrpcKvSender",
     "KvChunkMeta",
+    "KvConfigError",
+    "KvDataPlaneError",
     "KvDestinationLike",
     "KvIntegrityError",
     "KvReceiver",
     "KvReceiverSink",
     "KvSender",
+    "KvTransferConfig",
     "KvTransferError",
     "KvTransferServicer",
     "LayerProgress",
@@ -57,9 +66,10 @@ __all__ = [
     "TransferState",
     "TransferStateTable",
     "Transport",
-    "add_kv_transfer_servicer",
+    "attach_receiver",
     "check_kv_cache",
     "check_same_tokens",
+    "create_sender",
     "decode_chunk",
     "dest_block_range",
     "encode_done_chunk",
@@ -67,6 +77,7 @@ __all__ = [
     "gather_blocks",
     "get_transport",
     "kv_server_options",
+    "load_transport",
     "register_transport",
     "scatter_blocks",
     "scatter_tokens",

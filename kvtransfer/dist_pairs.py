@@ -26,13 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kvtransfer.errors import KvDataPlaneError
 from kvtransfer.wire import dtype_from_name, verify_tensor
 
 _TAG_LIMIT = 1 << 30
-
-
-class DistDataError(RuntimeError):
-    """The data plane of a pair group failed: join, send, receive or timeout."""
 
 
 def local_ip_towards(host: str) -> str:
@@ -64,7 +61,7 @@ def _make_group(backend: str, store: dist.Store, pair_id: str, rank: int, timeou
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(prefix, rank, 2, opts)
     except RuntimeError as exc:  # DistStoreError, DistNetworkError and gloo errors are RuntimeErrors
-        raise DistDataError(f"pair {pair_id} rank {rank}: group not formed: {exc}") from None
+        raise KvDataPlaneError(f"pair {pair_id} rank {rank}: group not formed: {exc}") from None
 
 
 def _wait(work: Any, backend: str, timeout_s: float, what: str) -> None:
@@ -77,15 +74,15 @@ def _wait(work: Any, backend: str, timeout_s: float, what: str) -> None:
         pause = 1e-4
         while not work.is_completed():
             if time.monotonic() >= deadline:
-                raise DistDataError(f"{what} timed out after {timeout_s:.3g}s")
+                raise KvDataPlaneError(f"{what} timed out after {timeout_s:.3g}s")
             time.sleep(pause)
             pause = min(pause * 2, 5e-3)
         if not work.is_success():
             work.wait()  # raises the operation's error
-    except DistDataError:
+    except KvDataPlaneError:
         raise
     except RuntimeError as exc:
-        raise DistDataError(f"{what} failed: {exc}") from None
+        raise KvDataPlaneError(f"{what} failed: {exc}") from None
 
 
 class SenderPair:
@@ -125,12 +122,12 @@ class SenderPair:
         ``stopped()`` is polled while the group is still forming.
 
         Raises:
-            DistDataError: the group did not form, the send failed, or the deadline passed.
+            KvDataPlaneError: the group did not form, the send failed, or the deadline passed.
         """
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or stopped():
-                raise DistDataError(f"pair {self.pair_id}: receiver did not join in time")
+                raise KvDataPlaneError(f"pair {self.pair_id}: receiver did not join in time")
             try:
                 group = self._future.result(timeout=min(left, 0.05))
                 break
@@ -139,7 +136,7 @@ class SenderPair:
         try:
             work = group.send([tensor], 1, tag)
         except RuntimeError as exc:
-            raise DistDataError(f"pair {self.pair_id}: send failed: {exc}") from None
+            raise KvDataPlaneError(f"pair {self.pair_id}: send failed: {exc}") from None
         _wait(work, self.backend, deadline - time.monotonic(), f"pair {self.pair_id}: send of tag {tag}")
 
 
@@ -164,13 +161,13 @@ class SenderPairs:
         """An idle pair to ``endpoint`` with ``backend``, or a new one, waiting for a free one until ``deadline``.
 
         Raises:
-            DistDataError: closed, or no pair free before ``deadline``, or the store could not start.
+            KvDataPlaneError: closed, or no pair free before ``deadline``, or the store could not start.
         """
         host = endpoint.rpartition(":")[0].strip("[]") or "127.0.0.1"
         with self._cond:
             while True:
                 if self._closed:
-                    raise DistDataError("sender pairs are closed")
+                    raise KvDataPlaneError("sender pairs are closed")
                 idle = [p for p in self._idle.get(endpoint, []) if p.backend == backend and p.timeout_s == timeout_s]
                 if idle:
                     self._idle[endpoint].remove(idle[0])
@@ -183,7 +180,7 @@ class SenderPairs:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise DistDataError(f"all {self._max} pair groups to {endpoint} stayed busy")
+                    raise KvDataPlaneError(f"all {self._max} pair groups to {endpoint} stayed busy")
                 self._cond.wait(left)
         try:
             return SenderPair(endpoint, backend, self._get_store(timeout_s), local_ip_towards(host), timeout_s)
@@ -215,7 +212,7 @@ class SenderPairs:
                                                 timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)),
                                                 wait_for_workers=False)
                 except RuntimeError as exc:
-                    raise DistDataError(f"TCPStore could not start: {exc}") from None
+                    raise KvDataPlaneError(f"TCPStore could not start: {exc}") from None
             return self._store
 
 
@@ -245,7 +242,7 @@ class ReceiverPairs:
             current CUDA device (nccl).
 
         Raises:
-            DistDataError: joining the pair or receiving failed or timed out.
+            KvDataPlaneError: joining the pair or receiving failed or timed out.
             KvIntegrityError: shape, dtype or CRC32 differ from the header.
         """
         d = header["dist"]
@@ -260,14 +257,14 @@ class ReceiverPairs:
                                           timeout=datetime.timedelta(seconds=d["timeout_s"]))
                 except RuntimeError as exc:
                     self.drop(d["pair"])
-                    raise DistDataError(f"cannot reach the sender's store {d['store']}: {exc}") from None
+                    raise KvDataPlaneError(f"cannot reach the sender's store {d['store']}: {exc}") from None
                 pair.group = _make_group(pair.backend, store, d["pair"], 1, d["timeout_s"], local_ip_towards(host))
             device = torch.device("cuda", torch.cuda.current_device()) if pair.backend == "nccl" else "cpu"
             buf = torch.empty(header["shape"], dtype=dtype_from_name(header["dtype"]), device=device)
             try:
                 work = pair.group.recv([buf], 0, d["tag"])
             except RuntimeError as exc:
-                raise DistDataError(f"pair {d['pair']}: recv failed: {exc}") from None
+                raise KvDataPlaneError(f"pair {d['pair']}: recv failed: {exc}") from None
             _wait(work, pair.backend, d["timeout_s"], f"pair {d['pair']}: recv of tag {d['tag']}")
         verify_tensor(header, buf)
         return buf

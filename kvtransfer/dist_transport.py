@@ -1,42 +1,47 @@
 """The ``"torch_dist"`` KV transport: gRPC control plane, torch.distributed data plane.
 
-Control plane: the ``KvTransfer.PushKv`` stream of the ``"grpc"`` transport
-(headers, ``"done"`` chunk, ack), so states, generations, stale checks, CRC32
-and coverage are the same code. Data plane: each ``"kv"`` chunk is sent as a
-header-only message marked ``"data": "dist"`` (:mod:`kvtransfer.wire`) and its
-tensor goes point to point over a 2-rank pair group
-(:mod:`kvtransfer.dist_pairs`): gloo for CPU caches, NCCL for CUDA caches.
-The sender is rank 0 and hosts the group's TCPStore; the receiving servicer
-joins as rank 1 on first contact, so a decode worker's KV gRPC endpoint
-(:func:`add_kv_transfer_servicer`) serves both transports with no configuration.
+Control plane: the ``KvTransfer.PushKv`` stream of :mod:`kvtransfer.grpc_sender` and
+:mod:`kvtransfer.grpc_receiver` (headers, ``"done"`` chunk, ack), so states,
+generations, stale checks, CRC32 and coverage are the same code; this module only
+supplies their data planes. Each ``"kv"`` chunk is sent as a header-only message
+marked ``"data": "dist"`` (:mod:`kvtransfer.wire`) and its tensor goes point to point
+over a 2-rank pair group (:mod:`kvtransfer.dist_pairs`): gloo for CPU caches, NCCL
+for CUDA caches. The sender is rank 0 and hosts the group's TCPStore; the receiver
+joins as rank 1 on first contact. Its receiver also takes chunks with the tensor
+inside the message (a ``"grpc"`` sender).
 
-Sending side::
+Registered (:mod:`kvtransfer.registry`) when :mod:`kvtransfer` is imported; option
+``max_pairs_per_endpoint`` (sender; default 4): concurrent pair groups per receiver
+endpoint. Workers reach it through the registry only::
 
-    sender = DistKvSender(timeout_s=30.0)
+    sender = create_sender(KvTransferConfig(transport="torch_dist"))
     result = sender.send(request_id, transfer_id, destination, kv_cache, block_ids, None, progress=progress)
 
-Failure handling: every wait (group formation, send, receive) is bounded by
-the sender's ``timeout_s``; a failed transfer drops its pair group on both
-sides and the next transfer builds a new one.
+Failure handling: every wait (group formation, send, receive) is bounded by the
+sender's ``timeout_s``; a failed transfer drops its pair group on both sides and
+the next transfer builds a new one.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+import grpc
 import torch
 
-from kvtransfer.dist_pairs import SenderPair, SenderPairs, backend_for
-from kvtransfer.grpc_receiver import add_kv_transfer_servicer
-from kvtransfer.grpc_sender import DEFAULT_MAX_CHUNK_BYTES, GrpcKvSender
-from kvtransfer.send_stream import DataPlane, SendJob, StreamControl
-from kvtransfer.transport import register_transport
-from kvtransfer.wire import encode_dist_kv_chunk
+from kvtransfer.dist_pairs import ReceiverPairs, SenderPair, SenderPairs, backend_for
+from kvtransfer.grpc_receiver import InboundData, KvTransferServicer, add_kv_transfer_servicer
+from kvtransfer.grpc_sender import GrpcKvSender
+from kvtransfer.registry import check_options, register_transport
+from kvtransfer.send_stream import OutboundData, SendJob, StreamControl
+from kvtransfer.transport import KvReceiverSink
+from kvtransfer.wire import DATA_DIST, encode_dist_kv_chunk
 from pdcluster.v1 import kv_pb2
 
-__all__ = ["DistKvSender"]
+NAME = "torch_dist"
+_OPTIONS = ("max_pairs_per_endpoint",)
 
 
 class _PairData:
@@ -46,12 +51,9 @@ class _PairData:
         self._pair = pair
         self._pending: tuple[torch.Tensor, int] | None = None
 
-    def encode(self, job: SendJob, i: int, tensor: torch.Tensor, corrupt: bool) -> tuple[kv_pb2.KvChunk, int]:
+    def encode(self, job: SendJob, i: int, tensor: torch.Tensor) -> tuple[kv_pb2.KvChunk, int]:
         tag = self._pair.next_tag()
         chunk = encode_dist_kv_chunk(job.meta(i), tensor, self._pair.header_fields(tag))
-        if corrupt:  # after the checksum went into the header; the gathered tensor is our own copy
-            flat = tensor.reshape(-1).view(torch.uint8)
-            flat[flat.numel() // 2] ^= 0xFF
         self._pending = (tensor, tag)
         return chunk, tensor.numel() * tensor.element_size()
 
@@ -63,53 +65,33 @@ class _PairData:
         self._pair.send(tensor, tag, job.deadline, ctl.is_stopped)
 
 
-class DistKvSender(GrpcKvSender):
-    """:class:`KvSender` whose KV tensors travel over torch.distributed pair groups.
+class PairSendPlane:
+    """A sender's data plane: pair groups to each receiver endpoint, each carrying one transfer at a time.
 
-    Same contract, states, re-blocking and layer-wise streaming (``progress``)
-    as :class:`GrpcKvSender`; a chunk's tensor follows its header over the
-    pair group to the destination endpoint. At most ``max_pairs_per_endpoint``
-    transfers to one endpoint run at once (one per pair group); more wait for
-    a free group within their deadline.
+    At most ``max_pairs_per_endpoint`` transfers to one endpoint run at once; more
+    wait for a free group within their deadline.
 
     Args:
-        timeout_s: deadline of one whole transfer (seconds); also the pair
-            groups' timeout, so no wait outlives it by much.
-        max_chunk_bytes: tensor bytes per chunk at most.
-        corrupt_chunk_index: test hook; flip one tensor byte of this chunk
-            (0-based) after its checksum was computed.
-        chunk_delay_s: test hook; sleep this long before each chunk (seconds).
+        timeout_s: the pair groups' timeout (seconds): the sender's transfer deadline,
+            so no wait outlives it by much.
         max_pairs_per_endpoint: concurrent pair groups per receiver endpoint (>= 1).
-        channel_options: extra gRPC channel options of the control plane.
-        state_history: finished transfers kept for :meth:`poll`.
 
     Raises:
-        ValueError: a setting out of range.
+        ValueError: ``max_pairs_per_endpoint`` < 1.
     """
 
-    def __init__(
-        self,
-        *,
-        timeout_s: float = 30.0,
-        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-        corrupt_chunk_index: int | None = None,
-        chunk_delay_s: float = 0.0,
-        max_pairs_per_endpoint: int = 4,
-        channel_options: Sequence[tuple[str, Any]] = (),
-        state_history: int = 4096,
-    ) -> None:
-        super().__init__(timeout_s=timeout_s, max_chunk_bytes=max_chunk_bytes, channel_options=channel_options,
-                         state_history=state_history, corrupt_chunk_index=corrupt_chunk_index,
-                         chunk_delay_s=chunk_delay_s)
+    def __init__(self, timeout_s: float, max_pairs_per_endpoint: int = 4) -> None:
+        self._timeout_s = timeout_s
         self._pairs = SenderPairs(max_pairs_per_endpoint)
 
-    def close(self) -> None:
-        """Close the control channels and drop idle pair groups; later sends raise :class:`KvTransferError`."""
-        super().close()
-        self._pairs.close()
-
     @contextlib.contextmanager
-    def _data_plane(self, job: SendJob, endpoint: str) -> Iterator[DataPlane]:
+    def open(self, job: SendJob, endpoint: str) -> Iterator[OutboundData]:
+        """A pair group to ``endpoint`` for one transfer, kept for reuse when it ends without an exception.
+
+        Raises:
+            KvDataPlaneError: closed, every pair to ``endpoint`` stayed busy until the deadline,
+                or the TCPStore could not start.
+        """
         pair = self._pairs.acquire(endpoint, backend_for(job.kv_cache.device), self._timeout_s, job.deadline)
         ok = False
         try:
@@ -118,5 +100,56 @@ class DistKvSender(GrpcKvSender):
         finally:
             self._pairs.release(pair, endpoint, ok)
 
+    def close(self) -> None:
+        """Drop the idle pair groups; later transfers fail."""
+        self._pairs.close()
 
-register_transport("torch_dist", sender_factory=DistKvSender, receiver_factory=add_kv_transfer_servicer)
+
+class _PairStream:
+    """Receiving data plane of one stream: remembers the pair its headers name, to drop it on failure."""
+
+    def __init__(self, pairs: ReceiverPairs) -> None:
+        self._pairs = pairs
+        self._pair: str | None = None
+
+    def note(self, header: dict[str, Any]) -> None:
+        if header.get("data") == DATA_DIST and isinstance(header.get("dist"), dict):
+            pair = header["dist"].get("pair")
+            if isinstance(pair, str):
+                self._pair = pair
+
+    def tensor(self, header: dict[str, Any]) -> torch.Tensor:
+        return self._pairs.receive(header)
+
+    def drop(self) -> None:
+        if self._pair is not None:
+            self._pairs.drop(self._pair)
+
+
+class PairReceivePlane:
+    """A receiver's data plane: joins the senders' pair groups (rank 1) when their chunks name them."""
+
+    def __init__(self) -> None:
+        self._pairs = ReceiverPairs()
+
+    def open_stream(self) -> InboundData:
+        """See :meth:`kvtransfer.grpc_receiver.ReceiveDataPlane.open_stream`."""
+        return _PairStream(self._pairs)
+
+
+def _sender(*, timeout_s: float, max_chunk_bytes: int, options: Mapping[str, str]) -> GrpcKvSender:
+    check_options(NAME, options, _OPTIONS)
+    try:
+        max_pairs = int(options.get("max_pairs_per_endpoint", "4"))
+    except ValueError:
+        raise ValueError(f"max_pairs_per_endpoint must be an integer, got {options['max_pairs_per_endpoint']!r}") from None
+    return GrpcKvSender(timeout_s=timeout_s, max_chunk_bytes=max_chunk_bytes,
+                        data_plane=PairSendPlane(timeout_s, max_pairs))
+
+
+def _receiver(server: grpc.Server, sink: KvReceiverSink, *, options: Mapping[str, str]) -> KvTransferServicer:
+    check_options(NAME, options, _OPTIONS)
+    return add_kv_transfer_servicer(server, sink, PairReceivePlane())
+
+
+register_transport(NAME, sender_factory=_sender, receiver_factory=_receiver)

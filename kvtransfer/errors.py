@@ -43,3 +43,12 @@ class StaleTransferError(RuntimeError):
     was reclaimed (lease expired, aborted), its generation differs, or the
     block ids are not among the reserved ones. Nothing has been written.
     """
+
+
+class KvDataPlaneError(RuntimeError):
+    """The data plane of a transfer failed: it could not start, or moving a tensor failed or timed out.
+
+    Raised by a transport's data plane (e.g. the torch_dist pair groups); the gRPC
+    control plane turns it into a failed transfer (:class:`KvTransferError` on the
+    sender, an ``"incomplete: data plane: ..."`` rejection on the receiver).
+    """

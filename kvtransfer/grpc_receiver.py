@@ -1,23 +1,78 @@
-"""gRPC KV receiver: the ``KvTransfer.PushKv`` servicer that verifies chunks and writes them through a sink."""
+"""gRPC KV receiver: the ``KvTransfer.PushKv`` servicer that verifies chunks and writes them through a sink.
+
+Lifecycle of a stream (one transfer): the first chunk is admitted by the sink (its
+transfer id and generation still reserved), each ``"kv"`` chunk is verified and written,
+the ``"done"`` chunk checks coverage and completes the transfer; anything else fails it
+(or, for an unreserved transfer, drops it as stale). Where a chunk's tensor comes from
+is the data plane's business (:class:`ReceiveDataPlane`): inside the message for the
+``"grpc"`` transport (:class:`InlineReceive`), or what another transport supplies
+(``"torch_dist"``: :mod:`kvtransfer.dist_transport`).
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import torch
 
 from kvtransfer.coverage import TokenCoverage
-from kvtransfer.dist_pairs import DistDataError, ReceiverPairs
-from kvtransfer.errors import KvIntegrityError, StaleTransferError
+from kvtransfer.errors import KvDataPlaneError, KvIntegrityError, StaleTransferError
 from kvtransfer.states import TransferState, TransferStateTable
 from kvtransfer.transport import KvReceiver, KvReceiverSink
-from kvtransfer.wire import DATA_DIST, KIND_KV, decode_chunk
+from kvtransfer.wire import KIND_KV, decode_chunk
 from pdcluster.v1 import kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+
+class InboundData(Protocol):
+    """The data plane of one ``PushKv`` stream."""
+
+    def note(self, header: dict[str, Any]) -> None:
+        """Every header of the stream that parsed, also of a chunk that then failed verification."""
+
+    def tensor(self, header: dict[str, Any]) -> torch.Tensor:
+        """The tensor of a verified ``"kv"`` chunk whose message carries none (an empty payload).
+
+        Returns:
+            A tensor of ``header["shape"]`` and ``header["dtype"]`` whose CRC32 matched the header.
+
+        Raises:
+            KvIntegrityError: no such tensor, or it does not match the header (the transfer is corrupt).
+            KvDataPlaneError: receiving it failed or timed out (the transfer is incomplete).
+        """
+
+    def drop(self) -> None:
+        """The stream's transfer failed or was refused: release what the stream used. Must not raise."""
+
+
+class ReceiveDataPlane(Protocol):
+    """A receiver's data plane (:class:`KvTransferServicer` takes one): one :class:`InboundData` per stream."""
+
+    def open_stream(self) -> InboundData:
+        """The data plane of a new ``PushKv`` stream."""
+
+
+class InlineReceive:
+    """The ``"grpc"`` data plane: every tensor travels inside its message (stateless)."""
+
+    def open_stream(self) -> InboundData:
+        """See :meth:`ReceiveDataPlane.open_stream`."""
+        return self
+
+    def note(self, header: dict[str, Any]) -> None:
+        """Nothing to note."""
+
+    def tensor(self, header: dict[str, Any]) -> torch.Tensor:
+        """Always raises :class:`KvIntegrityError`: this receiver takes no tensor outside the message."""
+        raise KvIntegrityError(f"chunk without payload (data={header.get('data')!r}): this KV receiver takes "
+                               "tensors inside the message only", header)
+
+    def drop(self) -> None:
+        """Nothing to release."""
 
 
 class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
@@ -26,12 +81,11 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
     Per stream: every chunk is decoded and verified (header, dtype, size,
     CRC32); the first one is admitted with ``sink.begin``; each ``"kv"`` chunk
     is written with ``sink.write`` (its tensor taken from the message, or for
-    ``"data": "dist"`` chunks received from the sender's torch.distributed pair
-    group through ``pairs``, then CRC-checked alike); the ``"done"`` chunk is
-    accepted only if its ``num_chunks`` matches and every layer
-    ``[0, num_layers)`` covers the same token range ``[0, T)``, each token
+    a chunk without payload from the data plane, CRC-checked alike); the
+    ``"done"`` chunk is accepted only if its ``num_chunks`` matches and every
+    layer ``[0, num_layers)`` covers the same token range ``[0, T)``, each token
     exactly once, then ``sink.complete`` runs. A stream that ends otherwise
-    drops the pair group its chunks named (the sender drops its side too).
+    tells its data plane to drop what it used (e.g. a pair group).
 
     Acks: ``ok=True`` with ``bytes_received`` (payload bytes) after
     ``complete``. ``ok=False`` with an ``error`` starting ``"stale:"`` when the
@@ -44,22 +98,21 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
 
     Args:
         sink: the decode worker's :class:`KvReceiverSink`.
+        data_plane: where tensors of chunks without payload come from;
+            :class:`InlineReceive` (none: such chunks are corrupt) by default.
         state_history: finished transfers kept for :meth:`poll`.
-        pairs: receiving side of torch.distributed pair groups; a new
-            :class:`~kvtransfer.dist_pairs.ReceiverPairs` by default (groups are
-            only created when a ``"dist"`` chunk arrives).
     """
 
     def __init__(
-        self, sink: KvReceiverSink, *, state_history: int = 4096, pairs: ReceiverPairs | None = None
+        self, sink: KvReceiverSink, *, data_plane: ReceiveDataPlane | None = None, state_history: int = 4096
     ) -> None:
         self._sink = sink
         self._states = TransferStateTable(state_history)
-        self._pairs = pairs if pairs is not None else ReceiverPairs()
+        self._data = data_plane if data_plane is not None else InlineReceive()
 
     def PushKv(self, request_iterator: Iterator[kv_pb2.KvChunk], context: grpc.ServicerContext) -> kv_pb2.KvAck:
         """Handle one transfer stream; see the class docstring for the ack contract."""
-        stream = _InboundStream(self._sink, self._states, self._pairs)
+        stream = _InboundStream(self._sink, self._states, self._data.open_stream())
         try:
             for chunk in request_iterator:
                 ack = stream.on_chunk(chunk)
@@ -75,17 +128,17 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
 
 
 def add_kv_transfer_servicer(
-    server: grpc.Server, sink: KvReceiverSink, *, state_history: int = 4096
+    server: grpc.Server, sink: KvReceiverSink, data_plane: ReceiveDataPlane | None = None
 ) -> KvTransferServicer:
     """Register a :class:`KvTransferServicer` for ``sink`` on ``server`` (before ``server.start()``).
 
-    The servicer receives both transports, ``"grpc"`` and ``"torch_dist"``,
-    with no further configuration.
+    The receiver factories of the transports with this control plane call it
+    (:mod:`kvtransfer.grpc_transport`, :mod:`kvtransfer.dist_transport`).
 
     Returns:
         The servicer, whose :meth:`KvTransferServicer.poll` shows receiver states.
     """
-    servicer = KvTransferServicer(sink, state_history=state_history)
+    servicer = KvTransferServicer(sink, data_plane=data_plane)
     kv_pb2_grpc.add_KvTransferServicer_to_server(servicer, server)
     return servicer
 
@@ -93,16 +146,15 @@ def add_kv_transfer_servicer(
 class _InboundStream:
     """State of one ``PushKv`` stream (one transfer)."""
 
-    def __init__(self, sink: KvReceiverSink, states: TransferStateTable, pairs: ReceiverPairs) -> None:
+    def __init__(self, sink: KvReceiverSink, states: TransferStateTable, data: InboundData) -> None:
         self._sink = sink
         self._states = states
-        self._pairs = pairs
+        self._data = data
         self.transfer_id: str | None = None
         self.generation: int | None = None
         self._num_chunks = 0
         self._bytes = 0
         self._block_size: int | None = None
-        self._pair: str | None = None
         self._coverage = TokenCoverage()
 
     def on_chunk(self, chunk: kv_pb2.KvChunk) -> kv_pb2.KvAck | None:
@@ -110,11 +162,12 @@ class _InboundStream:
         try:
             header, tensor = decode_chunk(chunk)
         except KvIntegrityError as exc:
-            self._note_pair(exc.header)
+            if exc.header is not None:
+                self._data.note(exc.header)
             if self.transfer_id is None and exc.header is not None and not self._admit(exc.header):
                 return self._stale(exc.header)
             return self.fail(f"corrupt: {exc}")
-        self._note_pair(header)
+        self._data.note(header)
         if self.transfer_id is None:
             if not self._admit(header):
                 return self._stale(header)
@@ -125,18 +178,18 @@ class _InboundStream:
             )
         if header["kind"] != KIND_KV:
             return self._on_done(header)
-        if tensor is None:  # "data": "dist": the tensor comes over the pair group
+        if tensor is None:  # the tensor travels outside the message
             try:
-                tensor = self._pairs.receive(header)
+                tensor = self._data.tensor(header)
             except KvIntegrityError as exc:
                 return self.fail(f"corrupt: {exc}")
-            except DistDataError as exc:
+            except KvDataPlaneError as exc:
                 return self.fail(f"incomplete: data plane: {exc}")
         return self._on_kv(header, tensor, tensor.numel() * tensor.element_size())
 
     def fail(self, reason: str) -> kv_pb2.KvAck:
         """Fail the admitted transfer (if any) through the sink and build the error ack."""
-        self._drop_pair()
+        self._data.drop()
         if self.transfer_id is not None:
             log.warning("KV transfer %s generation %s failed: %s", self.transfer_id, self.generation, reason)
             self._states.set(self.transfer_id, TransferState.FAILED)
@@ -145,16 +198,6 @@ class _InboundStream:
             except Exception:
                 log.exception("sink.fail raised for transfer %s", self.transfer_id)
         return kv_pb2.KvAck(ok=False, error=reason, bytes_received=self._bytes)
-
-    def _note_pair(self, header: dict[str, Any] | None) -> None:
-        if header is not None and header.get("data") == DATA_DIST and isinstance(header.get("dist"), dict):
-            pair = header["dist"].get("pair")
-            if isinstance(pair, str):
-                self._pair = pair
-
-    def _drop_pair(self) -> None:
-        if self._pair is not None:
-            self._pairs.drop(self._pair)
 
     def _admit(self, header: dict[str, Any]) -> bool:
         tid, gen, rid = header.get("transfer_id"), header.get("generation"), header.get("request_id")
@@ -215,14 +258,14 @@ class _InboundStream:
 
     def _stale_now(self, exc: StaleTransferError) -> kv_pb2.KvAck:
         log.info("KV transfer %s generation %s went stale: %s", self.transfer_id, self.generation, exc)
-        self._drop_pair()
+        self._data.drop()
         self._states.set(self.transfer_id, TransferState.FAILED)
         return kv_pb2.KvAck(ok=False, error=f"stale: {exc}", bytes_received=self._bytes)
 
     def _stale(self, header: dict[str, Any]) -> kv_pb2.KvAck:
         tid, gen = header.get("transfer_id"), header.get("generation")
         log.info("dropping stream of unreserved KV transfer %r generation %r", tid, gen)
-        self._drop_pair()
+        self._data.drop()
         return kv_pb2.KvAck(
             ok=False, error=f"stale: transfer {tid!r} generation {gen!r} is not reserved here; chunks dropped"
         )

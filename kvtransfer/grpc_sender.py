@@ -1,4 +1,13 @@
-"""gRPC KV sender: streams one transfer's chunks to a decode worker's ``KvTransfer.PushKv``."""
+"""gRPC KV sender: the control plane that streams one transfer's chunks to a decode worker's ``KvTransfer.PushKv``.
+
+Lifecycle of a send: plan the chunks (:func:`~kvtransfer.send_stream.plan_job`), re-block
+for the destination, open the data plane for the endpoint, stream the ``"kv"`` chunks
+(each leaves once its layers are computed, with a ``progress``) and the ``"done"`` chunk,
+then check the receiver's ack. Where each chunk's tensor travels is the data plane's
+business (:class:`~kvtransfer.send_stream.SendDataPlane`): inside the message by default
+(:class:`InlineData`, the ``"grpc"`` transport), or what another transport supplies
+(``"torch_dist"``: :mod:`kvtransfer.dist_transport`).
+"""
 
 from __future__ import annotations
 
@@ -12,11 +21,12 @@ from typing import Any
 import grpc
 import torch
 
-from kvtransfer.dist_pairs import DistDataError
-from kvtransfer.errors import KvTransferError
+from kvtransfer.config import DEFAULT_MAX_CHUNK_BYTES
+from kvtransfer.errors import KvDataPlaneError, KvTransferError
 from kvtransfer.progress import LayerProgress
 from kvtransfer.send_stream import (
-    DataPlane,
+    OutboundData,
+    SendDataPlane,
     SendJob,
     StreamControl,
     check_destination,
@@ -30,21 +40,23 @@ from pdcluster.v1 import kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_CHUNK_BYTES = 4 * 1024 * 1024 - 64 * 1024
-"""Payload bytes per chunk by default: fits gRPC's default 4 MiB receive limit with header room."""
-
-
 class InlineData:
-    """The gRPC data plane: each chunk's tensor travels inside its message."""
+    """The ``"grpc"`` data plane: each chunk's tensor travels inside its message (stateless)."""
 
-    def encode(self, job: SendJob, i: int, tensor: torch.Tensor, corrupt: bool) -> tuple[kv_pb2.KvChunk, int]:
-        chunk = encode_kv_chunk(job.meta(i), tensor)
-        if corrupt:
-            chunk.payload = _flip_one_byte(chunk.payload)
-        return chunk, tensor.numel() * tensor.element_size()
+    @contextlib.contextmanager
+    def open(self, job: SendJob, endpoint: str) -> Iterator[OutboundData]:
+        """See :meth:`SendDataPlane.open`; never fails."""
+        yield self
+
+    def encode(self, job: SendJob, i: int, tensor: torch.Tensor) -> tuple[kv_pb2.KvChunk, int]:
+        """See :meth:`OutboundData.encode`."""
+        return encode_kv_chunk(job.meta(i), tensor), tensor.numel() * tensor.element_size()
 
     def after_yield(self, job: SendJob, ctl: StreamControl) -> None:
-        return None
+        """Nothing to do: the tensor left with its message."""
+
+    def close(self) -> None:
+        """Nothing to release."""
 
 
 class GrpcKvSender(KvSender):
@@ -60,15 +72,13 @@ class GrpcKvSender(KvSender):
         max_chunk_bytes: payload bytes per chunk at most; the receiving server
             must accept messages this large plus header (see
             :func:`kvtransfer.grpc_transport.kv_server_options`).
+        data_plane: where chunk tensors travel; :class:`InlineData` (inside the
+            messages) by default. The sender owns it: :meth:`close` closes it.
         channel_options: extra gRPC channel options, ``(key, value)`` pairs.
         state_history: finished transfers kept for :meth:`poll`.
-        corrupt_chunk_index: test hook; flip one payload byte of this ``"kv"``
-            chunk (0-based) after its checksum was computed.
-        chunk_delay_s: test hook; sleep this long (seconds) before each ``"kv"`` chunk.
 
     Raises:
-        ValueError: non-positive ``timeout_s``, ``max_chunk_bytes`` or
-            ``state_history``, or a negative ``chunk_delay_s``.
+        ValueError: non-positive ``timeout_s``, ``max_chunk_bytes`` or ``state_history``.
     """
 
     def __init__(
@@ -76,13 +86,10 @@ class GrpcKvSender(KvSender):
         *,
         timeout_s: float = 30.0,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        data_plane: SendDataPlane | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
         state_history: int = 4096,
-        corrupt_chunk_index: int | None = None,
-        chunk_delay_s: float = 0.0,
     ) -> None:
-        if chunk_delay_s < 0:
-            raise ValueError(f"chunk_delay_s must be >= 0, got {chunk_delay_s}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if max_chunk_bytes < 1:
@@ -91,8 +98,7 @@ class GrpcKvSender(KvSender):
         self._max_chunk_bytes = max_chunk_bytes
         self._channel_options = [("grpc.max_send_message_length", -1), *channel_options]
         self._states = TransferStateTable(state_history)
-        self._corrupt_chunk_index = corrupt_chunk_index
-        self._chunk_delay_s = chunk_delay_s
+        self._data = data_plane if data_plane is not None else InlineData()
         self._lock = threading.Lock()
         self._channels: dict[str, tuple[grpc.Channel, kv_pb2_grpc.KvTransferStub]] = {}
         self._in_flight: set[str] = set()
@@ -150,12 +156,13 @@ class GrpcKvSender(KvSender):
         return self._states.get(transfer_id)
 
     def close(self) -> None:
-        """Close every cached channel; later :meth:`send` calls raise :class:`KvTransferError`."""
+        """Close every cached channel and the data plane; later :meth:`send` calls raise :class:`KvTransferError`."""
         with self._lock:
             self._closed = True
             channels, self._channels = list(self._channels.values()), {}
         for channel, _ in channels:
             channel.close()
+        self._data.close()
 
     def _start(self, transfer_id: str) -> None:
         with self._lock:
@@ -179,19 +186,13 @@ class GrpcKvSender(KvSender):
                 entry = self._channels[endpoint] = (channel, kv_pb2_grpc.KvTransferStub(channel))
             return entry[1]
 
-    @contextlib.contextmanager
-    def _data_plane(self, job: SendJob, endpoint: str) -> Iterator[DataPlane]:
-        """The data plane of one transfer; its exit learns of a failure through the exception."""
-        yield InlineData()
-
     def _push(self, job: SendJob, endpoint: str) -> StreamControl:
         stub = self._stub(job.transfer_id, endpoint)
         ctl = StreamControl()
         try:
-            with self._data_plane(job, endpoint) as data:
+            with self._data.open(job, endpoint) as data:
                 try:
-                    chunks = chunk_stream(job, ctl, data, self._states, self._corrupt_chunk_index,
-                                          self._chunk_delay_s)
+                    chunks = chunk_stream(job, ctl, data, self._states)
                     ack: kv_pb2.KvAck = stub.PushKv(chunks, timeout=self._timeout_s)
                 except grpc.RpcError as exc:
                     ctl.stop()  # before FAILED is recorded, so no later TRANSFERRING overwrites it
@@ -217,12 +218,6 @@ class GrpcKvSender(KvSender):
                         job.transfer_id,
                         f"receiver acknowledged {ack.bytes_received} bytes, {ctl.bytes_sent} sent",
                     )
-        except DistDataError as exc:  # the data plane could not even start
+        except KvDataPlaneError as exc:  # the data plane could not even start
             raise self._failure(job.transfer_id, str(exc)) from None
         return ctl
-
-
-def _flip_one_byte(payload: bytes) -> bytes:
-    corrupted = bytearray(payload)
-    corrupted[len(corrupted) // 2] ^= 0xFF
-    return bytes(corrupted)

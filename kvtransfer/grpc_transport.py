@@ -1,30 +1,31 @@
-"""The ``"grpc"`` KV transport: sender, receiver servicer, server options and registration.
+"""The ``"grpc"`` KV transport: tensors inside the ``KvTransfer.PushKv`` messages.
 
-Receiving side (decode worker)::
+Registered (:mod:`kvtransfer.registry`) when :mod:`kvtransfer` is imported:
 
-    server = grpc.server(ThreadPoolExecutor(8), options=kv_server_options())
-    receiver = add_kv_transfer_servicer(server, sink)
+* sender: a :class:`~kvtransfer.grpc_sender.GrpcKvSender` with the inline data plane;
+* receiver: a :class:`~kvtransfer.grpc_receiver.KvTransferServicer` on the server the
+  worker gives it, with the inline data plane (it refuses chunks whose tensor travels
+  elsewhere).
 
-Sending side (prefill worker)::
+It takes no ``transport_options``. Workers reach it through the registry only::
 
-    sender = GrpcKvSender(timeout_s=30.0)
-    result = sender.send(request_id, transfer_id, destination, kv_cache, block_ids, first_token_id)
+    sender = create_sender(KvTransferConfig(transport="grpc"))
+    receiver = attach_receiver(KvTransferConfig(transport="grpc"), server, sink)
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import grpc
+
+from kvtransfer.config import DEFAULT_MAX_CHUNK_BYTES
 from kvtransfer.grpc_receiver import KvTransferServicer, add_kv_transfer_servicer
-from kvtransfer.grpc_sender import DEFAULT_MAX_CHUNK_BYTES, GrpcKvSender
-from kvtransfer.transport import register_transport
+from kvtransfer.grpc_sender import GrpcKvSender
+from kvtransfer.registry import check_options, register_transport
+from kvtransfer.transport import KvReceiverSink
 
-__all__ = [
-    "DEFAULT_MAX_CHUNK_BYTES",
-    "GrpcKvSender",
-    "KvTransferServicer",
-    "add_kv_transfer_servicer",
-    "kv_server_options",
-]
-
+NAME = "grpc"
 _HEADER_ROOM_BYTES = 64 * 1024
 
 
@@ -41,4 +42,14 @@ def kv_server_options(max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> list[tu
     return [("grpc.max_receive_message_length", max(4 * 1024 * 1024, max_chunk_bytes + _HEADER_ROOM_BYTES))]
 
 
-register_transport("grpc", sender_factory=GrpcKvSender, receiver_factory=add_kv_transfer_servicer)
+def _sender(*, timeout_s: float, max_chunk_bytes: int, options: Mapping[str, str]) -> GrpcKvSender:
+    check_options(NAME, options)
+    return GrpcKvSender(timeout_s=timeout_s, max_chunk_bytes=max_chunk_bytes)
+
+
+def _receiver(server: grpc.Server, sink: KvReceiverSink, *, options: Mapping[str, str]) -> KvTransferServicer:
+    check_options(NAME, options)
+    return add_kv_transfer_servicer(server, sink)
+
+
+register_transport(NAME, sender_factory=_sender, receiver_factory=_receiver)

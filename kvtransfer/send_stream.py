@@ -4,8 +4,9 @@ A :class:`SendJob` is planned once per :meth:`KvSender.send` (source blocks in
 chunks, each chunk's destination block ids from re-blocking). :func:`chunk_stream`
 yields the job's ``KvChunk`` messages in order, waiting for each chunk's layers
 when a :class:`~kvtransfer.progress.LayerProgress` is given; a
-:class:`DataPlane` decides where each chunk's tensor travels (inside the
-message for gRPC, over a pair group for torch.distributed).
+:class:`SendDataPlane` decides where each chunk's tensor travels (inside the
+message for ``"grpc"``, over a pair group for ``"torch_dist"``); the gRPC sender
+(:mod:`kvtransfer.grpc_sender`) is the control plane around both.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -157,18 +159,43 @@ class StreamControl:
             return self.stopped
 
 
-class DataPlane(Protocol):
-    """Where chunk tensors travel. ``encode`` runs under the stream lock; ``after_yield`` after the header left."""
+class OutboundData(Protocol):
+    """The data plane of one transfer: where each chunk's tensor travels.
 
-    def encode(self, job: SendJob, i: int, tensor: torch.Tensor, corrupt: bool) -> tuple[kv_pb2.KvChunk, int]:
-        """Chunk ``i``'s message for ``tensor`` and its payload byte count."""
+    ``encode`` runs under the stream lock; ``after_yield`` after the chunk's message left.
+    """
+
+    def encode(self, job: SendJob, i: int, tensor: torch.Tensor) -> tuple[kv_pb2.KvChunk, int]:
+        """Chunk ``i``'s message for ``tensor`` (its CRC32 in the header) and its payload byte count."""
 
     def after_yield(self, job: SendJob, ctl: StreamControl) -> None:
-        """Called once the message of the last encoded chunk was handed to gRPC."""
+        """Called once the message of the last encoded chunk was handed to gRPC.
+
+        Raises:
+            KvDataPlaneError: moving the tensor failed (recorded in ``ctl.error``).
+        """
 
 
-def chunk_stream(job: SendJob, ctl: StreamControl, data: DataPlane, states: TransferStateTable,
-                 corrupt_index: int | None, chunk_delay_s: float) -> Iterator[kv_pb2.KvChunk]:
+class SendDataPlane(Protocol):
+    """A sender's data plane (:class:`~kvtransfer.grpc_sender.GrpcKvSender` takes one).
+
+    Inline (the tensor inside the message) for ``"grpc"``; torch.distributed pair
+    groups for ``"torch_dist"`` (:mod:`kvtransfer.dist_transport`).
+    """
+
+    def open(self, job: SendJob, endpoint: str) -> AbstractContextManager[OutboundData]:
+        """The data plane of one transfer to ``endpoint``; its exit learns of a failure through the exception.
+
+        Raises:
+            KvDataPlaneError: it cannot start (the send then fails with this reason).
+        """
+
+    def close(self) -> None:
+        """Release what the data plane holds; later :meth:`open` calls may raise :class:`KvDataPlaneError`."""
+
+
+def chunk_stream(job: SendJob, ctl: StreamControl, data: OutboundData,
+                 states: TransferStateTable) -> Iterator[kv_pb2.KvChunk]:
     """Yield the kv chunks then the done chunk; a local error ends the stream early.
 
     Runs on gRPC's request-consuming thread; an error is recorded in
@@ -178,14 +205,12 @@ def chunk_stream(job: SendJob, ctl: StreamControl, data: DataPlane, states: Tran
     """
     try:
         for i, spec in enumerate(job.plan):
-            if chunk_delay_s > 0:
-                time.sleep(chunk_delay_s)
             if job.progress is not None and not _wait_layers(job, ctl, states, spec.layer_end):
                 return
             with ctl.lock:
                 if ctl.stopped:
                     return
-                chunk, nbytes = data.encode(job, i, job.gather(i), corrupt=i == corrupt_index)
+                chunk, nbytes = data.encode(job, i, job.gather(i))
                 ctl.bytes_sent += nbytes
                 ctl.num_chunks += 1
                 now = time.monotonic()

@@ -1,20 +1,20 @@
-"""Transport interface for moving one request's KV, and a registry of transports.
+"""The interfaces of a KV transport: what moves one request's KV, seen from each side.
 
 The prefill worker holds a :class:`KvSender`; the decode worker implements a
 :class:`KvReceiverSink` (its block pool and reservation table) and attaches it
-to a transport's receiver, which exposes :class:`KvReceiver`. gRPC is the
-first transport (``"grpc"``, :mod:`kvtransfer.grpc_transport`);
-``"torch_dist"`` (:mod:`kvtransfer.dist_transport`) moves the tensors over
-torch.distributed pair groups and keeps gRPC as its control plane.
+to a transport's receiver, which exposes :class:`KvReceiver`. Both come from
+the transport's factories in :mod:`kvtransfer.registry`, the only way in:
+``"grpc"`` (:mod:`kvtransfer.grpc_transport`) and ``"torch_dist"``
+(:mod:`kvtransfer.dist_transport`, torch.distributed pair groups as data plane
+under the same gRPC control plane) are built in.
 """
 
 from __future__ import annotations
 
 import abc
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -97,19 +97,10 @@ class KvSender(abc.ABC):
     """Pushes one request's KV blocks to a decode worker. Thread-safe."""
 
     @abc.abstractmethod
-    def send(
-        self,
-        request_id: str,
-        transfer_id: str,
-        dest: KvDestinationLike,
-        kv_cache: torch.Tensor,
-        src_block_ids: Sequence[int],
-        first_token_id: int | None,
-        first_token_logprobs: dict[Any, Any] | None = None,
-        layers_per_chunk: int = 1,
-        *,
-        progress: LayerProgress | None = None,
-    ) -> SendResult:
+    def send(self, request_id: str, transfer_id: str, dest: KvDestinationLike, kv_cache: torch.Tensor,
+             src_block_ids: Sequence[int], first_token_id: int | None,
+             first_token_logprobs: dict[Any, Any] | None = None, layers_per_chunk: int = 1, *,
+             progress: LayerProgress | None = None) -> SendResult:
         """Send the tokens of blocks ``src_block_ids`` of every layer to ``dest`` and wait for the ack.
 
         Blocking; run on the prefill worker's sender thread. The blocks must
@@ -260,46 +251,3 @@ class KvReceiver(abc.ABC):
         Raises:
             KeyError: no accepted stream for ``transfer_id`` (yet, or evicted).
         """
-
-
-class Transport(NamedTuple):
-    """Factories of one registered transport (keyword arguments are transport-specific)."""
-
-    name: str
-    sender_factory: Callable[..., KvSender]
-    receiver_factory: Callable[..., KvReceiver]
-
-
-_REGISTRY: dict[str, Transport] = {}
-_REGISTRY_LOCK = threading.Lock()
-
-
-def register_transport(
-    name: str,
-    sender_factory: Callable[..., KvSender],
-    receiver_factory: Callable[..., KvReceiver],
-) -> None:
-    """Register a transport under ``name``.
-
-    Raises:
-        ValueError: ``name`` is empty or already registered.
-    """
-    if not name:
-        raise ValueError("transport name must not be empty")
-    with _REGISTRY_LOCK:
-        if name in _REGISTRY:
-            raise ValueError(f"KV transport {name!r} is already registered")
-        _REGISTRY[name] = Transport(name, sender_factory, receiver_factory)
-
-
-def get_transport(name: str) -> Transport:
-    """Factories registered under ``name``.
-
-    Raises:
-        KeyError: no such transport (the message lists the registered ones).
-    """
-    with _REGISTRY_LOCK:
-        try:
-            return _REGISTRY[name]
-        except KeyError:
-            raise KeyError(f"unknown KV transport {name!r}; registered: {sorted(_REGISTRY)}") from None

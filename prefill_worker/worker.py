@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.builder import build_runner
-from kvtransfer.factory import create_sender
+from kvtransfer.registry import create_sender
 from pdcluster.v1 import worker_pb2_grpc
 from prefill_worker.scheduler import PrefillScheduler
 from prefill_worker.server import PrefillWorkerServicer, remote_route
@@ -15,7 +15,7 @@ SERVICES = ["pdcluster.v1.PrefillWorker"]
 
 
 def create_prefill_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -> WorkerHost:
-    """Build (not start) a prefill worker; ``cfg.kv`` picks the KV transport and streaming."""
+    """Build (not start) a prefill worker; its KV sender comes from the transport registry by ``cfg.kv``."""
     model_cfg, runner = build_runner(cfg.model, cfg.cache, device=cfg.device, dtype=cfg.dtype,
                                      num_threads=cfg.num_threads, model_cache_dir=cfg.model_cache_dir)
     sched = PrefillScheduler(runner, cfg.cache, cfg.scheduler, model_id=f"{model_cfg.name}:{cfg.cache.dtype}",

@@ -95,7 +95,8 @@ class WorkerHost:
         services: full service names reported SERVING by the health service.
         port: gRPC port (0 = any free port).
         add_kv_servicers: ``f(server)`` attaching the KV receiver (decode and colocated
-            workers). It gets a server of its own on another port with its own thread
+            workers: the registered transport's, :func:`kvtransfer.registry.attach_receiver`).
+            It gets a server of its own on another port with its own thread
             pool (``KV_THREADS``), so long-lived ``Reserve`` streams holding every thread
             of the main server can never starve the transfers that would complete them.
         metrics: the worker's Prometheus metrics; their ``/metrics`` endpoint starts here

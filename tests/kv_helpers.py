@@ -1,7 +1,9 @@
 """Shared helpers of the KV transport tests: a decode side over the real ``TransferTable``.
 
-The receiver is a real gRPC server on loopback with :func:`add_kv_transfer_servicer`
-and a :class:`TableSink` (the decode worker's reservation table, minus the scheduler).
+The receiver is a real gRPC server on loopback with a registered transport's receiver
+(:func:`kvtransfer.attach_receiver`, as a decode worker attaches it) and a :class:`TableSink`
+(the decode worker's reservation table, minus the scheduler). :func:`faulty_config` names
+the fault-injecting transport of ``tests/kv_faults.py``.
 """
 
 from __future__ import annotations
@@ -17,15 +19,24 @@ import torch
 
 from decode_worker.transfers import TransferTable
 from kvtransfer import (
+    KvReceiver,
     KvReceiverSink,
-    KvTransferServicer,
+    KvTransferConfig,
     StaleTransferError,
-    add_kv_transfer_servicer,
+    attach_receiver,
     kv_server_options,
 )
 from pdcluster.v1 import worker_pb2
 
 HEADS, HEAD_DIM = 2, 4
+FAULTY_MODULE = "tests.kv_faults"
+"""The fault-injecting transport's module, by the one name it may be imported under."""
+
+
+def faulty_config(fault: str, inner: str = "grpc", timeout_s: float = 10.0, **options: str) -> KvTransferConfig:
+    """A config of the ``"faulty"`` transport around ``inner`` (options as in ``tests/kv_faults.py``)."""
+    return KvTransferConfig(transport="faulty", transport_module=FAULTY_MODULE, timeout_s=timeout_s,
+                            transport_options={"inner": inner, "fault": fault, **options})
 
 
 class TableSink(KvReceiverSink):
@@ -63,7 +74,7 @@ class TableSink(KvReceiverSink):
 class Receiver:
     server: grpc.Server
     sink: TableSink
-    servicer: KvTransferServicer
+    servicer: KvReceiver
     endpoint: str
     block_size: int
 
@@ -82,11 +93,13 @@ class Receiver:
             time.sleep(0.01)
 
 
-def start_receiver(layers: int, num_blocks: int, block_size: int) -> Receiver:
+def start_receiver(layers: int, num_blocks: int, block_size: int, cfg: KvTransferConfig | None = None) -> Receiver:
+    """A started receiver of the transport ``cfg`` names (default ``"grpc"``) on 127.0.0.1."""
+    cfg = cfg if cfg is not None else KvTransferConfig()
     cache = torch.full((layers, 2, num_blocks, block_size, HEADS, HEAD_DIM), -1.0)
     sink = TableSink(TransferTable(cache))
     server = grpc.server(ThreadPoolExecutor(max_workers=4), options=kv_server_options())
-    servicer = add_kv_transfer_servicer(server, sink)
+    servicer = attach_receiver(cfg, server, sink)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return Receiver(server, sink, servicer, f"127.0.0.1:{port}", block_size)

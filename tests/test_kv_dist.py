@@ -1,4 +1,4 @@
-"""The torch_dist transport: gRPC control plane on loopback, gloo pair groups in-process."""
+"""The torch_dist transport (through the registry): gRPC control plane on loopback, gloo pair groups in-process."""
 
 from __future__ import annotations
 
@@ -10,37 +10,37 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
-from kv_helpers import Receiver, TableSink, sender_cache, start_receiver, tokens_of
+from kv_helpers import Receiver, TableSink, faulty_config, sender_cache, start_receiver, tokens_of
 
 from decode_worker.transfers import TransferTable
 from kvtransfer import (
-    DistKvSender,
+    GrpcKvSender,
+    KvDataPlaneError,
+    KvTransferConfig,
     KvTransferError,
     KvTransferServicer,
     LayerProgress,
     TransferState,
-    get_transport,
+    create_sender,
     kv_server_options,
 )
-from kvtransfer.config import KvTransferConfig
-from kvtransfer.dist_pairs import DistDataError, ReceiverPairs
-from kvtransfer.factory import create_sender
-from pdcluster.v1 import kv_pb2_grpc
+from kvtransfer.dist_transport import PairSendPlane
+from kvtransfer.grpc_receiver import add_kv_transfer_servicer
 
+DIST = KvTransferConfig(transport="torch_dist", timeout_s=10.0)
 LAYERS = 3
 SRC = [4, 1, 2]
 
 
 @pytest.fixture
-def sender() -> Iterator[DistKvSender]:
-    s = create_sender(KvTransferConfig(transport="torch_dist", timeout_s=10.0))
-    assert isinstance(s, DistKvSender)
+def sender() -> Iterator[GrpcKvSender]:
+    s = create_sender(DIST)
     yield s
     s.close()
 
 
 def _receiver(block_size: int) -> Iterator[Receiver]:
-    r = start_receiver(LAYERS, 10, block_size)
+    r = start_receiver(LAYERS, 10, block_size, DIST)
     yield r
     r.server.stop(0)
 
@@ -55,9 +55,37 @@ def recv32() -> Iterator[Receiver]:
     yield from _receiver(32)
 
 
-def test_registered_with_the_shared_servicer() -> None:
-    t = get_transport("torch_dist")
-    assert t.sender_factory is DistKvSender and t.receiver_factory.__name__ == "add_kv_transfer_servicer"
+def test_composes_the_grpc_control_plane_and_checks_options() -> None:
+    s = create_sender(KvTransferConfig(transport="torch_dist", transport_options={"max_pairs_per_endpoint": "2"}))
+    try:
+        assert isinstance(s, GrpcKvSender) and isinstance(s._data, PairSendPlane)
+    finally:
+        s.close()
+    with pytest.raises(ValueError, match="takes no option"):
+        create_sender(KvTransferConfig(transport="torch_dist", transport_options={"pairs": "2"}))
+    with pytest.raises(ValueError, match="max_pairs_per_endpoint"):
+        create_sender(KvTransferConfig(transport="torch_dist", transport_options={"max_pairs_per_endpoint": "x"}))
+
+
+def test_a_grpc_sender_is_received_too(recv16) -> None:
+    cache = sender_cache(LAYERS, 6, 16)
+    s = create_sender(KvTransferConfig(transport="grpc", timeout_s=10.0))
+    try:
+        s.send("r1", "t1", recv16.reserve("t1", [7, 0, 3]), cache, SRC, 9, layers_per_chunk=2)
+    finally:
+        s.close()
+    assert torch.equal(recv16.cache[:, :, [7, 0, 3]], cache[:, :, SRC])
+
+
+def test_a_grpc_receiver_refuses_dist_chunks(sender) -> None:
+    recv = start_receiver(LAYERS, 10, 16)
+    try:
+        with pytest.raises(KvTransferError, match="corrupt: chunk without payload"):
+            sender.send("r1", "t1", recv.reserve("t1", [7, 0, 3]), sender_cache(LAYERS, 6, 16), SRC, 9)
+        recv.wait_closed("t1")
+        assert "t1" in recv.sink.failed and torch.all(recv.cache == -1)
+    finally:
+        recv.server.stop(0)
 
 
 def test_token_exact_16_to_16(sender, recv16) -> None:
@@ -105,7 +133,9 @@ def test_two_concurrent_transfers_to_one_receiver(sender, recv16) -> None:
 
 
 def test_corrupt_chunk_is_rejected_then_a_new_pair_works(recv16) -> None:
-    s = DistKvSender(timeout_s=10.0, corrupt_chunk_index=1)
+    """Chunk 1 of the first transfer corrupted (its header's CRC32, the "faulty" transport around
+    torch_dist); the second transfer of the same sender runs unharmed on a new pair."""
+    s = create_sender(faulty_config("corrupt", inner="torch_dist", chunk="1", transfers="1"))
     cache = sender_cache(LAYERS, 6, 16)
     try:
         with pytest.raises(KvTransferError, match="corrupt: checksum"):
@@ -114,7 +144,6 @@ def test_corrupt_chunk_is_rejected_then_a_new_pair_works(recv16) -> None:
         assert "checksum" in recv16.sink.failed["t1"] and len(recv16.sink.table) == 0
         assert s.poll("t1") == recv16.servicer.poll("t1") == TransferState.FAILED
         assert torch.all(recv16.cache[1:] == -1)  # nothing past the chunk before the corrupt one
-        s._corrupt_chunk_index = None  # the test hook off: the next transfer builds a new pair
         s.send("r1", "t2", recv16.reserve("t2", [7, 0, 3]), cache, SRC, 9, layers_per_chunk=1)
         assert torch.equal(recv16.cache[:, :, [7, 0, 3]], cache[:, :, SRC])
     finally:
@@ -136,27 +165,35 @@ def test_stale_reservation_drops_chunks_then_next_transfer_works(sender, recv16)
     assert torch.equal(recv16.cache[:, :, [8, 9, 6]], cache[:, :, SRC])
 
 
-class _NeverJoins(ReceiverPairs):
-    """A receiver that never joins the pair group (until released)."""
+class _NeverJoins:
+    """A receiving data plane that never gets a tensor (until released)."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.release = threading.Event()
 
-    def receive(self, header):
+    def open_stream(self):
+        return self
+
+    def note(self, header) -> None:
+        pass
+
+    def tensor(self, header):
         self.release.wait(30)
-        raise DistDataError("never joined")
+        raise KvDataPlaneError("never joined")
+
+    def drop(self) -> None:
+        pass
 
 
 def test_sender_times_out_when_receiver_never_joins() -> None:
     sink = TableSink(TransferTable(torch.full((LAYERS, 2, 10, 16, 2, 4), -1.0)))
     pairs = _NeverJoins()
     server = grpc.server(ThreadPoolExecutor(max_workers=2), options=kv_server_options())
-    kv_pb2_grpc.add_KvTransferServicer_to_server(KvTransferServicer(sink, pairs=pairs), server)
+    servicer: KvTransferServicer = add_kv_transfer_servicer(server, sink, pairs)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    recv = Receiver(server, sink, None, f"127.0.0.1:{port}", 16)
-    s = DistKvSender(timeout_s=1.5)
+    recv = Receiver(server, sink, servicer, f"127.0.0.1:{port}", 16)
+    s = create_sender(KvTransferConfig(transport="torch_dist", timeout_s=1.5))
     try:
         t0 = time.monotonic()
         with pytest.raises(KvTransferError):

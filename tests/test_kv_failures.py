@@ -1,10 +1,13 @@
 """KV transfer failures through a real cluster (Ray + Redis + router + workers, real gRPC).
 
-* A chunk corrupted in flight (``--kv-test-corrupt-chunk``): under policy "error" the
+Faults come from the fault-injecting transport of ``tests/kv_faults.py`` (``--kv-transport
+faulty --kv-transport-module tests.kv_faults``, around ``grpc``), loaded by every worker.
+
+* A chunk corrupted in flight (``fault=corrupt``): under policy "error" the
   request ends with UNAVAILABLE naming the corrupt chunk and others are unaffected;
   under "recompute" the decode worker rebuilds the prompt's KV itself and the answer
   is token-exact against HF transformers (and a seeded one equals a colocated run).
-* A prefill worker killed mid-transfer (``--kv-test-chunk-delay-s`` holds transfers
+* A prefill worker killed mid-transfer (``fault=delay`` holds every chunk, so transfers stay
   open): the decode worker's reserved blocks come back within the lease + 1 s, the
   request ends with UNAVAILABLE and a new request is served token-exact.
 * A stale replay: chunks of a finished transfer pushed again while another request
@@ -25,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
+from kv_helpers import FAULTY_MODULE
 from test_e2e import _mt_bench_first_turns
 
 from engine.sampling import SamplingOptions
@@ -47,6 +51,15 @@ from sched_helpers import _colocated, model  # noqa: F401 - fixture
 
 BS = 16
 SMALL = ("--block-size", str(BS), "--heartbeat-s", "0.5", "--max-num-seqs", "8")
+
+
+def _faulty(fault: str, **options: str) -> tuple[str, ...]:
+    """``up`` flags of the "faulty" KV transport around "grpc" with ``fault`` and ``options``."""
+    flags = ["--kv-transport", "faulty", "--kv-transport-module", FAULTY_MODULE,
+             "--kv-transport-option", f"fault={fault}"]
+    for key, value in options.items():
+        flags += ["--kv-transport-option", f"{key}={value}"]
+    return tuple(flags)
 
 
 def _client(state):
@@ -102,7 +115,7 @@ class TestCorruptChunkError:
     def cluster(self, tmp_path_factory):
         with running_cluster(tmp_path_factory.mktemp("state"), *SMALL, "--max-model-len", "128",
                              "--num-kv-blocks", "9", "--kv-layers-per-chunk", str(self.LPC),
-                             "--kv-test-corrupt-chunk", "1", "--kv-failure-policy", "error") as state:
+                             *_faulty("corrupt", chunk="1"), "--kv-failure-policy", "error") as state:
             yield state
 
     def test_corrupt_chunk_fails_only_its_request(self, cluster, model_config, hf_model, tokenizer):
@@ -182,7 +195,7 @@ class TestCorruptChunkRecompute:
     def cluster(self, tmp_path_factory):
         with running_cluster(tmp_path_factory.mktemp("state"), *SMALL, "--max-model-len", "384",
                              "--num-kv-blocks", "96", "--kv-layers-per-chunk", "2",
-                             "--kv-test-corrupt-chunk", "1", "--kv-failure-policy", "recompute") as state:
+                             *_faulty("corrupt", chunk="1"), "--kv-failure-policy", "recompute") as state:
             yield state
 
     def test_recompute_on_decode_is_token_exact(self, cluster, hf_model, tokenizer):
@@ -228,7 +241,7 @@ class TestPrefillKilledMidTransfer:
     def cluster(self, tmp_path_factory):
         with running_cluster(tmp_path_factory.mktemp("state"), *SMALL, "--prefill", "2", "--decode", "1",
                              "--max-model-len", "256", "--num-kv-blocks", "64", "--kv-layers-per-chunk", "2",
-                             "--kv-test-chunk-delay-s", str(self.DELAY_S), "--kv-lease-s", str(self.LEASE_S),
+                             *_faulty("delay", delay_s=str(self.DELAY_S)), "--kv-lease-s", str(self.LEASE_S),
                              "--kv-failure-policy", "error") as state:
             yield state
 

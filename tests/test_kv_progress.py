@@ -8,11 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from kv_helpers import Receiver, sender_cache, start_receiver, tokens_of
+from kv_helpers import Receiver, faulty_config, sender_cache, start_receiver, tokens_of
 
-from kvtransfer import GrpcKvSender, KvTransferError, LayerProgress, TransferState
-from kvtransfer.config import KvTransferConfig
-from kvtransfer.factory import create_sender
+from kvtransfer import GrpcKvSender, KvTransferError, LayerProgress, TransferState, create_sender
 
 LAYERS, BS = 4, 16
 SRC, DST = [3, 1, 0], [2, 5, 7]
@@ -149,12 +147,15 @@ def test_unpackable_logprobs_from_finish_raise_type_error(recv) -> None:
     assert "t1" in recv.sink.failed and sender.poll("t1") == TransferState.FAILED
 
 
-def test_factory_keywords_and_chunk_delay(recv) -> None:
-    cfg = KvTransferConfig(transport="grpc", timeout_s=5.0, test_chunk_delay_s=0.05)
-    sender = create_sender(cfg)
+def test_chunk_delay_slows_a_streamed_transfer_only(recv) -> None:
+    """Every chunk held 0.05 s on its way (the "faulty" transport): the transfer takes that long and lands intact."""
+    sender = create_sender(faulty_config("delay", delay_s="0.05", timeout_s=5.0))
+    cache = sender_cache(LAYERS, 4, BS)
     try:
         t0 = time.monotonic()
-        sender.send("r1", "t1", recv.reserve("t1", DST), sender_cache(LAYERS, 4, BS), SRC, 2, layers_per_chunk=1)
+        sender.send("r1", "t1", recv.reserve("t1", DST), cache, SRC, 2, layers_per_chunk=1)
         assert time.monotonic() - t0 >= LAYERS * 0.05
     finally:
         sender.close()
+    assert recv.sink.completed == {"t1": 2}
+    assert torch.equal(tokens_of(recv.cache, DST, 48), tokens_of(cache, SRC, 48))

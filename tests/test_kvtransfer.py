@@ -1,7 +1,8 @@
-"""End-to-end KV transfer over a real gRPC server on loopback.
+"""End-to-end KV transfer over a real gRPC server on loopback (the ``"grpc"`` transport).
 
 The decode side is an in-test :class:`KvReceiverSink` with its own paged cache
-(4 layers, 8 blocks, block_size 4, 2 KV heads, head_dim 8).
+(4 layers, 8 blocks, block_size 4, 2 KV heads, head_dim 8) behind the registered
+receiver; corrupt chunks come from the ``"faulty"`` transport of ``tests/kv_faults.py``.
 """
 
 from __future__ import annotations
@@ -17,15 +18,18 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from kv_helpers import faulty_config
 
 from kvtransfer import (
     GrpcKvSender,
+    KvReceiver,
     KvReceiverSink,
+    KvTransferConfig,
     KvTransferError,
-    KvTransferServicer,
     StaleTransferError,
     TransferState,
-    add_kv_transfer_servicer,
+    attach_receiver,
+    create_sender,
     kv_server_options,
 )
 from kvtransfer.reblock import dest_block_range, scatter_tokens
@@ -104,14 +108,14 @@ class CacheSink(KvReceiverSink):
 @dataclass
 class Decode:
     sink: CacheSink
-    servicer: KvTransferServicer
+    servicer: KvReceiver
     endpoint: str
 
 
 def _start_decode(dtype: torch.dtype = torch.float32) -> tuple[grpc.Server, Decode]:
     sink = CacheSink(torch.full(SHAPE, -1.0, dtype=dtype))
     server = grpc.server(ThreadPoolExecutor(max_workers=4), options=kv_server_options())
-    servicer = add_kv_transfer_servicer(server, sink)
+    servicer = attach_receiver(KvTransferConfig(transport="grpc"), server, sink)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, Decode(sink, servicer, f"127.0.0.1:{port}")
@@ -210,7 +214,7 @@ def test_corrupt_chunk_fails_transfer(corrupt_index, decode) -> None:
     cache = _prefill_cache(torch.float32)
     decode.sink.reserve("t1", GEN, "r1", DST)
     before = decode.sink.kv_cache.clone()
-    s = GrpcKvSender(timeout_s=5.0, corrupt_chunk_index=corrupt_index)
+    s = create_sender(faulty_config("corrupt", chunk=str(corrupt_index), timeout_s=5.0))
     try:
         with pytest.raises(KvTransferError, match="checksum") as ei:
             s.send("r1", "t1", _dest(decode, DST), cache, SRC, 42, layers_per_chunk=1)

@@ -22,7 +22,6 @@ from kvtransfer import (
     scatter_blocks,
 )
 from kvtransfer.chunking import plan_chunks
-from kvtransfer.grpc_transport import GrpcKvSender, add_kv_transfer_servicer
 from kvtransfer.wire import encode_dist_kv_chunk, verify_tensor
 from pdcluster.v1 import kv_pb2
 
@@ -221,8 +220,8 @@ def test_state_order_and_table_eviction() -> None:
 
 def test_registry_has_grpc_and_rejects_duplicates() -> None:
     t = get_transport("grpc")
-    assert t.sender_factory is GrpcKvSender and t.receiver_factory is add_kv_transfer_servicer
+    assert t.name == "grpc"
     with pytest.raises(ValueError, match="already registered"):
-        register_transport("grpc", GrpcKvSender, add_kv_transfer_servicer)
+        register_transport("grpc", t.sender_factory, t.receiver_factory)
     with pytest.raises(KeyError, match="grpc"):
         get_transport("nccl-not-registered")
