@@ -30,6 +30,7 @@ from prefill_worker.server import PrefillWorkerServicer, Route, remote_route
 from serving.convert import logprobs_from_dict
 from serving.worker_config import WorkerConfig
 from serving.worker_host import WorkerHost
+from serving.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 SERVICES = ["pdcluster.v1.PrefillWorker", "pdcluster.v1.DecodeWorker", "pdcluster.v1.KvTransfer"]
@@ -86,19 +87,23 @@ def create_colocated_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "")
     model_cfg, runner = build_runner(cfg.model, cfg.cache, device=cfg.device, dtype=cfg.dtype,
                                      num_threads=cfg.num_threads, model_cache_dir=cfg.model_cache_dir)
     wake = threading.Event()
-    decode = DecodeScheduler(runner, cfg.cache, cfg.scheduler, model_cfg.eos_token_ids, wake=wake)
-    prefill = PrefillScheduler(runner, cfg.cache, cfg.scheduler, wake=wake, layerwise=cfg.kv.layerwise)
+    metrics = WorkerMetrics(cfg, lambda: loop.load())
+    decode = DecodeScheduler(runner, cfg.cache, cfg.scheduler, model_cfg.eos_token_ids, wake=wake,
+                             on_step=metrics.on_step)
+    prefill = PrefillScheduler(runner, cfg.cache, cfg.scheduler, wake=wake, layerwise=cfg.kv.layerwise,
+                               on_step=metrics.on_step)
     loop = ColocatedLoop(prefill, decode, wake)
-    sink = DecodeKvSink(decode)
+    sink = DecodeKvSink(decode, on_write=metrics.kv_received)
     host = WorkerHost(cfg, loop, lambda server: None, SERVICES, port=port,
                       add_kv_servicers=lambda server: attach_receiver(cfg.kv, server, sink),
-                      block_size=cfg.cache.block_size, num_total_blocks=decode.kv.num_usable, node_id=node_id)
+                      block_size=cfg.cache.block_size, num_total_blocks=decode.kv.num_usable, node_id=node_id,
+                      metrics=metrics)
     device: torch.device = runner.device
     route = local_route(cfg.worker_id, decode,
                         remote_route(create_sender(cfg.kv), runner.kv_cache, cfg.kv.layers_per_chunk))
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
-        PrefillWorkerServicer(prefill, route, cfg.worker_id, device), host.server)
+        PrefillWorkerServicer(prefill, route, cfg.worker_id, device, metrics=metrics), host.server)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
-        DecodeWorkerServicer(decode, cfg.worker_id, host.kv_address, cfg.cache.block_size, cfg.cache.dtype, device),
-        host.server)
+        DecodeWorkerServicer(decode, cfg.worker_id, host.kv_address, cfg.cache.block_size, cfg.cache.dtype, device,
+                             metrics=metrics), host.server)
     return host

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -15,9 +15,11 @@ from serving.convert import logprobs_from_dict
 class DecodeKvSink(KvReceiverSink):
     """Bridges the KV transport to the scheduler's :class:`TransferTable` and inbox."""
 
-    def __init__(self, scheduler: DecodeScheduler) -> None:
+    def __init__(self, scheduler: DecodeScheduler, on_write: Callable[[int], None] | None = None) -> None:
+        """``on_write(nbytes)`` is told the payload bytes of every chunk written (metrics)."""
         self.scheduler = scheduler
         self.table = scheduler.transfers
+        self.on_write = on_write
 
     def begin(self, transfer_id: str, generation: int, request_id: str) -> bool:
         return self.table.is_open(transfer_id, generation)
@@ -27,6 +29,8 @@ class DecodeKvSink(KvReceiverSink):
         """See :meth:`KvReceiverSink.write`; :meth:`TransferTable.write` maps the tokens under its lock."""
         self.table.write(transfer_id, generation, layer_start, layer_end, list(block_ids), tensor,
                          token_start=token_start)
+        if self.on_write is not None:
+            self.on_write(tensor.numel() * tensor.element_size())
 
     def complete(self, transfer_id: str, generation: int, first_token_id: int,
                  first_token_logprobs: dict[Any, Any] | None) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import queue
+import time
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
@@ -13,6 +15,10 @@ from decode_worker.kv_failure import KvFailureOutcome
 from decode_worker.scheduler import DecodeScheduler
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from serving.convert import logprobs_to_proto, request_from_proto
+from serving.logs import request_id_from_metadata, request_scope
+from serving.worker_metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
 
 FINISH = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -37,8 +43,10 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
     """
 
     def __init__(self, scheduler: DecodeScheduler, worker_id: str, kv_endpoint: str,
-                 block_size: int, dtype: str, device: torch.device, reply_timeout_s: float = 10.0) -> None:
+                 block_size: int, dtype: str, device: torch.device, reply_timeout_s: float = 10.0,
+                 metrics: WorkerMetrics | None = None) -> None:
         self.scheduler = scheduler
+        self.metrics = metrics
         self.reply_timeout_s = reply_timeout_s
         self.worker_id = worker_id
         self.kv_endpoint = kv_endpoint
@@ -47,9 +55,14 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.device = device
 
     def Reserve(self, request, context):
+        rid = request.request.request_id
+        with request_scope(request_id_from_metadata(context) or rid):
+            yield from self._reserve(request, context)
+
+    def _reserve(self, request, context):
         req = request_from_proto(request.request, request.transfer_id, self.device)
         events: queue.Queue = queue.Queue()
-        rid = req.request_id
+        rid, t0 = req.request_id, time.monotonic()
         context.add_callback(lambda: self.scheduler.submit_abort(rid))
         self.scheduler.submit_reserve(req, events)
         while True:
@@ -60,20 +73,27 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     return
                 continue
             if isinstance(ev, Reserved):
+                if self.metrics is not None:
+                    self.metrics.reserved(time.monotonic() - t0)
                 yield worker_pb2.DecodeEvent(reservation=worker_pb2.KvDestination(
                     worker_id=self.worker_id, kv_endpoint=self.kv_endpoint, block_ids=ev.block_ids,
                     block_size=self.block_size, generation=ev.generation, dtype=self.dtype))
             elif isinstance(ev, Tokens):
-                delta = worker_pb2.TokenDelta(token_ids=ev.token_ids)
-                if request.request.sampling.logprobs:
-                    delta.logprobs.extend(logprobs_to_proto(t, lp) for t, lp in zip(ev.token_ids, ev.logprobs))
-                if ev.finish_reason:
-                    delta.finish_reason = FINISH[ev.finish_reason]
-                yield worker_pb2.DecodeEvent(tokens=delta)
+                yield worker_pb2.DecodeEvent(tokens=self._delta(ev, request.request.sampling.logprobs))
                 if ev.finish_reason:
                     return
             elif isinstance(ev, Failed):
+                log.info("request failed: %s", ev.message)
                 context.abort(ev.code, ev.message)
+
+    @staticmethod
+    def _delta(ev: Tokens, logprobs: int) -> worker_pb2.TokenDelta:
+        delta = worker_pb2.TokenDelta(token_ids=ev.token_ids)
+        if logprobs:
+            delta.logprobs.extend(logprobs_to_proto(t, lp) for t, lp in zip(ev.token_ids, ev.logprobs))
+        if ev.finish_reason:
+            delta.finish_reason = FINISH[ev.finish_reason]
+        return delta
 
     def Abort(self, request, context):
         found = self.scheduler.has_request(request.request_id)

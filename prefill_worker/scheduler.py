@@ -61,6 +61,7 @@ class PrefillResult:
     transfer_s: float  # exposed transfer time: from the end of compute to the ack (seconds)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     transfer_total_s: float = 0.0  # whole send, start to ack (seconds); > transfer_s when streamed
+    queue_s: float = 0.0  # arrival -> its first prefill step began (seconds)
 
 
 # send_fn(request, progress) -> KV payload bytes sent; blocking; raises on failure. The
@@ -111,6 +112,7 @@ class _Entry:
     first_token: int = -1
     first_logprobs: TokenLogprobs | None = None
     prefill_s: float = 0.0
+    queue_s: float = 0.0
     computed_at: float = 0.0  # time.monotonic() when the last prefill step ended
     aborted: bool = False
     step_error: "PrefillError | None" = None  # the streamed step failed: fail once the sender returned
@@ -300,6 +302,8 @@ class PrefillScheduler:
             return True
         for s in seqs:
             entry = self._entries[s.request_id]
+            if not entry.prefill_s:
+                entry.queue_s = max(0.0, time.monotonic() - stats.seconds - entry.request.arrival_s)
             entry.prefill_s += stats.seconds
             entry.request.num_computed += len(s.token_ids)
             entry.request.status = RequestStatus.PREFILLING
@@ -346,7 +350,7 @@ class PrefillScheduler:
             exposed = msg.ended_at - max(msg.started_at, entry.computed_at)
             entry.future.set_result(PrefillResult(entry.first_token, entry.first_logprobs, msg.kv_bytes,
                                                   entry.prefill_s, exposed, entry.cached_tokens,
-                                                  msg.ended_at - msg.started_at))
+                                                  msg.ended_at - msg.started_at, entry.queue_s))
 
     def _on_abort(self, request_id: str) -> None:
         entry = self._entries.get(request_id)

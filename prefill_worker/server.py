@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -12,6 +13,10 @@ from kvtransfer.progress import LayerProgress
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.scheduler import ExternalBlocks, PrefillError, PrefillScheduler, SendFn
 from serving.convert import request_from_proto
+from serving.logs import request_id_from_metadata, request_scope
+from serving.worker_metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
 
 # route(prefill_request, request) -> (send function, external destination blocks or None)
 Route = Callable[[worker_pb2.PrefillRequest, Request], tuple[SendFn, "ExternalBlocks | None"]]
@@ -37,24 +42,34 @@ def remote_route(sender: KvSender, kv_cache: torch.Tensor, layers_per_chunk: int
 class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
     """``Prefill`` queues the request and waits until its KV was delivered (acknowledged)."""
 
-    def __init__(self, scheduler: PrefillScheduler, route: Route, worker_id: str, device: torch.device) -> None:
+    def __init__(self, scheduler: PrefillScheduler, route: Route, worker_id: str, device: torch.device,
+                 metrics: WorkerMetrics | None = None) -> None:
         self.scheduler = scheduler
+        self.metrics = metrics
         self.route = route
         self.worker_id = worker_id
         self.device = device
 
     def Prefill(self, request, context):
-        req = request_from_proto(request.request, request.transfer_id, self.device)
-        send, external = self.route(request, req)
-        fut = self.scheduler.submit(req, send, external)
-        context.add_callback(lambda: None if fut.done() else self.scheduler.submit_abort(req.request_id))
-        try:
-            res = fut.result()
-        except PrefillError as e:
-            context.abort(e.code, str(e))
-        return worker_pb2.PrefillResponse(
-            first_token_id=res.first_token_id, cached_prompt_tokens=res.cached_tokens, kv_bytes_sent=res.kv_bytes_sent,
-            prefill_seconds=res.prefill_s, transfer_seconds=res.transfer_s)
+        with request_scope(request_id_from_metadata(context) or request.request.request_id):
+            req = request_from_proto(request.request, request.transfer_id, self.device)
+            send, external = self.route(request, req)
+            fut = self.scheduler.submit(req, send, external)
+            context.add_callback(lambda: None if fut.done() else self.scheduler.submit_abort(req.request_id))
+            try:
+                res = fut.result()
+            except PrefillError as e:
+                if self.metrics is not None and "KV transfer failed" in str(e):
+                    self.metrics.kv_failed(e.code.name.lower())
+                log.info("prefill failed: %s", e)
+                context.abort(e.code, str(e))
+            if self.metrics is not None:
+                self.metrics.prefill_done(prompt_tokens=len(req.prompt_token_ids), cached_tokens=res.cached_tokens,
+                                          queue_s=res.queue_s, prefill_s=res.prefill_s, kv_bytes=res.kv_bytes_sent,
+                                          transfer_s=res.transfer_total_s)
+            return worker_pb2.PrefillResponse(
+                first_token_id=res.first_token_id, cached_prompt_tokens=res.cached_tokens,
+                kv_bytes_sent=res.kv_bytes_sent, prefill_seconds=res.prefill_s, transfer_seconds=res.transfer_s)
 
     def Abort(self, request, context):
         found = self.scheduler.has_request(request.request_id)

@@ -10,6 +10,7 @@ from prefill_worker.server import PrefillWorkerServicer, remote_route
 from serving.cache_index import CacheIndexPublisher
 from serving.worker_config import WorkerConfig
 from serving.worker_host import WorkerHost
+from serving.worker_metrics import WorkerMetrics
 
 SERVICES = ["pdcluster.v1.PrefillWorker"]
 
@@ -18,11 +19,12 @@ def create_prefill_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -
     """Build (not start) a prefill worker; its KV sender comes from the transport registry by ``cfg.kv``."""
     model_cfg, runner = build_runner(cfg.model, cfg.cache, device=cfg.device, dtype=cfg.dtype,
                                      num_threads=cfg.num_threads, model_cache_dir=cfg.model_cache_dir)
+    metrics = WorkerMetrics(cfg, lambda: sched.load())
     sched = PrefillScheduler(runner, cfg.cache, cfg.scheduler, model_id=f"{model_cfg.name}:{cfg.cache.dtype}",
-                             layerwise=cfg.kv.layerwise)
+                             layerwise=cfg.kv.layerwise, on_step=metrics.on_step)
     sender = create_sender(cfg.kv)
     route = remote_route(sender, runner.kv_cache, cfg.kv.layers_per_chunk)
-    servicer = PrefillWorkerServicer(sched, route, cfg.worker_id, runner.device)
+    servicer = PrefillWorkerServicer(sched, route, cfg.worker_id, runner.device, metrics=metrics)
 
     def add(server):
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
@@ -32,4 +34,5 @@ def create_prefill_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -
         companions.append(CacheIndexPublisher(cfg.redis_url, cfg.cluster, cfg.worker_id, sched.pool.cached_hashes,
                                               sched.model_id, cfg.cache.block_size, period_s=cfg.heartbeat_s))
     return WorkerHost(cfg, sched, add, SERVICES, port=port, block_size=cfg.cache.block_size,
-                      num_total_blocks=sched.pool.num_usable, node_id=node_id, companions=companions)
+                      num_total_blocks=sched.pool.num_usable, node_id=node_id, companions=companions,
+                      metrics=metrics)

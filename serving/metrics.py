@@ -88,8 +88,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache.", (PREFILL,)),
     MetricSpec("kv_transfer_bytes", "counter", "KV payload bytes sent to decode workers.", (PREFILL,)),
     _h("kv_transfer_seconds", "Wall time of one request's KV transfer (seconds).", (PREFILL,), _LATENCY_S),
-    MetricSpec("kv_transfer_failures", "counter", "Failed KV transfers by reason.", (PREFILL, DECODE),
-               labels=("reason",)),
+    MetricSpec("kv_transfer_failures", "counter", "Failed KV transfers by reason (the failure's status).",
+               (PREFILL,), labels=("reason",)),
     # -- decode worker ----------------------------------------------------------------------
     _h("decode_time_seconds", "Wall time of one decode step (seconds).", (DECODE,), _LATENCY_S),
     _h("decode_batch_size", "Requests in one decode step.", (DECODE,), _BATCH),
