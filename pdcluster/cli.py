@@ -7,6 +7,7 @@ Subcommands:
 * ``up`` / ``down`` / ``status`` / ``scale`` - manage a deployment (flags in
   :mod:`deploy.cli`; the work in :mod:`deploy.local` / :mod:`deploy.scale`, imported
   when the command runs);
+* ``top`` - a live view of a running cluster (:mod:`pdcluster.top`);
 * ``loadtest`` - replay a trace against a router (:mod:`loadtest.cli`).
 
 :func:`main` returns the process exit code (0 success, 1 request failure,
@@ -76,6 +77,31 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_generate)
 
 
+def _add_top(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("top", allow_abbrev=False, help="live view of a running cluster from its Prometheus metrics")
+    p.add_argument("--address", default=None,
+                   help="router HTTP HOST:PORT (default: from the local cluster state, else 127.0.0.1:8000)")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument("--iterations", type=int, default=None, help="refresh this many times, then exit")
+    p.set_defaults(func=cmd_top)
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    """Run ``pdcluster top``; returns 0, or 1 when the router's HTTP server is unreachable."""
+    from pdcluster.top import run_top
+
+    address = args.address
+    if address is None:
+        try:
+            from deploy.state import read_state
+
+            address = (read_state() or {}).get("router_http_address") or "127.0.0.1:8000"
+        except (ImportError, FileNotFoundError):
+            address = "127.0.0.1:8000"
+    base = address if address.startswith("http") else f"http://{address}"
+    return run_top(base, interval_s=args.interval, iterations=args.iterations)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of all subcommands."""
     from deploy.cli import register as register_deploy
@@ -85,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
+    _add_top(sub)
     register_deploy(sub)
     register_loadtest(sub)
     return parser

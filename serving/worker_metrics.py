@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from wsgiref.simple_server import make_server
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 
 from engine.step_stats import StepStats
 from serving.metrics import ProcessMetrics
@@ -96,10 +100,23 @@ class WorkerMetrics:
         self.m.inc("kv_received_bytes", nbytes)
 
     def serve(self, host: str) -> str:
-        """Start the ``/metrics`` HTTP endpoint on ``host`` (any free port); returns ``host:port``."""
-        from prometheus_client import start_http_server
+        """Start the ``/metrics`` HTTP endpoint on ``host`` (any free port); returns ``host:port``.
 
-        self._http, _ = start_http_server(0, host, self.m.registry)
+        The body is prometheus-client's text format 0.0.4 whatever the scraper asks for: its
+        OpenMetrics output rewrites the ``:`` of our names to ``_``, which would split a
+        dashboard's series between the router (text format) and the workers.
+        """
+        registry = self.m.registry
+
+        def app(environ, start_response):
+            if environ.get("PATH_INFO") != "/metrics":
+                start_response("404 Not Found", [("Content-Type", "text/plain")])
+                return [b"not found; metrics are at /metrics\n"]
+            start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST)])
+            return [generate_latest(registry)]
+
+        self._http = make_server(host, 0, app, ThreadingWSGIServer, handler_class=_SilentHandler)
+        threading.Thread(target=self._http.serve_forever, name="metrics-http", daemon=True).start()
         return f"{host}:{self._http.server_address[1]}"
 
     def stop(self) -> None:

@@ -170,3 +170,16 @@ def test_cancelled_stream_frees_both_workers(cluster, oai):
     stream.close()
     time.sleep(0.5)
     assert_no_leak(cluster, timeout_s=10.0)
+
+
+def test_pdcluster_top_renders_every_process(oai, base_url):
+    from rich.console import Console
+
+    from pdcluster.top import run_top
+
+    oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0)
+    console = Console(record=True, width=200, force_terminal=False)
+    assert run_top(base_url, interval_s=0.3, iterations=2, console=console) == 0
+    text = console.export_text()
+    assert "prefill-0" in text and "decode-0" in text and "TTFT ms" in text
+    assert run_top("http://127.0.0.1:1", interval_s=0.1, iterations=1, console=console) == 1
