@@ -85,6 +85,15 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def cluster_ratio(scrapes: list[Scrape], previous: dict[str, Scrape]) -> float | None:
+    """Prefill compute seconds per decode-step second over the interval, all workers together
+    (the ``pdcluster:prefill_decode_time_ratio:rate1m`` rule's figure)."""
+    def spent(name: str) -> float:
+        return sum(s.total(name) - previous[s.worker_id].total(name) for s in scrapes if s.worker_id in previous)
+    decode = spent("decode_time_seconds_sum")
+    return spent("prefill_time_seconds_sum") / decode if decode > 0 else None
+
+
 def render(scrapes: list[Scrape], previous: dict[str, Scrape]) -> Group:
     """The tables for one refresh (``previous``: the last scrape of each worker id)."""
     workers = Table(title="workers", expand=True)
@@ -92,8 +101,9 @@ def render(scrapes: list[Scrape], previous: dict[str, Scrape]) -> Group:
                 "tok/s", "KV MB/s", "prefix hit", "preempt"):
         workers.add_column(col, justify="right" if col not in ("worker", "role") else "left")
     router = Table(title="router", expand=True)
-    for col in ("run", "wait", "req/s", "TTFT ms", "ITL ms", "E2E ms", "errors"):
+    for col in ("run", "wait", "req/s", "TTFT ms", "ITL ms", "E2E ms", "errors", "cluster P/D"):
         router.add_column(col, justify="right")
+    ratio = cluster_ratio(scrapes, previous)
     for s in sorted(scrapes, key=lambda s: (s.role, s.worker_id)):
         b = previous.get(s.worker_id)
         if s.role == "router":
@@ -102,7 +112,7 @@ def render(scrapes: list[Scrape], previous: dict[str, Scrape]) -> Group:
                            _fmt(_mean_ms(s, b, "time_to_first_token_seconds")),
                            _fmt(_mean_ms(s, b, "inter_token_latency_seconds")),
                            _fmt(_mean_ms(s, b, "e2e_request_latency_seconds")),
-                           _fmt(s.total("request_errors_total"), ".0f"))
+                           _fmt(s.total("request_errors_total"), ".0f"), _fmt(ratio, ".2f"))
             continue
         prefill, decode = _mean_ms(s, b, "prefill_time_seconds"), _mean_ms(s, b, "decode_time_seconds")
         queries = _rate(s, b, "prefix_cache_queries_total")
