@@ -20,7 +20,11 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("loadtest", allow_abbrev=False, help="replay a request trace against a router and report latencies",
                        description="Replay a trace or synthetic workload against ROUTER and report TTFT, TPOT, "
                                    "ITL, E2E, throughput, SLO attainment and goodput.")
-    p.add_argument("--address", required=True, metavar="HOST:PORT", help="router address (the only target)")
+    p.add_argument("--backend", choices=("grpc", "openai"), default="grpc",
+                   help="grpc: a pdcluster router at --address; openai: any OpenAI-compatible server at --base-url")
+    p.add_argument("--address", default=None, metavar="HOST:PORT", help="router address (the only target; grpc)")
+    p.add_argument("--base-url", default=None, metavar="URL",
+                   help="OpenAI-compatible server, e.g. http://127.0.0.1:8000 (the only target; openai)")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=_WORKLOADS, default="azure-conv", help="trace or synthetic (default azure-conv)")
     w.add_argument("--traces-dir", type=Path, default=None, help="trace folder (default: the traces shipped in loadtest/data)")
@@ -78,7 +82,11 @@ def configs_from_args(args: argparse.Namespace):
         output_len=args.output_len, len_range=args.len_range, lengths_from=args.lengths_from,
         max_input_tokens=args.max_input_tokens, max_output_tokens=args.max_output_tokens,
         block_scale=args.block_scale, seed=args.seed)
-    run = RunConfig(address=args.address, concurrency=args.concurrency, duration_s=args.duration,
+    target = args.base_url if args.backend == "openai" else args.address
+    if not target:
+        raise ValueError("--base-url is required with --backend openai" if args.backend == "openai"
+                         else "--address is required (or --backend openai --base-url URL)")
+    run = RunConfig(address=target, backend=args.backend, concurrency=args.concurrency, duration_s=args.duration,
                     drain_timeout_s=args.drain_timeout, request_timeout_s=args.request_timeout,
                     max_inflight=args.max_inflight, temperature=args.temperature)
     slo = parse_slo(args.slo) if args.slo else None

@@ -41,6 +41,37 @@ def _prompts(plan, factory: PromptFactory, vocab_size: int) -> list[list[int]]:
     return prompts
 
 
+@dataclass(frozen=True)
+class ServerInfo:
+    """What the load tester needs to know of the server (``vocab_size`` 0: ask the tokenizer)."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int = 0
+
+
+def server_info(run: RunConfig) -> ServerInfo:
+    """The served model: ``GetModelInfo`` of a router, or ``/v1/models`` of an OpenAI server
+    (``max_model_len`` as vLLM and pdcluster report it; 2048 when the server does not).
+
+    Raises:
+        TimeoutError: not ready within ``run.ready_timeout_s`` seconds.
+        grpc.RpcError: ``GetModelInfo`` failed.
+    """
+    if run.backend == "openai":
+        import openai
+
+        base = run.address.rstrip("/")
+        with openai.OpenAI(base_url=base if base.endswith("/v1") else base + "/v1", api_key="unused",
+                           timeout=run.ready_timeout_s, max_retries=3) as client:
+            model = client.models.list().data[0]
+        return ServerInfo(model.id, int(getattr(model, "max_model_len", None) or 2048))
+    with PdclusterClient(run.address, timeout_s=run.ready_timeout_s) as client:
+        client.wait_ready(run.ready_timeout_s)
+        info = client.model_info()
+    return ServerInfo(info.model_name, info.max_model_len, info.vocab_size)
+
+
 def run_loadtest(workload: WorkloadConfig, run: RunConfig, *, slo: SLO | None = None,
                  traces_dir: Path | str | None = None, tokenizer: str | None = None,
                  output_dir: Path | str | None = None, plots: bool = True,
@@ -59,12 +90,11 @@ def run_loadtest(workload: WorkloadConfig, run: RunConfig, *, slo: SLO | None = 
         InvariantError: completed + failed != sent.
     """
     traces_dir = Path(traces_dir) if traces_dir else default_traces_dir()
-    with PdclusterClient(run.address, timeout_s=run.ready_timeout_s) as client:
-        client.wait_ready(run.ready_timeout_s)
-        info = client.model_info()
+    info = server_info(run)
+    tok = load_tokenizer(tokenizer or info.model_name)
     plan, clipping = build_plan(workload, traces_dir, info.max_model_len)
-    factory = PromptFactory.from_tokenizer(load_tokenizer(tokenizer or info.model_name), traces_dir, workload.seed)
-    prompts = _prompts(plan, factory, info.vocab_size)
+    factory = PromptFactory.from_tokenizer(tok, traces_dir, workload.seed)
+    prompts = _prompts(plan, factory, info.vocab_size or len(tok))
 
     runner: LoadRunner | None = None
     live = LiveProgress(len(plan), lambda: runner.counters(), console=console, enabled=progress)

@@ -153,7 +153,26 @@ def summarize(records: Sequence[RequestRecord], sent: int, duration_s: float, sl
     if slo is not None and not slo.empty:
         good = sum(1 for r in records if slo.met_by(r))
         summary.update(slo=slo.as_ms(), slo_attainment=good / sent if sent else 0.0, goodput=rate(good))
+    summary.update(vllm_bench_keys(summary))
     return summary
+
+
+def vllm_bench_keys(summary: dict) -> dict:
+    """The same figures under the key names of ``vllm bench serve``'s result JSON
+    (``median_ttft_ms``, ``p99_itl_ms``, ``mean_e2el_ms``, ``request_goodput``,
+    ``total_token_throughput``, ...), so one script reads either tool's output."""
+    out = {"duration": summary["duration_s"],
+           "total_token_throughput": (summary["total_input_tokens"] + summary["total_output_tokens"])
+           / summary["duration_s"] if summary["duration_s"] > 0 else 0.0}
+    if "goodput" in summary:
+        out["request_goodput"] = summary["goodput"]
+    for ours, theirs in (("ttft_ms", "ttft"), ("tpot_ms", "tpot"), ("itl_ms", "itl"), ("e2e_ms", "e2el")):
+        stats = summary[ours]
+        out[f"mean_{theirs}_ms"] = stats["mean"]
+        out[f"median_{theirs}_ms"] = stats["p50"]
+        for p in PERCENTILES:
+            out[f"p{p}_{theirs}_ms"] = stats[f"p{p}"]
+    return out
 
 
 def max_rate_meeting(rates: Sequence[float], attainments: Sequence[float], target: float = 0.9) -> float | None:

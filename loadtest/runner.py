@@ -1,4 +1,7 @@
-"""Send a request plan to one router and record every request's token timestamps.
+"""Send a request plan to one server and record every request's token timestamps.
+
+The server is a pdcluster router over gRPC, or any OpenAI-compatible HTTP server
+(:mod:`loadtest.backends`), so the same workload replays against pdcluster and vLLM.
 
 Open loop (default): each request is sent at its planned arrival time from a thread
 pool, so slow responses never delay later arrivals (a send later than planned, e.g.
@@ -15,6 +18,7 @@ accounted for. Only ``address`` is contacted.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -22,11 +26,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-import grpc
-
+from loadtest.backends import BACKENDS, BackendError, open_session
 from loadtest.records import OK, RequestRecord
 from loadtest.workload import PlannedRequest
-from pdcluster.client import GenerationStream, PdclusterClient, finish_reason_name
 
 _CANCEL_GRACE_S = 10.0
 
@@ -40,6 +42,7 @@ class RunConfig:
     """
 
     address: str
+    backend: str = "grpc"
     concurrency: int | None = None
     duration_s: float = 300.0
     drain_timeout_s: float = 60.0
@@ -50,9 +53,15 @@ class RunConfig:
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
     def __post_init__(self) -> None:
-        host, sep, port = self.address.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"address must be HOST:PORT, got {self.address!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "openai":
+            if not self.address.startswith(("http://", "https://")):
+                raise ValueError(f"the openai backend needs a base URL (http://HOST:PORT), got {self.address!r}")
+        else:
+            host, sep, port = self.address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"address must be HOST:PORT, got {self.address!r}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError("concurrency must be >= 1")
         if not (self.duration_s > 0 and self.drain_timeout_s > 0 and self.request_timeout_s > 0
@@ -106,7 +115,7 @@ class LoadRunner:
         self._on_end = on_request_end
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._streams: dict[int, GenerationStream] = {}
+        self._streams: dict[int, object] = {}
         self._records: list[RequestRecord] = []
         self._sent = self._completed = self._failed = self._tokens = 0
         self._t0 = 0.0
@@ -121,51 +130,51 @@ class LoadRunner:
             return Counters(self._sent, self._completed, self._failed, self._tokens,
                             self._now() if self._t0 else 0.0)
 
-    def _send(self, client: PdclusterClient, req: PlannedRequest, scheduled_s: float) -> None:
+    def _send(self, client, req: PlannedRequest, scheduled_s: float) -> None:
         with self._lock:
             self._sent += 1
         rec = RequestRecord(req.index, f"lt-{self.cfg.run_id}-{req.index}", scheduled_s, self._now(),
                             req.input_tokens, req.output_tokens)
         stream = None
         try:
-            stream = client.stream(self.prompts[req.index], max_tokens=req.output_tokens,
-                                   temperature=self.cfg.temperature, ignore_eos=True, request_id=rec.request_id)
+            stream = client.stream(self.prompts[req.index], req.output_tokens, self.cfg.temperature, rec.request_id)
             with self._lock:
                 self._streams[req.index] = stream
             if self._stop.is_set():
                 stream.cancel()
-            finish = 0
+            finish = ""
             for chunk in stream:
-                if chunk.token_ids:
+                if chunk.num_tokens:
                     now = self._now()
-                    rec.token_times_s.extend([now] * len(chunk.token_ids))
+                    rec.token_times_s.extend([now] * chunk.num_tokens)
                     with self._lock:
-                        self._tokens += len(chunk.token_ids)
+                        self._tokens += chunk.num_tokens
                 finish = chunk.finish_reason or finish
-            rec.finish_reason = finish_reason_name(finish)
+            rec.finish_reason = finish or "UNSPECIFIED"
             if stream.cancelled:
                 rec.status, rec.error = "CANCELLED", "cancelled by the load tester (drain timeout or interrupt)"
             elif rec.finish_reason not in ("STOP", "LENGTH"):
                 rec.status, rec.error = rec.finish_reason, "stream ended without STOP or LENGTH"
-        except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
-            rec.status = code.name if code else "UNKNOWN"
-            rec.error = exc.details() if hasattr(exc, "details") else str(exc)
+        except BackendError as exc:
+            rec.status, rec.error = exc.status, str(exc)
         except Exception as exc:  # noqa: BLE001 - recorded as a failure, never lost
             rec.status, rec.error = "CLIENT_ERROR", repr(exc)
         finally:
-            rec.end_s = self._now()
-            with self._lock:
-                self._streams.pop(req.index, None)
-                self._records.append(rec)
-                if rec.status == OK:
-                    self._completed += 1
-                else:
-                    self._failed += 1
-            if self._on_end is not None:
-                self._on_end(self.counters())
+            self._record(rec, req.index)
 
-    def _open_loop(self, client: PdclusterClient, pool: ThreadPoolExecutor, futures: list[Future]) -> None:
+    def _record(self, rec: RequestRecord, index: int) -> None:
+        rec.end_s = self._now()
+        with self._lock:
+            self._streams.pop(index, None)
+            self._records.append(rec)
+            if rec.status == OK:
+                self._completed += 1
+            else:
+                self._failed += 1
+        if self._on_end is not None:
+            self._on_end(self.counters())
+
+    def _open_loop(self, client, pool: ThreadPoolExecutor, futures: list[Future]) -> None:
         for req in self.plan:
             if req.arrival_s > self.cfg.duration_s or self._now() > self.cfg.duration_s:
                 return
@@ -175,7 +184,7 @@ class LoadRunner:
             futures.append(pool.submit(self._send, client, req, req.arrival_s))
             self._next += 1
 
-    def _closed_worker(self, client: PdclusterClient) -> None:
+    def _closed_worker(self, client) -> None:
         while not self._stop.is_set() and self._now() <= self.cfg.duration_s:
             with self._lock:
                 if self._next >= len(self.plan):
@@ -201,7 +210,8 @@ class LoadRunner:
         cfg = self.cfg
         interrupted = False
         workers = cfg.concurrency or min(cfg.max_inflight, max(1, len(self.plan)))
-        with PdclusterClient(cfg.address, timeout_s=cfg.request_timeout_s) as client, \
+        client = open_session(cfg.backend, cfg.address, cfg.request_timeout_s)
+        with contextlib.closing(client), \
                 ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loadtest") as pool:
             client.wait_ready(cfg.ready_timeout_s)
             futures: list[Future] = []

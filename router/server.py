@@ -117,7 +117,7 @@ class RouterServer:
         if cfg.http_port is not None:
             self.http = HttpServer(build_app(FrontDoorState(
                 self.core, cfg.model, tokenizer, self.serving_now, self.scrape_targets, self.metrics.registry,
-                int(time.time()))), cfg.host, cfg.http_port)
+                int(time.time()), max_len)), cfg.host, cfg.http_port)
         self._stop = threading.Event()
         self._health_thread = threading.Thread(target=self._watch_health, name="router-health", daemon=True)
 

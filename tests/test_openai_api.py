@@ -183,3 +183,16 @@ def test_pdcluster_top_renders_every_process(oai, base_url):
     text = console.export_text()
     assert "prefill-0" in text and "decode-0" in text and "TTFT ms" in text
     assert run_top("http://127.0.0.1:1", interval_s=0.1, iterations=1, console=console) == 1
+
+
+def test_loadtest_openai_backend(base_url, tmp_path):
+    from pdcluster.cli import main as cli_main
+
+    rc = cli_main(["loadtest", "--backend", "openai", "--base-url", base_url, "--workload", "synthetic",
+                   "--num-requests", "6", "--rate", "3", "--input-len", "48", "--output-len", "8",
+                   "--output-dir", str(tmp_path), "--no-plots", "--no-progress", "--duration", "120"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert rc == 0 and summary["completed"] == 6 and summary["failed"] == 0, summary
+    assert summary["total_output_tokens"] == 6 * 8 and summary["output_token_mismatches"] == 0
+    for key in ("median_ttft_ms", "p99_itl_ms", "mean_e2el_ms", "total_token_throughput", "duration"):
+        assert summary[key] is not None and summary[key] > 0, key

@@ -50,6 +50,7 @@ class FrontDoorState:
         targets: ``() -> `` the HTTP-SD document of every ``/metrics`` endpoint.
         metrics_registry: the router's Prometheus registry.
         created: Unix seconds the model was loaded (``/v1/models``).
+        max_model_len: prompt + output limit in tokens (``/v1/models``, as vLLM reports it).
     """
 
     core: RequestRouter
@@ -59,6 +60,7 @@ class FrontDoorState:
     targets: Callable[[], list[dict]]
     metrics_registry: object
     created: int = 0
+    max_model_len: int = 0
 
 
 def build_app(state: FrontDoorState) -> FastAPI:
@@ -87,7 +89,8 @@ def build_app(state: FrontDoorState) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "pdcluster", "root": state.model_name}]}
+                                            "owned_by": "pdcluster", "root": state.model_name,
+                                            "max_model_len": state.max_model_len}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
