@@ -63,6 +63,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         req = request_from_proto(request.request, request.transfer_id, self.device)
         events: queue.Queue = queue.Queue()
         rid, t0 = req.request_id, time.monotonic()
+        log.debug("reserve: %d prompt tokens, max_tokens %d", len(req.prompt_token_ids), req.params.max_tokens)
         context.add_callback(lambda: self.scheduler.submit_abort(rid))
         self.scheduler.submit_reserve(req, events)
         while True:

@@ -53,6 +53,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def Prefill(self, request, context):
         with request_scope(request_id_from_metadata(context) or request.request.request_id):
             req = request_from_proto(request.request, request.transfer_id, self.device)
+            log.debug("prefill: %d prompt tokens, KV to %s", len(req.prompt_token_ids), request.destination.worker_id)
             send, external = self.route(request, req)
             fut = self.scheduler.submit(req, send, external)
             context.add_callback(lambda: None if fut.done() else self.scheduler.submit_abort(req.request_id))

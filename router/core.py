@@ -170,6 +170,8 @@ class ActiveRequest:
         except NoWorkerError as e:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         h.prefill, h.decode = placement.prefill, placement.decode
+        log.debug("placed: prefill %s, decode %s, %d prompt tokens", h.prefill.worker_id, h.decode.worker_id,
+                  len(prep.prompt_token_ids))
         h.load = self.router.load.begin(h.prefill.worker_id, h.decode.worker_id, len(prep.prompt_token_ids))
         try:
             yield from self._relay()

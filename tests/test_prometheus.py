@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster_utils import assert_no_leak, router_client, running_cluster
 from deploy.prometheus_server import PROMETHEUS_DIR, PrometheusServer, find_prometheus
 from pdcluster.cli import main as cli_main
+
+from cluster_utils import assert_no_leak, router_client, running_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO / "deploy" / "grafana" / "pdcluster.json"
