@@ -126,21 +126,13 @@ def _drain(q: queue.Queue) -> list:
             return out
 
 
-def measure_decode(model, cfg: ModelConfig, prompts: list[list[int]], prefilled: list[tuple[torch.Tensor, int]],
-                   new_tokens: int, block_size: int, step_context=None) -> dict:
-    """Decode ``new_tokens`` greedy tokens (``ignore_eos``) for every prompt as one batch
-    through a :class:`DecodeScheduler`; the first token comes from ``prefilled``.
-    ``step_context`` (a context manager, e.g. a profiler) wraps the decode steps only.
-
-    Returns:
-        ``tpot_ms``: the median of the ``new_tokens - 1`` decode steps' wall times (robust to
-        other jobs' bursts on a shared machine), ``tokens_per_s`` = batch / that;
-        ``tpot_ms_mean`` / ``tokens_per_s_mean`` from the total; per-step means
-        (``mean_ms``) and medians (``median_ms``) of every part, the overhead, each request's tokens
-        (``token_ids``) and the scheduler's ``events`` (for :func:`stream_costs`).
+def _admitted_batch(model, cfg: ModelConfig, prompts: list[list[int]], prefilled, new_tokens: int,
+                    block_size: int):
+    """A decode scheduler holding every prompt as a running request whose KV came from
+    ``prefilled``; returns ``(runner, scheduler, event queues)``.
 
     Raises:
-        RuntimeError: a request was not admitted at once or failed.
+        RuntimeError: a request was not admitted at once.
     """
     b = len(prompts)
     per_req = blocks_needed(len(prompts[0]) + new_tokens, block_size)
@@ -164,6 +156,52 @@ def measure_decode(model, cfg: ModelConfig, prompts: list[list[int]], prefilled:
                               kv[:, :, :len(res.block_ids)])
         sched.kv_complete(res.transfer_id, res.generation, first, None)
 
+    return runner, sched, streams
+
+
+def _summary(steps: list[dict[str, float]], b: int, token_ids, events, has_meta: bool) -> dict:
+    """Per-step parts, medians and means of a measured decode run (milliseconds, tokens/s)."""
+    for s in steps:
+        s["overhead"] = s["step"] - s["forward"] - s["lm_head"]
+        s["runner_other"] = s["execute"] - s["forward"] - s["lm_head"] - s["metadata"] - s["sampling"]
+        s["scheduler"] = s["step"] - s["execute"]
+    total_s = sum(s["step"] for s in steps)
+    keys = ("step", "forward", "lm_head", "overhead", "metadata", "sampling", "runner_other", "scheduler")
+    median_step_s = statistics.median(s["step"] for s in steps)
+    out = {
+        "tokens_per_s": b / median_step_s,
+        "tpot_ms": median_step_s * 1e3,
+        "tokens_per_s_mean": b * len(steps) / total_s,
+        "tpot_ms_mean": total_s / len(steps) * 1e3,
+        "decode_steps": len(steps),
+        "mean_ms": {k: statistics.mean(s[k] for s in steps) * 1e3 for k in keys},
+        "median_ms": {k: statistics.median(s[k] for s in steps) * 1e3 for k in keys},
+        "metadata_timed_separately": has_meta,
+        "token_ids": token_ids,
+        "events": events,
+    }
+    return out
+
+
+def measure_decode(model, cfg: ModelConfig, prompts: list[list[int]], prefilled: list[tuple[torch.Tensor, int]],
+                   new_tokens: int, block_size: int, step_context=None) -> dict:
+    """Decode ``new_tokens`` greedy tokens (``ignore_eos``) for every prompt as one batch
+    through a :class:`DecodeScheduler`; the first token comes from ``prefilled``.
+    ``step_context`` (a context manager, e.g. a profiler) wraps the decode steps only.
+
+    Returns:
+        ``tpot_ms``: the median of the ``new_tokens - 1`` decode steps' wall times (robust to
+        other jobs' bursts on a shared machine), ``tokens_per_s`` = batch / that;
+        ``tpot_ms_mean`` / ``tokens_per_s_mean`` from the total; per-step means
+        (``mean_ms``) and medians (``median_ms``) of every part, the overhead, each request's tokens
+        (``token_ids``) and the scheduler's ``events`` (for :func:`stream_costs`).
+
+    Raises:
+        RuntimeError: a request was not admitted at once or failed.
+    """
+    b = len(prompts)
+    runner, sched, streams = _admitted_batch(model, cfg, prompts, prefilled, new_tokens, block_size)
+
     acc = dict.fromkeys(PARTS, 0.0)
     steps: list[dict[str, float]] = []
     events: list[list[Tokens]] = [[] for _ in prompts]
@@ -186,25 +224,7 @@ def measure_decode(model, cfg: ModelConfig, prompts: list[list[int]], prefilled:
     if any(len(t) != new_tokens for t in token_ids) or len(steps) != new_tokens - 1:
         raise RuntimeError(f"expected {new_tokens} tokens in {new_tokens - 1} steps, got "
                            f"{sorted({len(t) for t in token_ids})} in {len(steps)}")
-    for s in steps:
-        s["overhead"] = s["step"] - s["forward"] - s["lm_head"]
-        s["runner_other"] = s["execute"] - s["forward"] - s["lm_head"] - s["metadata"] - s["sampling"]
-        s["scheduler"] = s["step"] - s["execute"]
-    total_s = sum(s["step"] for s in steps)
-    keys = ("step", "forward", "lm_head", "overhead", "metadata", "sampling", "runner_other", "scheduler")
-    median_step_s = statistics.median(s["step"] for s in steps)
-    out = {
-        "tokens_per_s": b / median_step_s,
-        "tpot_ms": median_step_s * 1e3,
-        "tokens_per_s_mean": b * len(steps) / total_s,
-        "tpot_ms_mean": total_s / len(steps) * 1e3,
-        "decode_steps": len(steps),
-        "mean_ms": {k: statistics.mean(s[k] for s in steps) * 1e3 for k in keys},
-        "median_ms": {k: statistics.median(s[k] for s in steps) * 1e3 for k in keys},
-        "metadata_timed_separately": has_meta,
-        "token_ids": token_ids,
-        "events": events,
-    }
+    out = _summary(steps, b, token_ids, events, has_meta)
     out["overhead_share"] = out["mean_ms"]["overhead"] / out["mean_ms"]["step"]
     return out
 

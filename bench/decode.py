@@ -274,34 +274,39 @@ def run(args) -> dict:
         save(res, args.out_dir, args.name)
 
     try:
-        for ctx in args.contexts:
-            prompts = _common.sonnet_prompts(tokenizer, max(args.batches), ctx)
-            log(f"prefill {len(prompts)} x {ctx} tokens")
-            prefilled = _decode_ours.prefill_kv(model, cfg, prompts, BLOCK_SIZE)
-            _decode_ours.measure_decode(model, cfg, prompts[:2], prefilled[:2], 4, BLOCK_SIZE)  # warm-up
-            if not args.no_hf:
-                _decode_hf.measure_hf(hf, prompts[:2], prefilled[:2], 4)
-            for b in args.batches:
-                nt = _new_tokens(args, ctx)
-                log(f"point batch {b} context {ctx} new {nt}, load {_common.load_avg_1m():.2f}")
-                rec = run_point(model, cfg, hf, tokenizer, prompts[:b], prefilled[:b], nt, stats, peer,
-                                args.rounds, args.no_hf)
-                res["points"].append(rec)
-                checkpoint()
-                log(f"  ours {rec['tokens_per_s']:.1f} tok/s ({rec['tpot_ms']:.1f} ms), "
-                    f"floor x{rec['ratio_bandwidth_floor']:.2f}, HF x{rec['ratio_hf'] or float('nan'):.2f}, "
-                    f"vLLM x{rec['ratio_vllm'] or float('nan'):.2f}; rounds {rec['rounds_tpot_ms']}")
-            if args.profile_steps:
-                log("profiling")
-                res["profiles"] += _profiles(args, model, cfg, hf, prompts, prefilled)
-            del prefilled
-            gc.collect()
+        _sweep(args, res, checkpoint, model, cfg, hf, tokenizer, stats, peer)
     finally:
         if peer is not None:
             peer.close()
     res["complete"] = True
     checkpoint()
     return res
+
+
+def _sweep(args, res: dict, checkpoint, model, cfg, hf, tokenizer, stats: dict, peer) -> None:
+    """Every (context, batch) point, in order, saving after each."""
+    for ctx in args.contexts:
+        prompts = _common.sonnet_prompts(tokenizer, max(args.batches), ctx)
+        log(f"prefill {len(prompts)} x {ctx} tokens")
+        prefilled = _decode_ours.prefill_kv(model, cfg, prompts, BLOCK_SIZE)
+        _decode_ours.measure_decode(model, cfg, prompts[:2], prefilled[:2], 4, BLOCK_SIZE)  # warm-up
+        if not args.no_hf:
+            _decode_hf.measure_hf(hf, prompts[:2], prefilled[:2], 4)
+        for b in args.batches:
+            nt = _new_tokens(args, ctx)
+            log(f"point batch {b} context {ctx} new {nt}, load {_common.load_avg_1m():.2f}")
+            rec = run_point(model, cfg, hf, tokenizer, prompts[:b], prefilled[:b], nt, stats, peer,
+                            args.rounds, args.no_hf)
+            res["points"].append(rec)
+            checkpoint()
+            log(f"  ours {rec['tokens_per_s']:.1f} tok/s ({rec['tpot_ms']:.1f} ms), "
+                f"floor x{rec['ratio_bandwidth_floor']:.2f}, HF x{rec['ratio_hf'] or float('nan'):.2f}, "
+                f"vLLM x{rec['ratio_vllm'] or float('nan'):.2f}; rounds {rec['rounds_tpot_ms']}")
+        if args.profile_steps:
+            log("profiling")
+            res["profiles"] += _profiles(args, model, cfg, hf, prompts, prefilled)
+        del prefilled
+        gc.collect()
 
 
 def main(argv=None) -> int:

@@ -125,6 +125,21 @@ def _step(torch, lens, heads, block_size, dtype, device, seed):
     return q, k_cache, v_cache, build_attention_metadata(slices, block_size, device=device)
 
 
+def _machine_rates(torch, cfg: dict, device, timer) -> tuple[float, float, object]:
+    """Device copy bandwidth (GB/s), GEMM rate (TFLOP/s) and the GEMM dtype (bf16 on CUDA)."""
+    n = cfg["copy_bytes"]
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    copy_gbps = 2 * n / (timer(lambda: dst.copy_(src)) * 1e-3) / 1e9
+    del src, dst
+    m = cfg["gemm_n"]
+    gemm_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(m, m, device=device, dtype=gemm_dtype)
+    b = torch.randn(m, m, device=device, dtype=gemm_dtype)
+    gemm_tflops = 2 * m**3 / (timer(lambda: torch.matmul(a, b)) * 1e-3) / 1e12
+    return copy_gbps, gemm_tflops, gemm_dtype
+
+
 def run(cfg: dict, device, interpret: bool) -> dict:
     import torch
     import triton
@@ -137,17 +152,8 @@ def run(cfg: dict, device, interpret: bool) -> dict:
     scale = d**-0.5
     triton_be, torch_be = get_attention_backend("triton"), get_attention_backend("torch")
 
-    n = cfg["copy_bytes"]
-    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
-    dst = torch.empty_like(src)
-    copy_gbps = 2 * n / (timer(lambda: dst.copy_(src)) * 1e-3) / 1e9
-    del src, dst
+    copy_gbps, gemm_tflops, gemm_dtype = _machine_rates(torch, cfg, device, timer)
     m = cfg["gemm_n"]
-    gemm_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    a = torch.randn(m, m, device=device, dtype=gemm_dtype)
-    b = torch.randn(m, m, device=device, dtype=gemm_dtype)
-    gemm_tflops = 2 * m**3 / (timer(lambda: torch.matmul(a, b)) * 1e-3) / 1e12
-    del a, b
 
     elem = torch.tensor([], dtype=dtype).element_size()
     decode = []
