@@ -168,9 +168,9 @@ def _deploy(name: str):
         state_file = state_path(getattr(args, "state_dir", None))
         if getattr(args, "local", False) or (name == "cmd_down" and ray_env.state_is_local(state_file)):
             ray_env.use_loopback_ray()  # before deploy.local imports ray
-        from deploy import local
+        from deploy.local import cmd_down, cmd_status, cmd_up
 
-        return int(getattr(local, name)(args))
+        return int({"cmd_up": cmd_up, "cmd_down": cmd_down, "cmd_status": cmd_status}[name](args))
 
     run.__name__ = name
     return run
