@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -34,8 +35,10 @@ from router.openai.errors import error_response, router_error_response
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.openai.requests import OpenAIRequestError, SubRequest, chat_requests, completion_requests
 from router.openai.responses import ResponseBuilder, totals
+from serving.logs import request_scope
 
 FIRST_SAMPLE_WAIT_S = 600.0
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -114,6 +117,8 @@ async def _generate(state: FrontDoorState, body, kind: str, expand):
         return error_response(e.status, e.message, param=e.param, code=e.code)
     except RouterError as e:
         return router_error_response(e)
+    with request_scope(base):
+        log.info("%s request: %d sub-request(s), stream=%s, user=%r", kind, len(subs), body.stream, body.user)
     builder = ResponseBuilder(kind, base, state.model_name, state.tokenizer, logprobs=bool(subs[0].top_logprobs
                               or subs[0].request.sampling.logprobs))
     events = _pump(subs, actives)
