@@ -40,7 +40,7 @@ def colocated(tmp_path_factory):
         while not router.view.workers("colocated"):
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        yield host, client, router.servicer.load
+        yield host, client, router.core.load
     router.stop()
     host.stop()
     redis.stop()
