@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Install everything, bring a local cluster up (Ray + Redis + router + 1 prefill + 1 decode worker
-# serving SmolLM2-135M-Instruct on CPU), generate from a few real prompts, and bring it down.
+# Install everything (scripts/install.sh: .venv), bring a local cluster up (Ray + Redis + router +
+# 1 prefill + 1 decode worker serving SmolLM2-135M-Instruct on CPU), generate from a few real
+# prompts, and bring it down.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+source .venv/bin/activate  # pdcluster and python from the venv install.sh made
 STATE_DIR="${STATE_DIR:-$HOME/.pdcluster}"
 pdcluster down --state-dir "$STATE_DIR" >/dev/null 2>&1 || true
 trap 'pdcluster down --state-dir "$STATE_DIR"' EXIT
 pdcluster up --local --prefill 1 --decode 1 --port 50051 --state-dir "$STATE_DIR"
 pdcluster status --state-dir "$STATE_DIR"
-python3 - <<'PY'
+python - <<'PY'
 import json, pathlib
 rows = [json.loads(l) for l in pathlib.Path("loadtest/data/prompts/mt_bench_question.jsonl").read_text().splitlines()]
 prompts = [r["turns"][0] for r in rows[:3]]

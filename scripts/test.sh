@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Install everything, then run the whole test suite (real Redis, real local Ray, real gRPC on loopback).
+# Install everything (scripts/install.sh: .venv), then run the whole test suite in that venv
+# (real Redis, real local Ray, real gRPC on loopback).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+# the venv first on PATH: the tests start `pdcluster`, `ray` and Python subprocesses from it
+source .venv/bin/activate
 # the architecture's layering contracts (pyproject.toml [tool.importlinter])
 lint-imports
-python3 -m pytest -q tests "$@"
+python -m pytest -q tests "$@"
