@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO / "deploy" / "grafana" / "pdcluster.json"
 NUM_REQUESTS = 12
 
-pytestmark = pytest.mark.skipif(find_prometheus() is None,
-                                reason="Debian's prometheus package is not installed (scripts/install.sh installs it)")
+pytestmark = pytest.mark.skipif(find_prometheus() is None, reason="Debian's prometheus package is not installed "
+                                "(scripts/install.sh installs it when run as root where apt-get exists)")
 
 
 def _promtool(*args: str) -> subprocess.CompletedProcess:
