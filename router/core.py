@@ -204,15 +204,17 @@ class ActiveRequest:
             h.p_future.add_done_callback(h.load.prefill_finished)
             for ev in h.d_call:
                 msg = out.add(ev.tokens)
-                if out.finished:
-                    self._settle_usage(out, msg)
                 decode_finished = ev.tokens.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                 self.stats.tokens(len(msg.token_ids))
+                if out.finished:  # recorded before the client can see the end
+                    self._settle_usage(out, msg)
+                    self.stats.finished(_REASONS.get(out.finish_reason, "stop"))
                 if prep.stream and (msg.token_ids or msg.text or out.finished):
                     yield msg
                 if out.finished:
                     break
                 if h.aborted:
+                    self.stats.finished("abort")
                     yield from self._final(out, common_pb2.FINISH_REASON_ABORT)
                     break
         except grpc.RpcError as e:
@@ -222,7 +224,6 @@ class ActiveRequest:
                               f"decode worker {h.decode.worker_id} closed the stream before finishing")
         if not decode_finished:
             h.d_call.cancel()  # stopped here (stop string / abort): the decode worker frees
-        self.stats.finished(_REASONS.get(out.finish_reason, "stop"))
         if not prep.stream:
             yield out.whole()
 

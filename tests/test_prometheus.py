@@ -89,7 +89,7 @@ def test_latency_quantiles_and_counts(observed):
         q = _value(prom, f"histogram_quantile(0.99, sum by (le) (rate(pdcluster:{metric}_bucket[1m])))")
         assert q is not None and q > 0, metric
     assert _value(prom, "sum(pdcluster:time_to_first_token_seconds_count)") == summary["completed"]
-    assert _value(prom, "sum(pdcluster:request_success_total)") == summary["completed"]
+    _wait_for(prom, "sum(pdcluster:request_success_total)", summary["completed"], timeout_s=10)
     prompt = _value(prom, "sum(pdcluster:prefix_cache_queries_total)")
     assert prompt == _value(prom, "sum(pdcluster:prompt_tokens_total)") > 0
     assert _value(prom, "sum(pdcluster:kv_transfer_bytes_total)") == _value(prom, "sum(pdcluster:kv_received_bytes_total)")
