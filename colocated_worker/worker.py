@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from functools import partial
 
 import torch
 
@@ -28,6 +29,7 @@ from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.scheduler import ExternalBlocks, PrefillScheduler
 from prefill_worker.server import PrefillWorkerServicer, Route, remote_route
 from serving.convert import logprobs_from_dict
+from serving.security import internal_channel
 from serving.worker_config import WorkerConfig
 from serving.worker_host import WorkerHost
 from serving.worker_metrics import WorkerMetrics
@@ -100,7 +102,8 @@ def create_colocated_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "")
                       metrics=metrics)
     device: torch.device = runner.device
     route = local_route(cfg.worker_id, decode,
-                        remote_route(create_sender(cfg.kv), runner.kv_cache, cfg.kv.layers_per_chunk))
+                        remote_route(create_sender(cfg.kv, partial(internal_channel, cfg.security)), runner.kv_cache,
+                                     cfg.kv.layers_per_chunk))
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
         PrefillWorkerServicer(prefill, route, cfg.worker_id, device, metrics=metrics), host.server)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(

@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 
 from engine.config import KV_FAILURE_POLICIES
+from pdcluster.client import API_KEY_ENV
 from router.policy_names import DEFAULT_POLICY, POLICY_NAMES
 from serving.logs import LOG_FORMATS, LOG_LEVELS
 
@@ -39,6 +40,17 @@ def _state_dir(value: str) -> Path:
 def _add_state_dir(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", type=_state_dir, default="~/.pdcluster",
                    help="directory of the local cluster state (default: ~/.pdcluster)")
+
+
+def _add_api_keys(p: argparse.ArgumentParser, env_api_key: str | None) -> None:
+    """``up``'s API keys (turned into the router's keys by :func:`deploy.spec.api_keys_from_args`)."""
+    p.add_argument("--api-key", dest="api_keys", action="append", default=[], metavar="KEY",
+                   help="API key clients must send (gRPC 'authorization: Bearer KEY' metadata, HTTP "
+                        "'Authorization: Bearer KEY' header; repeatable). Without --api-key, --api-key-file or "
+                        f"${API_KEY_ENV} the router's ports are open")
+    p.add_argument("--api-key-file", type=Path, default=None, metavar="PATH",
+                   help="file of API keys, one per line (blank lines and lines starting with # skipped)")
+    p.set_defaults(env_api_key=env_api_key)
 
 
 def _add_serving(p: argparse.ArgumentParser) -> None:
@@ -78,7 +90,7 @@ def _add_kv(p: argparse.ArgumentParser) -> None:
                         "KV on the decode worker")
 
 
-def _add_up(sub: argparse._SubParsersAction) -> None:
+def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
     p = sub.add_parser("up", allow_abbrev=False, help="start a cluster (router, prefill and decode workers)")
     p.add_argument("--local", action="store_true", help="start a local Ray head and Redis")
     p.add_argument("--ray-address", default=None,
@@ -124,6 +136,7 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                    help="disable the prefill workers' prefix cache")
     _add_kv(p)
     _add_serving(p)
+    _add_api_keys(p, env_api_key)
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="registry heartbeat period in seconds")
     p.add_argument("--timeout-s", type=float, default=300, help="seconds to wait for the cluster to be ready")
     p.add_argument("--cluster", default="default", help="cluster name (registry namespace)")
@@ -176,9 +189,11 @@ def _deploy(name: str):
     return run
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``up``, ``scale``, ``down`` and ``status`` to the ``pdcluster`` subcommands."""
-    _add_up(sub)
+def register(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
+    """Add ``up``, ``scale``, ``down`` and ``status`` to the ``pdcluster`` subcommands;
+    ``env_api_key`` is ``$PDCLUSTER_API_KEY`` as the CLI read it (``up``'s key when no
+    ``--api-key`` / ``--api-key-file`` is given)."""
+    _add_up(sub, env_api_key)
     _add_scale(sub)
     p = sub.add_parser("down", help="stop the local cluster", allow_abbrev=False)
     _add_state_dir(p)

@@ -5,7 +5,8 @@
 joins a running Ray cluster instead (run it on the head node: Redis and the router
 go there) and starts Redis there unless ``--redis-url`` names one. It places the
 workers and the router (:mod:`deploy.cluster`), waits until all are healthy,
-writes a state file (``<state-dir>/cluster.json``) and returns. ``down`` stops
+writes a state file (``<state-dir>/cluster.json``, mode 0600: it holds the cluster secret
+``up`` generates for the internal plane, :mod:`serving.security`) and returns. ``down`` stops
 exactly what ``up`` started, as recorded in the state file.
 """
 
@@ -29,8 +30,8 @@ from deploy.placement import PlacementError
 from deploy.ray_env import LOOPBACK_ENV
 from deploy.redis_control import stop_redis_at
 from deploy.redis_server import LocalRedisServer, free_port
-from deploy.spec import spec_from_args
-from deploy.state import DEFAULT_STATE_DIR, read_state, state_path
+from deploy.spec import exposure_warning, spec_from_args
+from deploy.state import DEFAULT_STATE_DIR, read_state, state_path, write_state
 from serving.registry import WorkerRegistry
 
 
@@ -166,12 +167,15 @@ def up(args) -> dict:
             ``--redis-url``; Ray, Redis, a worker or the router failed to start.
         TimeoutError: the workers or the router were not healthy within ``--timeout-s``.
     """
-    spec_from_args(args, "redis://127.0.0.1:0", use_cuda=args.device == "cuda")  # flag errors before anything starts
+    checked = spec_from_args(args, "redis://127.0.0.1:0", use_cuda=args.device == "cuda")  # flag errors first
+    warning = exposure_warning(checked.router)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     state_dir = Path(args.state_dir or DEFAULT_STATE_DIR).expanduser()
     state_dir.mkdir(parents=True, exist_ok=True)
     if state_path(state_dir).exists():
         raise RuntimeError(f"a cluster is already up (state in {state_path(state_dir)}); run `pdcluster down`")
-    state: dict = {"started_ray": False, "started_redis": False}
+    state: dict = {"started_ray": False, "started_redis": False, "cluster_secret": secrets.token_urlsafe(32)}
     try:
         if args.ray_address:
             if args.ray_resources:
@@ -190,7 +194,7 @@ def up(args) -> dict:
         ray.init(address=ray_address, namespace="pdcluster", logging_level="WARNING")
         state["redis_url"] = args.redis_url or _start_redis(args, state, state_dir)
         use_cuda = ray.cluster_resources().get("GPU", 0) >= 1 and args.device in ("auto", "cuda")
-        spec = spec_from_args(args, state["redis_url"], use_cuda)
+        spec = spec_from_args(args, state["redis_url"], use_cuda, cluster_secret=state["cluster_secret"])
         state.update(launch(spec))
         wait_healthy(state["redis_url"], args.cluster, sum(spec.counts().values()), state["router_address"],
                      args.timeout_s)
@@ -200,9 +204,7 @@ def up(args) -> dict:
     finally:
         if ray.is_initialized():
             ray.shutdown()
-    path = state_path(state_dir)
-    path.touch(mode=0o600)  # it may hold the Redis password
-    path.write_text(json.dumps(state, indent=2))
+    write_state(state_dir, state)
     return state
 
 

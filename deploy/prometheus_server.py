@@ -1,7 +1,8 @@
 """A local Prometheus server (Debian's ``prometheus`` binary) scraping one pdcluster, and its HTTP API.
 
 Used by the tests and the dashboard snapshot: it writes a config from
-``deploy/prometheus/prometheus.yml`` (service discovery at the router's HTTP address) with
+``deploy/prometheus/prometheus.yml`` (service discovery at the router's HTTP address; with an
+API key, its ``authorization`` blocks enabled and the key in ``api_key`` beside it, mode 0600) with
 the recording rules of ``deploy/prometheus/pdcluster.rules.yml``, starts Prometheus on a free
 loopback port with its data in a given folder, and answers PromQL queries through
 ``/api/v1/query`` and ``/api/v1/query_range``.
@@ -10,6 +11,7 @@ loopback port with its data in a given folder, and answers PromQL queries throug
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -34,9 +36,11 @@ class PrometheusServer:
         router_http: ``host:port`` of the router's HTTP server (its ``/v1/prometheus/targets``).
         data_dir: folder for the config copy, the TSDB and the log.
         interval_s: scrape and rule-evaluation interval (seconds).
+        api_key: one of the router's API keys (``None``: the router has none).
     """
 
-    def __init__(self, router_http: str, data_dir: Path, interval_s: float = 1.0) -> None:
+    def __init__(self, router_http: str, data_dir: Path, interval_s: float = 1.0,
+                 api_key: str | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -47,6 +51,11 @@ class PrometheusServer:
             "evaluation_interval: 5s", f"evaluation_interval: {interval}").replace(
             "refresh_interval: 5s", f"refresh_interval: {interval}")
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        if api_key is not None:
+            key_file = self.data_dir / "api_key"
+            key_file.touch(mode=0o600)
+            key_file.write_text(api_key)
+            config = re.sub(r"# (authorization:|  type: Bearer|  credentials_file: api_key)", r"\1", config)
         shutil.copy(PROMETHEUS_DIR / "pdcluster.rules.yml", self.data_dir / "pdcluster.rules.yml")
         (self.data_dir / "prometheus.yml").write_text(config)
 

@@ -35,7 +35,7 @@ from deploy.cluster import (
     worker_config_from_dict,
 )
 from deploy.placement import PlacementConfig, WorkerShape
-from deploy.state import DEFAULT_STATE_DIR, read_state, state_path
+from deploy.state import DEFAULT_STATE_DIR, read_state, write_state
 
 log = logging.getLogger(__name__)
 
@@ -209,10 +209,9 @@ def scale_from_state_dir(state_dir: Path | str | None, target: ScaleTarget) -> d
     state_dir = Path(state_dir or DEFAULT_STATE_DIR).expanduser()
     with _scale_lock(state_dir):
         state = read_state(state_dir)
-        path = state_path(state_dir)
 
         def write(s: dict) -> None:
-            path.write_text(json.dumps(s, indent=2))
+            write_state(state_dir, s)
 
         ray.init(address=state["ray_address"], namespace=NAMESPACE, logging_level="WARNING")
         try:

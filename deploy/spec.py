@@ -3,6 +3,7 @@ placement configs are built from command-line flags."""
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import replace
 
 from common.model_config import ConfigError, ModelConfig
@@ -12,8 +13,10 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.model_loader import resolve_model
 from kvtransfer.config import KvTransferConfig
 from kvtransfer.registry import load_transport
+from pdcluster.client import API_KEY_ENV
 from router.server import RouterConfig
 from serving.logs import LogConfig
+from serving.security import SecurityConfig, check_credential
 from serving.worker_config import WorkerConfig
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -50,17 +53,59 @@ def kv_config_from_args(args, use_cuda: bool) -> KvTransferConfig:
     return kv
 
 
-def spec_from_args(args, redis_url: str, use_cuda: bool = False) -> ClusterSpec:
+def api_keys_from_args(args) -> tuple[str, ...]:
+    """The router's API keys: every ``--api-key`` and every key line of ``--api-key-file`` (blank
+    lines and ``#`` comments skipped); when neither flag is given, ``$PDCLUSTER_API_KEY`` as the
+    CLI read it (``args.env_api_key``); none of them: no keys (open).
+
+    Raises:
+        ConfigError: ``--api-key-file`` cannot be read or holds no key.
+        ValueError: a key that is not printable ASCII without spaces.
+    """
+    keys = list(args.api_keys)
+    if args.api_key_file is not None:
+        try:
+            lines = args.api_key_file.read_text().splitlines()
+        except OSError as exc:
+            raise ConfigError(f"--api-key-file {args.api_key_file}: {exc.strerror or exc}") from None
+        in_file = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        if not in_file:
+            raise ConfigError(f"--api-key-file {args.api_key_file} holds no key")
+        keys += in_file
+    elif not keys and args.env_api_key:
+        keys = [args.env_api_key]
+    for key in keys:
+        check_credential(key, "an API key")
+    return tuple(keys)
+
+
+def exposure_warning(router: RouterConfig) -> str | None:
+    """A warning when the router listens beyond loopback without API keys (``None`` otherwise)."""
+    if router.security.api_keys:
+        return None
+    try:
+        loopback = ipaddress.ip_address(router.host).is_loopback
+    except ValueError:
+        loopback = router.host == "localhost"
+    if loopback:
+        return None
+    return (f"the router listens on {router.host} without API keys: anyone who reaches its ports can generate; "
+            f"give --api-key, --api-key-file or ${API_KEY_ENV}")
+
+
+def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret: str = "") -> ClusterSpec:
     """The cluster ``up``'s flags describe.
 
     Args:
         args: the parsed ``pdcluster up`` flags.
         redis_url: the registry the workers and the router use.
         use_cuda: whether the workers will run on GPUs (decides the KV dtype for ``--dtype auto``).
+        cluster_secret: the internal plane's secret (``up`` generates it; empty: internal ports open).
 
     Raises:
-        ValueError / common.model_config.ConfigError: a flag value out of range, or a KV
-            transport that cannot be loaded (:func:`kv_config_from_args`).
+        ValueError / common.model_config.ConfigError: a flag value out of range, a KV
+            transport that cannot be loaded (:func:`kv_config_from_args`), or bad API keys
+            (:func:`api_keys_from_args`).
     """
     for flag, bs in (("--block-size", args.block_size), ("--prefill-block-size", args.prefill_block_size)):
         if bs is not None and (bs <= 0 or bs & (bs - 1)):
@@ -81,14 +126,15 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False) -> ClusterSpec:
         prefill_cache = replace(cache, block_size=pbs, num_blocks=max(2, blocks * args.block_size // pbs))
     kv = kv_config_from_args(args, use_cuda)
     log = LogConfig(args.log_format, args.log_level)
+    security = SecurityConfig(api_keys=api_keys_from_args(args), cluster_secret=cluster_secret)
     worker = WorkerConfig(role="prefill", worker_id="template", model=args.model, redis_url=redis_url,
                           cluster=args.cluster, device=args.device, dtype=args.dtype,
                           heartbeat_s=args.heartbeat_s, cache=cache, scheduler=sched, kv=kv,
-                          prefill_cache=prefill_cache, log=log)
+                          prefill_cache=prefill_cache, log=log, security=security.for_workers())
     router = RouterConfig(model=args.model, model_path=str(folder), redis_url=redis_url, cluster=args.cluster,
                           host=args.host, port=args.port, max_model_len=args.max_model_len, block_size=args.block_size,
                           policy=args.router_policy, view_period_s=args.heartbeat_s / 4,
-                          http_port=args.http_port if args.http else None, log=log)
+                          http_port=args.http_port if args.http else None, log=log, security=security)
     placement = PlacementConfig(strategy=args.placement, prefill_resource=args.prefill_resource,
                                 decode_resource=args.decode_resource, worker_cpus=args.worker_cpus,
                                 timeout_s=args.placement_timeout_s)

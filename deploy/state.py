@@ -1,8 +1,13 @@
-"""The state file ``pdcluster up`` writes (``<state-dir>/cluster.json``); no heavy imports."""
+"""The state file ``pdcluster up`` writes (``<state-dir>/cluster.json``); no heavy imports.
+
+It holds the cluster's secrets (the cluster secret every internal call carries, a Redis
+password), so it is written readable by its owner only (mode 0600).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 DEFAULT_STATE_DIR = Path.home() / ".pdcluster"
@@ -15,3 +20,18 @@ def state_path(state_dir: Path | str | None = None) -> Path:
 def read_state(state_dir: Path | str | None = None) -> dict:
     """The state ``up`` wrote. Raises FileNotFoundError when no cluster is up."""
     return json.loads(state_path(state_dir).read_text())
+
+
+def write_state(state_dir: Path | str | None, state: dict) -> Path:
+    """Write ``state`` as the state file, mode 0600 (also when it existed with another mode);
+    returns its path.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    path = state_path(state_dir)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(json.dumps(state, indent=2))
+    return path

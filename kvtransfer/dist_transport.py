@@ -34,7 +34,7 @@ import torch
 from kvtransfer.dist_pairs import ReceiverPairs, SenderPair, SenderPairs, backend_for
 from kvtransfer.grpc_receiver import InboundData, KvTransferServicer, add_kv_transfer_servicer
 from kvtransfer.grpc_sender import GrpcKvSender
-from kvtransfer.registry import check_options, register_transport
+from kvtransfer.registry import ChannelFactory, check_options, register_transport
 from kvtransfer.send_stream import OutboundData, SendJob, StreamControl
 from kvtransfer.transport import KvReceiverSink
 from kvtransfer.wire import DATA_DIST, encode_dist_kv_chunk
@@ -137,14 +137,15 @@ class PairReceivePlane:
         return _PairStream(self._pairs)
 
 
-def _sender(*, timeout_s: float, max_chunk_bytes: int, options: Mapping[str, str]) -> GrpcKvSender:
+def _sender(*, timeout_s: float, max_chunk_bytes: int, options: Mapping[str, str],
+            connect: ChannelFactory) -> GrpcKvSender:
     check_options(NAME, options, _OPTIONS)
     try:
         max_pairs = int(options.get("max_pairs_per_endpoint", "4"))
     except ValueError:
         raise ValueError(f"max_pairs_per_endpoint must be an integer, got {options['max_pairs_per_endpoint']!r}") from None
     return GrpcKvSender(timeout_s=timeout_s, max_chunk_bytes=max_chunk_bytes,
-                        data_plane=PairSendPlane(timeout_s, max_pairs))
+                        data_plane=PairSendPlane(timeout_s, max_pairs), connect=connect)
 
 
 def _receiver(server: grpc.Server, sink: KvReceiverSink, *, options: Mapping[str, str]) -> KvTransferServicer:

@@ -24,6 +24,7 @@ import torch
 from kvtransfer.config import DEFAULT_MAX_CHUNK_BYTES
 from kvtransfer.errors import KvDataPlaneError, KvTransferError
 from kvtransfer.progress import LayerProgress
+from kvtransfer.registry import ChannelFactory, plaintext_channel
 from kvtransfer.send_stream import (
     OutboundData,
     SendDataPlane,
@@ -76,6 +77,8 @@ class GrpcKvSender(KvSender):
             messages) by default. The sender owns it: :meth:`close` closes it.
         channel_options: extra gRPC channel options, ``(key, value)`` pairs.
         state_history: finished transfers kept for :meth:`poll`.
+        connect: opens the channel to an endpoint (the worker's credentials and call
+            metadata, :class:`kvtransfer.registry.ChannelFactory`); plaintext by default.
 
     Raises:
         ValueError: non-positive ``timeout_s``, ``max_chunk_bytes`` or ``state_history``.
@@ -89,6 +92,7 @@ class GrpcKvSender(KvSender):
         data_plane: SendDataPlane | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
         state_history: int = 4096,
+        connect: ChannelFactory = plaintext_channel,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -97,6 +101,7 @@ class GrpcKvSender(KvSender):
         self._timeout_s = timeout_s
         self._max_chunk_bytes = max_chunk_bytes
         self._channel_options = [("grpc.max_send_message_length", -1), *channel_options]
+        self._connect = connect
         self._states = TransferStateTable(state_history)
         self._data = data_plane if data_plane is not None else InlineData()
         self._lock = threading.Lock()
@@ -182,7 +187,7 @@ class GrpcKvSender(KvSender):
                 raise self._failure(transfer_id, "sender is closed")
             entry = self._channels.get(endpoint)
             if entry is None:
-                channel = grpc.insecure_channel(endpoint, options=self._channel_options)
+                channel = self._connect(endpoint, self._channel_options)
                 entry = self._channels[endpoint] = (channel, kv_pb2_grpc.KvTransferStub(channel))
             return entry[1]
 

@@ -22,7 +22,7 @@ import grpc
 from kvtransfer.config import DEFAULT_MAX_CHUNK_BYTES
 from kvtransfer.grpc_receiver import KvTransferServicer, add_kv_transfer_servicer
 from kvtransfer.grpc_sender import GrpcKvSender
-from kvtransfer.registry import check_options, register_transport
+from kvtransfer.registry import ChannelFactory, check_options, register_transport
 from kvtransfer.transport import KvReceiverSink
 
 NAME = "grpc"
@@ -42,9 +42,10 @@ def kv_server_options(max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> list[tu
     return [("grpc.max_receive_message_length", max(4 * 1024 * 1024, max_chunk_bytes + _HEADER_ROOM_BYTES))]
 
 
-def _sender(*, timeout_s: float, max_chunk_bytes: int, options: Mapping[str, str]) -> GrpcKvSender:
+def _sender(*, timeout_s: float, max_chunk_bytes: int, options: Mapping[str, str],
+            connect: ChannelFactory) -> GrpcKvSender:
     check_options(NAME, options)
-    return GrpcKvSender(timeout_s=timeout_s, max_chunk_bytes=max_chunk_bytes)
+    return GrpcKvSender(timeout_s=timeout_s, max_chunk_bytes=max_chunk_bytes, connect=connect)
 
 
 def _receiver(server: grpc.Server, sink: KvReceiverSink, *, options: Mapping[str, str]) -> KvTransferServicer:

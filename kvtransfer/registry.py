@@ -11,13 +11,15 @@ Lifecycle:
    (decode, colocated) with the cluster's :class:`~kvtransfer.config.KvTransferConfig`;
    both go through :func:`load_transport`, which imports ``transport_module`` first.
 3. The factories get the same small arguments for every transport (:class:`SenderFactory`,
-   :class:`ReceiverFactory`), ``options`` being ``cfg.transport_options``; a wrapper
+   :class:`ReceiverFactory`), ``options`` being ``cfg.transport_options`` and a sender's
+   ``connect`` the worker's :class:`ChannelFactory` (how a gRPC channel to a receiver is
+   opened: credentials, call metadata; kvtransfer only calls it); a wrapper
    transport (e.g. a fault-injecting one in the tests) looks the transport it wraps up with
    :func:`get_transport` and calls its factories.
 
 Example::
 
-    sender = create_sender(cfg.kv)                                   # prefill worker
+    sender = create_sender(cfg.kv, connect)                          # prefill worker
     WorkerHost(..., add_kv_servicers=lambda server: attach_receiver(cfg.kv, server, sink))  # decode
 """
 
@@ -25,14 +27,29 @@ from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
 from kvtransfer.config import KvTransferConfig
 from kvtransfer.transport import KvReceiver, KvReceiverSink, KvSender
+
+
+class ChannelFactory(Protocol):
+    """Opens the gRPC channel a sender reaches a receiver's ``target`` (``host:port``) through.
+
+    The worker chooses it (:func:`serving.security.internal_channel`: the cluster secret on
+    every call); kvtransfer only calls it with the channel ``options`` it needs.
+    """
+
+    def __call__(self, target: str, options: Sequence[tuple[str, Any]]) -> grpc.Channel: ...
+
+
+def plaintext_channel(target: str, options: Sequence[tuple[str, Any]]) -> grpc.Channel:
+    """The :class:`ChannelFactory` of a process without credentials: a plaintext channel, no metadata."""
+    return grpc.insecure_channel(target, options=list(options))
 
 
 class SenderFactory(Protocol):
@@ -42,12 +59,14 @@ class SenderFactory(Protocol):
         timeout_s: deadline of one whole transfer (seconds).
         max_chunk_bytes: payload bytes per chunk at most.
         options: the transport's ``KEY -> VALUE`` options (``KvTransferConfig.transport_options``).
+        connect: how to open a gRPC channel to a receiver (a transport without gRPC ignores it).
 
     Raises:
         ValueError: an option the transport does not take, or a value out of range.
     """
 
-    def __call__(self, *, timeout_s: float, max_chunk_bytes: int, options: Mapping[str, str]) -> KvSender: ...
+    def __call__(self, *, timeout_s: float, max_chunk_bytes: int, options: Mapping[str, str],
+                 connect: ChannelFactory) -> KvSender: ...
 
 
 class ReceiverFactory(Protocol):
@@ -122,15 +141,17 @@ def load_transport(cfg: KvTransferConfig) -> Transport:
     return get_transport(cfg.transport)
 
 
-def create_sender(cfg: KvTransferConfig) -> KvSender:
-    """A new sender of the transport ``cfg`` names, with its timeout, chunk size and options.
+def create_sender(cfg: KvTransferConfig, connect: ChannelFactory = plaintext_channel) -> KvSender:
+    """A new sender of the transport ``cfg`` names, with its timeout, chunk size and options,
+    opening its channels to receivers with ``connect``.
 
     Raises:
         ImportError / KeyError: as :func:`load_transport`.
         ValueError: the transport refuses ``cfg.transport_options``.
     """
     factory = load_transport(cfg).sender_factory
-    return factory(timeout_s=cfg.timeout_s, max_chunk_bytes=cfg.max_chunk_bytes, options=cfg.transport_options)
+    return factory(timeout_s=cfg.timeout_s, max_chunk_bytes=cfg.max_chunk_bytes, options=cfg.transport_options,
+                   connect=connect)
 
 
 def attach_receiver(cfg: KvTransferConfig, server: grpc.Server, sink: KvReceiverSink) -> KvReceiver:

@@ -35,10 +35,10 @@ class Chunk:
 class GrpcSession:
     """Streams through :class:`pdcluster.client.PdclusterClient`."""
 
-    def __init__(self, address: str, timeout_s: float) -> None:
+    def __init__(self, address: str, timeout_s: float, api_key: str | None = None) -> None:
         from pdcluster.client import PdclusterClient
 
-        self.client = PdclusterClient(address, timeout_s=timeout_s)
+        self.client = PdclusterClient(address, timeout_s=timeout_s, api_key=api_key)
 
     def wait_ready(self, timeout_s: float) -> None:
         self.client.wait_ready(timeout_s)
@@ -82,12 +82,11 @@ class OpenAISession:
     ``ignore_eos``, usage in the last chunk). Each text chunk counts as one token until the
     final usage says how many there were."""
 
-    def __init__(self, base_url: str, timeout_s: float, api_key: str = "unused") -> None:
+    def __init__(self, base_url: str, timeout_s: float, api_key: str | None = None) -> None:
         import openai
 
         self.openai = openai
-        self.client = openai.OpenAI(base_url=base_url.rstrip("/") + "/v1" if not base_url.rstrip("/").endswith("/v1")
-                                    else base_url, api_key=api_key, timeout=timeout_s, max_retries=0)
+        self.client = openai_client(base_url, api_key, timeout_s, max_retries=0)
         self.model = ""
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -146,14 +145,25 @@ class _OpenAIStream:
             raise BackendError("UNAVAILABLE", str(e))
 
 
-def open_session(backend: str, address: str, timeout_s: float):
-    """A session of ``backend`` at ``address`` (``HOST:PORT`` for grpc, a base URL for openai).
+def openai_client(base_url: str, api_key: str | None, timeout_s: float, max_retries: int):
+    """The ``openai`` SDK's client of ``base_url`` (``/v1`` appended when missing); without an
+    ``api_key`` it sends a placeholder (the SDK requires one; an open server ignores it)."""
+    import openai
+
+    base = base_url.rstrip("/")
+    return openai.OpenAI(base_url=base if base.endswith("/v1") else base + "/v1", api_key=api_key or "unused",
+                         timeout=timeout_s, max_retries=max_retries)
+
+
+def open_session(backend: str, address: str, timeout_s: float, api_key: str | None = None):
+    """A session of ``backend`` at ``address`` (``HOST:PORT`` for grpc, a base URL for openai)
+    presenting ``api_key`` (none: no key).
 
     Raises:
         ValueError: unknown backend.
     """
     if backend == "grpc":
-        return GrpcSession(address, timeout_s)
+        return GrpcSession(address, timeout_s, api_key)
     if backend == "openai":
-        return OpenAISession(address, timeout_s)
+        return OpenAISession(address, timeout_s, api_key)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from loadtest.backends import openai_client
 from loadtest.live import LiveProgress
 from loadtest.metrics import SLO, summarize
 from loadtest.prompts import PromptFactory, load_tokenizer
@@ -59,14 +60,10 @@ def server_info(run: RunConfig) -> ServerInfo:
         grpc.RpcError: ``GetModelInfo`` failed.
     """
     if run.backend == "openai":
-        import openai
-
-        base = run.address.rstrip("/")
-        with openai.OpenAI(base_url=base if base.endswith("/v1") else base + "/v1", api_key="unused",
-                           timeout=run.ready_timeout_s, max_retries=3) as client:
+        with openai_client(run.address, run.api_key, run.ready_timeout_s, max_retries=3) as client:
             model = client.models.list().data[0]
         return ServerInfo(model.id, int(getattr(model, "max_model_len", None) or 2048))
-    with PdclusterClient(run.address, timeout_s=run.ready_timeout_s) as client:
+    with PdclusterClient(run.address, timeout_s=run.ready_timeout_s, api_key=run.api_key) as client:
         client.wait_ready(run.ready_timeout_s)
         info = client.model_info()
     return ServerInfo(info.model_name, info.max_model_len, info.vocab_size)
@@ -105,7 +102,8 @@ def run_loadtest(workload: WorkloadConfig, run: RunConfig, *, slo: SLO | None = 
     summary = summarize(result.records, result.sent, result.duration_s, slo)
     summary.update(not_sent=result.not_sent, interrupted=result.interrupted, clipping=clipping.as_dict(),
                    model=info.model_name, address=run.address,
-                   workload=asdict(workload), run={k: v for k, v in asdict(run).items() if k != "address"})
+                   workload=asdict(workload),
+                   run={k: v for k, v in asdict(run).items() if k not in ("address", "api_key")})
     if clipping.notes:
         summary["notes"] = clipping.notes
     files: list[Path] = []

@@ -35,7 +35,8 @@ _CANCEL_GRACE_S = 10.0
 
 @dataclass(frozen=True)
 class RunConfig:
-    """How to send. Times in seconds.
+    """How to send. Times in seconds; ``api_key``: the server's API key (grpc: ``authorization``
+    metadata, openai: the SDK's ``api_key``), never written to the run's summary.
 
     Raises:
         ValueError: from ``__post_init__`` on an invalid value.
@@ -51,6 +52,7 @@ class RunConfig:
     max_inflight: int = 512
     temperature: float = 0.0
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -210,7 +212,7 @@ class LoadRunner:
         cfg = self.cfg
         interrupted = False
         workers = cfg.concurrency or min(cfg.max_inflight, max(1, len(self.plan)))
-        client = open_session(cfg.backend, cfg.address, cfg.request_timeout_s)
+        client = open_session(cfg.backend, cfg.address, cfg.request_timeout_s, cfg.api_key)
         with contextlib.closing(client), \
                 ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loadtest") as pool:
             client.wait_ready(cfg.ready_timeout_s)

@@ -17,6 +17,7 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 import grpc
 
 from common.sampling_params import Shape, sampling_params
-from pdcluster.client import GenerationResult, PdclusterClient, Usage, accumulate
+from pdcluster.client import API_KEY_ENV, GenerationResult, PdclusterClient, Usage, accumulate
 
 FALLBACK_ADDRESS = "127.0.0.1:50051"
 
@@ -63,7 +64,13 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
     return {param.name: getattr(args, param.name) for param in sampling_params() if param.cli}
 
 
-def _add_generate(sub: argparse._SubParsersAction) -> None:
+def _add_api_key(p: argparse.ArgumentParser, env_api_key: str | None) -> None:
+    """``--api-key`` of a command that calls the router; its default is ``$PDCLUSTER_API_KEY``."""
+    p.add_argument("--api-key", default=env_api_key, metavar="KEY",
+                   help=f"API key of the router, sent as 'authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("generate", allow_abbrev=False, help="generate a completion for one prompt")
     p.add_argument("--address", default=None,
                    help=f"router HOST:PORT (default: from the local cluster state, else {FALLBACK_ADDRESS})")
@@ -75,15 +82,17 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--system", default=None, metavar="TEXT", help="system message (requires --chat)")
     p.add_argument("prompt", metavar="PROMPT")
     p.set_defaults(func=cmd_generate)
+    return p
 
 
-def _add_top(sub: argparse._SubParsersAction) -> None:
+def _add_top(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("top", allow_abbrev=False, help="live view of a running cluster from its Prometheus metrics")
     p.add_argument("--address", default=None,
                    help="router HTTP HOST:PORT (default: from the local cluster state, else 127.0.0.1:8000)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     p.add_argument("--iterations", type=int, default=None, help="refresh this many times, then exit")
     p.set_defaults(func=cmd_top)
+    return p
 
 
 def cmd_top(args: argparse.Namespace) -> int:
@@ -99,21 +108,25 @@ def cmd_top(args: argparse.Namespace) -> int:
         except (ImportError, FileNotFoundError):
             address = "127.0.0.1:8000"
     base = address if address.startswith("http") else f"http://{address}"
-    return run_top(base, interval_s=args.interval, iterations=args.iterations)
+    return run_top(base, interval_s=args.interval, iterations=args.iterations, api_key=args.api_key)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser of all subcommands."""
+    """The argparse parser of all subcommands. ``$PDCLUSTER_API_KEY`` is read here, once: the
+    default ``--api-key`` of ``generate``, ``top`` and ``loadtest``, and ``up``'s key when it is
+    given none."""
     from deploy.cli import register as register_deploy
     from loadtest.cli import register as register_loadtest
 
+    env_api_key = os.environ.get(API_KEY_ENV) or None
     parser = argparse.ArgumentParser(prog="pdcluster", description="pdcluster serving cluster",
                                      allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_generate(sub)
-    _add_top(sub)
-    register_deploy(sub)
-    register_loadtest(sub)
+    clients = [_add_generate(sub), _add_top(sub)]
+    register_deploy(sub, env_api_key)
+    clients.append(register_loadtest(sub))
+    for p in clients:
+        _add_api_key(p, env_api_key)
     return parser
 
 
@@ -154,7 +167,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     address = args.address or default_address()
     start = time.monotonic()
     try:
-        with PdclusterClient(address) as client:
+        with PdclusterClient(address, api_key=args.api_key) as client:
             if args.stream:
                 result = _stream_print(client, prompt, params)
             else:

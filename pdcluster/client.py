@@ -1,8 +1,9 @@
 """Python client for the public ``pdcluster.v1.Router`` gRPC API.
 
-:class:`PdclusterClient` wraps one insecure gRPC channel to a router::
+:class:`PdclusterClient` wraps one insecure gRPC channel to a router (with ``api_key``, every
+call carries ``authorization: Bearer KEY`` metadata)::
 
-    with PdclusterClient("127.0.0.1:50051", timeout_s=60) as client:
+    with PdclusterClient("127.0.0.1:50051", timeout_s=60, api_key=key) as client:
         client.wait_ready(30)
         result = client.generate("Hello", max_tokens=32, temperature=0)
         for chunk in client.stream([{"role": "user", "content": "Hi"}]):
@@ -10,8 +11,9 @@
 
 Errors reported by the server (and transport failures) propagate unchanged
 as :class:`grpc.RpcError`; ``err.code()`` and ``err.details()`` carry the
-status, e.g. ``INVALID_ARGUMENT`` for bad sampling parameters or
-``ALREADY_EXISTS`` for a duplicate running request id.
+status, e.g. ``INVALID_ARGUMENT`` for bad sampling parameters,
+``ALREADY_EXISTS`` for a duplicate running request id, or ``UNAUTHENTICATED``
+for a missing or wrong API key.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.grpc_metadata import bearer, with_metadata
 
 # Also re-exported: callers import the result types and helpers from pdcluster.client.
 from pdcluster.client_types import (
@@ -36,6 +40,9 @@ from pdcluster.client_types import (
 from pdcluster.v1 import router_pb2, router_pb2_grpc
 
 ROUTER_SERVICE = "pdcluster.v1.Router"
+API_KEY_ENV = "PDCLUSTER_API_KEY"
+"""Where pdcluster's commands take an API key from when ``--api-key`` is not given (read by the
+CLI, :func:`pdcluster.cli.build_parser`; this library reads no environment)."""
 # Reconnect quickly after a router restart instead of gRPC's 120 s backoff cap.
 _CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -97,13 +104,15 @@ class PdclusterClient:
     or call :meth:`close` to release the channel. All RPC methods raise
     :class:`grpc.RpcError` with the server's status code on failure
     (``DEADLINE_EXCEEDED`` when ``timeout_s`` elapses, ``UNAVAILABLE`` when
-    the router cannot be reached).
+    the router cannot be reached, ``UNAUTHENTICATED`` when the router needs an
+    API key and ``api_key`` is missing or wrong; health checks need none).
     """
 
-    def __init__(self, address: str, timeout_s: float | None = None):
+    def __init__(self, address: str, timeout_s: float | None = None, api_key: str | None = None):
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._channel = with_metadata(grpc.insecure_channel(address, options=_CHANNEL_OPTIONS),
+                                      (bearer(api_key),) if api_key else ())
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
     def close(self) -> None:

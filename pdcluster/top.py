@@ -6,13 +6,16 @@ target's ``/metrics`` (parsed by prometheus-client's own parser) and shows, per 
 requests running / waiting, KV-cache usage, and over the last interval the mean prefill
 time and decode step time (from histogram ``_sum`` / ``_count`` deltas), their ratio, token
 and KV-transfer rates, prefix-cache hit rate and preemptions; for the router, TTFT, ITL
-and E2E means and the request rate.
+and E2E means and the request rate. With an API key, every request carries
+``Authorization: Bearer KEY`` (the router's discovery endpoint and ``/metrics`` need it;
+the workers' ``/metrics`` ignore it, as they do Prometheus' header).
 """
 
 from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
@@ -20,6 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
+
+from common.grpc_metadata import AUTHORIZATION, bearer
+from pdcluster.client import API_KEY_ENV
 
 PREFIX = "pdcluster:"
 
@@ -38,24 +44,29 @@ class Scrape:
         return sum(v for (n, _), v in self.values.items() if n == name)
 
 
-def fetch_targets(base_url: str, timeout_s: float = 2.0) -> list[dict]:
+def _get(url: str, api_key: str | None, timeout_s: float) -> bytes:
+    headers = {AUTHORIZATION: bearer(api_key)[1]} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as r:
+        return r.read()
+
+
+def fetch_targets(base_url: str, timeout_s: float = 2.0, api_key: str | None = None) -> list[dict]:
     """The router's Prometheus HTTP-SD document: ``[{"targets": [...], "labels": {...}}]``.
 
     Raises:
+        urllib.error.HTTPError: the router refused (401: the API key is missing or wrong).
         OSError: the router's HTTP server is unreachable.
     """
-    with urllib.request.urlopen(f"{base_url.rstrip('/')}/v1/prometheus/targets", timeout=timeout_s) as r:
-        return json.loads(r.read())
+    return json.loads(_get(f"{base_url.rstrip('/')}/v1/prometheus/targets", api_key, timeout_s))
 
 
-def scrape(target: str, labels: dict, timeout_s: float = 2.0) -> Scrape:
+def scrape(target: str, labels: dict, timeout_s: float = 2.0, api_key: str | None = None) -> Scrape:
     """Scrape ``http://{target}/metrics``.
 
     Raises:
-        OSError: the target is unreachable.
+        OSError: the target is unreachable or refused.
     """
-    with urllib.request.urlopen(f"http://{target}/metrics", timeout=timeout_s) as r:
-        text = r.read().decode()
+    text = _get(f"http://{target}/metrics", api_key, timeout_s).decode()
     out = Scrape(labels.get("role", "?"), labels.get("worker_id", target), time.monotonic())
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -129,29 +140,38 @@ def render(scrapes: list[Scrape], previous: dict[str, Scrape]) -> Group:
     return Group(router, workers)
 
 
-def snapshot(base_url: str) -> list[Scrape]:
-    """Scrape every target the router lists (unreachable targets are skipped)."""
+def snapshot(base_url: str, api_key: str | None = None) -> list[Scrape]:
+    """Scrape every target the router lists (unreachable targets are skipped).
+
+    Raises:
+        OSError: as :func:`fetch_targets`.
+    """
     out = []
-    for group in fetch_targets(base_url):
+    for group in fetch_targets(base_url, api_key=api_key):
         for target in group.get("targets", []):
             try:
-                out.append(scrape(target, group.get("labels", {})))
+                out.append(scrape(target, group.get("labels", {}), api_key=api_key))
             except OSError:
                 continue
     return out
 
 
 def run_top(base_url: str, interval_s: float = 1.0, iterations: int | None = None,
-            console: Console | None = None) -> int:
+            console: Console | None = None, api_key: str | None = None) -> int:
     """Refresh the view every ``interval_s`` seconds until interrupted (or ``iterations`` times).
 
     Returns:
-        0, or 1 when the router's HTTP server cannot be reached (message on stderr).
+        0, or 1 when the router's HTTP server cannot be reached or refuses the API key
+        (message on stderr).
     """
     console = console or Console()
     previous: dict[str, Scrape] = {}
     try:
-        scrapes = snapshot(base_url)
+        scrapes = snapshot(base_url, api_key)
+    except urllib.error.HTTPError as e:
+        hint = f": give --api-key or ${API_KEY_ENV}" if e.code == 401 else ""
+        Console(stderr=True).print(f"error: the router's HTTP server at {base_url} answered {e.code} {e.reason}{hint}")
+        return 1
     except OSError as e:
         Console(stderr=True).print(f"error: cannot reach the router's HTTP server at {base_url}: {e}")
         return 1
@@ -162,7 +182,7 @@ def run_top(base_url: str, interval_s: float = 1.0, iterations: int | None = Non
                 time.sleep(interval_s)
                 previous = {s.worker_id: s for s in scrapes}
                 try:
-                    scrapes = snapshot(base_url)
+                    scrapes = snapshot(base_url, api_key)
                 except OSError:
                     continue
                 live.update(render(scrapes, previous))

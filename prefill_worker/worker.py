@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from engine.builder import build_runner
 from kvtransfer.registry import create_sender
 from pdcluster.v1 import worker_pb2_grpc
 from prefill_worker.scheduler import PrefillScheduler
 from prefill_worker.server import PrefillWorkerServicer, remote_route
 from serving.cache_index import CacheIndexPublisher
+from serving.security import internal_channel
 from serving.worker_config import WorkerConfig
 from serving.worker_host import WorkerHost
 from serving.worker_metrics import WorkerMetrics
@@ -16,13 +19,14 @@ SERVICES = ["pdcluster.v1.PrefillWorker"]
 
 
 def create_prefill_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -> WorkerHost:
-    """Build (not start) a prefill worker; its KV sender comes from the transport registry by ``cfg.kv``."""
+    """Build (not start) a prefill worker; its KV sender comes from the transport registry by ``cfg.kv``
+    and sends the cluster secret of ``cfg.security``."""
     model_cfg, runner = build_runner(cfg.model, cfg.cache, device=cfg.device, dtype=cfg.dtype,
                                      num_threads=cfg.num_threads, model_cache_dir=cfg.model_cache_dir)
     metrics = WorkerMetrics(cfg, lambda: sched.load())
     sched = PrefillScheduler(runner, cfg.cache, cfg.scheduler, model_id=f"{model_cfg.name}:{cfg.cache.dtype}",
                              layerwise=cfg.kv.layerwise, on_step=metrics.on_step)
-    sender = create_sender(cfg.kv)
+    sender = create_sender(cfg.kv, partial(internal_channel, cfg.security))
     route = remote_route(sender, runner.kv_cache, cfg.kv.layers_per_chunk)
     servicer = PrefillWorkerServicer(sched, route, cfg.worker_id, runner.device, metrics=metrics)
 

@@ -66,17 +66,18 @@ class RequestRouter:
         placer: the placement step (its registry view also learns of unreachable workers).
         load: the router's per-worker load, which the placer's policy reads.
         metrics: the router's Prometheus metrics.
+        stubs: the router's channels to the workers.
     """
 
     def __init__(self, validator: RequestValidator, tokenizer, placer: Placer, load: LoadTracker,
-                 metrics: ProcessMetrics) -> None:
+                 metrics: ProcessMetrics, stubs: StubCache) -> None:
         self.validator = validator
         self.tokenizer = tokenizer
         self.placer = placer
         self.load = load
         self.metrics = metrics
         self.gauges = RouterGauges(metrics)
-        self.stubs = StubCache()
+        self.stubs = stubs
         self._lock = threading.Lock()
         self._table: dict[str, RequestHandle] = {}
 

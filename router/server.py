@@ -2,13 +2,16 @@
 (:mod:`router.core`) behind two front doors, gRPC (``Router`` + health + reflection) and
 OpenAI-compatible HTTP (:mod:`router.openai.app`, with ``/metrics`` and Prometheus service
 discovery). Health is SERVING only while a live prefill and a live decode worker (or a
-colocated worker) exist."""
+colocated worker) exist. With API keys (``RouterConfig.security``) both front doors refuse
+callers without one (health exempt: :mod:`serving.security`, :mod:`router.openai.auth`), and
+every call to a worker carries the cluster secret."""
 
 from __future__ import annotations
 
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 from grpc_reflection.v1alpha import reflection
 
@@ -23,13 +26,15 @@ from router.placement import POLICIES, Placer, make_policy
 from router.policy import Signals
 from router.policy_names import DEFAULT_POLICY, check_policy
 from router.service import RouterServicer
+from router.stubs import StubCache
 from router.validation import Limits, RequestValidator
 from serving.cache_index import CacheIndexView
 from serving.discovery import RegistryView
 from serving.logs import LogConfig
 from serving.metrics import ProcessMetrics
 from serving.registry import WorkerRegistry
-from serving.rpc import bind, make_server, set_serving
+from serving.rpc import add_health, set_serving
+from serving.security import Plane, SecurityConfig, bind, internal_channel, make_server
 
 SERVICE = "pdcluster.v1.Router"
 
@@ -56,6 +61,8 @@ class RouterConfig:
         log: log format and level of the router process.
         http_port: the OpenAI-compatible HTTP port on ``host`` (0 = any free port,
             ``None`` = no HTTP server).
+        security: the API keys clients must present on both ports (none: open) and the
+            cluster secret the router sends to the workers (:mod:`serving.security`).
 
     Raises:
         ValueError: a non-positive ``max_model_len`` or ``view_period_s``, or an
@@ -75,6 +82,7 @@ class RouterConfig:
     max_workers: int = 128
     http_port: int | None = None
     log: LogConfig = field(default_factory=LogConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         if self.max_model_len <= 0 or self.view_period_s <= 0:
@@ -103,9 +111,11 @@ class RouterServer:
         policy = make_policy(cfg.policy, Signals(load, self.cache_index))
         self.metrics = ProcessMetrics("router", "router", cfg.model)
         self.core = RequestRouter(RequestValidator(tokenizer, Limits(max_len, model_cfg.vocab_size)), tokenizer,
-                                  Placer(self.view, policy), load, self.metrics)
+                                  Placer(self.view, policy), load, self.metrics,
+                                  StubCache(partial(internal_channel, cfg.security)))
         self.servicer = RouterServicer(self.core, info)
-        self.server, self.health = make_server(cfg.max_workers)
+        self.server = make_server(cfg.security, Plane.PUBLIC, max_workers=cfg.max_workers)
+        self.health = add_health(self.server)
         router_pb2_grpc.add_RouterServicer_to_server(self.servicer, self.server)
         reflection.enable_server_reflection(
             (router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, reflection.SERVICE_NAME,
@@ -117,7 +127,7 @@ class RouterServer:
         if cfg.http_port is not None:
             self.http = HttpServer(build_app(FrontDoorState(
                 self.core, cfg.model, tokenizer, self.serving_now, self.scrape_targets, self.metrics.registry,
-                int(time.time()), max_len)), cfg.host, cfg.http_port)
+                cfg.security.accepts_api_key, int(time.time()), max_len)), cfg.host, cfg.http_port)
         self._stop = threading.Event()
         self._health_thread = threading.Thread(target=self._watch_health, name="router-health", daemon=True)
 

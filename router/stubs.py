@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+
+import grpc
 
 from pdcluster.v1 import worker_pb2_grpc
-from serving.rpc import channel
 
 _STUBS = {"decode": worker_pb2_grpc.DecodeWorkerStub, "prefill": worker_pb2_grpc.PrefillWorkerStub}
 
 
 class StubCache:
-    """One channel per worker address, shared by all requests (thread-safe)."""
+    """One channel per worker address, shared by all requests (thread-safe).
 
-    def __init__(self) -> None:
+    Args:
+        connect: opens the channel to a worker's ``host:port`` (the router's internal
+            channels: :func:`serving.security.internal_channel`, sending the cluster secret).
+    """
+
+    def __init__(self, connect: Callable[[str], grpc.Channel]) -> None:
+        self._connect = connect
         self._lock = threading.Lock()
         self._stubs: dict[tuple[str, str], object] = {}
 
@@ -22,6 +30,6 @@ class StubCache:
         with self._lock:
             stub = self._stubs.get(key)
             if stub is None:
-                stub = _STUBS[role](channel(address))
+                stub = _STUBS[role](self._connect(address))
                 self._stubs[key] = stub
             return stub

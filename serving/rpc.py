@@ -1,8 +1,9 @@
-"""gRPC server plumbing shared by the router and the workers."""
+"""gRPC plumbing shared by the router and the workers: message limits and the health service.
+
+Servers and internal channels themselves are made by :mod:`serving.security`.
+"""
 
 from __future__ import annotations
-
-from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -15,32 +16,14 @@ GRPC_OPTIONS = [
 ]
 
 
-def make_server(max_workers: int = 64) -> tuple[grpc.Server, health.HealthServicer]:
-    """A threaded gRPC server with the standard ``grpc.health.v1`` service attached."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+def add_health(server: grpc.Server) -> health.HealthServicer:
+    """Attach a new standard ``grpc.health.v1`` service to ``server``; returns it."""
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    return server, health_servicer
-
-
-def bind(server: grpc.Server, host: str, port: int) -> int:
-    """Bind an insecure port (0 = any free port); returns the bound port.
-
-    Raises:
-        RuntimeError: the address could not be bound.
-    """
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"could not bind gRPC server to {host}:{port}")
-    return bound
+    return health_servicer
 
 
 def set_serving(health_servicer: health.HealthServicer, services: list[str], serving: bool = True) -> None:
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ["", *services]:
         health_servicer.set(name, status)
-
-
-def channel(address: str) -> grpc.Channel:
-    """Insecure channel with the cluster's message-size limits."""
-    return grpc.insecure_channel(address, options=GRPC_OPTIONS)

@@ -9,6 +9,7 @@ from common.model_config import ConfigError
 from engine.config import CacheConfig, SchedulerConfig
 from kvtransfer.config import KvTransferConfig
 from serving.logs import LogConfig
+from serving.security import SecurityConfig
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class WorkerConfig:
         prefill_cache: cache geometry of prefill workers when it differs from
             ``cache`` (e.g. another block size); applied by :meth:`for_role`.
         log: log format and level of the worker process.
+        security: the internal plane's credential (the cluster secret): required by the
+            worker's RPC and KV ports, sent by its KV sender (:mod:`serving.security`).
     """
 
     role: str
@@ -51,6 +54,7 @@ class WorkerConfig:
     kv: KvTransferConfig = field(default_factory=KvTransferConfig)
     prefill_cache: CacheConfig | None = None
     log: LogConfig = field(default_factory=LogConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -83,4 +87,4 @@ class WorkerConfig:
         return cls(**{**d, "cache": CacheConfig(**d["cache"]), "scheduler": SchedulerConfig(**d["scheduler"]),
                       "kv": KvTransferConfig(**d.get("kv", {})),
                       "prefill_cache": CacheConfig(**pc) if pc else None,
-                      "log": LogConfig(**d.get("log", {}))})
+                      "log": LogConfig(**d.get("log", {})), "security": SecurityConfig(**d.get("security", {}))})

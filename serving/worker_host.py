@@ -10,15 +10,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent import futures
 from typing import Callable, Protocol
 
 import grpc
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from serving.heartbeat import Heartbeater
 from serving.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
-from serving.rpc import GRPC_OPTIONS, bind, set_serving
+from serving.rpc import add_health, set_serving
+from serving.security import Plane, bind, make_server
 from serving.worker_config import WorkerConfig
 from serving.worker_metrics import WorkerMetrics
 
@@ -101,6 +101,10 @@ class WorkerHost:
             of the main server can never starve the transfers that would complete them.
         metrics: the worker's Prometheus metrics; their ``/metrics`` endpoint starts here
             (any free port) and its address is registered with the worker.
+
+    Both gRPC servers are internal-plane servers (:func:`serving.security.make_server`): with a
+    cluster secret in ``cfg.security`` every call except health checks must carry it, and a
+    call without it is refused before :class:`ActiveRpcs` or any handler sees it.
     """
 
     def __init__(self, cfg: WorkerConfig, scheduler: Scheduler,
@@ -115,16 +119,14 @@ class WorkerHost:
         self._stop = threading.Event()
         self._draining = False
         self.rpcs = ActiveRpcs()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS), options=GRPC_OPTIONS,
-                                  interceptors=[self.rpcs])
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.server = make_server(cfg.security, Plane.INTERNAL, max_workers=RPC_THREADS, interceptors=[self.rpcs])
+        self.health = add_health(self.server)
         add_servicers(self.server)
         self.port = bind(self.server, cfg.host, port)
         self.address = f"{cfg.host}:{self.port}"
         self.kv_server, self.kv_address = None, ""
         if add_kv_servicers is not None:
-            self.kv_server = grpc.server(futures.ThreadPoolExecutor(max_workers=KV_THREADS), options=GRPC_OPTIONS,
+            self.kv_server = make_server(cfg.security, Plane.INTERNAL, max_workers=KV_THREADS,
                                          interceptors=[self.rpcs])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.kv_server)
             add_kv_servicers(self.kv_server)

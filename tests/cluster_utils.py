@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from functools import partial
 
 import grpc
 import torch
@@ -14,7 +15,7 @@ from pdcluster.client import PdclusterClient
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 from router.validation import render_chat
 from serving.registry import WorkerRegistry
-from serving.rpc import channel
+from serving.security import SecurityConfig, internal_channel
 
 
 @contextmanager
@@ -30,12 +31,23 @@ def running_cluster(state_dir, *extra_args: str):
 
 
 @contextmanager
-def router_client(state: dict, timeout_s: float = 300.0, ready_s: float = 30.0):
+def router_client(state: dict, timeout_s: float = 300.0, ready_s: float = 30.0, api_key: str | None = None):
     """A :class:`PdclusterClient` of the cluster's router (per-call deadline ``timeout_s``
-    seconds), once the router reports SERVING (within ``ready_s`` seconds)."""
-    with PdclusterClient(state["router_address"], timeout_s=timeout_s) as client:
+    seconds, presenting ``api_key``), once the router reports SERVING (within ``ready_s`` seconds)."""
+    with PdclusterClient(state["router_address"], timeout_s=timeout_s, api_key=api_key) as client:
         client.wait_ready(ready_s)
         yield client
+
+
+def worker_connect(state: dict):
+    """The internal channel factory of the cluster ``state`` describes: ``f(address, options=...)``
+    opening a channel to a worker (or KV) port that sends the cluster secret (a KV sender's ``connect``)."""
+    return partial(internal_channel, SecurityConfig(cluster_secret=state["cluster_secret"]))
+
+
+def worker_channel(state: dict, address: str) -> grpc.Channel:
+    """A channel to a worker (or KV) port of the cluster ``state`` describes, sending its cluster secret."""
+    return worker_connect(state)(address)
 
 
 def worker_loads(state: dict) -> list[worker_pb2.WorkerLoad]:
@@ -45,7 +57,7 @@ def worker_loads(state: dict) -> list[worker_pb2.WorkerLoad]:
     for info, _ in reg.live_workers():
         # a colocated worker's KV lives in its decode-side pool: ask that service
         stub_cls = worker_pb2_grpc.PrefillWorkerStub if info.role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
-        loads.append(stub_cls(channel(info.address)).GetLoad(worker_pb2.GetLoadRequest(), timeout=5))
+        loads.append(stub_cls(worker_channel(state, info.address)).GetLoad(worker_pb2.GetLoadRequest(), timeout=5))
     return loads
 
 
@@ -91,5 +103,5 @@ def assert_greedy_matches(ours: list[int], ref: list[int], gaps: list[float], la
     assert len(ours) == len(ref), f"{label}: length {len(ours)} != HF {len(ref)}; ours={ours} ref={ref}"
 
 
-__all__ = ["running_cluster", "router_client", "worker_loads", "assert_no_leak", "hf_greedy", "assert_greedy_matches",
+__all__ = ["running_cluster", "router_client", "worker_channel", "worker_connect", "worker_loads", "assert_no_leak", "hf_greedy", "assert_greedy_matches",
            "render_chat", "grpc"]

@@ -56,7 +56,7 @@ import msgpack
 import torch
 
 from kvtransfer import KvReceiver, KvReceiverSink, KvSender, LayerProgress, SendResult, TransferState
-from kvtransfer.registry import get_transport, register_transport
+from kvtransfer.registry import ChannelFactory, get_transport, register_transport
 from kvtransfer.wire import KIND_KV
 from pdcluster.v1 import kv_pb2, kv_pb2_grpc
 
@@ -132,11 +132,12 @@ def _corrupt(chunk: kv_pb2.KvChunk, header: dict[str, Any]) -> kv_pb2.KvChunk:
 
 
 class _Relay(kv_pb2_grpc.KvTransferServicer):
-    """A local ``KvTransfer`` server forwarding every ``PushKv`` stream to ``upstream`` through ``spec``."""
+    """A local ``KvTransfer`` server forwarding every ``PushKv`` stream to ``upstream`` through ``spec``,
+    on a channel opened by the sender's ``connect`` (so it carries the sender's credentials)."""
 
-    def __init__(self, upstream: str, spec: FaultSpec) -> None:
+    def __init__(self, upstream: str, spec: FaultSpec, connect: ChannelFactory) -> None:
         self._spec = spec
-        self._channel = grpc.insecure_channel(upstream, options=_UNLIMITED)
+        self._channel = connect(upstream, _UNLIMITED)
         self._stub = kv_pb2_grpc.KvTransferStub(self._channel)
         self._server = grpc.server(ThreadPoolExecutor(max_workers=16), options=_UNLIMITED)
         kv_pb2_grpc.add_KvTransferServicer_to_server(self, self._server)
@@ -169,9 +170,10 @@ class _Via:
 class FaultySender(KvSender):
     """The inner transport's sender, its transfers (the first ``spec.transfers``) sent through relays."""
 
-    def __init__(self, inner: KvSender, spec: FaultSpec) -> None:
+    def __init__(self, inner: KvSender, spec: FaultSpec, connect: ChannelFactory) -> None:
         self._inner = inner
         self._spec = spec
+        self._connect = connect
         self._lock = threading.Lock()
         self._relays: dict[str, _Relay] = {}
         self._sent = 0
@@ -184,7 +186,7 @@ class FaultySender(KvSender):
             faulty = self._spec.transfers is None or self._sent < self._spec.transfers
             self._sent += 1
             if faulty and dest.kv_endpoint not in self._relays:
-                self._relays[dest.kv_endpoint] = _Relay(dest.kv_endpoint, self._spec)
+                self._relays[dest.kv_endpoint] = _Relay(dest.kv_endpoint, self._spec, self._connect)
             relay = self._relays[dest.kv_endpoint] if faulty else None
         if relay is not None:
             dest = _Via(dest.worker_id, relay.endpoint, list(dest.block_ids), dest.block_size, dest.generation,
@@ -203,11 +205,12 @@ class FaultySender(KvSender):
             relay.close()
 
 
-def _sender(*, timeout_s: float, max_chunk_bytes: int, options: Mapping[str, str]) -> FaultySender:
+def _sender(*, timeout_s: float, max_chunk_bytes: int, options: Mapping[str, str],
+            connect: ChannelFactory) -> FaultySender:
     spec = FaultSpec.parse(options)
     inner = get_transport(spec.inner).sender_factory(timeout_s=timeout_s, max_chunk_bytes=max_chunk_bytes,
-                                                     options=spec.inner_options)
-    return FaultySender(inner, spec)
+                                                     options=spec.inner_options, connect=connect)
+    return FaultySender(inner, spec, connect)
 
 
 def _receiver(server: grpc.Server, sink: KvReceiverSink, *, options: Mapping[str, str]) -> KvReceiver:

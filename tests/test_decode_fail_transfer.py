@@ -22,7 +22,7 @@ import pytest
 from decode_worker.server import DecodeWorkerServicer
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from router.handle import RequestHandle
-from serving.rpc import bind, channel, make_server
+from serving.security import Plane, SecurityConfig, bind, internal_channel, make_server
 
 from sched_helpers import (  # noqa: F401
     BS,
@@ -33,6 +33,8 @@ from sched_helpers import (  # noqa: F401
     model,
     text_ids,
 )
+
+OPEN = SecurityConfig()  # these workers take calls without credentials
 
 
 class _FailingPrefill(worker_pb2_grpc.PrefillWorkerServicer):
@@ -52,7 +54,7 @@ class _Decode:
         self.runner, self.sched = _decode_sched(model, model_config, kv_failure_policy=policy)
         self.stop = threading.Event()
         self.loop = threading.Thread(target=self.sched.run, args=(self.stop,), daemon=True)
-        self.server, _ = make_server(8)
+        self.server = make_server(OPEN, Plane.INTERNAL, max_workers=8)
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
             DecodeWorkerServicer(self.sched, "d0", "unused:0", BS, "float32", CPU), self.server)
         self.address = f"127.0.0.1:{bind(self.server, '127.0.0.1', 0)}"
@@ -82,7 +84,7 @@ def serve():
 
 
 def _prefill_server(code: grpc.StatusCode, message: str):
-    server, _ = make_server(4)
+    server = make_server(OPEN, Plane.INTERNAL, max_workers=4)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(_FailingPrefill(code, message), server)
     port = bind(server, "127.0.0.1", 0)
     server.start()
@@ -94,7 +96,7 @@ def _open_request(decode_address: str, prompt: list[int], max_tokens: int):
     worker's reservation open."""
     h = RequestHandle(f"req-{uuid.uuid4().hex[:8]}", fail_transfer_timeout_s=10.0)
     h.transfer_id = uuid.uuid4().hex
-    h.decode_stub = worker_pb2_grpc.DecodeWorkerStub(channel(decode_address))
+    h.decode_stub = worker_pb2_grpc.DecodeWorkerStub(internal_channel(OPEN, decode_address))
     sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0, ignore_eos=True,
                                          repetition_penalty=1.0)
     wreq = worker_pb2.WorkerRequest(request_id=h.request_id, prompt_token_ids=prompt, sampling=sampling)
@@ -105,7 +107,7 @@ def _open_request(decode_address: str, prompt: list[int], max_tokens: int):
 
 
 def _prefill_fails(h: RequestHandle, prefill_address: str, wreq, dest) -> None:
-    h.p_future = worker_pb2_grpc.PrefillWorkerStub(channel(prefill_address)).Prefill.future(
+    h.p_future = worker_pb2_grpc.PrefillWorkerStub(internal_channel(OPEN, prefill_address)).Prefill.future(
         worker_pb2.PrefillRequest(request=wreq, transfer_id=h.transfer_id, destination=dest), timeout=30)
     h.p_future.add_done_callback(h.on_prefill_done)
 
@@ -151,7 +153,8 @@ def test_recompute_policy_goes_on_token_exact(model, model_config, text_ids, ser
     while h.prefill_error is not None:  # the FailTransfer answer arrives on a gRPC thread
         assert time.monotonic() < deadline, "the handle kept the prefill error"
         time.sleep(0.02)
-    load = worker_pb2_grpc.DecodeWorkerStub(channel(decode.address)).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+    load = worker_pb2_grpc.DecodeWorkerStub(internal_channel(OPEN, decode.address)).GetLoad(
+        worker_pb2.GetLoadRequest(), timeout=5)
     assert load.num_kv_recomputes == 1 and load.num_failed_transfers == 1
     _settled(decode.sched)
 
@@ -178,7 +181,7 @@ def test_unreachable_decode_falls_back_to_cancelling(model, model_config, text_i
     with socket.socket() as sock:  # a port nothing listens on once closed
         sock.bind(("127.0.0.1", 0))
         dead_port = sock.getsockname()[1]
-    h.decode_stub = worker_pb2_grpc.DecodeWorkerStub(channel(f"127.0.0.1:{dead_port}"))
+    h.decode_stub = worker_pb2_grpc.DecodeWorkerStub(internal_channel(OPEN, f"127.0.0.1:{dead_port}"))
     _prefill_fails(h, p_addr, wreq, dest)
     with pytest.raises(grpc.RpcError) as exc:
         list(h.d_call)

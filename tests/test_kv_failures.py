@@ -36,7 +36,6 @@ from kvtransfer import DEFAULT_MAX_CHUNK_BYTES, GrpcKvSender, KvTransferError
 from kvtransfer.chunking import plan_chunks
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from serving.registry import WorkerRegistry
-from serving.rpc import channel
 
 from cluster_utils import (
     assert_greedy_matches,
@@ -45,6 +44,8 @@ from cluster_utils import (
     render_chat,
     router_client,
     running_cluster,
+    worker_channel,
+    worker_connect,
     worker_loads,
 )
 from sched_helpers import _colocated, model  # noqa: F401 - fixture
@@ -71,7 +72,7 @@ def _load(state, role: str) -> worker_pb2.WorkerLoad:
     which may still list a killed worker)."""
     (w,) = [w for w in state["workers"] if w["role"] == role]
     stub_cls = worker_pb2_grpc.DecodeWorkerStub if role == "decode" else worker_pb2_grpc.PrefillWorkerStub
-    return stub_cls(channel(w["address"])).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+    return stub_cls(worker_channel(state, w["address"])).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
 
 
 def _num_chunks(model_config, prompt_len: int, layers_per_chunk: int) -> int:
@@ -146,8 +147,8 @@ class TestCorruptChunkError:
         is pushed again with junk KV: the decode worker answers "stale:" and B's
         output stays token-exact."""
         workers = {w["role"]: w for w in cluster["workers"]}
-        decode = worker_pb2_grpc.DecodeWorkerStub(channel(workers["decode"]["address"]))
-        prefill = worker_pb2_grpc.PrefillWorkerStub(channel(workers["prefill"]["address"]))
+        decode = worker_pb2_grpc.DecodeWorkerStub(worker_channel(cluster, workers["decode"]["address"]))
+        prefill = worker_pb2_grpc.PrefillWorkerStub(worker_channel(cluster, workers["prefill"]["address"]))
         text = "On the slow river the ferryman counted the lanterns of the sleeping town, one by one. "
         prompt_a = (tokenizer.encode(text) * 6)[:72]  # 5 blocks
         sampling = common_pb2.SamplingParams(max_tokens=4, temperature=0.0, top_p=1.0, ignore_eos=True,
@@ -177,8 +178,8 @@ class TestCorruptChunkError:
             junk = torch.full((model_config.num_layers, 2, 8, BS, model_config.num_kv_heads,
                                model_config.head_dim), 1.0e4)
             with pytest.raises(KvTransferError) as stale:
-                GrpcKvSender(timeout_s=30).send(wreq.request_id, tid, dest, junk, [1, 2, 3, 4, 5], 7,
-                                                layers_per_chunk=model_config.num_layers)
+                GrpcKvSender(timeout_s=30, connect=worker_connect(cluster)).send(
+                    wreq.request_id, tid, dest, junk, [1, 2, 3, 4, 5], 7, layers_per_chunk=model_config.num_layers)
             assert "stale:" in stale.value.reason, stale.value.reason
             for chunk in stream:
                 got += chunk.token_ids

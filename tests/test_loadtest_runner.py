@@ -17,7 +17,8 @@ from loadtest.metrics import summarize
 from loadtest.runner import LoadRunner, RunConfig
 from loadtest.workload import PlannedRequest
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc
-from serving.rpc import bind, make_server, set_serving
+from serving.rpc import add_health, set_serving
+from serving.security import Plane, SecurityConfig, bind, make_server
 
 OK, FAIL, HANG, SLOW, ABORT, PAIRS = range(6)
 GAP_S = 0.02
@@ -64,7 +65,8 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
 
 @pytest.fixture
 def fake():
-    server, health = make_server(max_workers=32)
+    server = make_server(SecurityConfig(), Plane.PUBLIC, max_workers=32)
+    health = add_health(server)
     servicer = FakeRouter()
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     port = bind(server, "127.0.0.1", 0)

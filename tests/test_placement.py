@@ -23,9 +23,8 @@ from deploy.state import state_path
 from pdcluster.cli import build_parser
 from pdcluster.client import PdclusterClient
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
-from serving.rpc import channel
 
-from cluster_utils import assert_greedy_matches, assert_no_leak, hf_greedy
+from cluster_utils import assert_greedy_matches, assert_no_leak, hf_greedy, worker_channel
 
 HEAD_RESOURCES = {"CPU": 4, "prefill_node": 1, "decode_node": 1}
 COMMON = ["--worker-cpus", "1", "--num-kv-blocks", "200", "--max-model-len", "512", "--heartbeat-s", "0.5"]
@@ -100,8 +99,8 @@ def test_colocated_workers_deploy_and_serve(ray_head, tmp_path, hf_model, tokeni
         assert strategy == "STRICT_PACK" and node == state["workers"][0]["node_id"]
         _greedy_check(state, hf_model, tokenizer, "Water boils at")
         assert_no_leak(state)
-        decode_side = worker_pb2_grpc.DecodeWorkerStub(channel(state["workers"][0]["address"])).GetLoad(
-            worker_pb2.GetLoadRequest(), timeout=5)  # the pool that holds a colocated worker's KV
+        decode_side = worker_pb2_grpc.DecodeWorkerStub(  # the pool that holds a colocated worker's KV
+            worker_channel(state, state["workers"][0]["address"])).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
         assert decode_side.num_free_blocks == decode_side.num_total_blocks and not decode_side.num_running
 
 

@@ -41,10 +41,11 @@ CLIENT = r"""
 import json, sys, uuid
 from pdcluster.client import PdclusterClient
 from serving.registry import WorkerRegistry
-from serving.rpc import channel
+from serving.security import SecurityConfig, internal_channel
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 state, prompts, max_new = json.load(open(sys.argv[1])), json.loads(sys.argv[2]), int(sys.argv[3])
+security = SecurityConfig(cluster_secret=state["cluster_secret"])
 out = {"router": []}
 with PdclusterClient(state["router_address"], timeout_s=300) as c:
     c.wait_ready(60)
@@ -55,10 +56,10 @@ live = {i.role: i for i, _ in WorkerRegistry(state["redis_url"], state["cluster"
 req = worker_pb2.WorkerRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompts[-1], sampling=common_pb2.SamplingParams(
     max_tokens=max_new, temperature=0.0, top_p=1.0))
 tid = uuid.uuid4().hex
-events = worker_pb2_grpc.DecodeWorkerStub(channel(live["decode"].address)).Reserve(
+events = worker_pb2_grpc.DecodeWorkerStub(internal_channel(security, live["decode"].address)).Reserve(
     worker_pb2.ReserveRequest(request=req, transfer_id=tid), timeout=300)
 first = next(events)
-resp = worker_pb2_grpc.PrefillWorkerStub(channel(live["prefill"].address)).Prefill(
+resp = worker_pb2_grpc.PrefillWorkerStub(internal_channel(security, live["prefill"].address)).Prefill(
     worker_pb2.PrefillRequest(request=req, transfer_id=tid, destination=first.reservation), timeout=300)
 tokens = [t for ev in events for t in ev.tokens.token_ids]
 out["direct"] = {"kv_bytes_sent": resp.kv_bytes_sent, "token_ids": tokens,

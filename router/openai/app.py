@@ -3,7 +3,8 @@
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /health`` (503 while no live prefill or decode worker), ``GET /metrics`` (the router's
 Prometheus metrics) and ``GET /v1/prometheus/targets`` (Prometheus HTTP service discovery of
-every process' ``/metrics``).
+every process' ``/metrics``). With API keys, every route but ``/health`` needs one
+(:mod:`router.openai.auth`).
 
 A request becomes one :class:`router.core.ActiveRequest` per prompt x ``n``; each is relayed
 on its own thread and its messages reach the event loop through a queue. With ``n`` > 1 the
@@ -31,6 +32,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
 from router.core import ActiveRequest, RequestRouter, RouterError
+from router.openai.auth import RequireApiKey
 from router.openai.errors import error_response, router_error_response
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.openai.requests import OpenAIRequestError, SubRequest, chat_requests, completion_requests
@@ -52,6 +54,8 @@ class FrontDoorState:
         health: ``() -> (serving, reason)``.
         targets: ``() -> `` the HTTP-SD document of every ``/metrics`` endpoint.
         metrics_registry: the router's Prometheus registry.
+        accepts_api_key: ``f(bearer token or None) -> bool``: whether a request may pass
+            (:meth:`serving.security.SecurityConfig.accepts_api_key`).
         created: Unix seconds the model was loaded (``/v1/models``).
         max_model_len: prompt + output limit in tokens (``/v1/models``, as vLLM reports it).
     """
@@ -62,6 +66,7 @@ class FrontDoorState:
     health: Callable[[], tuple[bool, str]]
     targets: Callable[[], list[dict]]
     metrics_registry: object
+    accepts_api_key: Callable[[str | None], bool]
     created: int = 0
     max_model_len: int = 0
 
@@ -69,6 +74,7 @@ class FrontDoorState:
 def build_app(state: FrontDoorState) -> FastAPI:
     """The FastAPI application of the router's HTTP port."""
     app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)
+    app.add_middleware(RequireApiKey, accepts=state.accepts_api_key)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError):
