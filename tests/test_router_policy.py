@@ -144,7 +144,7 @@ def test_placement_chooses_a_decode_and_a_prefill_worker():
 
 def _parse_up(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pdcluster", exit_on_error=False)
-    register(parser.add_subparsers(dest="command"))
+    register(parser.add_subparsers(dest="command"), env_api_key=None)
     return parser.parse_args(["up", *argv])
 
 
