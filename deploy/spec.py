@@ -153,8 +153,8 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
     tls_cert, tls_key = public_tls_from_args(args)
     security = SecurityConfig(api_keys=api_keys_from_args(args), cluster_secret=cluster_secret,
                               tls_cert=tls_cert, tls_key=tls_key,
-                              internal_ca_cert=internal_ca.cert_pem if internal_ca else b"",
-                              internal_ca_key=internal_ca.key_pem if internal_ca else b"")
+                              internal_ca_cert=internal_ca.cert_pem if internal_ca else "",
+                              internal_ca_key=internal_ca.key_pem if internal_ca else "")
     worker = WorkerConfig(role="prefill", worker_id="template", model=args.model, redis_url=redis_url,
                           cluster=args.cluster, device=args.device, dtype=args.dtype,
                           heartbeat_s=args.heartbeat_s, cache=cache, scheduler=sched, kv=kv,

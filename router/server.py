@@ -129,7 +129,7 @@ class RouterServer:
             self.http = HttpServer(build_app(FrontDoorState(
                 self.core, cfg.model, tokenizer, self.serving_now, self.scrape_targets, self.metrics.registry,
                 cfg.security.accepts_api_key, int(time.time()), max_len)), cfg.host, cfg.http_port,
-                tls=(cfg.security.tls_cert, cfg.security.tls_key) if cfg.security.public_tls else None)
+                tls=(cfg.security.tls_cert.encode(), cfg.security.tls_key.encode()) if cfg.security.public_tls else None)
         self._stop = threading.Event()
         self._health_thread = threading.Thread(target=self._watch_health, name="router-health", daemon=True)
 

@@ -90,6 +90,7 @@ class SecurityConfig:
         cluster_secret: the internal plane's shared secret (``up`` generates one per
             cluster); empty: internal ports are open and internal channels send none.
         tls_cert / tls_key: PEM certificate (chain) and private key of the public plane's TLS
+            (text, so worker configs stay JSON-able; ``bytes`` are decoded)
             (``up --tls-cert/--tls-key``); empty: the router's ports are plaintext.
             Workers get none (:meth:`for_workers`).
         internal_ca_cert / internal_ca_key: PEM certificate and key of the cluster CA
@@ -102,10 +103,10 @@ class SecurityConfig:
 
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     cluster_secret: str = field(default="", repr=False)
-    tls_cert: bytes = field(default=b"", repr=False)
-    tls_key: bytes = field(default=b"", repr=False)
-    internal_ca_cert: bytes = field(default=b"", repr=False)
-    internal_ca_key: bytes = field(default=b"", repr=False)
+    tls_cert: str = field(default="", repr=False)
+    tls_key: str = field(default="", repr=False)
+    internal_ca_cert: str = field(default="", repr=False)
+    internal_ca_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         keys = tuple(dict.fromkeys(self.api_keys))  # a list from JSON, duplicates dropped
@@ -116,7 +117,7 @@ class SecurityConfig:
         object.__setattr__(self, "api_keys", keys)
         for name in ("tls_cert", "tls_key", "internal_ca_cert", "internal_ca_key"):
             value = getattr(self, name)
-            object.__setattr__(self, name, value.encode() if isinstance(value, str) else bytes(value))
+            object.__setattr__(self, name, value.decode() if isinstance(value, bytes) else value)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("public TLS needs both a certificate and its key")
         if bool(self.internal_ca_cert) != bool(self.internal_ca_key):
@@ -134,7 +135,7 @@ class SecurityConfig:
 
     def for_workers(self) -> "SecurityConfig":
         """The credentials a worker needs: the cluster secret and the cluster CA only."""
-        return replace(self, api_keys=(), tls_cert=b"", tls_key=b"")
+        return replace(self, api_keys=(), tls_cert="", tls_key="")
 
     def internal_identity(self, host: str) -> KeyPair:
         """This process' leaf certificate for ``host`` (an IP address or DNS name), issued by
@@ -145,7 +146,7 @@ class SecurityConfig:
         """
         if not self.internal_tls:
             raise ValueError("no cluster CA: internal TLS is off")
-        return _leaf(self.internal_ca_cert, self.internal_ca_key, host)
+        return _leaf(self.internal_ca_cert.encode(), self.internal_ca_key.encode(), host)
 
     def accepts_api_key(self, key: str | None) -> bool:
         """Whether a public call presenting ``key`` (``None``: none) may proceed."""
@@ -228,11 +229,11 @@ def server_credentials(security: SecurityConfig, plane: Plane, host: str) -> grp
     if plane is Plane.PUBLIC:
         if not security.public_tls:
             return None
-        return grpc.ssl_server_credentials([(security.tls_key, security.tls_cert)])
+        return grpc.ssl_server_credentials([(security.tls_key.encode(), security.tls_cert.encode())])
     if not security.internal_tls:
         return None
     leaf = security.internal_identity(host)
-    return grpc.ssl_server_credentials([(leaf.key_pem, leaf.cert_pem)], root_certificates=security.internal_ca_cert,
+    return grpc.ssl_server_credentials([(leaf.key_pem, leaf.cert_pem)], root_certificates=security.internal_ca_cert.encode(),
                                        require_client_auth=True)
 
 
@@ -262,7 +263,7 @@ def internal_channel(security: SecurityConfig, target: str,
     """
     if security.internal_tls:
         leaf = security.internal_identity("localhost")
-        credentials = grpc.ssl_channel_credentials(security.internal_ca_cert, leaf.key_pem, leaf.cert_pem)
+        credentials = grpc.ssl_channel_credentials(security.internal_ca_cert.encode(), leaf.key_pem, leaf.cert_pem)
         channel = grpc.secure_channel(target, credentials, options=list(options))
     else:
         channel = grpc.insecure_channel(target, options=list(options))

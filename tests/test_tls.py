@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cluster_utils import assert_greedy_matches, assert_no_leak, hf_greedy, router_client, running_cluster
 from kv_helpers import TableSink, sender_cache
 
@@ -29,6 +30,7 @@ from pdcluster.v1 import router_pb2, router_pb2_grpc, worker_pb2
 from router.http import HttpServer
 from router.openai.app import FrontDoorState, build_app
 from serving.certs import create_ca, issue
+from serving.registry import WorkerRegistry
 from serving.rpc import add_health, set_serving
 from serving.security import Plane, SecurityConfig, bind, internal_channel, make_server
 
@@ -43,7 +45,7 @@ INTERNAL = SecurityConfig(cluster_secret="s3cret", internal_ca_cert=CLUSTER_CA.c
 def test_config_pairs_hidden_pems_and_workers_without_the_public_certificate():
     both = SecurityConfig(tls_cert=LEAF.cert_pem.decode(), tls_key=LEAF.key_pem, internal_ca_cert=CLUSTER_CA.cert_pem,
                           internal_ca_key=CLUSTER_CA.key_pem)
-    assert both.tls_cert == LEAF.cert_pem and both.public_tls and both.internal_tls
+    assert both.tls_cert == LEAF.cert_pem.decode() and both.public_tls and both.internal_tls
     assert b"PRIVATE" not in repr(both).encode() and "BEGIN" not in repr(both)
     workers = both.for_workers()
     assert not workers.public_tls and workers.internal_tls
@@ -189,5 +191,11 @@ def test_token_exact_through_a_fully_tls_cluster(tmp_path, hf_model, tokenizer):
         with router_client(state, tls_ca=CA.cert_pem) as client:
             out = client.generate(prompt, max_tokens=12, temperature=0)
         assert_greedy_matches(list(out.token_ids), ref, gaps, "fully TLS cluster")
-        assert_no_leak(state)
+        assert_no_leak(state)  # GetLoad of every worker over the cluster's mutual TLS
+        plaintext = SecurityConfig(cluster_secret=state["cluster_secret"])  # the secret, but no certificate
+        for info, _ in WorkerRegistry(state["redis_url"], state["cluster"]).live_workers():
+            for address in filter(None, (info.address, info.kv_endpoint)):
+                with internal_channel(plaintext, address) as channel, pytest.raises(grpc.RpcError) as refused:
+                    health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, address
     assert not Path(state_dir / "cluster.json").exists()
