@@ -18,13 +18,16 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from cluster_utils import assert_greedy_matches, assert_no_leak, hf_greedy, router_client, running_cluster
 from kv_helpers import TableSink, sender_cache
 
 from common.model_config import ConfigError
 from decode_worker.transfers import TransferTable
 from deploy.spec import public_tls_from_args
 from kvtransfer import GrpcKvSender, KvTransferConfig, KvTransferError, attach_receiver, kv_server_options
+from loadtest.backends import openai_client
+from loadtest.cli import configs_from_args
+from loadtest.driver import server_info
+from pdcluster import cli
 from pdcluster.client import PdclusterClient
 from pdcluster.v1 import router_pb2, router_pb2_grpc, worker_pb2
 from router.http import HttpServer
@@ -33,6 +36,8 @@ from serving.certs import create_ca, issue
 from serving.registry import WorkerRegistry
 from serving.rpc import add_health, set_serving
 from serving.security import Plane, SecurityConfig, bind, internal_channel, make_server
+
+from cluster_utils import assert_greedy_matches, assert_no_leak, hf_greedy, router_client, running_cluster
 
 CA = create_ca("test-public")
 LEAF = issue(CA, "router", ["127.0.0.1"])
@@ -77,6 +82,9 @@ class _Router(router_pb2_grpc.RouterServicer):
     def GetModelInfo(self, request, context):
         return router_pb2.ModelInfo(model_name="fake", max_model_len=64)
 
+    def Generate(self, request, context):
+        yield router_pb2.GenerateResponse(request_id="r", token_ids=[1], text="ok", finish_reason=2)
+
 
 @pytest.fixture()
 def tls_router():
@@ -106,6 +114,20 @@ def test_public_grpc_needs_a_client_that_trusts_the_ca(tls_router, tmp_path):
             assert client.model_info().model_name == "fake"
 
 
+def test_cli_generate_and_loadtest_take_the_ca(tls_router, tmp_path, capsys):
+    ca_file = tmp_path / "ca.pem"
+    ca_file.write_bytes(CA.cert_pem)
+    assert cli.main(["generate", "--address", tls_router, "hi"]) == 1
+    assert "UNAVAILABLE" in capsys.readouterr().err
+    assert cli.main(["generate", "--address", tls_router, "--tls-ca", str(ca_file), "hi"]) == 0
+    assert capsys.readouterr().out.strip() == "ok"
+    args = cli.build_parser().parse_args(["loadtest", "--address", tls_router, "--workload", "synthetic",
+                                          "--tls-ca", str(ca_file)])
+    _, run, _ = configs_from_args(args)
+    assert run.tls_ca == str(ca_file)
+    assert server_info(run).model_name == "fake"
+
+
 def test_public_https_with_the_ca_and_no_pem_left_on_disk(monkeypatch, tmp_path):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     import tempfile
@@ -121,6 +143,11 @@ def test_public_https_with_the_ca_and_no_pem_left_on_disk(monkeypatch, tmp_path)
         context = ssl.create_default_context(cadata=CA.cert_pem.decode())
         with urllib.request.urlopen(f"https://127.0.0.1:{port}/health", timeout=10, context=context) as r:
             assert r.status == 200
+        ca_file = tmp_path / "ca.pem"
+        ca_file.write_bytes(CA.cert_pem)
+        with openai_client(f"https://127.0.0.1:{port}", None, 10, 0, tls_ca=str(ca_file)) as client:
+            assert client.models.list().data[0].id == "m"  # the loadtest's openai backend
+        assert cli.main(["top", "--address", f"127.0.0.1:{port}", "--tls-ca", str(ca_file), "--iterations", "0"]) == 0
         with pytest.raises(OSError):  # plain HTTP on a TLS port
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10).read()
         with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):  # not trusting the CA
