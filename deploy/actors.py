@@ -91,6 +91,10 @@ class RouterActor:
         return {"address": address, "http_address": http, "pid": os.getpid(),
                 "node_id": ray.get_runtime_context().get_node_id()}
 
+    def serving(self) -> bool:
+        """Whether the router can serve requests now (its health service says SERVING)."""
+        return self.server is not None and self.server.serving_now()[0]
+
     def stop(self) -> None:
         if self.server:
             self.server.stop()

@@ -53,6 +53,16 @@ def _add_api_keys(p: argparse.ArgumentParser, env_api_key: str | None) -> None:
     p.set_defaults(env_api_key=env_api_key)
 
 
+def _add_tls(p: argparse.ArgumentParser) -> None:
+    """``up``'s TLS (turned into the configs' certificates by :func:`deploy.spec.spec_from_args`)."""
+    p.add_argument("--tls-cert", type=Path, default=None, metavar="PATH",
+                   help="PEM certificate (chain) the router's gRPC and HTTP ports serve TLS with (needs --tls-key)")
+    p.add_argument("--tls-key", type=Path, default=None, metavar="PATH", help="PEM private key of --tls-cert")
+    p.add_argument("--internal-tls", action="store_true",
+                   help="mutual TLS between the cluster's processes (router->workers, prefill->decode KV) "
+                        "with a cluster CA generated here and kept in the state directory")
+
+
 def _add_serving(p: argparse.ArgumentParser) -> None:
     """The router's HTTP port and every process' logging."""
     p.add_argument("--http-port", type=_port, default=8000,
@@ -137,6 +147,7 @@ def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
     _add_kv(p)
     _add_serving(p)
     _add_api_keys(p, env_api_key)
+    _add_tls(p)
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="registry heartbeat period in seconds")
     p.add_argument("--timeout-s", type=float, default=300, help="seconds to wait for the cluster to be ready")
     p.add_argument("--cluster", default="default", help="cluster name (registry namespace)")

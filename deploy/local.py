@@ -6,7 +6,8 @@ joins a running Ray cluster instead (run it on the head node: Redis and the rout
 go there) and starts Redis there unless ``--redis-url`` names one. It places the
 workers and the router (:mod:`deploy.cluster`), waits until all are healthy,
 writes a state file (``<state-dir>/cluster.json``, mode 0600: it holds the cluster secret
-``up`` generates for the internal plane, :mod:`serving.security`) and returns. ``down`` stops
+``up`` generates for the internal plane, :mod:`serving.security`, and with ``--internal-tls``
+the cluster CA's certificate and key, :mod:`serving.certs`) and returns. ``down`` stops
 exactly what ``up`` started, as recorded in the state file.
 """
 
@@ -25,13 +26,14 @@ from pathlib import Path
 import ray
 
 from common.model_config import ConfigError
-from deploy.cluster import WORKER_ROLES, head_node_id, launch, teardown
+from deploy.cluster import NAMESPACE, WORKER_ROLES, actor_name, head_node_id, launch, teardown
 from deploy.placement import PlacementError
 from deploy.ray_env import LOOPBACK_ENV
 from deploy.redis_control import stop_redis_at
 from deploy.redis_server import LocalRedisServer, free_port
 from deploy.spec import exposure_warning, spec_from_args
 from deploy.state import DEFAULT_STATE_DIR, read_state, state_path, write_state
+from serving.certs import KeyPair, create_ca
 from serving.registry import WorkerRegistry
 
 
@@ -130,8 +132,11 @@ def stop_ray_head(pid: int, timeout_s: float = 10.0) -> None:
         pass
 
 
-def wait_healthy(redis_url: str, cluster: str, expected: int, router_address: str, timeout_s: float) -> None:
-    """Wait until ``expected`` workers heartbeat and the router's health says SERVING.
+def wait_healthy(redis_url: str, cluster: str, expected: int, router_address: str, timeout_s: float,
+                 router_tls: bool = False) -> None:
+    """Wait until ``expected`` workers heartbeat and the router's health says SERVING
+    (``router_tls``: the router serves TLS with a certificate ``up`` need not trust, so its
+    actor is asked instead of its health service).
 
     Raises:
         TimeoutError: naming what is still missing.
@@ -148,6 +153,13 @@ def wait_healthy(redis_url: str, cluster: str, expected: int, router_address: st
         time.sleep(0.2)
     else:
         raise TimeoutError(f"only {len(live)} of {expected} workers registered within {timeout_s:.0f}s")
+    if router_tls:
+        router = ray.get_actor(actor_name(cluster, "router"), namespace=NAMESPACE)
+        while not ray.get(router.serving.remote(), timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"router at {router_address} not SERVING after {timeout_s}s")
+            time.sleep(0.2)
+        return
     with PdclusterClient(router_address) as client:
         client.wait_ready(max(1.0, deadline - time.monotonic()))
 
@@ -176,6 +188,9 @@ def up(args) -> dict:
     if state_path(state_dir).exists():
         raise RuntimeError(f"a cluster is already up (state in {state_path(state_dir)}); run `pdcluster down`")
     state: dict = {"started_ray": False, "started_redis": False, "cluster_secret": secrets.token_urlsafe(32)}
+    if args.internal_tls:
+        ca = create_ca(args.cluster)
+        state.update(internal_ca_cert=ca.cert_pem.decode(), internal_ca_key=ca.key_pem.decode())
     try:
         if args.ray_address:
             if args.ray_resources:
@@ -194,10 +209,11 @@ def up(args) -> dict:
         ray.init(address=ray_address, namespace="pdcluster", logging_level="WARNING")
         state["redis_url"] = args.redis_url or _start_redis(args, state, state_dir)
         use_cuda = ray.cluster_resources().get("GPU", 0) >= 1 and args.device in ("auto", "cuda")
-        spec = spec_from_args(args, state["redis_url"], use_cuda, cluster_secret=state["cluster_secret"])
+        spec = spec_from_args(args, state["redis_url"], use_cuda, cluster_secret=state["cluster_secret"],
+                              internal_ca=internal_ca(state))
         state.update(launch(spec))
         wait_healthy(state["redis_url"], args.cluster, sum(spec.counts().values()), state["router_address"],
-                     args.timeout_s)
+                     args.timeout_s, router_tls=spec.router.security.public_tls)
     except BaseException:
         _cleanup(state)
         raise
@@ -206,6 +222,13 @@ def up(args) -> dict:
             ray.shutdown()
     write_state(state_dir, state)
     return state
+
+
+def internal_ca(state: dict) -> KeyPair | None:
+    """The cluster CA of the cluster ``state`` describes (``None``: no internal TLS)."""
+    if "internal_ca_cert" not in state:
+        return None
+    return KeyPair(state["internal_ca_cert"].encode(), state["internal_ca_key"].encode())
 
 
 def _json_object(text: str, flag: str) -> dict:
@@ -279,7 +302,8 @@ def cmd_up(args) -> int:
     kinds = (f"{args.workers} colocated workers" if args.colocated
              else f"{args.prefill} prefill + {args.decode} decode workers")
     redis_at = state["redis_url"].rsplit("@", 1)[-1]  # without the password
-    http = f", OpenAI HTTP at http://{state['router_http_address']}/v1" if state.get("router_http_address") else ""
+    scheme = "https" if args.tls_cert else "http"
+    http = f", OpenAI HTTP at {scheme}://{state['router_http_address']}/v1" if state.get("router_http_address") else ""
     print(f"pdcluster is up: router at {state['router_address']}{http} ({kinds}, redis {redis_at})")
     print(state["router_address"])
     return 0

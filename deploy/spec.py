@@ -15,6 +15,7 @@ from kvtransfer.config import KvTransferConfig
 from kvtransfer.registry import load_transport
 from pdcluster.client import API_KEY_ENV
 from router.server import RouterConfig
+from serving.certs import KeyPair
 from serving.logs import LogConfig
 from serving.security import SecurityConfig, check_credential
 from serving.worker_config import WorkerConfig
@@ -79,6 +80,26 @@ def api_keys_from_args(args) -> tuple[str, ...]:
     return tuple(keys)
 
 
+def public_tls_from_args(args) -> tuple[bytes, bytes]:
+    """The router's TLS certificate and key PEM from ``--tls-cert`` / ``--tls-key`` (``(b"", b"")``:
+    neither given, plaintext).
+
+    Raises:
+        ConfigError: only one of the two flags, or a file that cannot be read.
+    """
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    if args.tls_cert is None:
+        return b"", b""
+    pems = []
+    for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        try:
+            pems.append(path.read_bytes())
+        except OSError as exc:
+            raise ConfigError(f"{flag} {path}: {exc.strerror or exc}") from None
+    return pems[0], pems[1]
+
+
 def exposure_warning(router: RouterConfig) -> str | None:
     """A warning when the router listens beyond loopback without API keys (``None`` otherwise)."""
     if router.security.api_keys:
@@ -93,7 +114,8 @@ def exposure_warning(router: RouterConfig) -> str | None:
             f"give --api-key, --api-key-file or ${API_KEY_ENV}")
 
 
-def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret: str = "") -> ClusterSpec:
+def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret: str = "",
+                   internal_ca: KeyPair | None = None) -> ClusterSpec:
     """The cluster ``up``'s flags describe.
 
     Args:
@@ -101,11 +123,13 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
         redis_url: the registry the workers and the router use.
         use_cuda: whether the workers will run on GPUs (decides the KV dtype for ``--dtype auto``).
         cluster_secret: the internal plane's secret (``up`` generates it; empty: internal ports open).
+        internal_ca: the cluster CA of internal mutual TLS (``up --internal-tls`` generates it;
+            ``None``: internal traffic plaintext).
 
     Raises:
         ValueError / common.model_config.ConfigError: a flag value out of range, a KV
-            transport that cannot be loaded (:func:`kv_config_from_args`), or bad API keys
-            (:func:`api_keys_from_args`).
+            transport that cannot be loaded (:func:`kv_config_from_args`), bad API keys
+            (:func:`api_keys_from_args`) or TLS files (:func:`public_tls_from_args`).
     """
     for flag, bs in (("--block-size", args.block_size), ("--prefill-block-size", args.prefill_block_size)):
         if bs is not None and (bs <= 0 or bs & (bs - 1)):
@@ -126,7 +150,11 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
         prefill_cache = replace(cache, block_size=pbs, num_blocks=max(2, blocks * args.block_size // pbs))
     kv = kv_config_from_args(args, use_cuda)
     log = LogConfig(args.log_format, args.log_level)
-    security = SecurityConfig(api_keys=api_keys_from_args(args), cluster_secret=cluster_secret)
+    tls_cert, tls_key = public_tls_from_args(args)
+    security = SecurityConfig(api_keys=api_keys_from_args(args), cluster_secret=cluster_secret,
+                              tls_cert=tls_cert, tls_key=tls_key,
+                              internal_ca_cert=internal_ca.cert_pem if internal_ca else "",
+                              internal_ca_key=internal_ca.key_pem if internal_ca else "")
     worker = WorkerConfig(role="prefill", worker_id="template", model=args.model, redis_url=redis_url,
                           cluster=args.cluster, device=args.device, dtype=args.dtype,
                           heartbeat_s=args.heartbeat_s, cache=cache, scheduler=sched, kv=kv,

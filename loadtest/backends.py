@@ -9,6 +9,7 @@ Only the given address is ever contacted.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -35,10 +36,10 @@ class Chunk:
 class GrpcSession:
     """Streams through :class:`pdcluster.client.PdclusterClient`."""
 
-    def __init__(self, address: str, timeout_s: float, api_key: str | None = None) -> None:
+    def __init__(self, address: str, timeout_s: float, api_key: str | None = None, tls_ca: str | None = None) -> None:
         from pdcluster.client import PdclusterClient
 
-        self.client = PdclusterClient(address, timeout_s=timeout_s, api_key=api_key)
+        self.client = PdclusterClient(address, timeout_s=timeout_s, api_key=api_key, tls_ca=tls_ca)
 
     def wait_ready(self, timeout_s: float) -> None:
         self.client.wait_ready(timeout_s)
@@ -82,11 +83,11 @@ class OpenAISession:
     ``ignore_eos``, usage in the last chunk). Each text chunk counts as one token until the
     final usage says how many there were."""
 
-    def __init__(self, base_url: str, timeout_s: float, api_key: str | None = None) -> None:
+    def __init__(self, base_url: str, timeout_s: float, api_key: str | None = None, tls_ca: str | None = None) -> None:
         import openai
 
         self.openai = openai
-        self.client = openai_client(base_url, api_key, timeout_s, max_retries=0)
+        self.client = openai_client(base_url, api_key, timeout_s, max_retries=0, tls_ca=tls_ca)
         self.model = ""
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -145,25 +146,34 @@ class _OpenAIStream:
             raise BackendError("UNAVAILABLE", str(e))
 
 
-def openai_client(base_url: str, api_key: str | None, timeout_s: float, max_retries: int):
+def openai_client(base_url: str, api_key: str | None, timeout_s: float, max_retries: int,
+                  tls_ca: str | None = None):
     """The ``openai`` SDK's client of ``base_url`` (``/v1`` appended when missing); without an
-    ``api_key`` it sends a placeholder (the SDK requires one; an open server ignores it)."""
+    ``api_key`` it sends a placeholder (the SDK requires one; an open server ignores it); with
+    ``tls_ca`` (a PEM CA file) an ``https://`` server's certificate is verified against that CA.
+
+    Raises:
+        OSError: ``tls_ca`` cannot be read.
+    """
     import openai
 
     base = base_url.rstrip("/")
+    http = {} if tls_ca is None else {"http_client": openai.DefaultHttpxClient(
+        verify=ssl.create_default_context(cafile=tls_ca), timeout=timeout_s)}
     return openai.OpenAI(base_url=base if base.endswith("/v1") else base + "/v1", api_key=api_key or "unused",
-                         timeout=timeout_s, max_retries=max_retries)
+                         timeout=timeout_s, max_retries=max_retries, **http)
 
 
-def open_session(backend: str, address: str, timeout_s: float, api_key: str | None = None):
+def open_session(backend: str, address: str, timeout_s: float, api_key: str | None = None,
+                 tls_ca: str | None = None):
     """A session of ``backend`` at ``address`` (``HOST:PORT`` for grpc, a base URL for openai)
-    presenting ``api_key`` (none: no key).
+    presenting ``api_key`` (none: no key), verifying a TLS server with the CA file ``tls_ca``.
 
     Raises:
         ValueError: unknown backend.
     """
     if backend == "grpc":
-        return GrpcSession(address, timeout_s, api_key)
+        return GrpcSession(address, timeout_s, api_key, tls_ca)
     if backend == "openai":
-        return OpenAISession(address, timeout_s, api_key)
+        return OpenAISession(address, timeout_s, api_key, tls_ca)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

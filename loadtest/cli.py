@@ -88,7 +88,8 @@ def configs_from_args(args: argparse.Namespace):
                          else "--address is required (or --backend openai --base-url URL)")
     run = RunConfig(address=target, backend=args.backend, concurrency=args.concurrency, duration_s=args.duration,
                     drain_timeout_s=args.drain_timeout, request_timeout_s=args.request_timeout,
-                    max_inflight=args.max_inflight, temperature=args.temperature, api_key=args.api_key)
+                    max_inflight=args.max_inflight, temperature=args.temperature, api_key=args.api_key,
+                    tls_ca=args.tls_ca)
     slo = parse_slo(args.slo) if args.slo else None
     return workload, run, slo
 

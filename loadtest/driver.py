@@ -60,10 +60,10 @@ def server_info(run: RunConfig) -> ServerInfo:
         grpc.RpcError: ``GetModelInfo`` failed.
     """
     if run.backend == "openai":
-        with openai_client(run.address, run.api_key, run.ready_timeout_s, max_retries=3) as client:
+        with openai_client(run.address, run.api_key, run.ready_timeout_s, max_retries=3, tls_ca=run.tls_ca) as client:
             model = client.models.list().data[0]
         return ServerInfo(model.id, int(getattr(model, "max_model_len", None) or 2048))
-    with PdclusterClient(run.address, timeout_s=run.ready_timeout_s, api_key=run.api_key) as client:
+    with PdclusterClient(run.address, timeout_s=run.ready_timeout_s, api_key=run.api_key, tls_ca=run.tls_ca) as client:
         client.wait_ready(run.ready_timeout_s)
         info = client.model_info()
     return ServerInfo(info.model_name, info.max_model_len, info.vocab_size)
@@ -103,7 +103,7 @@ def run_loadtest(workload: WorkloadConfig, run: RunConfig, *, slo: SLO | None = 
     summary.update(not_sent=result.not_sent, interrupted=result.interrupted, clipping=clipping.as_dict(),
                    model=info.model_name, address=run.address,
                    workload=asdict(workload),
-                   run={k: v for k, v in asdict(run).items() if k not in ("address", "api_key")})
+                   run={k: v for k, v in asdict(run).items() if k not in ("address", "api_key", "tls_ca")})
     if clipping.notes:
         summary["notes"] = clipping.notes
     files: list[Path] = []

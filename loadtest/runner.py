@@ -36,7 +36,8 @@ _CANCEL_GRACE_S = 10.0
 @dataclass(frozen=True)
 class RunConfig:
     """How to send. Times in seconds; ``api_key``: the server's API key (grpc: ``authorization``
-    metadata, openai: the SDK's ``api_key``), never written to the run's summary.
+    metadata, openai: the SDK's ``api_key``), never written to the run's summary; ``tls_ca``: a
+    PEM CA file verifying a TLS server (grpc: a TLS channel; openai: an ``https://`` base URL).
 
     Raises:
         ValueError: from ``__post_init__`` on an invalid value.
@@ -53,6 +54,7 @@ class RunConfig:
     temperature: float = 0.0
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     api_key: str | None = field(default=None, repr=False)
+    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -212,7 +214,7 @@ class LoadRunner:
         cfg = self.cfg
         interrupted = False
         workers = cfg.concurrency or min(cfg.max_inflight, max(1, len(self.plan)))
-        client = open_session(cfg.backend, cfg.address, cfg.request_timeout_s, cfg.api_key)
+        client = open_session(cfg.backend, cfg.address, cfg.request_timeout_s, cfg.api_key, cfg.tls_ca)
         with contextlib.closing(client), \
                 ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loadtest") as pool:
             client.wait_ready(cfg.ready_timeout_s)

@@ -70,6 +70,13 @@ def _add_api_key(p: argparse.ArgumentParser, env_api_key: str | None) -> None:
                    help=f"API key of the router, sent as 'authorization: Bearer KEY' (default: ${API_KEY_ENV})")
 
 
+def _add_tls_ca(p: argparse.ArgumentParser) -> None:
+    """``--tls-ca`` of a command that calls the router."""
+    p.add_argument("--tls-ca", default=None, metavar="PATH",
+                   help="PEM CA certificate to verify the router's TLS certificate with (the router serves TLS: "
+                        "`up --tls-cert`); without it the connection is plaintext")
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("generate", allow_abbrev=False, help="generate a completion for one prompt")
     p.add_argument("--address", default=None,
@@ -107,8 +114,9 @@ def cmd_top(args: argparse.Namespace) -> int:
             address = (read_state() or {}).get("router_http_address") or "127.0.0.1:8000"
         except (ImportError, FileNotFoundError):
             address = "127.0.0.1:8000"
-    base = address if address.startswith("http") else f"http://{address}"
-    return run_top(base, interval_s=args.interval, iterations=args.iterations, api_key=args.api_key)
+    base = address if address.startswith("http") else f"{'https' if args.tls_ca else 'http'}://{address}"
+    return run_top(base, interval_s=args.interval, iterations=args.iterations, api_key=args.api_key,
+                   tls_ca=args.tls_ca)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     clients.append(register_loadtest(sub))
     for p in clients:
         _add_api_key(p, env_api_key)
+        _add_tls_ca(p)
     return parser
 
 
@@ -167,7 +176,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     address = args.address or default_address()
     start = time.monotonic()
     try:
-        with PdclusterClient(address, api_key=args.api_key) as client:
+        with PdclusterClient(address, api_key=args.api_key, tls_ca=args.tls_ca) as client:
             if args.stream:
                 result = _stream_print(client, prompt, params)
             else:

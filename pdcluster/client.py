@@ -1,7 +1,7 @@
 """Python client for the public ``pdcluster.v1.Router`` gRPC API.
 
-:class:`PdclusterClient` wraps one insecure gRPC channel to a router (with ``api_key``, every
-call carries ``authorization: Bearer KEY`` metadata)::
+:class:`PdclusterClient` wraps one gRPC channel to a router (with ``api_key``, every call
+carries ``authorization: Bearer KEY`` metadata; with ``tls_ca``, TLS verified against that CA)::
 
     with PdclusterClient("127.0.0.1:50051", timeout_s=60, api_key=key) as client:
         client.wait_ready(30)
@@ -96,6 +96,20 @@ class GenerationStream:
         self.cancel()
 
 
+def read_ca(tls_ca: str | bytes) -> bytes:
+    """PEM certificate(s) from ``tls_ca``: PEM text/bytes as given, anything else a file path.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    if isinstance(tls_ca, bytes):
+        return tls_ca
+    if tls_ca.lstrip().startswith("-----BEGIN"):
+        return tls_ca.encode()
+    with open(tls_ca, "rb") as f:
+        return f.read()
+
+
 class PdclusterClient:
     """Blocking client of one router at ``address`` (``"host:port"``).
 
@@ -106,13 +120,21 @@ class PdclusterClient:
     (``DEADLINE_EXCEEDED`` when ``timeout_s`` elapses, ``UNAVAILABLE`` when
     the router cannot be reached, ``UNAUTHENTICATED`` when the router needs an
     API key and ``api_key`` is missing or wrong; health checks need none).
+    With ``tls_ca`` (the PEM, or a path to it, of the CA that issued the router's
+    certificate) the channel is TLS and the router's certificate is verified;
+    a failed handshake (e.g. a plaintext router) reads as ``UNAVAILABLE``.
+
+    Raises:
+        OSError: ``tls_ca`` names a file that cannot be read.
     """
 
-    def __init__(self, address: str, timeout_s: float | None = None, api_key: str | None = None):
+    def __init__(self, address: str, timeout_s: float | None = None, api_key: str | None = None,
+                 tls_ca: str | bytes | None = None):
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = with_metadata(grpc.insecure_channel(address, options=_CHANNEL_OPTIONS),
-                                      (bearer(api_key),) if api_key else ())
+        channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS) if tls_ca is None else \
+            grpc.secure_channel(address, grpc.ssl_channel_credentials(read_ca(tls_ca)), options=_CHANNEL_OPTIONS)
+        self._channel = with_metadata(channel, (bearer(api_key),) if api_key else ())
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
     def close(self) -> None:

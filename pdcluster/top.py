@@ -8,12 +8,15 @@ time and decode step time (from histogram ``_sum`` / ``_count`` deltas), their r
 and KV-transfer rates, prefix-cache hit rate and preemptions; for the router, TTFT, ITL
 and E2E means and the request rate. With an API key, every request carries
 ``Authorization: Bearer KEY`` (the router's discovery endpoint and ``/metrics`` need it;
-the workers' ``/metrics`` ignore it, as they do Prometheus' header).
+the workers' ``/metrics`` ignore it, as they do Prometheus' header). With a CA (``tls_ca``)
+the router is reached over HTTPS and its certificate verified; the workers' ``/metrics``
+stay plain HTTP.
 """
 
 from __future__ import annotations
 
 import json
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -25,7 +28,7 @@ from rich.live import Live
 from rich.table import Table
 
 from common.grpc_metadata import AUTHORIZATION, bearer
-from pdcluster.client import API_KEY_ENV
+from pdcluster.client import API_KEY_ENV, read_ca
 
 PREFIX = "pdcluster:"
 
@@ -44,29 +47,42 @@ class Scrape:
         return sum(v for (n, _), v in self.values.items() if n == name)
 
 
-def _get(url: str, api_key: str | None, timeout_s: float) -> bytes:
+def _get(url: str, api_key: str | None, timeout_s: float, context: ssl.SSLContext | None = None) -> bytes:
     headers = {AUTHORIZATION: bearer(api_key)[1]} if api_key else {}
-    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as r:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s,
+                                context=context) as r:
         return r.read()
 
 
-def fetch_targets(base_url: str, timeout_s: float = 2.0, api_key: str | None = None) -> list[dict]:
+def tls_context(tls_ca: str | bytes | None) -> ssl.SSLContext | None:
+    """An SSL context trusting the CA ``tls_ca`` (PEM or a path; ``None``: none).
+
+    Raises:
+        OSError: the CA file cannot be read.
+    """
+    return None if tls_ca is None else ssl.create_default_context(cadata=read_ca(tls_ca).decode())
+
+
+def fetch_targets(base_url: str, timeout_s: float = 2.0, api_key: str | None = None,
+                  context: ssl.SSLContext | None = None) -> list[dict]:
     """The router's Prometheus HTTP-SD document: ``[{"targets": [...], "labels": {...}}]``.
 
     Raises:
         urllib.error.HTTPError: the router refused (401: the API key is missing or wrong).
-        OSError: the router's HTTP server is unreachable.
+        OSError: the router's HTTP server is unreachable (or its certificate not trusted).
     """
-    return json.loads(_get(f"{base_url.rstrip('/')}/v1/prometheus/targets", api_key, timeout_s))
+    return json.loads(_get(f"{base_url.rstrip('/')}/v1/prometheus/targets", api_key, timeout_s, context))
 
 
-def scrape(target: str, labels: dict, timeout_s: float = 2.0, api_key: str | None = None) -> Scrape:
-    """Scrape ``http://{target}/metrics``.
+def scrape(target: str, labels: dict, timeout_s: float = 2.0, api_key: str | None = None,
+           context: ssl.SSLContext | None = None) -> Scrape:
+    """Scrape ``http://{target}/metrics`` (``https://`` with a ``context``).
 
     Raises:
         OSError: the target is unreachable or refused.
     """
-    text = _get(f"http://{target}/metrics", api_key, timeout_s).decode()
+    scheme = "http" if context is None else "https"
+    text = _get(f"{scheme}://{target}/metrics", api_key, timeout_s, context).decode()
     out = Scrape(labels.get("role", "?"), labels.get("worker_id", target), time.monotonic())
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -140,25 +156,29 @@ def render(scrapes: list[Scrape], previous: dict[str, Scrape]) -> Group:
     return Group(router, workers)
 
 
-def snapshot(base_url: str, api_key: str | None = None) -> list[Scrape]:
-    """Scrape every target the router lists (unreachable targets are skipped).
+def snapshot(base_url: str, api_key: str | None = None, context: ssl.SSLContext | None = None) -> list[Scrape]:
+    """Scrape every target the router lists (unreachable targets are skipped); the router's own
+    over HTTPS when ``context`` is given.
 
     Raises:
         OSError: as :func:`fetch_targets`.
     """
     out = []
-    for group in fetch_targets(base_url, api_key=api_key):
+    for group in fetch_targets(base_url, api_key=api_key, context=context):
+        labels = group.get("labels", {})
         for target in group.get("targets", []):
             try:
-                out.append(scrape(target, group.get("labels", {}), api_key=api_key))
+                out.append(scrape(target, labels, api_key=api_key,
+                                  context=context if labels.get("role") == "router" else None))
             except OSError:
                 continue
     return out
 
 
 def run_top(base_url: str, interval_s: float = 1.0, iterations: int | None = None,
-            console: Console | None = None, api_key: str | None = None) -> int:
-    """Refresh the view every ``interval_s`` seconds until interrupted (or ``iterations`` times).
+            console: Console | None = None, api_key: str | None = None, tls_ca: str | bytes | None = None) -> int:
+    """Refresh the view every ``interval_s`` seconds until interrupted (or ``iterations`` times);
+    ``tls_ca``: the CA verifying the router's HTTPS certificate (:func:`tls_context`).
 
     Returns:
         0, or 1 when the router's HTTP server cannot be reached or refuses the API key
@@ -167,7 +187,8 @@ def run_top(base_url: str, interval_s: float = 1.0, iterations: int | None = Non
     console = console or Console()
     previous: dict[str, Scrape] = {}
     try:
-        scrapes = snapshot(base_url, api_key)
+        context = tls_context(tls_ca)
+        scrapes = snapshot(base_url, api_key, context)
     except urllib.error.HTTPError as e:
         hint = f": give --api-key or ${API_KEY_ENV}" if e.code == 401 else ""
         Console(stderr=True).print(f"error: the router's HTTP server at {base_url} answered {e.code} {e.reason}{hint}")
@@ -182,7 +203,7 @@ def run_top(base_url: str, interval_s: float = 1.0, iterations: int | None = Non
                 time.sleep(interval_s)
                 previous = {s.worker_id: s for s in scrapes}
                 try:
-                    scrapes = snapshot(base_url, api_key)
+                    scrapes = snapshot(base_url, api_key, context)
                 except OSError:
                     continue
                 live.update(render(scrapes, previous))

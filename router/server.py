@@ -61,8 +61,9 @@ class RouterConfig:
         log: log format and level of the router process.
         http_port: the OpenAI-compatible HTTP port on ``host`` (0 = any free port,
             ``None`` = no HTTP server).
-        security: the API keys clients must present on both ports (none: open) and the
-            cluster secret the router sends to the workers (:mod:`serving.security`).
+        security: the API keys clients must present on both ports (none: open), the TLS
+            certificate both ports serve (none: plaintext), and the cluster secret and CA the
+            router's channels to the workers use (:mod:`serving.security`).
 
     Raises:
         ValueError: a non-positive ``max_model_len`` or ``view_period_s``, or an
@@ -120,14 +121,15 @@ class RouterServer:
         reflection.enable_server_reflection(
             (router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, reflection.SERVICE_NAME,
              "grpc.health.v1.Health"), self.server)
-        self.port = bind(self.server, cfg.host, cfg.port)
+        self.port = bind(self.server, cfg.host, cfg.port, cfg.security, Plane.PUBLIC)
         self.address = f"{cfg.host}:{self.port}"
         self.http = None
         self.http_address = ""
         if cfg.http_port is not None:
             self.http = HttpServer(build_app(FrontDoorState(
                 self.core, cfg.model, tokenizer, self.serving_now, self.scrape_targets, self.metrics.registry,
-                cfg.security.accepts_api_key, int(time.time()), max_len)), cfg.host, cfg.http_port)
+                cfg.security.accepts_api_key, int(time.time()), max_len)), cfg.host, cfg.http_port,
+                tls=(cfg.security.tls_cert.encode(), cfg.security.tls_key.encode()) if cfg.security.public_tls else None)
         self._stop = threading.Event()
         self._health_thread = threading.Thread(target=self._watch_health, name="router-health", daemon=True)
 

@@ -122,7 +122,7 @@ class WorkerHost:
         self.server = make_server(cfg.security, Plane.INTERNAL, max_workers=RPC_THREADS, interceptors=[self.rpcs])
         self.health = add_health(self.server)
         add_servicers(self.server)
-        self.port = bind(self.server, cfg.host, port)
+        self.port = bind(self.server, cfg.host, port, cfg.security, Plane.INTERNAL)
         self.address = f"{cfg.host}:{self.port}"
         self.kv_server, self.kv_address = None, ""
         if add_kv_servicers is not None:
@@ -130,7 +130,7 @@ class WorkerHost:
                                          interceptors=[self.rpcs])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.kv_server)
             add_kv_servicers(self.kv_server)
-            self.kv_address = f"{cfg.host}:{bind(self.kv_server, cfg.host, 0)}"
+            self.kv_address = f"{cfg.host}:{bind(self.kv_server, cfg.host, 0, cfg.security, Plane.INTERNAL)}"
         self.services = services
         self.info = WorkerInfo(
             worker_id=cfg.worker_id, role=cfg.role, address=self.address,

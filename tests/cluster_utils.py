@@ -31,22 +31,27 @@ def running_cluster(state_dir, *extra_args: str):
 
 
 @contextmanager
-def router_client(state: dict, timeout_s: float = 300.0, ready_s: float = 30.0, api_key: str | None = None):
+def router_client(state: dict, timeout_s: float = 300.0, ready_s: float = 30.0, api_key: str | None = None,
+                  tls_ca: bytes | str | None = None):
     """A :class:`PdclusterClient` of the cluster's router (per-call deadline ``timeout_s``
-    seconds, presenting ``api_key``), once the router reports SERVING (within ``ready_s`` seconds)."""
-    with PdclusterClient(state["router_address"], timeout_s=timeout_s, api_key=api_key) as client:
+    seconds, presenting ``api_key``, verifying the router's TLS certificate with ``tls_ca``),
+    once the router reports SERVING (within ``ready_s`` seconds)."""
+    with PdclusterClient(state["router_address"], timeout_s=timeout_s, api_key=api_key, tls_ca=tls_ca) as client:
         client.wait_ready(ready_s)
         yield client
 
 
 def worker_connect(state: dict):
     """The internal channel factory of the cluster ``state`` describes: ``f(address, options=...)``
-    opening a channel to a worker (or KV) port that sends the cluster secret (a KV sender's ``connect``)."""
-    return partial(internal_channel, SecurityConfig(cluster_secret=state["cluster_secret"]))
+    opening a channel to a worker (or KV) port that sends the cluster secret and, with internal TLS,
+    presents a certificate of the cluster CA (a KV sender's ``connect``)."""
+    return partial(internal_channel, SecurityConfig(cluster_secret=state["cluster_secret"],
+                                                    internal_ca_cert=state.get("internal_ca_cert", ""),
+                                                    internal_ca_key=state.get("internal_ca_key", "")))
 
 
 def worker_channel(state: dict, address: str) -> grpc.Channel:
-    """A channel to a worker (or KV) port of the cluster ``state`` describes, sending its cluster secret."""
+    """A channel to a worker (or KV) port of the cluster ``state`` describes, with its credentials."""
     return worker_connect(state)(address)
 
 

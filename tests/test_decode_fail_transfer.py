@@ -57,7 +57,7 @@ class _Decode:
         self.server = make_server(OPEN, Plane.INTERNAL, max_workers=8)
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
             DecodeWorkerServicer(self.sched, "d0", "unused:0", BS, "float32", CPU), self.server)
-        self.address = f"127.0.0.1:{bind(self.server, '127.0.0.1', 0)}"
+        self.address = f"127.0.0.1:{bind(self.server, '127.0.0.1', 0, OPEN, Plane.INTERNAL)}"
         self.loop.start()
         self.server.start()
 
@@ -86,7 +86,7 @@ def serve():
 def _prefill_server(code: grpc.StatusCode, message: str):
     server = make_server(OPEN, Plane.INTERNAL, max_workers=4)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(_FailingPrefill(code, message), server)
-    port = bind(server, "127.0.0.1", 0)
+    port = bind(server, "127.0.0.1", 0, OPEN, Plane.INTERNAL)
     server.start()
     return server, f"127.0.0.1:{port}"
 

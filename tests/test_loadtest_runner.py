@@ -69,7 +69,7 @@ def fake():
     health = add_health(server)
     servicer = FakeRouter()
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
-    port = bind(server, "127.0.0.1", 0)
+    port = bind(server, "127.0.0.1", 0, SecurityConfig(), Plane.PUBLIC)
     server.start()
     set_serving(health, ["pdcluster.v1.Router"])
     yield f"127.0.0.1:{port}", servicer

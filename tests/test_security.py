@@ -92,7 +92,7 @@ def router():
     servicer = _Router()
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     set_serving(add_health(server), ["pdcluster.v1.Router"])
-    address = f"127.0.0.1:{bind(server, '127.0.0.1', 0)}"
+    address = f"127.0.0.1:{bind(server, '127.0.0.1', 0, KEYS, Plane.PUBLIC)}"
     server.start()
     yield address, servicer
     server.stop(None)
@@ -139,7 +139,7 @@ def test_internal_plane_refuses_kv_pushes_without_the_secret_and_nothing_is_writ
     attach_receiver(KvTransferConfig(), server, sink)
     health = add_health(server)
     set_serving(health, ["pdcluster.v1.KvTransfer"])
-    endpoint = f"127.0.0.1:{bind(server, '127.0.0.1', 0)}"
+    endpoint = f"127.0.0.1:{bind(server, '127.0.0.1', 0, KEYS, Plane.INTERNAL)}"
     server.start()
     try:
         gen = sink.table.open("t1", "r1", [1, 2], 1e12)
@@ -285,7 +285,7 @@ def test_internal_channel_sends_the_secret_only_when_there_is_one():
 
     server = make_server(SecurityConfig(), Plane.INTERNAL, max_workers=2, interceptors=[_Probe()])
     add_health(server)
-    address = f"127.0.0.1:{bind(server, '127.0.0.1', 0)}"
+    address = f"127.0.0.1:{bind(server, '127.0.0.1', 0, SecurityConfig(), Plane.INTERNAL)}"
     server.start()
     try:
         for security in (KEYS, SecurityConfig()):
