@@ -12,6 +12,7 @@ and E2E means and the request rate.
 from __future__ import annotations
 
 import json
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -153,7 +154,7 @@ def run_top(base_url: str, interval_s: float = 1.0, iterations: int | None = Non
     try:
         scrapes = snapshot(base_url)
     except OSError as e:
-        Console(stderr=True).print(f"error: cannot reach the router's HTTP server at {base_url}: {e}")
+        print(f"error: cannot reach the router's HTTP server at {base_url}: {e}", file=sys.stderr)
         return 1
     with Live(render(scrapes, previous), console=console, refresh_per_second=4, transient=False) as live:
         done = 0

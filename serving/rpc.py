@@ -15,9 +15,16 @@ GRPC_OPTIONS = [
 ]
 
 
-def make_server(max_workers: int = 64) -> tuple[grpc.Server, health.HealthServicer]:
-    """A threaded gRPC server with the standard ``grpc.health.v1`` service attached."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+def make_server(max_workers: int = 64, max_receive_bytes: int = MAX_MESSAGE_BYTES
+                ) -> tuple[grpc.Server, health.HealthServicer]:
+    """A threaded gRPC server with the standard ``grpc.health.v1`` service attached.
+
+    ``max_receive_bytes`` caps each incoming message (a larger one fails with
+    RESOURCE_EXHAUSTED before any handler runs): the cluster's internal limit by default,
+    the router's public ``max_request_bytes`` on its public port.
+    """
+    options = [(k, max_receive_bytes if k == "grpc.max_receive_message_length" else v) for k, v in GRPC_OPTIONS]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return server, health_servicer

@@ -8,10 +8,11 @@ a router message names (``sampling.top_p ...`` -> ``top_p``; ``prompt: ...`` -> 
 
 from __future__ import annotations
 
+import json
 import re
 
 import grpc
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from router.core import RouterError
 
@@ -36,9 +37,15 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "code": code if code is not None else status}}
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+def json_response(body: dict, status: int) -> Response:
+    """``body`` as JSON with non-ASCII escaped, so a string echoed from a request that
+    UTF-8 cannot encode (a lone surrogate from a JSON escape) still renders."""
+    return Response(json.dumps(body), status_code=status, media_type="application/json")
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> Response:
     """A JSON error response in OpenAI's shape."""
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+    return json_response(error_body(status, message, param, code), status)
 
 
 def router_error_response(e: RouterError, body_only: bool = False):
@@ -46,4 +53,4 @@ def router_error_response(e: RouterError, body_only: bool = False):
     status = http_status(e.code)
     match = _PARAM.match(e.message) if status == 400 else None
     body = error_body(status, e.message, param=match.group(1) if match else None, code=e.code.name.lower())
-    return body if body_only else JSONResponse(body, status_code=status)
+    return body if body_only else json_response(body, status)
