@@ -3,7 +3,8 @@
 gRPC status -> HTTP status: INVALID_ARGUMENT / OUT_OF_RANGE / ALREADY_EXISTS 400,
 UNAUTHENTICATED 401, NOT_FOUND 404, RESOURCE_EXHAUSTED 429, CANCELLED 499 (client closed),
 UNAVAILABLE 503, DEADLINE_EXCEEDED 504, anything else 500. ``param`` is the request field
-a router message names (``sampling.top_p ...`` -> ``top_p``; ``prompt: ...`` -> ``prompt``).
+a router message names (``sampling.top_p ...`` -> ``top_p``; ``prompt: ...`` -> ``prompt``;
+``messages[1].role ...`` -> ``messages``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ _HTTP = {
 }
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error", 429: "rate_limit_error", 499: "invalid_request_error"}
-_PARAM = re.compile(r"^(?:sampling\.)?([a-z_]+)(?:\[[^\]]*\])?[ :]")
+_PARAM = re.compile(r"^(?:sampling\.)?([a-z_]+)(?:\[[^\]]*\])?[ :.]")
 
 
 def http_status(code: grpc.StatusCode) -> int:
