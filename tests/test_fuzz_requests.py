@@ -37,7 +37,7 @@ from cluster_utils import assert_no_leak, running_cluster
 
 MODEL = "smollm2-135m-instruct"
 VOCAB = 49152
-MAX_MODEL_LEN = 128
+MAX_MODEL_LEN = 256  # a valid prompt (at most ~200 tokens, 4 per exotic character) always fits
 REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 MARK = "~~BAD~~"  # written into a string field, then replaced by invalid UTF-8 of the same length
 NOT_UTF8 = b"\xff\xfe\xc3\x28\xa0\xa1\xe2"
@@ -140,15 +140,16 @@ _valid_prompt = st.one_of(
     st.builds(lambda ids: {"token_ids": router_pb2.TokenIds(ids=ids)}, st.lists(_vocab_ids, min_size=1, max_size=40)),
     st.builds(lambda ms: {"messages": router_pb2.MessageList(messages=ms)},
               st.lists(st.builds(common_pb2.ChatMessage, role=st.sampled_from(CHAT_ROLES),
-                                 content=st.text(max_size=30)), min_size=1, max_size=3)),
+                                 content=st.text(max_size=12)), min_size=1, max_size=3)),
 )
 _message = st.builds(common_pb2.ChatMessage, role=st.one_of(st.sampled_from(CHAT_ROLES), st.text(max_size=8)),
                      content=st.text(max_size=40))
 _wild_prompt = st.one_of(
-    st.builds(lambda t: {"text": t}, st.one_of(st.text(max_size=60), st.sampled_from([30_000, 5 * 1024 * 1024])
+    st.builds(lambda t: {"text": t}, st.one_of(st.text(max_size=60), st.sampled_from([60_000, 5 * 1024 * 1024])
                                                 .map(lambda n: "a" * n))),
     st.builds(lambda ids: {"token_ids": router_pb2.TokenIds(ids=ids)},
-              st.one_of(st.lists(_token_ids, max_size=40), st.lists(_vocab_ids, min_size=120, max_size=140))),
+              st.one_of(st.lists(_token_ids, max_size=40), st.lists(_vocab_ids, min_size=MAX_MODEL_LEN - 8,
+                                                                            max_size=MAX_MODEL_LEN + 8))),
     st.builds(lambda ms: {"messages": router_pb2.MessageList(messages=ms)},
               st.one_of(st.lists(_message, max_size=4), st.lists(_message, min_size=MAX_CHAT_MESSAGES + 1,
                                                                 max_size=MAX_CHAT_MESSAGES + 3))),
@@ -227,7 +228,7 @@ def test_grpc_requests_are_answered_or_refused(cluster, fuzz_examples):
 
         check()
     print(f"gRPC answers: {dict(answers)}")
-    assert answers["OK"] >= sum(answers.values()) // 5, answers  # the success path is exercised too
+    assert answers["OK"] >= sum(answers.values()) // 10, answers  # the success path is exercised too
 
 
 def test_raw_bytes_are_answered_or_refused(cluster, fuzz_examples):
@@ -274,7 +275,7 @@ _COMMON = {
     "stream_options": (st.fixed_dictionaries({"include_usage": st.booleans()}), _json),
     "extra_field": (_json, _json),
 }
-_valid_parts = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)}), max_size=2)
+_valid_parts = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=6)}), max_size=2)
 _parts = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", 3]), "text": _json}),
                   max_size=2)
 _COMPLETION = {
@@ -287,7 +288,7 @@ _COMPLETION = {
 _COMPLETION_OPTIONAL = {"logprobs": (st.integers(0, 5), _json), "echo": (st.just(False), _json)}
 _CHAT = {
     "messages": (st.lists(st.fixed_dictionaries({"role": st.sampled_from(CHAT_ROLES),
-                                                 "content": st.one_of(st.text(max_size=30), _valid_parts)}),
+                                                 "content": st.one_of(st.text(max_size=12), _valid_parts)}),
                           min_size=1, max_size=3),
                  st.one_of(st.lists(st.fixed_dictionaries(
                      {"role": st.one_of(st.sampled_from(CHAT_ROLES), st.text(max_size=6), _json)},
@@ -347,7 +348,7 @@ def test_http_bodies_are_answered_or_refused(cluster, fuzz_examples):
 
     check()
     print(f"HTTP answers: {dict(answers)}")
-    assert answers[200] >= sum(answers.values()) // 5, answers
+    assert answers[200] >= sum(answers.values()) // 10, answers
 
 
 def test_http_body_over_max_request_bytes_is_413(cluster):
