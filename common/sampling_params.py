@@ -33,6 +33,9 @@ DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20
 MAX_ABS_PENALTY = 2.0       # presence / frequency penalty range (OpenAI)
 MAX_ABS_LOGIT_BIAS = 100.0  # logit_bias value range (OpenAI)
+MAX_STOP_STRINGS = 16       # stop strings per request
+MAX_STOP_CHARS = 256        # characters per stop string
+MAX_LOGIT_BIAS = 1024       # logit_bias entries per request
 UINT64_MAX = (1 << 64) - 1
 
 
@@ -110,9 +113,12 @@ class SamplingParam:
         context_limited: counts against ``max_model_len``: prompt + value must fit;
             unset resolves to ``min(default, max_model_len - prompt tokens)``.
         cli: has a ``pdcluster generate`` flag; ``flag`` overrides its name.
+        max_items: ``REPEATED`` / ``MAP``: at most this many entries (``None``: any number).
+        max_len: ``str`` elements: at most this many characters each (``None``: any length).
 
     Raises:
-        ValueError: the entry is inconsistent (e.g. a map with a CLI flag).
+        ValueError: the entry is inconsistent (e.g. a map with a CLI flag, a scalar with
+            ``max_items``, ``max_len`` on non-string elements).
     """
 
     name: str
@@ -128,6 +134,8 @@ class SamplingParam:
     context_limited: bool = False
     cli: bool = True
     flag: str = ""
+    max_items: int | None = None
+    max_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.shape is not Shape.SCALAR and (self.presence or self.context_limited):
@@ -138,6 +146,11 @@ class SamplingParam:
             raise ValueError(f"{self.name}: a context-limited parameter must be optional (unset is clamped)")
         if self.shape is Shape.MAP and (self.cli or not self.token_ids):
             raise ValueError(f"{self.name}: a map is keyed by token id and has no CLI flag")
+        if self.max_items is not None and (self.shape is Shape.SCALAR or self.max_items < 1):
+            raise ValueError(f"{self.name}: max_items is a positive limit of a repeated field or a map")
+        if self.max_len is not None and (self.shape is not Shape.REPEATED or self.type is not str
+                                         or self.max_len < 1):
+            raise ValueError(f"{self.name}: max_len is a positive limit of repeated strings")
 
     @property
     def cli_flag(self) -> str:
@@ -151,6 +164,10 @@ class SamplingParam:
             parts.append("non-empty")
         if self.token_ids:
             parts.append("token id < vocab size")
+        if self.max_items is not None:
+            parts.append(f"at most {self.max_items} entries")
+        if self.max_len is not None:
+            parts.append(f"each at most {self.max_len} characters")
         return ", ".join(parts)
 
     def describe(self) -> str:
@@ -204,17 +221,22 @@ class SamplingParam:
     def problem(self, value: Any) -> str | None:
         """What is wrong with an engine-form ``value`` (see :meth:`read`), or ``None``.
 
-        The message starts with the field name (``"top_p must be in (0, 1], got 0.0"``);
-        token ids are checked only for ``>= 0`` here (see :meth:`vocab_problem`).
+        The message starts with the field name (``"top_p must be in (0, 1], got 0.0"``,
+        ``"stop has 17 entries; at most 16"``); token ids are checked only for ``>= 0``
+        here (see :meth:`vocab_problem`).
         """
         if self.shape is Shape.SCALAR:
             if value is None:
                 return None if self.default is None else f"{self.name} must be set"
             return self._value_problem(self.name, value)
+        if self.max_items is not None and len(value) > self.max_items:
+            return f"{self.name} has {len(value)} entries; at most {self.max_items}"
         if self.shape is Shape.REPEATED:
             for i, v in enumerate(value):
                 if self.nonempty and not v:
                     return f"{self.name}[{i}] must be non-empty"
+                if self.max_len is not None and len(v) > self.max_len:
+                    return f"{self.name}[{i}] has {len(v)} characters; at most {self.max_len}"
                 if self.token_ids and v < 0:
                     return f"{self.name}: token id {v} must be >= 0"
                 if (p := self._value_problem(f"{self.name}[{i}]", v)) is not None:
@@ -257,7 +279,8 @@ SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
     SamplingParam("seed", int, None, "per-request RNG seed: same seed and parameters give the same tokens",
                   Range(0, UINT64_MAX), presence=True),
     SamplingParam("stop", str, (), "stop string: generation ends before it, the text excludes it",
-                  shape=Shape.REPEATED, target=Target.ROUTER, nonempty=True),
+                  shape=Shape.REPEATED, target=Target.ROUTER, nonempty=True, max_items=MAX_STOP_STRINGS,
+                  max_len=MAX_STOP_CHARS),
     SamplingParam("stop_token_ids", int, (), "token id that ends generation, included in the output",
                   shape=Shape.REPEATED, target=Target.REQUEST, token_ids=True, flag="--stop-token-id"),
     SamplingParam("ignore_eos", bool, False, "keep generating past EOS until max_tokens", target=Target.REQUEST),
@@ -273,7 +296,8 @@ SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
     SamplingParam("frequency_penalty", float, 0.0, "OpenAI frequency penalty over output tokens, 0 disables",
                   _PENALTY),
     SamplingParam("logit_bias", float, (), "token id -> bias added to its logit before every other step",
-                  Range(-MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS), shape=Shape.MAP, token_ids=True, cli=False),
+                  Range(-MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS), shape=Shape.MAP, token_ids=True, cli=False,
+                  max_items=MAX_LOGIT_BIAS),
 )
 
 

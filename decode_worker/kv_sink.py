@@ -22,7 +22,8 @@ class DecodeKvSink(KvReceiverSink):
         self.on_write = on_write
 
     def begin(self, transfer_id: str, generation: int, request_id: str) -> bool:
-        return self.table.is_open(transfer_id, generation)
+        """Admit a stream only for a transfer open with this generation for this request."""
+        return self.table.is_open(transfer_id, generation, request_id)
 
     def write(self, transfer_id: str, generation: int, layer_start: int, layer_end: int,
               block_ids: Sequence[int], tensor: torch.Tensor, *, token_start: int) -> None:

@@ -66,10 +66,11 @@ class TransferTable:
                 return None
             return self._open.pop(transfer_id)
 
-    def is_open(self, transfer_id: str, generation: int) -> bool:
+    def is_open(self, transfer_id: str, generation: int, request_id: str | None = None) -> bool:
+        """Whether ``transfer_id`` is open with ``generation`` (and, when given, for ``request_id``)."""
         with self._lock:
             t = self._open.get(transfer_id)
-            return t is not None and t.generation == generation
+            return t is not None and t.generation == generation and request_id in (None, t.request_id)
 
     def write(self, transfer_id: str, generation: int, layer_start: int, layer_end: int,
               block_ids: list[int], kv: torch.Tensor, *, token_start: int = 0) -> None:

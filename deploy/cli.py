@@ -13,6 +13,7 @@ from pathlib import Path
 
 from engine.config import KV_FAILURE_POLICIES
 from pdcluster.client import API_KEY_ENV
+from router.limits import DEFAULT_MAX_REQUEST_BYTES
 from router.policy_names import DEFAULT_POLICY, POLICY_NAMES
 from serving.logs import LOG_FORMATS, LOG_LEVELS
 
@@ -23,6 +24,14 @@ def _port(value: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {port}")
     return port
+
+
+def _positive(value: str) -> int:
+    """argparse type: an integer >= 1."""
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def _key_value(value: str) -> tuple[str, str]:
@@ -68,6 +77,12 @@ def _add_serving(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=_port, default=8000,
                    help="OpenAI-compatible HTTP port of the router, also /metrics and /health (0: any free port)")
     p.add_argument("--no-http", dest="http", action="store_false", help="serve gRPC only")
+    p.add_argument("--max-request-bytes", type=_positive, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+                   help="largest gRPC message / HTTP body the router's public ports accept "
+                        f"(default {DEFAULT_MAX_REQUEST_BYTES}: 4 MiB)")
+    p.add_argument("--max-prompt-bytes", type=_positive, default=None, metavar="BYTES",
+                   help="largest prompt (text, or chat roles and contents) the router tokenizes "
+                        "(default: max-model-len x the longest token of the vocabulary)")
     p.add_argument("--log-format", default="text", choices=list(LOG_FORMATS), help="log lines as text or JSON")
     p.add_argument("--log-level", default="INFO", choices=list(LOG_LEVELS),
                    help="log level of every process (DEBUG adds one line per engine step)")

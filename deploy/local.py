@@ -28,7 +28,7 @@ import ray
 from common.model_config import ConfigError
 from deploy.cluster import NAMESPACE, WORKER_ROLES, actor_name, head_node_id, launch, teardown
 from deploy.placement import PlacementError
-from deploy.ray_env import LOOPBACK_ENV
+from deploy.ray_env import LOOPBACK_ENV, check_ray_reachable
 from deploy.redis_control import stop_redis_at
 from deploy.redis_server import LocalRedisServer, free_port
 from deploy.spec import exposure_warning, spec_from_args
@@ -280,6 +280,7 @@ def down(state_dir: Path | str | None = None) -> bool:
     except FileNotFoundError:
         return False
     try:
+        check_ray_reachable(state["ray_address"])
         ray.init(address=state["ray_address"], namespace="pdcluster", logging_level="WARNING")
     except Exception as e:  # noqa: BLE001 - Ray already gone: nothing to kill there
         print(f"ray at {state.get('ray_address')} unreachable ({e}); skipping actor teardown", file=sys.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -34,3 +35,19 @@ def state_is_local(state_file: Path) -> bool:
         return bool(json.loads(state_file.read_text()).get("started_ray"))
     except (FileNotFoundError, ValueError):
         return False
+
+
+def check_ray_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast where ``ray.init`` would retry for minutes: a TCP connection to the Ray
+    head's ``HOST:PORT`` (also ``ray://HOST:PORT``); other forms (``auto``) are left to Ray.
+
+    Raises:
+        ConnectionError: the address refuses or does not answer within ``timeout_s`` seconds.
+    """
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConnectionError(f"cannot reach the cluster's Ray at {address}: {e}") from None

@@ -35,6 +35,7 @@ from deploy.cluster import (
     worker_config_from_dict,
 )
 from deploy.placement import PlacementConfig, WorkerShape
+from deploy.ray_env import check_ray_reachable
 from deploy.state import DEFAULT_STATE_DIR, read_state, write_state
 
 log = logging.getLogger(__name__)
@@ -204,6 +205,7 @@ def scale_from_state_dir(state_dir: Path | str | None, target: ScaleTarget) -> d
 
     Raises:
         FileNotFoundError: no cluster is up under ``state_dir``.
+        ConnectionError: the cluster's Ray head cannot be reached.
         RuntimeError: another ``scale`` holds the lock; or see :func:`scale`.
     """
     state_dir = Path(state_dir or DEFAULT_STATE_DIR).expanduser()
@@ -213,6 +215,7 @@ def scale_from_state_dir(state_dir: Path | str | None, target: ScaleTarget) -> d
         def write(s: dict) -> None:
             write_state(state_dir, s)
 
+        check_ray_reachable(state["ray_address"])
         ray.init(address=state["ray_address"], namespace=NAMESPACE, logging_level="WARNING")
         try:
             return scale(state, target, on_change=write)
@@ -231,7 +234,7 @@ def cmd_scale(args) -> int:
     except FileNotFoundError:
         print("no pdcluster is up", file=sys.stderr)
         return 1
-    except (ValueError, RuntimeError) as e:  # bad counts, placement failure, busy lock
+    except (ValueError, RuntimeError, ConnectionError) as e:  # bad counts, placement failure, busy lock, no Ray
         print(f"error: {e}", file=sys.stderr)
         return 1
     report = state["last_scale"]

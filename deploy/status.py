@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 
+from redis.exceptions import RedisError
 from rich.console import Console
 from rich.table import Table
 
@@ -26,7 +28,13 @@ def collect(state: dict) -> list[dict]:
 
 
 def print_status(state: dict, as_json: bool = False) -> int:
-    rows = collect(state)
+    """Print the live workers (a table, or JSON); returns 0, or 1 when the cluster's Redis
+    cannot be reached (one line on stderr)."""
+    try:
+        rows = collect(state)
+    except RedisError as e:
+        print(f"error: cannot reach the cluster's Redis: {e}", file=sys.stderr)
+        return 1
     if as_json:
         print(json.dumps({"router_address": state["router_address"], "workers": rows}, indent=2))
         return 0

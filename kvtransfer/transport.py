@@ -177,11 +177,11 @@ class KvReceiverSink(abc.ABC):
 
     @abc.abstractmethod
     def begin(self, transfer_id: str, generation: int, request_id: str) -> bool:
-        """First chunk of a transfer arrived: is it still reserved with this generation?
+        """First chunk of a transfer arrived: is it still reserved with this generation (for this request)?
 
         Returns:
-            ``False`` for an unknown, reclaimed or other-generation transfer;
-            its chunks are then dropped.
+            ``False`` for an unknown, reclaimed or other-generation transfer (or one
+            reserved for another request); its chunks are then dropped.
         """
 
     @abc.abstractmethod

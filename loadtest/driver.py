@@ -58,10 +58,17 @@ def server_info(run: RunConfig) -> ServerInfo:
     Raises:
         TimeoutError: not ready within ``run.ready_timeout_s`` seconds.
         grpc.RpcError: ``GetModelInfo`` failed.
+        ConnectionError: the OpenAI-compatible server did not list its model (unreachable,
+            an HTTP error or an empty list).
     """
     if run.backend == "openai":
+        import openai
+
         with openai_client(run.address, run.api_key, run.ready_timeout_s, max_retries=3, tls_ca=run.tls_ca) as client:
-            model = client.models.list().data[0]
+            try:
+                model = client.models.list().data[0]
+            except (openai.APIError, IndexError) as e:
+                raise ConnectionError(f"no model listed at {client.base_url}models: {e}") from None
         return ServerInfo(model.id, int(getattr(model, "max_model_len", None) or 2048))
     with PdclusterClient(run.address, timeout_s=run.ready_timeout_s, api_key=run.api_key, tls_ca=run.tls_ca) as client:
         client.wait_ready(run.ready_timeout_s)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import ssl
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -194,7 +195,7 @@ def run_top(base_url: str, interval_s: float = 1.0, iterations: int | None = Non
         Console(stderr=True).print(f"error: the router's HTTP server at {base_url} answered {e.code} {e.reason}{hint}")
         return 1
     except OSError as e:
-        Console(stderr=True).print(f"error: cannot reach the router's HTTP server at {base_url}: {e}")
+        print(f"error: cannot reach the router's HTTP server at {base_url}: {e}", file=sys.stderr)
         return 1
     with Live(render(scrapes, previous), console=console, refresh_per_second=4, transient=False) as live:
         done = 0

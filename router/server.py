@@ -17,23 +17,24 @@ from grpc_reflection.v1alpha import reflection
 
 from common.model_config import ModelConfig
 from common.tokenizer import load_tokenizer
-from pdcluster.v1 import router_pb2, router_pb2_grpc
+from pdcluster.v1 import router_pb2
 from router.core import RequestRouter
 from router.http import HttpServer
+from router.limits import DEFAULT_MAX_REQUEST_BYTES, Limits
 from router.load import LoadTracker
 from router.openai.app import FrontDoorState, build_app
 from router.placement import POLICIES, Placer, make_policy
 from router.policy import Signals
 from router.policy_names import DEFAULT_POLICY, check_policy
-from router.service import RouterServicer
+from router.service import RouterServicer, add_router_service
 from router.stubs import StubCache
-from router.validation import Limits, RequestValidator
+from router.validation import RequestValidator, prompt_byte_cap
 from serving.cache_index import CacheIndexView
 from serving.discovery import RegistryView
 from serving.logs import LogConfig
 from serving.metrics import ProcessMetrics
 from serving.registry import WorkerRegistry
-from serving.rpc import add_health, set_serving
+from serving.rpc import add_health, receive_limit, set_serving
 from serving.security import Plane, SecurityConfig, bind, internal_channel, make_server
 
 SERVICE = "pdcluster.v1.Router"
@@ -64,10 +65,17 @@ class RouterConfig:
         security: the API keys clients must present on both ports (none: open), the TLS
             certificate both ports serve (none: plaintext), and the cluster secret and CA the
             router's channels to the workers use (:mod:`serving.security`).
+        max_request_bytes: the largest gRPC message and HTTP body the public ports accept
+            (bytes; ``pdcluster up --max-request-bytes``); larger ones are refused with
+            RESOURCE_EXHAUSTED / HTTP 413.
+        max_prompt_bytes: a prompt's bytes (text, or chat roles and contents), checked
+            before tokenization; ``None``: :func:`router.validation.prompt_byte_cap`
+            (``max_model_len`` x the longest token), so a prompt that fits is never refused.
 
     Raises:
-        ValueError: a non-positive ``max_model_len`` or ``view_period_s``, or an
-            unregistered ``policy`` (the message lists the registered names).
+        ValueError: a non-positive ``max_model_len``, ``view_period_s``, ``max_request_bytes``
+            or ``max_prompt_bytes``, or an unregistered ``policy`` (the message lists the
+            registered names).
     """
 
     model: str
@@ -82,12 +90,17 @@ class RouterConfig:
     view_period_s: float = 0.25
     max_workers: int = 128
     http_port: int | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_prompt_bytes: int | None = None
     log: LogConfig = field(default_factory=LogConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         if self.max_model_len <= 0 or self.view_period_s <= 0:
             raise ValueError("max_model_len and view_period_s must be positive")
+        if self.max_request_bytes <= 0 or (self.max_prompt_bytes is not None and self.max_prompt_bytes <= 0):
+            raise ValueError(f"max_request_bytes ({self.max_request_bytes}) and max_prompt_bytes "
+                             f"({self.max_prompt_bytes}) must be positive")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
         check_policy(self.policy)
@@ -111,13 +124,15 @@ class RouterServer:
         load = LoadTracker()
         policy = make_policy(cfg.policy, Signals(load, self.cache_index))
         self.metrics = ProcessMetrics("router", "router", cfg.model)
-        self.core = RequestRouter(RequestValidator(tokenizer, Limits(max_len, model_cfg.vocab_size)), tokenizer,
-                                  Placer(self.view, policy), load, self.metrics,
-                                  StubCache(partial(internal_channel, cfg.security)))
+        prompt_bytes = cfg.max_prompt_bytes or prompt_byte_cap(tokenizer, max_len)
+        self.core = RequestRouter(
+            RequestValidator(tokenizer, Limits(max_len, model_cfg.vocab_size, max_prompt_bytes=prompt_bytes)),
+            tokenizer, Placer(self.view, policy), load, self.metrics, StubCache(partial(internal_channel, cfg.security)))
         self.servicer = RouterServicer(self.core, info)
-        self.server = make_server(cfg.security, Plane.PUBLIC, max_workers=cfg.max_workers)
+        self.server = make_server(cfg.security, Plane.PUBLIC, max_workers=cfg.max_workers,
+                                  options=receive_limit(cfg.max_request_bytes))
         self.health = add_health(self.server)
-        router_pb2_grpc.add_RouterServicer_to_server(self.servicer, self.server)
+        add_router_service(self.servicer, self.server)
         reflection.enable_server_reflection(
             (router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, reflection.SERVICE_NAME,
              "grpc.health.v1.Health"), self.server)
@@ -128,7 +143,8 @@ class RouterServer:
         if cfg.http_port is not None:
             self.http = HttpServer(build_app(FrontDoorState(
                 self.core, cfg.model, tokenizer, self.serving_now, self.scrape_targets, self.metrics.registry,
-                cfg.security.accepts_api_key, int(time.time()), max_len)), cfg.host, cfg.http_port,
+                cfg.security.accepts_api_key, int(time.time()), max_len, cfg.max_request_bytes)), cfg.host,
+                cfg.http_port,
                 tls=(cfg.security.tls_cert.encode(), cfg.security.tls_key.encode()) if cfg.security.public_tls else None)
         self._stop = threading.Event()
         self._health_thread = threading.Thread(target=self._watch_health, name="router-health", daemon=True)

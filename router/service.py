@@ -2,13 +2,19 @@
 
 ``Generate`` streams the core's responses; a :class:`router.core.RouterError` becomes the
 call's status (code and message unchanged); a client that cancels or disconnects cancels
-the request on both workers.
+the request on both workers. :func:`add_router_service` registers the service with
+deserializers that never fail (:mod:`router.decoding`): a request protobuf cannot parse
+(e.g. invalid UTF-8 in a ``string`` field) is refused with INVALID_ARGUMENT naming the field.
 """
 
 from __future__ import annotations
 
+import grpc
+from google.protobuf import message_factory
+
 from pdcluster.v1 import router_pb2, router_pb2_grpc
 from router.core import RequestRouter, RouterError
+from router.decoding import Unparsable, parse_or_refusal
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -36,3 +42,36 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def GetModelInfo(self, request, context):
         return self.model_info
+
+
+def add_router_service(servicer: RouterServicer, server: grpc.Server) -> None:
+    """Register every method of the ``pdcluster.v1.Router`` service (read from its descriptor,
+    as the generated ``add_RouterServicer_to_server`` does) on ``server``, each with a
+    deserializer that turns an unparsable request into an INVALID_ARGUMENT refusal."""
+    service = router_pb2.DESCRIPTOR.services_by_name["Router"]
+    handlers = {}
+    for method in service.methods:
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        response_cls = message_factory.GetMessageClass(method.output_type)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(_refusing(getattr(servicer, method.name), method.server_streaming),
+                                     request_deserializer=parse_or_refusal(request_cls),
+                                     response_serializer=response_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _refusing(handler, streaming: bool):
+    """``handler``, refusing an :class:`Unparsable` request with INVALID_ARGUMENT first."""
+    if streaming:
+        def stream(request, context):
+            if isinstance(request, Unparsable):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message())
+            yield from handler(request, context)
+        return stream
+
+    def unary(request, context):
+        if isinstance(request, Unparsable):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message())
+        return handler(request, context)
+    return unary

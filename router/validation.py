@@ -4,28 +4,37 @@ Every rejection is an :class:`InvalidRequest` whose message names the field or
 limit; the router returns it as ``INVALID_ARGUMENT`` before anything is allocated.
 The sampling checks and defaults derive from :mod:`common.sampling_params` (vLLM/OpenAI
 defaults: ``max_tokens`` 16 clamped to what ``max_model_len`` leaves, ``temperature``
-1.0, ``top_p`` 1.0, ``repetition_penalty`` 1.0; the other knobs off).
+1.0, ``top_p`` 1.0, ``repetition_penalty`` 1.0; the other knobs off; at most 16 stop
+strings of at most 256 characters, at most 1024 ``logit_bias`` entries).
+
+Limits checked here, before anything is tokenized: the prompt's size in bytes
+(``max_prompt_bytes``: the text, or the chat messages' roles and contents together),
+the number of chat messages (:data:`MAX_CHAT_MESSAGES`), their roles (:data:`CHAT_ROLES`)
+and the request id (declared in :mod:`router.limits`).
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from jinja2.exceptions import TemplateError
 
 from common.sampling_params import SamplingParam, Target, sampling_params
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
+from router.limits import CHAT_ROLES, MAX_REQUEST_ID_CHARS, Limits
 
 
 class InvalidRequest(ValueError):
     """A request field is out of range; the message names the field or the limit."""
 
 
-@dataclass(frozen=True)
-class Limits:
-    """Limits of the served model (tokens)."""
-
-    max_model_len: int
-    vocab_size: int
+def prompt_byte_cap(tokenizer, max_model_len: int) -> int:
+    """``max_model_len`` x the longest vocabulary entry in UTF-8 bytes: one token covers at
+    most that much text, so a longer prompt cannot fit in ``max_model_len`` tokens (for a
+    tokenizer whose normalizer does not shrink text)."""
+    return max_model_len * max(len(token.encode()) for token in tokenizer.get_vocab())
 
 
 @dataclass(frozen=True)
@@ -56,12 +65,10 @@ class RequestValidator:
         """Raises:
             InvalidRequest: naming the offending field or limit.
         """
+        _check_request_id(req.request_id)
         ids = self._prompt_ids(req)
-        n, max_model_len = len(ids), self.limits.max_model_len
-        if n >= max_model_len:
-            raise InvalidRequest(
-                f"prompt has {n} tokens; max_model_len is {max_model_len} "
-                f"(prompt + max_tokens must be <= max_model_len)")
+        n = len(ids)
+        self._check_length(n)
         s = req.sampling
         rid = req.request_id or uuid.uuid4().hex
         return PreparedRequest(
@@ -103,6 +110,18 @@ class RequestValidator:
                 f"exceeds max_model_len {max_model_len}")
         return value
 
+    def _check_length(self, n: int) -> None:
+        max_model_len = self.limits.max_model_len
+        if n >= max_model_len:
+            raise InvalidRequest(
+                f"prompt has {n} tokens; max_model_len is {max_model_len} "
+                f"(prompt + max_tokens must be <= max_model_len)")
+
+    def _check_bytes(self, what: str, size: int) -> None:
+        cap = self.limits.max_prompt_bytes
+        if size > cap:
+            raise InvalidRequest(f"{what} is {size} bytes; max_prompt_bytes is {cap} (checked before tokenization)")
+
     def _prompt_ids(self, req: router_pb2.GenerateRequest) -> list[int]:
         kind = req.WhichOneof("prompt")
         if kind is None:
@@ -110,26 +129,55 @@ class RequestValidator:
         if kind == "text":
             if not req.text:
                 raise InvalidRequest("prompt: text is empty")
+            self._check_bytes("prompt: text", len(req.text.encode()))
             ids = self.tokenizer.encode(req.text, add_special_tokens=True)
         elif kind == "token_ids":
+            self._check_length(len(req.token_ids.ids))
             ids = list(req.token_ids.ids)
             bad = [t for t in ids if t >= self.limits.vocab_size]
             if bad:
                 raise InvalidRequest(f"prompt: token_ids: id {bad[0]} >= vocab_size {self.limits.vocab_size}")
         else:
-            msgs = [{"role": m.role, "content": m.content} for m in req.messages.messages]
-            if not msgs:
-                raise InvalidRequest("prompt: messages is empty")
-            if any(not m["role"] for m in msgs):
-                raise InvalidRequest("prompt: messages: every message needs a role")
-            ids = render_chat(self.tokenizer, msgs)
+            ids = self._chat_ids(req.messages.messages)
         if not ids:
             raise InvalidRequest("prompt: empty after tokenization")
         return ids
 
+    def _chat_ids(self, messages: Sequence[common_pb2.ChatMessage]) -> list[int]:
+        """The rendered chat's token ids, after the count, role and size checks."""
+        if not messages:
+            raise InvalidRequest("messages is empty (a chat needs at least one message)")
+        if len(messages) > self.limits.max_messages:
+            raise InvalidRequest(f"messages has {len(messages)} entries; at most {self.limits.max_messages}")
+        for i, m in enumerate(messages):
+            if m.role not in CHAT_ROLES:
+                raise InvalidRequest(f"messages[{i}].role {_clip(m.role)} is not a chat role; "
+                                     f"one of {', '.join(CHAT_ROLES)}")
+        self._check_bytes("messages", sum(len(m.role.encode()) + len(m.content.encode()) for m in messages))
+        try:
+            return render_chat(self.tokenizer, [{"role": m.role, "content": m.content} for m in messages])
+        except TemplateError as e:
+            raise InvalidRequest(f"messages: the model's chat template refused them: {_clip(str(e), 200)}") from None
+
+
+def _check_request_id(rid: str) -> None:
+    """A request id travels as gRPC metadata (``x-request-id``): printable ASCII, bounded."""
+    if len(rid) > MAX_REQUEST_ID_CHARS or not all(" " <= c <= "~" for c in rid):
+        raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters "
+                             f"(got {len(rid)} characters: {_clip(rid)})")
+
+
+def _clip(text: str, limit: int = 40) -> str:
+    """``repr`` of ``text`` cut to ``limit`` characters (error messages stay small)."""
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
 
 def render_chat(tokenizer, messages: list[dict]) -> list[int]:
     """Render with the model's chat template (generation prompt added), then tokenize
-    without adding special tokens again (the template has them)."""
+    without adding special tokens again (the template has them).
+
+    Raises:
+        jinja2.exceptions.TemplateError: the template refused the messages.
+    """
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)

@@ -16,6 +16,13 @@ GRPC_OPTIONS = [
 ]
 
 
+def receive_limit(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """:data:`GRPC_OPTIONS` with each incoming message capped at ``max_receive_bytes`` (a larger
+    one fails with RESOURCE_EXHAUSTED before any handler runs): the cluster's internal limit by
+    default, the router's public ``max_request_bytes`` on its public port."""
+    return [(k, max_receive_bytes if k == "grpc.max_receive_message_length" else v) for k, v in GRPC_OPTIONS]
+
+
 def add_health(server: grpc.Server) -> health.HealthServicer:
     """Attach a new standard ``grpc.health.v1`` service to ``server``; returns it."""
     health_servicer = health.HealthServicer()

@@ -14,6 +14,20 @@ from engine.model_loader import DEFAULT_MODEL, resolve_model
 # Plain asserts in the shared scheduler helpers get pytest's introspection too.
 pytest.register_assert_rewrite("sched_helpers")
 
+SLOW_FACTOR = 10
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true",
+                     help=f"longer property-based runs: {SLOW_FACTOR}x the examples of tests/test_fuzz_*.py")
+
+
+@pytest.fixture(scope="session")
+def fuzz_examples(request):
+    """``n -> `` the number of hypothesis examples to run (``n``, or ``SLOW_FACTOR x n`` with ``--slow``)."""
+    factor = SLOW_FACTOR if request.config.getoption("--slow") else 1
+    return lambda n: n * factor
+
 
 @pytest.fixture(scope="session")
 def model_dir():

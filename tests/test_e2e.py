@@ -162,6 +162,12 @@ BAD = [
     (dict(prompt=[5, 49152]), "vocab_size"),
     (dict(prompt=[7] * MAX_MODEL_LEN, max_tokens=1), "max_model_len"),
     (dict(prompt=[7] * (MAX_MODEL_LEN - 10), max_tokens=11), "max_model_len"),
+    (dict(prompt="hi", temperature=float("nan")), "temperature"),
+    (dict(prompt="hi", stop=["s"] * 17), "stop has 17 entries; at most 16"),
+    (dict(prompt="x" * 200_000), "max_prompt_bytes"),
+    (dict(prompt=[{"role": "user", "content": "x"}] * 257), "messages has 257 entries; at most 256"),
+    (dict(prompt=[{"role": "robot", "content": "hi"}]), "is not a chat role"),
+    (dict(prompt="hi", request_id="café"), "request_id must be"),
 ]
 
 

@@ -149,6 +149,41 @@ def test_errors_in_openai_shape(oai, kwargs, status, param):
         assert body["param"] == param, body
 
 
+BAD_BODIES = [
+    ("completions", '"temperature": NaN', "temperature"),
+    ("completions", '"top_p": Infinity', "top_p"),
+    ("completions", '"presence_penalty": -Infinity', "presence_penalty"),
+    ("completions", '"min_p": -0.5', "min_p"),
+    ("completions", '"top_k": -1', "top_k"),
+    ("completions", '"logit_bias": {"5": NaN}', "logit_bias"),
+    ("completions", '"logit_bias": {"-1": 1}', "logit_bias"),
+    ("completions", '"stop_token_ids": [49152]', "stop_token_ids"),
+    ("completions", '"stop_token_ids": [-1]', "stop_token_ids"),
+    ("completions", '"stop": ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o", "p", "q"]',
+     "stop"),
+    ("completions", '"logprobs": 21', "logprobs"),
+    ("completions", '"prompt": [1, 49152]', "prompt"),
+    ("completions", f'"prompt": "{"x" * 100_000}"', "prompt"),
+    ("chat/completions", '"messages": [{"role": "robot", "content": "hi"}]', "messages"),
+    ("chat/completions", '"messages": [' + ", ".join(['{"role": "user", "content": "x"}'] * 257) + "]",
+     "messages"),
+]
+
+
+@pytest.mark.parametrize(("path", "fields", "param"), BAD_BODIES,
+                         ids=[f"{param}-{i}" for i, (_, _, param) in enumerate(BAD_BODIES)])
+def test_bad_values_are_400_naming_the_field(base_url, path, fields, param):
+    """NaN, infinities, negatives, token ids outside the vocabulary and limits: refused as on gRPC."""
+    prompt = "" if '"prompt"' in fields or '"messages"' in fields else (
+        '"prompt": "hi", ' if path == "completions" else '"messages": [{"role": "user", "content": "hi"}], ')
+    body = f'{{"model": "{MODEL}", "max_tokens": 2, {prompt}{fields}}}'.encode()
+    req = urllib.request.Request(f"{base_url}/v1/{path}", data=body, headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=30)
+    error = json.loads(info.value.read())["error"]
+    assert info.value.code == 400 and error["param"] == param, error
+
+
 def test_chat_errors(oai):
     with pytest.raises(openai.BadRequestError, match="image_url"):
         oai.chat.completions.create(model=MODEL, max_tokens=4, messages=[

@@ -12,7 +12,10 @@ import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
 from common.sampling_params import (
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
     SAMPLING_PARAMS,
     Range,
     SamplingParam,
@@ -26,7 +29,8 @@ from engine.sampling import SamplingOptions, make_generator
 from pdcluster import cli
 from pdcluster.client import build_request
 from pdcluster.v1 import common_pb2
-from router.validation import InvalidRequest, Limits, RequestValidator
+from router.limits import Limits
+from router.validation import InvalidRequest, RequestValidator
 
 LIMITS = Limits(max_model_len=64, vocab_size=1000)
 NAN, INF = float("nan"), float("inf")
@@ -73,7 +77,8 @@ def test_declaration_matches_the_engine_types():
 
 @pytest.mark.parametrize("kwargs", [
     dict(shape=Shape.REPEATED, presence=True), dict(shape=Shape.MAP, token_ids=True),
-    dict(shape=Shape.MAP, cli=False), dict(context_limited=True), dict(default=0.5),
+    dict(shape=Shape.MAP, cli=False), dict(context_limited=True), dict(default=0.5), dict(max_items=4),
+    dict(shape=Shape.REPEATED, max_items=0), dict(shape=Shape.REPEATED, max_len=8),
 ])
 def test_inconsistent_entries_are_refused(kwargs):
     with pytest.raises(ValueError):
@@ -108,6 +113,10 @@ def test_range_bounds_and_words(rng, inside, outside, text):
     (dict(top_k=-1), "sampling.top_k must be >= 0, got -1"),
     (dict(logprobs=MAX_LOGPROBS + 1), "sampling.logprobs must be in [0, 20], got 21"),
     (dict(stop=["a", ""]), "sampling.stop[1] must be non-empty"),
+    (dict(stop=["s"] * (MAX_STOP_STRINGS + 1)), "sampling.stop has 17 entries; at most 16"),
+    (dict(stop=["a", "x" * (MAX_STOP_CHARS + 1)]), "sampling.stop[1] has 257 characters; at most 256"),
+    (dict(logit_bias=dict.fromkeys(range(MAX_LOGIT_BIAS + 1), 1.0)),
+     "sampling.logit_bias has 1025 entries; at most 1024"),
     (dict(stop_token_ids=[5, 1000]), "sampling.stop_token_ids: token id 1000 >= vocab_size 1000"),
     (dict(min_p=-0.25), "sampling.min_p must be in [0, 1], got -0.25"),
     (dict(min_p=INF), "sampling.min_p must be in [0, 1], got inf"),
@@ -145,6 +154,14 @@ def test_router_accepts_every_bound(param):
         resolved = _prepare(**{param.name: value}).worker_request.sampling
         if param.target is not Target.ROUTER:
             assert getattr(resolved, param.name) == pytest.approx(value), (param.name, value)
+
+
+def test_router_accepts_the_count_and_length_limits():
+    validator = RequestValidator(None, Limits(max_model_len=64, vocab_size=2 * MAX_LOGIT_BIAS))
+    stop = ["x" * MAX_STOP_CHARS] * MAX_STOP_STRINGS
+    prepared = validator.prepare(build_request([1, 2], stop=stop, logit_bias=dict.fromkeys(range(MAX_LOGIT_BIAS), 0.5)))
+    assert prepared.stop == stop and len(prepared.worker_request.sampling.logit_bias) == MAX_LOGIT_BIAS
+    assert sampling_param("stop").describe().endswith("at most 16 entries, each at most 256 characters; repeatable)")
 
 
 def test_router_resolves_unset_fields():

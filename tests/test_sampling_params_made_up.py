@@ -27,7 +27,8 @@ from engine.sampling import SamplingOptions
 from pdcluster import cli
 from pdcluster.client import build_request
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
-from router.validation import InvalidRequest, Limits, RequestValidator
+from router.limits import Limits
+from router.validation import InvalidRequest, RequestValidator
 
 MADE_UP = SamplingParam("made_up", float, 0.25, "a made-up knob", Range(0.0, 1.0), presence=True)
 

@@ -18,7 +18,8 @@ from engine.model_runner import ModelRunner
 from engine.sampling import Sampler, SamplingOptions, make_generator
 from engine.step import ScheduledSeq, StepPlan
 from pdcluster.client import build_request
-from router.validation import InvalidRequest, Limits, RequestValidator
+from router.limits import Limits
+from router.validation import InvalidRequest, RequestValidator
 from serving.convert import request_from_proto
 
 VOCAB = 64

@@ -11,7 +11,8 @@ on its own thread and its messages reach the event loop through a queue. With ``
 first sample runs alone until its first token (its prefill is done and its full blocks are in
 the prefill worker's prefix cache), then the others start and reuse them. Streams are SSE
 (sse-starlette) ending with ``data: [DONE]``; a client that disconnects cancels every
-sub-request on both workers. Errors use OpenAI's body ``{"error": {message, type, param, code}}``.
+sub-request on both workers. Errors use OpenAI's body ``{"error": {message, type, param, code}}``;
+a body over ``max_request_bytes`` is refused with 413 before it is parsed (Starlette's body limit).
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from router.core import ActiveRequest, RequestRouter, RouterError
+from router.limits import DEFAULT_MAX_REQUEST_BYTES
 from router.openai.auth import RequireApiKey
 from router.openai.errors import error_response, router_error_response
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -58,6 +61,7 @@ class FrontDoorState:
             (:meth:`serving.security.SecurityConfig.accepts_api_key`).
         created: Unix seconds the model was loaded (``/v1/models``).
         max_model_len: prompt + output limit in tokens (``/v1/models``, as vLLM reports it).
+        max_request_bytes: the largest request body accepted (bytes; larger: 413).
     """
 
     core: RequestRouter
@@ -69,12 +73,22 @@ class FrontDoorState:
     accepts_api_key: Callable[[str | None], bool]
     created: int = 0
     max_model_len: int = 0
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
 def build_app(state: FrontDoorState) -> FastAPI:
     """The FastAPI application of the router's HTTP port."""
-    app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)
+    app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None, max_body_size=state.max_request_bytes)
     app.add_middleware(RequireApiKey, accepts=state.accepts_api_key)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException):
+        if exc.status_code == 413:
+            return error_response(413, f"the request body is larger than max_request_bytes "
+                                       f"({state.max_request_bytes} bytes)", code="request_too_large")
+        response = error_response(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError):

@@ -3,15 +3,17 @@
 gRPC status -> HTTP status: INVALID_ARGUMENT / OUT_OF_RANGE / ALREADY_EXISTS 400,
 UNAUTHENTICATED 401, NOT_FOUND 404, RESOURCE_EXHAUSTED 429, CANCELLED 499 (client closed),
 UNAVAILABLE 503, DEADLINE_EXCEEDED 504, anything else 500. ``param`` is the request field
-a router message names (``sampling.top_p ...`` -> ``top_p``; ``prompt: ...`` -> ``prompt``).
+a router message names (``sampling.top_p ...`` -> ``top_p``; ``prompt: ...`` -> ``prompt``;
+``messages[1].role ...`` -> ``messages``).
 """
 
 from __future__ import annotations
 
+import json
 import re
 
 import grpc
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from router.core import RouterError
 
@@ -23,7 +25,7 @@ _HTTP = {
 }
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error", 429: "rate_limit_error", 499: "invalid_request_error"}
-_PARAM = re.compile(r"^(?:sampling\.)?([a-z_]+)(?:\[[^\]]*\])?[ :]")
+_PARAM = re.compile(r"^(?:sampling\.)?([a-z_]+)(?:\[[^\]]*\])?[ :.]")
 
 
 def http_status(code: grpc.StatusCode) -> int:
@@ -36,9 +38,15 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "code": code if code is not None else status}}
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+def json_response(body: dict, status: int) -> Response:
+    """``body`` as JSON with non-ASCII escaped, so a string echoed from a request that
+    UTF-8 cannot encode (a lone surrogate from a JSON escape) still renders."""
+    return Response(json.dumps(body), status_code=status, media_type="application/json")
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> Response:
     """A JSON error response in OpenAI's shape."""
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+    return json_response(error_body(status, message, param, code), status)
 
 
 def router_error_response(e: RouterError, body_only: bool = False):
@@ -46,4 +54,4 @@ def router_error_response(e: RouterError, body_only: bool = False):
     status = http_status(e.code)
     match = _PARAM.match(e.message) if status == 400 else None
     body = error_body(status, e.message, param=match.group(1) if match else None, code=e.code.name.lower())
-    return body if body_only else JSONResponse(body, status_code=status)
+    return body if body_only else json_response(body, status)

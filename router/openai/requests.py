@@ -9,7 +9,11 @@ validator then checks them exactly as for the gRPC API); the differences are:
   alternatives (the chosen token's logprob needs at least one top entry from the workers,
   trimmed again in the response);
 * ``logit_bias`` keys are token ids written as strings;
-* ``n`` > 1: sample ``i`` gets ``seed + i`` when a seed is given, so the samples differ.
+* ``n`` > 1: sample ``i`` gets ``seed + i`` when a seed is given, so the samples differ;
+  ``n`` <= :data:`router.limits.MAX_N`, and prompts x ``n`` <= :data:`router.limits.MAX_CHOICES`.
+
+A string JSON allows but protobuf does not (a lone surrogate, ``"\\ud800"``) and a token id
+that does not fit the wire's ``uint32`` are refused here with 400, naming the field.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ from dataclasses import dataclass
 
 from common.sampling_params import sampling_params, write_sampling
 from pdcluster.v1 import common_pb2, router_pb2
+from router.limits import MAX_CHOICES, MAX_N
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 
-MAX_N = 16
+_UINT32_LIMIT = 1 << 32
 _OPENAI_SHAPED = frozenset({"max_tokens", "logprobs", "stop", "logit_bias"})
 
 
@@ -46,10 +51,12 @@ def chat_text(request: ChatCompletionRequest) -> list[common_pb2.ChatMessage]:
     """The chat messages with text content (a string, or text parts joined by newlines).
 
     Raises:
-        OpenAIRequestError: a content part whose type is not ``text`` (named with its index).
+        OpenAIRequestError: a content part whose type is not ``text`` (named with its index),
+            or a role or content that is not valid Unicode (a lone surrogate).
     """
     out = []
     for i, m in enumerate(request.messages):
+        _check_utf8(m.role, f"messages[{i}].role", "messages")
         content = m.content
         if isinstance(content, list):
             texts = []
@@ -60,8 +67,17 @@ def chat_text(request: ChatCompletionRequest) -> list[common_pb2.ChatMessage]:
                         f"(only 'text' parts are served)", param=f"messages[{i}].content")
                 texts.append(part["text"])
             content = "\n".join(texts)
+        _check_utf8(content or "", f"messages[{i}].content", "messages")
         out.append(common_pb2.ChatMessage(role=m.role, content=content or ""))
     return out
+
+
+def _check_utf8(text: str, what: str, param: str) -> None:
+    """Refuse a string protobuf cannot carry (JSON escapes allow lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise OpenAIRequestError(f"{what} is not valid Unicode: {e.reason} at index {e.start}", param=param) from None
 
 
 def _sampling(body, logprobs: int, max_tokens: int | None) -> common_pb2.SamplingParams:
@@ -99,6 +115,9 @@ def _expand(prompts: list[dict], body, logprobs: int, top_logprobs: int,
             max_tokens: int | None, prefix: str) -> tuple[str, list[SubRequest]]:
     if not 1 <= body.n <= MAX_N:
         raise OpenAIRequestError(f"n must be in [1, {MAX_N}], got {body.n}", param="n")
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise OpenAIRequestError(f"{len(prompts)} prompts x n {body.n} = {len(prompts) * body.n} choices; "
+                                 f"at most {MAX_CHOICES} per request", param="prompt" if body.n == 1 else "n")
     base = f"{prefix}-{uuid.uuid4().hex}"
     subs = []
     for p, prompt in enumerate(prompts):
@@ -116,21 +135,26 @@ def completion_requests(body: CompletionRequest) -> tuple[str, list[SubRequest]]
     """The sub-requests of a ``/v1/completions`` body (choice index = prompt x n + sample).
 
     Raises:
-        OpenAIRequestError: an empty prompt list, ``n`` or ``logprobs`` out of shape.
+        OpenAIRequestError: an empty prompt list, a token id out of range, a string that is
+            not valid Unicode, ``n`` or ``logprobs`` out of shape.
     """
     prompt = body.prompt
-    if isinstance(prompt, str):
-        prompts = [{"text": prompt}]
-    elif prompt and all(isinstance(x, str) for x in prompt):
-        prompts = [{"text": x} for x in prompt]
-    elif prompt and all(isinstance(x, list) for x in prompt):
-        prompts = [{"token_ids": router_pb2.TokenIds(ids=x)} for x in prompt]
-    elif prompt:
-        prompts = [{"token_ids": router_pb2.TokenIds(ids=prompt)}]
-    else:
+    if not prompt:
         raise OpenAIRequestError("prompt must not be empty", param="prompt")
-    if any("token_ids" in p and any(t < 0 for t in p["token_ids"].ids) for p in prompts):
-        raise OpenAIRequestError("prompt: token ids must be >= 0", param="prompt")
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif not isinstance(prompt[0], (str, list)):
+        prompt = [prompt]  # one list of token ids
+    prompts = []
+    for i, x in enumerate(prompt):
+        if isinstance(x, str):
+            _check_utf8(x, f"prompt[{i}]", "prompt")
+            prompts.append({"text": x})
+        else:
+            bad = [t for t in x if not 0 <= t < _UINT32_LIMIT]
+            if bad:
+                raise OpenAIRequestError(f"prompt: token id {bad[0]} is out of range", param="prompt")
+            prompts.append({"token_ids": router_pb2.TokenIds(ids=x)})
     logprobs = body.logprobs or 0
     if logprobs < 0:
         raise OpenAIRequestError(f"logprobs must be >= 0, got {logprobs}", param="logprobs")

@@ -1,0 +1,239 @@
+"""Request limits and clean refusals without a cluster: the router's validator (prompt bytes
+before tokenization, chat count / roles / size, request id, token ids), the gRPC front door
+(unparsable requests -> INVALID_ARGUMENT naming the field, messages over ``max_request_bytes``
+-> RESOURCE_EXHAUSTED) and the HTTP front door (413 over ``max_request_bytes``, 400 for
+strings protobuf cannot carry, token ids out of range, too many choices)."""
+
+from __future__ import annotations
+
+import re
+import types
+
+import grpc
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jinja2.exceptions import TemplateError
+
+from pdcluster.client import build_request
+from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc
+from router.core import RouterError
+from router.decoding import bad_utf8_field, parse_or_refusal
+from router.limits import CHAT_ROLES, MAX_CHAT_MESSAGES, MAX_CHOICES, MAX_REQUEST_ID_CHARS, Limits
+from router.openai.app import FrontDoorState, build_app
+from router.service import RouterServicer, add_router_service
+from router.validation import InvalidRequest, RequestValidator, prompt_byte_cap
+from serving.rpc import receive_limit
+from serving.security import Plane, SecurityConfig, make_server
+
+
+class NoTokenizer:
+    """Fails the test if anything is tokenized."""
+
+    def encode(self, *a, **k):
+        raise AssertionError("tokenized a prompt that should have been refused first")
+
+    apply_chat_template = encode
+
+
+def _refused(validator: RequestValidator, prompt, message: str, **kwargs) -> None:
+    with pytest.raises(InvalidRequest, match=f"^{re.escape(message)}"):
+        validator.prepare(build_request(prompt, **kwargs))
+
+
+# ---- the validator ------------------------------------------------------------------------------------------
+
+
+def test_prompt_bytes_are_refused_before_tokenization():
+    v = RequestValidator(NoTokenizer(), Limits(max_model_len=64, vocab_size=1000, max_prompt_bytes=100))
+    _refused(v, "é" * 51, "prompt: text is 102 bytes; max_prompt_bytes is 100 (checked before tokenization)")
+    chat = [{"role": "system", "content": "x" * 40}, {"role": "user", "content": "y" * 55}]
+    _refused(v, chat, "messages is 105 bytes; max_prompt_bytes is 100")
+
+
+def test_chat_count_and_roles():
+    v = RequestValidator(NoTokenizer(), Limits(max_model_len=64, vocab_size=1000))
+    _refused(v, [{"role": "user", "content": "x"}] * (MAX_CHAT_MESSAGES + 1), "messages has 257 entries; at most 256")
+    _refused(v, [{"role": "user", "content": "x"}, {"role": "robot", "content": "x"}],
+             "messages[1].role 'robot' is not a chat role; one of system, user, assistant, tool, developer")
+    _refused(v, [{"role": "", "content": "x"}], "messages[0].role '' is not a chat role")
+    empty = router_pb2.GenerateRequest(messages=router_pb2.MessageList())
+    with pytest.raises(InvalidRequest, match="messages is empty"):
+        v.prepare(empty)
+
+
+def test_every_chat_role_renders_with_the_model_template(tokenizer):
+    v = RequestValidator(tokenizer, Limits(max_model_len=512, vocab_size=len(tokenizer)))
+    chat = [{"role": role, "content": f"a {role} message"} for role in CHAT_ROLES]
+    assert len(v.prepare(build_request(chat)).prompt_token_ids) > 10
+
+
+def test_a_template_refusal_is_an_invalid_request():
+    def refuse(*a, **k):
+        raise TemplateError("Conversation roles must alternate user/assistant")
+
+    tok = types.SimpleNamespace(apply_chat_template=refuse)
+    v = RequestValidator(tok, Limits(max_model_len=64, vocab_size=1000))
+    _refused(v, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+             "messages: the model's chat template refused them: 'Conversation roles must alternate")
+
+
+def test_request_id_and_token_ids():
+    v = RequestValidator(NoTokenizer(), Limits(max_model_len=64, vocab_size=1000))
+    _refused(v, [1], "request_id must be at most 256 printable ASCII characters (got 5 characters: 'café\\n')",
+             request_id="café\n")
+    _refused(v, [1], "request_id must be at most 256", request_id="x" * (MAX_REQUEST_ID_CHARS + 1))
+    assert v.prepare(build_request([1], request_id="~" * MAX_REQUEST_ID_CHARS)).request_id == "~" * 256
+    _refused(v, [5] * 1_000_000, "prompt has 1000000 tokens; max_model_len is 64")
+    _refused(v, [5, 1000], "prompt: token_ids: id 1000 >= vocab_size 1000")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(st.characters(exclude_categories=("Cc", "Cs"), include_characters="\n\t"), min_size=1,
+                   max_size=400))
+def test_the_byte_cap_never_refuses_a_prompt_that_fits(tokenizer, text):
+    """``prompt_byte_cap``: a text of more bytes than ``tokens x longest token`` cannot exist
+    (control characters aside: the vocabulary drops a few, so a text of them shrinks)."""
+    tokens = len(tokenizer.encode(text, add_special_tokens=True))
+    assert len(text.encode()) <= prompt_byte_cap(tokenizer, tokens)
+
+
+# ---- the gRPC front door ------------------------------------------------------------------------------------
+
+
+class FakeCore:
+    """Answers every request with one token; records what reached it."""
+
+    def __init__(self):
+        self.seen = []
+
+    def start(self, request):
+        self.seen.append(request)
+        if request.text == "refuse":
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: refused")
+        return types.SimpleNamespace(cancel=lambda: None, responses=lambda: iter([
+            router_pb2.GenerateResponse(request_id="r", token_ids=[7], finish_reason=common_pb2.FINISH_REASON_LENGTH)]))
+
+    def abort(self, request_id):
+        return request_id == "known"
+
+
+@pytest.fixture(scope="module")
+def router_server():
+    core = FakeCore()
+    server = make_server(SecurityConfig(), Plane.PUBLIC, max_workers=4, options=receive_limit(64 * 1024))
+    add_router_service(RouterServicer(core, router_pb2.ModelInfo(model_name="fake")), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield core, channel
+    server.stop(None)
+
+
+def _raw_call(channel, method: str, data: bytes, streaming: bool):
+    path = f"/pdcluster.v1.Router/{method}"
+    if streaming:
+        return list(channel.unary_stream(path, request_serializer=None, response_deserializer=None)(data, timeout=10))
+    return channel.unary_unary(path, request_serializer=None, response_deserializer=None)(data, timeout=10)
+
+
+@pytest.mark.parametrize(("request_", "old", "field"), [
+    (router_pb2.GenerateRequest(text="hello"), b"hello", "text"),
+    (router_pb2.GenerateRequest(request_id="abc", token_ids=router_pb2.TokenIds(ids=[1])), b"abc", "request_id"),
+    (build_request([{"role": "user", "content": "ok"}, {"role": "user", "content": "hello"}]), b"hello",
+     "messages.messages[1].content"),
+    (build_request("x", stop=["a", "hello"]), b"hello", "sampling.stop[1]"),
+])
+def test_invalid_utf8_is_invalid_argument_naming_the_field(router_server, request_, old, field):
+    core, channel = router_server
+    data = request_.SerializeToString().replace(old, old[:1] + b"\xff" + old[2:])  # same length: still parses
+    assert bad_utf8_field(router_pb2.GenerateRequest.DESCRIPTOR, data) == field
+    with pytest.raises(grpc.RpcError) as exc:
+        _raw_call(channel, "Generate", data, streaming=True)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert exc.value.details() == f"the request is not a valid pdcluster.v1.GenerateRequest: {field} is not valid UTF-8"
+    assert request_ not in core.seen
+
+
+def test_other_methods_and_garbage_are_refused_too(router_server):
+    core, channel = router_server
+    with pytest.raises(grpc.RpcError) as exc:
+        _raw_call(channel, "Abort", router_pb2.AbortRequest(request_id="kno").SerializeToString()[:-1] + b"\xff",
+                  streaming=False)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id is not valid UTF-8" in exc.value.details()
+    with pytest.raises(grpc.RpcError) as exc:
+        _raw_call(channel, "Generate", b"\x12\xff\xff", streaming=True)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "GenerateRequest" in exc.value.details()
+    assert parse_or_refusal(router_pb2.GenerateRequest)(b"\x12\x05hi").message().endswith("Wire format was corrupt")
+    ok = router_pb2.AbortResponse.FromString(
+        _raw_call(channel, "Abort", router_pb2.AbortRequest(request_id="known").SerializeToString(), streaming=False))
+    assert ok.found
+
+
+def test_messages_over_max_request_bytes_are_resource_exhausted(router_server):
+    core, channel = router_server
+    stub = router_pb2_grpc.RouterStub(channel)
+    with pytest.raises(grpc.RpcError) as exc:
+        list(stub.Generate(router_pb2.GenerateRequest(text="x" * (64 * 1024)), timeout=10))
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "65536" in exc.value.details()
+    (msg,) = stub.Generate(router_pb2.GenerateRequest(text="y" * (60 * 1024)), timeout=10)
+    assert list(msg.token_ids) == [7]
+    with pytest.raises(grpc.RpcError) as exc:
+        list(stub.Generate(router_pb2.GenerateRequest(text="refuse"), timeout=10))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and exc.value.details() == "prompt: refused"
+
+
+# ---- the HTTP front door ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def http():
+    state = FrontDoorState(core=FakeCore(), model_name="m", tokenizer=None, health=lambda: (True, ""),
+                           targets=list, metrics_registry=None, accepts_api_key=lambda key: True,
+                           max_request_bytes=2000)
+    return TestClient(build_app(state), raise_server_exceptions=False)
+
+
+def _post(http, body: bytes, path: str = "/v1/completions"):
+    r = http.post(path, content=body, headers={"content-type": "application/json"})
+    return r.status_code, r.json() if r.headers.get("content-type") == "application/json" else r.text
+
+
+def test_http_bodies_over_max_request_bytes_are_413(http):
+    body = b'{"model": "m", "prompt": "' + b"a" * 2000 + b'"}'
+    assert _post(http, body)[0] == 413  # Content-Length over the limit: refused before it is read
+
+    def chunks():
+        yield from (body[i:i + 100] for i in range(0, len(body), 100))
+
+    r = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "max_request_bytes (2000 bytes)" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("body", "path", "param", "needle"), [
+    (b'{"model": "m", "prompt": "\\ud800"}', "/v1/completions", "prompt", "prompt[0] is not valid Unicode"),
+    (b'{"model": "m", "prompt": ["a", "b\\udfff"]}', "/v1/completions", "prompt", "prompt[1] is not valid Unicode"),
+    (b'{"model": "m", "prompt": [1, 4294967296]}', "/v1/completions", "prompt", "token id 4294967296 is out of range"),
+    (b'{"model": "m", "prompt": [[1], [-1]]}', "/v1/completions", "prompt", "token id -1 is out of range"),
+    (b'{"model": "m", "prompt": "a", "stop": ["\\ud800"]}', "/v1/completions", "stop", "surrogates not allowed"),
+    (b'{"model": "m", "prompt": "a", "n": 17}', "/v1/completions", "n", "n must be in [1, 16], got 17"),
+    (b'{"model": "m", "prompt": [' + b'"a", ' * 16 + b'"a"], "n": 16}', "/v1/completions", "n",
+     f"17 prompts x n 16 = 272 choices; at most {MAX_CHOICES} per request"),
+    (b'{"model": "m", "messages": [{"role": "\\ud800", "content": "x"}]}', "/v1/chat/completions", "messages",
+     "messages[0].role is not valid Unicode"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+     "/v1/chat/completions", "messages", "messages[0].content is not valid Unicode"),
+    (b'{"model": "m", "prompt": "\xff"}', "/v1/completions", None, "error parsing the body"),
+])
+def test_http_refuses_what_protobuf_cannot_carry(http, body, path, param, needle):
+    status, answer = _post(http, body, path)
+    assert status == 400, answer
+    assert needle in answer["error"]["message"] and answer["error"]["param"] == param
+
+
+def test_http_error_bodies_render_lone_surrogates(http):
+    status, answer = _post(http, b'{"model": "\\ud800", "prompt": "a"}')
+    assert status == 404 and "'\\ud800'" in answer["error"]["message"]
+    status, answer = _post(http, b'{"model": "m", "prompt": "a", "logit_bias": {"\\ud800": "x"}}')
+    assert status == 400 and answer["error"]["param"].startswith("logit_bias.")
