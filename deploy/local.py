@@ -244,9 +244,9 @@ def _json_object(text: str, flag: str) -> dict:
 def _start_redis(args, state: dict, state_dir: Path) -> str:
     """Start the registry's Redis on this (the head) node; returns its URL.
 
-    It listens on this node's Ray IP address, so workers on other nodes reach it,
-    with a random password (in the URL and the state file); in a loopback-only
-    local cluster it listens on 127.0.0.1 without one.
+    It listens on this node's Ray IP address, so workers on other nodes reach it (on
+    127.0.0.1 in a loopback-only local cluster), always with a random password (in the
+    URL and the 0600 state file).
 
     Raises:
         RuntimeError: ``up`` does not run on the Ray head node (the router and Redis
@@ -255,7 +255,8 @@ def _start_redis(args, state: dict, state_dir: Path) -> str:
     if not args.local and ray.get_runtime_context().get_node_id() != head_node_id():
         raise RuntimeError("run `pdcluster up --ray-address ...` on the Ray head node (e.g. `ray exec "
                            "cluster.yaml 'pdcluster up ...'`), or give --redis-url of a Redis every node reaches")
-    host, password = ("127.0.0.1", None) if args.local else (ray.util.get_node_ip_address(), secrets.token_hex(16))
+    host = "127.0.0.1" if args.local else ray.util.get_node_ip_address()
+    password = secrets.token_hex(16)  # always: any local user could otherwise rewrite the registry
     redis = LocalRedisServer(state_dir / "redis", port=args.redis_port or None, host=host, detach=True,
                              password=password).start()
     state.update(started_redis=True, redis_pid=redis.pid, redis_url=redis.url)

