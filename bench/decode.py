@@ -27,7 +27,7 @@ and writes ``decode_quick.*`` to a temporary folder unless ``--out-dir`` is give
 Usage::
 
     python bench/decode.py --quick
-    python bench/decode.py --vllm-python /tmp/vllm-cpu/bin/python
+    python bench/decode.py --vllm-python VLLM_VENV/bin/python
 """
 
 from __future__ import annotations

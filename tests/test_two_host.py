@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -121,7 +122,7 @@ class TwoHosts:
 
     def start_ray(self) -> None:
         cfg = yaml.safe_load(ONPREM_YAML.read_text())
-        tmp = Path("/tmp") / f"pdc2h{os.getpid() % 100000}"  # short: Ray's socket paths must fit
+        tmp = Path(tempfile.gettempdir()) / f"pdc2h{os.getpid() % 100000}"  # short: Ray's socket paths must fit
         tmp.mkdir(exist_ok=True)
         self.ray_tmp = tmp
         for host, ip, cmds, res, extra in (
