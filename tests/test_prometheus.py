@@ -49,6 +49,7 @@ def observed(tmp_path_factory):
             pass
         prom = PrometheusServer(state["router_http_address"], tmp / "prometheus").start()
         try:
+            _wait_for_targets(prom, 4)  # every series is scraped before the load: rate() sees its increase
             rc = cli_main(["loadtest", "--address", state["router_address"], "--workload", "synthetic",
                            "--num-requests", str(NUM_REQUESTS), "--rate", "4", "--input-len", "64",
                            "--output-len", "12", "--output-dir", str(tmp / "lt"), "--no-plots", "--no-progress",
@@ -61,6 +62,17 @@ def observed(tmp_path_factory):
         finally:
             prom.stop()
         assert_no_leak(state)
+
+
+def _wait_for_targets(prom: PrometheusServer, n: int, timeout_s: float = 60.0) -> None:
+    """Wait until Prometheus has discovered and scraped ``n`` targets successfully."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        active = prom.api("targets")["activeTargets"]
+        if len(active) == n and all(t["health"] == "up" for t in active):
+            return
+        assert time.monotonic() < deadline, [(t["scrapeUrl"], t["health"], t["lastError"]) for t in active]
+        time.sleep(0.5)
 
 
 def _value(prom: PrometheusServer, promql: str) -> float | None:
