@@ -105,7 +105,9 @@ def test_open_loop_arrivals_not_delayed_by_slow_responses(fake):
     t0 = time.monotonic()
     res = _run(address, [SLOW] * 6, [0.1 * i for i in range(6)], outputs=1)
     assert all(r.ok for r in res.records)
-    assert max(r.arrival_s - r.scheduled_s for r in res.records) < 0.08
+    # each SLOW response takes >= 1 s: sends serialized behind them would lag by seconds; the bound
+    # leaves room for thread scheduling on a loaded 2-core machine (0.49 s seen under a full test run)
+    assert max(r.arrival_s - r.scheduled_s for r in res.records) < 0.75
     assert servicer.max_active >= 5  # all slow requests overlapped
     assert time.monotonic() - t0 < 4.0
 
