@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -27,6 +26,8 @@ from kvtransfer import (
     kv_server_options,
 )
 from pdcluster.v1 import worker_pb2
+from serving.rpc import add_health, set_serving
+from serving.security import Plane, SecurityConfig, bind, make_server
 
 HEADS, HEAD_DIM = 2, 4
 FAULTY_MODULE = "tests.kv_faults"
@@ -93,14 +94,19 @@ class Receiver:
             time.sleep(0.01)
 
 
-def start_receiver(layers: int, num_blocks: int, block_size: int, cfg: KvTransferConfig | None = None) -> Receiver:
-    """A started receiver of the transport ``cfg`` names (default ``"grpc"``) on 127.0.0.1."""
+def start_receiver(layers: int, num_blocks: int, block_size: int, cfg: KvTransferConfig | None = None,
+                   security: SecurityConfig | None = None) -> Receiver:
+    """A started receiver of the transport ``cfg`` names (default ``"grpc"``) on 127.0.0.1, on a
+    server made and bound as a decode worker's KV server (its internal plane: the cluster secret
+    and internal TLS of ``security``, none by default; the health service SERVING)."""
     cfg = cfg if cfg is not None else KvTransferConfig()
+    security = security if security is not None else SecurityConfig()
     cache = torch.full((layers, 2, num_blocks, block_size, HEADS, HEAD_DIM), -1.0)
     sink = TableSink(TransferTable(cache))
-    server = grpc.server(ThreadPoolExecutor(max_workers=4), options=kv_server_options())
+    server = make_server(security, Plane.INTERNAL, max_workers=4, options=kv_server_options())
     servicer = attach_receiver(cfg, server, sink)
-    port = server.add_insecure_port("127.0.0.1:0")
+    set_serving(add_health(server), ["pdcluster.v1.KvTransfer"])
+    port = bind(server, "127.0.0.1", 0, security, Plane.INTERNAL)
     server.start()
     return Receiver(server, sink, servicer, f"127.0.0.1:{port}", block_size)
 

@@ -17,21 +17,19 @@ from functools import partial
 import grpc
 import openai
 import pytest
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kv_helpers import TableSink, sender_cache
+from kv_helpers import sender_cache, start_receiver
 
 from common.grpc_metadata import bearer, bearer_token
 from common.model_config import ConfigError
-from decode_worker.transfers import TransferTable
 from deploy.prometheus_server import PrometheusServer
 from deploy.spec import api_keys_from_args, exposure_warning
 from deploy.state import read_state, state_path, write_state
-from kvtransfer import GrpcKvSender, KvTransferConfig, KvTransferError, attach_receiver, kv_server_options
+from kvtransfer import GrpcKvSender, KvTransferError
 from loadtest.cli import configs_from_args
 from pdcluster import cli
 from pdcluster.client import API_KEY_ENV, PdclusterClient
-from pdcluster.v1 import router_pb2, router_pb2_grpc, worker_pb2
+from pdcluster.v1 import router_pb2, router_pb2_grpc
 from router.http import HttpServer
 from router.openai.app import FrontDoorState, build_app
 from router.server import RouterConfig
@@ -134,17 +132,11 @@ def test_internal_plane_refuses_kv_pushes_without_the_secret_and_nothing_is_writ
     UNAUTHENTICATED before the receiver runs; the reservation stays open and the cache untouched;
     a sender whose channels come from ``internal_channel`` gets through."""
     layers, blocks, bs = 2, 6, 4
-    sink = TableSink(TransferTable(torch.full((layers, 2, blocks, bs, 2, 4), -1.0)))
-    server = make_server(KEYS.for_workers(), Plane.INTERNAL, max_workers=4, options=kv_server_options())
-    attach_receiver(KvTransferConfig(), server, sink)
-    health = add_health(server)
-    set_serving(health, ["pdcluster.v1.KvTransfer"])
-    endpoint = f"127.0.0.1:{bind(server, '127.0.0.1', 0, KEYS, Plane.INTERNAL)}"
-    server.start()
+    recv = start_receiver(layers, blocks, bs, security=KEYS.for_workers())
+    sink, endpoint = recv.sink, recv.endpoint
     try:
-        gen = sink.table.open("t1", "r1", [1, 2], 1e12)
-        dest = worker_pb2.KvDestination(worker_id="d0", kv_endpoint=endpoint, block_ids=[1, 2], block_size=bs,
-                                        generation=gen, dtype="float32")
+        dest = recv.reserve("t1", [1, 2])
+        gen = dest.generation
         src = sender_cache(layers, blocks, bs)
         wrong_key = partial(internal_channel, SecurityConfig(cluster_secret="k1"))
         for sender in (GrpcKvSender(timeout_s=5), GrpcKvSender(timeout_s=5, connect=wrong_key)):
@@ -161,7 +153,7 @@ def test_internal_plane_refuses_kv_pushes_without_the_secret_and_nothing_is_writ
         sender.close()
         assert sink.completed == {"t1": 7} and sink.writes > 0
     finally:
-        server.stop(None)
+        recv.server.stop(None)
 
 
 # ---- HTTP ------------------------------------------------------------------------------------

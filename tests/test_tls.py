@@ -16,20 +16,18 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kv_helpers import TableSink, sender_cache
+from kv_helpers import sender_cache, start_receiver
 
 from common.model_config import ConfigError
-from decode_worker.transfers import TransferTable
 from deploy.spec import public_tls_from_args
-from kvtransfer import GrpcKvSender, KvTransferConfig, KvTransferError, attach_receiver, kv_server_options
+from kvtransfer import GrpcKvSender, KvTransferError
 from loadtest.backends import openai_client
 from loadtest.cli import configs_from_args
 from loadtest.driver import server_info
 from pdcluster import cli
 from pdcluster.client import PdclusterClient
-from pdcluster.v1 import router_pb2, router_pb2_grpc, worker_pb2
+from pdcluster.v1 import router_pb2, router_pb2_grpc
 from router.http import HttpServer
 from router.openai.app import FrontDoorState, build_app
 from serving.certs import create_ca, issue
@@ -165,16 +163,11 @@ def test_kv_port_with_internal_tls_refuses_peers_without_a_cluster_certificate()
     of another CA (even with the right cluster secret) fail the handshake (UNAVAILABLE); nothing is
     written and the reservation stays open; a sender with a cluster certificate gets through."""
     layers, blocks, bs = 2, 6, 4
-    sink = TableSink(TransferTable(torch.full((layers, 2, blocks, bs, 2, 4), -1.0)))
-    server = make_server(INTERNAL, Plane.INTERNAL, max_workers=4, options=kv_server_options())
-    attach_receiver(KvTransferConfig(), server, sink)
-    set_serving(add_health(server), ["pdcluster.v1.KvTransfer"])
-    endpoint = f"127.0.0.1:{bind(server, '127.0.0.1', 0, INTERNAL, Plane.INTERNAL)}"
-    server.start()
+    recv = start_receiver(layers, blocks, bs, security=INTERNAL)
+    sink = recv.sink
     try:
-        gen = sink.table.open("t1", "r1", [1, 2], 1e12)
-        dest = worker_pb2.KvDestination(worker_id="d0", kv_endpoint=endpoint, block_ids=[1, 2], block_size=bs,
-                                        generation=gen, dtype="float32")
+        dest = recv.reserve("t1", [1, 2])
+        gen = dest.generation
         src = sender_cache(layers, blocks, bs)
         other = create_ca("intruder")
         intruder = SecurityConfig(cluster_secret="s3cret", internal_ca_cert=CLUSTER_CA.cert_pem,
@@ -195,7 +188,7 @@ def test_kv_port_with_internal_tls_refuses_peers_without_a_cluster_certificate()
         sender.close()
         assert sink.completed == {"t1": 7} and sink.writes > 0
     finally:
-        server.stop(None)
+        recv.server.stop(None)
 
 
 # ---- a cluster with both ---------------------------------------------------------------------
