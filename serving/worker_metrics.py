@@ -27,7 +27,7 @@ from engine.step_stats import StepStats
 from serving.metrics import ProcessMetrics
 from serving.worker_config import WorkerConfig
 
-_TOTALS = {"num_preemptions": "num_preemptions", "num_kv_recomputes": "num_kv_recomputes"}
+_TOTALS = ("num_preemptions", "num_kv_recomputes")  # load() keys that are also counter names
 
 
 class WorkerMetrics:
@@ -69,11 +69,11 @@ class WorkerMetrics:
         """Advance the cumulative counters to the scheduler's totals."""
         load = self._load()
         with self._lock:
-            for key, metric in _TOTALS.items():
-                if key in load and metric in self.m:
+            for key in _TOTALS:
+                if key in load and key in self.m:
                     delta = load[key] - self._totals_seen.get(key, 0)
                     if delta > 0:
-                        self.m.inc(metric, delta)
+                        self.m.inc(key, delta)
                         self._totals_seen[key] = load[key]
 
     def prefill_done(self, *, prompt_tokens: int, cached_tokens: int, queue_s: float, prefill_s: float,
