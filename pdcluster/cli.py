@@ -30,16 +30,17 @@ from pdcluster.client import API_KEY_ENV, GenerationResult, PdclusterClient, Usa
 FALLBACK_ADDRESS = "127.0.0.1:50051"
 
 
-def default_address() -> str:
-    """Router address of the local cluster state file, else ``127.0.0.1:50051``."""
+def default_address(key: str = "router_address", fallback: str = FALLBACK_ADDRESS) -> str:
+    """The address ``key`` of the local cluster state file (the router's gRPC address by default),
+    else ``fallback`` (``127.0.0.1:50051``)."""
     try:
         from deploy.state import read_state
 
         state = read_state()
     except (ImportError, FileNotFoundError):
-        return FALLBACK_ADDRESS
-    address = state.get("router_address") if state else None
-    return address or FALLBACK_ADDRESS
+        return fallback
+    address = state.get(key) if state else None
+    return address or fallback
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -106,14 +107,7 @@ def cmd_top(args: argparse.Namespace) -> int:
     """Run ``pdcluster top``; returns 0, or 1 when the router's HTTP server is unreachable."""
     from pdcluster.top import run_top
 
-    address = args.address
-    if address is None:
-        try:
-            from deploy.state import read_state
-
-            address = (read_state() or {}).get("router_http_address") or "127.0.0.1:8000"
-        except (ImportError, FileNotFoundError):
-            address = "127.0.0.1:8000"
+    address = args.address or default_address("router_http_address", "127.0.0.1:8000")
     base = address if address.startswith("http") else f"{'https' if args.tls_ca else 'http'}://{address}"
     return run_top(base, interval_s=args.interval, iterations=args.iterations, api_key=args.api_key,
                    tls_ca=args.tls_ca)
