@@ -102,10 +102,7 @@ def configure_logging(fmt: str = "text", level: str = "INFO") -> None:
     Raises:
         ValueError: ``fmt`` not in :data:`LOG_FORMATS` or ``level`` not in :data:`LOG_LEVELS`.
     """
-    if fmt not in LOG_FORMATS:
-        raise ValueError(f"log format must be one of {LOG_FORMATS}, got {fmt!r}")
-    if level.upper() not in LOG_LEVELS:
-        raise ValueError(f"log level must be one of {LOG_LEVELS}, got {level!r}")
+    cfg = LogConfig(fmt, level)  # the one check of both values
     root = logging.getLogger()
     for h in list(root.handlers):
         if getattr(h, "_pdcluster", False):
@@ -113,6 +110,6 @@ def configure_logging(fmt: str = "text", level: str = "INFO") -> None:
     handler = logging.StreamHandler()
     handler._pdcluster = True  # type: ignore[attr-defined]
     handler.addFilter(_RequestIdFilter())
-    handler.setFormatter(_JsonFormatter() if fmt == "json" else _TextFormatter())
+    handler.setFormatter(_JsonFormatter() if cfg.format == "json" else _TextFormatter())
     root.addHandler(handler)
-    root.setLevel(level.upper())
+    root.setLevel(cfg.level.upper())
