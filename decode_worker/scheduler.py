@@ -26,6 +26,10 @@ on the loop thread, in :meth:`DecodeScheduler.step`:
 * any -> **FINISHED**: stop / length, abort, a failed model step (INTERNAL) or a
   lost transfer under "error"; every block goes back and the request is forgotten.
 
+A migrated request (``WorkerRequest.output_token_ids``) has its earlier outputs from
+the start: its blocks, KV and rebuilds cover them, limits and stop checks count them,
+and only new tokens are streamed.
+
 Continuous batching: every step runs one token for every running request (plus
 recompute chunks); arrivals join and finished requests leave between steps. Blocks
 come only from :class:`decode_worker.kv_manager.DecodeKvManager`.
@@ -185,11 +189,8 @@ class DecodeScheduler:
             return
         need = req.max_blocks(self.kv.block_size)
         if need > self.kv.num_usable:
-            msg.stream.put(Failed(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"request needs {need} KV blocks (prompt + max_tokens), the decode pool has "
-                f"{self.kv.num_usable}",
-            ))
+            msg.stream.put(Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request needs {need} KV blocks "
+                                  f"(prompt + max_tokens), the decode pool has {self.kv.num_usable}"))
             return
         self._requests[req.request_id] = req
         self._streams[req.request_id] = msg.stream
@@ -198,10 +199,10 @@ class DecodeScheduler:
     def _admit_pending(self) -> None:
         while self._pending and not self._preempted:
             req = self._requests[self._pending[0]]
-            if not self.kv.can_allocate(len(req.prompt_token_ids)):
+            if not self.kv.can_allocate(req.num_tokens):
                 return  # FIFO: wait for blocks (backpressure)
             self._pending.popleft()
-            self.kv.allocate(req, len(req.prompt_token_ids), in_transfer=True)
+            self.kv.allocate(req, req.num_tokens, in_transfer=True)  # prompt (+ a migrated request's outputs)
             req.status = RequestStatus.TRANSFERRING
             gen = self.transfers.open(req.transfer_id, req.request_id, req.block_table,
                                       time.monotonic() + self.sched.lease_s, lease_s=self.sched.lease_s)
@@ -213,7 +214,7 @@ class DecodeScheduler:
             return  # reclaimed or aborted meanwhile: stale
         req = self._requests[t.request_id]
         self.kv.transfer_ended(req)
-        req.num_computed = len(req.prompt_token_ids)
+        req.num_computed = req.num_tokens  # the prompt (+ a migrated request's earlier outputs)
         req.output_token_ids.append(msg.first_token_id)
         # The prefill worker sampled the first token from the same seed. (A request
         # rebuilt here after a failed transfer samples it here instead: no skip.)
@@ -356,14 +357,15 @@ class DecodeScheduler:
 
     def recompute_request(self, request_id: str, why: str) -> None:
         """TRANSFERRING -> RECOMPUTING (:class:`RecoveryActions`, loop thread only): keep
-        the reserved prompt blocks and rebuild the prompt's KV here once a batch slot frees."""
+        the reserved blocks and rebuild the KV of the prompt (and of a migrated request's
+        earlier outputs) here once a batch slot frees."""
         req = self._requests[request_id]
         self.kv.transfer_ended(req)
         req.num_computed, req.status = 0, RequestStatus.RECOMPUTING
         self._ready.append(request_id)
         self.num_kv_recomputes += 1
-        log.warning("%s; recomputing the %d-token prompt of %s here (%d recomputes so far)", why,
-                    len(req.prompt_token_ids), request_id, self.num_kv_recomputes)
+        log.warning("%s; recomputing the %d-token prompt (+ %d earlier outputs) of %s here (%d recomputes so far)",
+                    why, len(req.prompt_token_ids), len(req.output_token_ids), request_id, self.num_kv_recomputes)
 
     # ---- endings -------------------------------------------------------------------
     def fail_request(self, request_id: str, code: grpc.StatusCode, message: str) -> None:

@@ -60,10 +60,14 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             yield from self._reserve(request, context)
 
     def _reserve(self, request, context):
-        req = request_from_proto(request.request, request.transfer_id, self.device)
+        try:
+            req = request_from_proto(request.request, request.transfer_id, self.device)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         events: queue.Queue = queue.Queue()
         rid, t0 = req.request_id, time.monotonic()
-        log.debug("reserve: %d prompt tokens, max_tokens %d", len(req.prompt_token_ids), req.params.max_tokens)
+        log.debug("reserve: %d prompt tokens, %d earlier output tokens, max_tokens %d", len(req.prompt_token_ids),
+                  len(req.output_token_ids), req.params.max_tokens)
         context.add_callback(lambda: self.scheduler.submit_abort(rid))
         self.scheduler.submit_reserve(req, events)
         while True:

@@ -52,7 +52,10 @@ class Request:
     Attributes:
         prompt_token_ids: prompt tokens.
         output_token_ids: tokens generated so far (decode side includes the first
-            token sampled by the prefill worker).
+            token sampled by the prefill worker). A migrated request starts with the
+            tokens its earlier workers generated (``WorkerRequest.output_token_ids``):
+            they count as outputs everywhere (penalties, ``max_tokens``, stop checks),
+            and its KV covers :attr:`all_token_ids`.
         block_table: KV blocks, append-only.
         num_computed: tokens whose K/V are in the cache.
     """

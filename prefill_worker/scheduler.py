@@ -8,6 +8,12 @@ prompt's last chunk its first token is sampled and its KV blocks are handed to
 the KV sender; the blocks are freed only when the decode side acknowledged (or
 the transfer failed).
 
+A migrated request (``WorkerRequest.output_token_ids``: tokens an earlier worker
+generated) is prefilled over prompt + those outputs (the prompt part usually from
+the prefix cache) and its "first token" is the next output; penalties see the
+earlier outputs as outputs and a seeded generator has skipped their draws
+(:func:`serving.convert.request_from_proto`).
+
 Layer-wise streaming (``layerwise=True``): the transfer of a prompt whose last
 chunk runs in a step starts when the step starts; the model reports each layer
 whose KV it finished writing (:class:`kvtransfer.progress.LayerProgress`), so the
@@ -202,13 +208,14 @@ class PrefillScheduler:
 
     def _on_add(self, msg: _Add) -> None:
         rid = msg.request.request_id
-        need = blocks_needed(len(msg.request.prompt_token_ids), self.block_size)
+        need = blocks_needed(msg.request.num_tokens, self.block_size)
         if rid in self._entries:
             msg.future.set_exception(PrefillError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is running"))
         elif need > self.pool.num_usable:
             msg.future.set_exception(PrefillError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"prompt needs {need} KV blocks, the prefill pool has {self.pool.num_usable}"))
+                f"prompt{' + outputs' if msg.request.output_token_ids else ''} needs {need} KV blocks, "
+                f"the prefill pool has {self.pool.num_usable}"))
         else:
             self._entries[rid] = _Entry(msg.request, msg.send, msg.future, msg.external)
             if msg.external is not None:
@@ -225,12 +232,12 @@ class PrefillScheduler:
             if budget <= 0 or len(seqs) >= self.sched.max_num_seqs:
                 break
             req = self._entries[rid].request
-            prompt = req.prompt_token_ids
+            tokens = req.all_token_ids  # a migrated request's outputs are prefilled after its prompt
             if not req.block_table and not self._assign_blocks(self._entries[rid]):
                 break  # FIFO: wait until transfers finish and free blocks
-            n = min(len(prompt) - req.num_computed, budget)
-            last = req.num_computed + n == len(prompt)
-            seqs.append(ScheduledSeq(rid, prompt[req.num_computed:req.num_computed + n], req.num_computed,
+            n = min(len(tokens) - req.num_computed, budget)
+            last = req.num_computed + n == len(tokens)
+            seqs.append(ScheduledSeq(rid, tokens[req.num_computed:req.num_computed + n], req.num_computed,
                                      req.block_table, last, req.params.sampling, req.generator,
                                      req.prompt_token_ids, req.output_token_ids))
             budget -= n
@@ -238,11 +245,12 @@ class PrefillScheduler:
 
     def _assign_blocks(self, entry: _Entry) -> bool:
         """Give a request its blocks: the longest cached prefix (prefix cache hits, one
-        reference each) plus fresh blocks for the rest. At least the last prompt token
-        is always computed (a full hit drops its last block). False when the pool
-        cannot hold it yet."""
+        reference each) plus fresh blocks for the rest. At least the last token is
+        always computed (a full hit drops its last block). The tokens are the prompt,
+        followed by a migrated request's earlier outputs. False when the pool cannot
+        hold it yet."""
         req = entry.request
-        prompt = req.prompt_token_ids
+        prompt = req.all_token_ids
         hit: list[int] = []
         if self.prefix_caching:
             entry.block_hashes = block_hashes(prompt, self.block_size, self.model_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+import grpc
 import torch
 
 from engine.request import Request
@@ -52,7 +53,10 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     def Prefill(self, request, context):
         with request_scope(request_id_from_metadata(context) or request.request.request_id):
-            req = request_from_proto(request.request, request.transfer_id, self.device)
+            try:
+                req = request_from_proto(request.request, request.transfer_id, self.device)
+            except ValueError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             log.debug("prefill: %d prompt tokens, KV to %s", len(req.prompt_token_ids), request.destination.worker_id)
             send, external = self.route(request, req)
             fut = self.scheduler.submit(req, send, external)
@@ -65,7 +69,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 log.info("prefill failed: %s", e)
                 context.abort(e.code, str(e))
             if self.metrics is not None:
-                self.metrics.prefill_done(prompt_tokens=len(req.prompt_token_ids), cached_tokens=res.cached_tokens,
+                self.metrics.prefill_done(prompt_tokens=req.num_tokens, cached_tokens=res.cached_tokens,
                                           queue_s=res.queue_s, prefill_s=res.prefill_s, kv_bytes=res.kv_bytes_sent,
                                           transfer_s=res.transfer_total_s)
             return worker_pb2.PrefillResponse(

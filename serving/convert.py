@@ -19,7 +19,7 @@ import torch
 
 from common.sampling_params import Target, read_sampling
 from engine.request import Request, RequestParams
-from engine.sampling import SamplingOptions, make_generator
+from engine.sampling import SamplingOptions, make_generator, skip_draw
 from engine.step import TokenLogprobs
 from pdcluster.v1 import common_pb2, worker_pb2
 
@@ -28,15 +28,25 @@ def request_from_proto(msg: worker_pb2.WorkerRequest, transfer_id: str, device: 
     """Build a worker-side request from the router's resolved ``WorkerRequest``.
 
     Unset sampling fields resolve to their declared defaults; a seeded request gets
-    its own generator on ``device``.
+    its own generator on ``device``. A migrated request's ``output_token_ids`` (the
+    tokens an earlier worker generated) become the request's first outputs, and its
+    generator has skipped their draws (:func:`engine.sampling.skip_draw`), so the next
+    token is sampled as output position ``len(output_token_ids)`` of an uninterrupted run.
 
     Raises:
-        ValueError: a sampling field is out of range (see :class:`SamplingOptions`).
+        ValueError: a sampling field is out of range (see :class:`SamplingOptions`), or
+            ``output_token_ids`` holds ``max_tokens`` tokens or more (nothing left to generate).
     """
     options = SamplingOptions(**read_sampling(msg.sampling, Target.SAMPLER))
     params = RequestParams(sampling=options, **read_sampling(msg.sampling, Target.REQUEST))
+    outputs = list(msg.output_token_ids)
+    if len(outputs) >= params.max_tokens:
+        raise ValueError(f"output_token_ids has {len(outputs)} tokens; it must be fewer than max_tokens "
+                         f"({params.max_tokens})")
     gen = make_generator(options.seed, device) if options.seed is not None else None
-    return Request(msg.request_id, list(msg.prompt_token_ids), params, transfer_id=transfer_id, generator=gen)
+    skip_draw(gen, options, len(outputs))
+    return Request(msg.request_id, list(msg.prompt_token_ids), params, transfer_id=transfer_id, generator=gen,
+                   output_token_ids=outputs)
 
 
 def logprobs_to_proto(token_id: int, lp: TokenLogprobs | None) -> common_pb2.TokenLogprob:
