@@ -14,6 +14,7 @@ from pathlib import Path
 from engine.config import KV_FAILURE_POLICIES
 from pdcluster.client import API_KEY_ENV
 from router.limits import DEFAULT_MAX_REQUEST_BYTES
+from router.migration import DEFAULT_MAX_MIGRATIONS, check_max_migrations
 from router.policy_names import DEFAULT_POLICY, POLICY_NAMES
 from serving.logs import LOG_FORMATS, LOG_LEVELS
 
@@ -31,6 +32,16 @@ def _positive(value: str) -> int:
     n = int(value)
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def _max_migrations(value: str) -> int:
+    """argparse type: ``--max-migrations``, checked by :func:`router.migration.check_max_migrations`."""
+    try:
+        n = int(value)
+        check_max_migrations(n)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return n
 
 
@@ -83,6 +94,9 @@ def _add_serving(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-bytes", type=_positive, default=None, metavar="BYTES",
                    help="largest prompt (text, or chat roles and contents) the router tokenizes "
                         "(default: max-model-len x the longest token of the vocabulary)")
+    p.add_argument("--max-migrations", type=_max_migrations, default=DEFAULT_MAX_MIGRATIONS, metavar="N",
+                   help="times one request may resume on other workers after a worker failed it mid-request "
+                        f"(0: never; then the worker's error ends it; default {DEFAULT_MAX_MIGRATIONS})")
     p.add_argument("--log-format", default="text", choices=list(LOG_FORMATS), help="log lines as text or JSON")
     p.add_argument("--log-level", default="INFO", choices=list(LOG_LEVELS),
                    help="log level of every process (DEBUG adds one line per engine step)")

@@ -163,7 +163,8 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
                           host=args.host, port=args.port, max_model_len=args.max_model_len, block_size=args.block_size,
                           policy=args.router_policy, view_period_s=args.heartbeat_s / 4,
                           http_port=args.http_port if args.http else None, max_request_bytes=args.max_request_bytes,
-                          max_prompt_bytes=args.max_prompt_bytes, log=log, security=security)
+                          max_prompt_bytes=args.max_prompt_bytes, max_migrations=args.max_migrations, log=log,
+                          security=security)
     placement = PlacementConfig(strategy=args.placement, prefill_resource=args.prefill_resource,
                                 decode_resource=args.decode_resource, worker_cpus=args.worker_cpus,
                                 timeout_s=args.placement_timeout_s)

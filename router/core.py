@@ -9,12 +9,22 @@ Lifecycle of one request (DESIGN.md "decode-led reservation, prefill push"):
    allocates blocks and opens the token stream; ``P.Prefill`` (with D's block ids)
    computes the prompt and pushes its KV to D; D's token stream is detokenized here
    (:mod:`router.output`) and yielded as ``GenerateResponse`` messages;
-3. it ends finished (stop, length), aborted (:meth:`RequestRouter.abort`), cancelled
-   (:meth:`ActiveRequest.cancel`: the client went away) or failed (:class:`RouterError`).
-   Abort, cancel and a decode worker failure cancel both calls, which makes both
-   workers free the request's blocks. A failed prefill call is reported to the
-   decode worker, whose KV failure policy decides whether the request fails or is
-   recomputed there (:mod:`router.handle`).
+3. a worker failure migrates it (:mod:`router.migration`): when the decode stream fails
+   with a transport error (the decode worker died: UNAVAILABLE, ...) or ends because the
+   prefill call failed, both calls are cancelled (both workers free the request's
+   blocks) and steps 2-3 run again on a placement avoiding the failed worker(s), with
+   the tokens already streamed as ``WorkerRequest.output_token_ids``: the prefill
+   worker prefills prompt + those tokens and the decode worker streams only what
+   follows, through the same output assembler (held-back stop-string text, usage and
+   request statistics carry over; nothing is streamed twice). A failed prefill call is
+   first reported to the decode worker, whose KV failure policy decides
+   (:mod:`router.handle`): under "recompute" it rebuilds the KV itself and the stream
+   goes on; under "error" its stream ends and the request migrates. At most
+   ``max_migrations`` migrations, then UNAVAILABLE naming the cause;
+4. it ends finished (stop, length), aborted (:meth:`RequestRouter.abort`), cancelled
+   (:meth:`ActiveRequest.cancel`: the client went away; never migrated) or failed
+   (:class:`RouterError`). Abort, cancel and a failure cancel both calls, which makes
+   both workers free the request's blocks.
 
 Errors are :class:`RouterError` with a gRPC status code; each front door maps them to
 its own wire (gRPC status, HTTP status + OpenAI error body).
@@ -22,6 +32,7 @@ its own wire (gRPC status, HTTP status + OpenAI error body).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import uuid
@@ -32,6 +43,8 @@ import grpc
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
 from router.handle import RequestHandle, status_of
 from router.load import LoadTracker
+from router.migration import DEFAULT_MAX_MIGRATIONS, Side, WorkerFailure, attempt_request_id, \
+    check_max_migrations, classify, closed_early
 from router.output import OutputAssembler
 from router.placement import Placer
 from router.policy import NoWorkerError, RequestContext
@@ -67,10 +80,17 @@ class RequestRouter:
         load: the router's per-worker load, which the placer's policy reads.
         metrics: the router's Prometheus metrics.
         stubs: the router's channels to the workers.
+        max_migrations: how often one request may resume elsewhere after a worker failed
+            it (:mod:`router.migration`; 0: never, the worker's status ends it).
+
+    Raises:
+        ValueError: ``max_migrations`` outside ``[0, router.migration.MAX_MIGRATIONS_LIMIT]``.
     """
 
     def __init__(self, validator: RequestValidator, tokenizer, placer: Placer, load: LoadTracker,
-                 metrics: ProcessMetrics, stubs: StubCache) -> None:
+                 metrics: ProcessMetrics, stubs: StubCache, max_migrations: int = DEFAULT_MAX_MIGRATIONS) -> None:
+        check_max_migrations(max_migrations)
+        self.max_migrations = max_migrations
         self.validator = validator
         self.tokenizer = tokenizer
         self.placer = placer
@@ -106,19 +126,29 @@ class RequestRouter:
         whether it was found."""
         with self._lock:
             handle = self._table.get(request_id)
-        if handle is None:
-            return False
-        handle.aborted = True
+            if handle is None:
+                return False
+            handle.aborted = True
         for role, info in (("decode", handle.decode), ("prefill", handle.prefill)):
             if info is None:
                 continue
             try:
                 self.stubs.get(role, info.address).Abort(
-                    worker_pb2.WorkerAbortRequest(request_id=request_id), timeout=2.0,
+                    worker_pb2.WorkerAbortRequest(request_id=handle.request_id), timeout=2.0,
                     metadata=((REQUEST_ID_METADATA, request_id),))
             except grpc.RpcError as e:
                 log.warning("abort on %s worker %s failed: %s", role, info.worker_id, e.code())
         return True
+
+    def _next_attempt(self, request_id: str, old: RequestHandle, migration: int) -> RequestHandle:
+        """The handle of request ``request_id``'s attempt after its ``migration``-th
+        migration (its workers see :func:`router.migration.attempt_request_id`), registered
+        in place of ``old``; an abort of ``old`` carries over."""
+        new = RequestHandle(attempt_request_id(request_id, migration), old.fail_transfer_timeout_s)
+        with self._lock:
+            new.aborted = old.aborted
+            self._table[request_id] = new
+        return new
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
@@ -126,7 +156,10 @@ class RequestRouter:
 
 
 class ActiveRequest:
-    """One registered request: iterate :meth:`responses` once; :meth:`cancel` from any thread."""
+    """One registered request: iterate :meth:`responses` once; :meth:`cancel` from any thread.
+
+    ``h`` is the handle of its current attempt; a migration replaces it
+    (:meth:`RequestRouter._next_attempt`)."""
 
     def __init__(self, router: RequestRouter, prep: PreparedRequest, handle: RequestHandle) -> None:
         self.router = router
@@ -135,6 +168,7 @@ class ActiveRequest:
         self.request_id = prep.request_id
         self.client_gone = False
         self.stats = RequestStats(router.metrics, router.gauges, len(prep.prompt_token_ids))
+        self._cached_prompt_tokens: int | None = None  # from the first attempt whose prefill answered
 
     def discard(self) -> None:
         """Forget a request whose :meth:`responses` will never run (a sibling was refused)."""
@@ -150,8 +184,9 @@ class ActiveRequest:
         """The request's responses: one per token delta when streaming, one in total otherwise.
 
         Raises:
-            RouterError: UNAVAILABLE (no live worker, a worker failed or a KV transfer
-                failed), CANCELLED (the client went away), or the failing worker's status.
+            RouterError: UNAVAILABLE (no live worker, or a worker failed or a KV transfer
+                failed more often than ``max_migrations`` allows), CANCELLED (the client
+                went away), or a worker's refusal (e.g. RESOURCE_EXHAUSTED).
         """
         with request_scope(self.request_id):
             try:
@@ -165,28 +200,82 @@ class ActiveRequest:
                 self.router._forget(self.request_id)
 
     def _serve(self) -> Iterator[router_pb2.GenerateResponse]:
+        """Attempts until one ends the request: a worker failure migrates it (module
+        docstring) with the same output assembler, so nothing is streamed twice."""
+        prep = self.prep
+        out = OutputAssembler(self.router.tokenizer, prep.request_id, prep.prompt_token_ids, prep.stop)
+        avoid: set[str] = set()
+        cause = ""
+        for migration in itertools.count():
+            try:
+                yield from self._attempt(out, frozenset(avoid), cause)
+                return
+            except WorkerFailure as f:
+                self._check_migratable(f, migration)
+                avoid |= f.suspects
+                cause = f"{f.code.name}: {f.message}"
+                self._remember_cached_tokens()
+                self.h = self.router._next_attempt(prep.request_id, self.h, migration + 1)
+                self.router.metrics.inc("request_migrations", failed_role=f.role)
+                log.warning("migrating request %s (migration %d of at most %d) after %s; resuming after %d "
+                            "output tokens", prep.request_id, migration + 1, self.router.max_migrations, cause,
+                            len(out.token_ids))
+
+    def _check_migratable(self, f: WorkerFailure, migrations: int) -> None:
+        """Raises :class:`RouterError` unless the request may migrate after ``f``."""
+        view = self.router.placer.view
+        for worker_id in f.lost:
+            view.mark_unreachable(worker_id)
+        if not f.migratable or self.h.aborted or self.client_gone:
+            raise RouterError(f.code, f.message)
+        if migrations >= self.router.max_migrations:
+            if migrations == 0:  # migration disabled: the worker's own status
+                raise RouterError(f.code, f.message)
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, f"failed after {migrations} migrations "
+                              f"(max_migrations {self.router.max_migrations}): {f.code.name}: {f.message}")
+
+    def _attempt(self, out: OutputAssembler, avoid: frozenset[str], cause: str):
+        """Place the request (avoiding the workers that failed it) and relay one attempt.
+
+        Raises:
+            RouterError: no live worker, or an ending that is not a worker failure.
+            WorkerFailure: a worker call failed.
+        """
         prep, h = self.prep, self.h
+        tokens = prep.prompt_token_ids + out.token_ids
         try:
-            placement = self.router.placer.place(RequestContext(prep.request_id, prep.prompt_token_ids))
+            placement = self.router.placer.place(RequestContext(prep.request_id, tokens), avoid=avoid)
         except NoWorkerError as e:
-            raise RouterError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{e} (migrating after {cause})" if cause else str(e)) \
+                from None
         h.prefill, h.decode = placement.prefill, placement.decode
-        log.debug("placed: prefill %s, decode %s, %d prompt tokens", h.prefill.worker_id, h.decode.worker_id,
-                  len(prep.prompt_token_ids))
-        h.load = self.router.load.begin(h.prefill.worker_id, h.decode.worker_id, len(prep.prompt_token_ids))
+        log.debug("placed: prefill %s, decode %s, %d prompt + %d earlier output tokens", h.prefill.worker_id,
+                  h.decode.worker_id, len(prep.prompt_token_ids), len(out.token_ids))
+        h.load = self.router.load.begin(h.prefill.worker_id, h.decode.worker_id, len(tokens))
         try:
-            yield from self._relay()
+            yield from self._relay(out)
         finally:
             h.load.end()
 
-    def _relay(self) -> Iterator[router_pb2.GenerateResponse]:
+    def _worker_request(self, out: OutputAssembler) -> worker_pb2.WorkerRequest:
+        """The request as this attempt's workers see it: under the attempt's id, resuming
+        after the output tokens already streamed (``output_token_ids``)."""
+        if not out.token_ids and self.h.request_id == self.prep.request_id:
+            return self.prep.worker_request
+        wreq = worker_pb2.WorkerRequest()
+        wreq.CopyFrom(self.prep.worker_request)
+        wreq.request_id = self.h.request_id
+        wreq.output_token_ids[:] = out.token_ids
+        return wreq
+
+    def _relay(self, out: OutputAssembler) -> Iterator[router_pb2.GenerateResponse]:
         prep, h, stubs = self.prep, self.h, self.router.stubs
         meta = ((REQUEST_ID_METADATA, prep.request_id),)
         transfer_id = h.transfer_id = uuid.uuid4().hex
-        out = OutputAssembler(self.router.tokenizer, prep.request_id, prep.prompt_token_ids, prep.stop)
+        wreq = self._worker_request(out)
         h.decode_stub = stubs.get("decode", h.decode.address)
-        h.d_call = h.decode_stub.Reserve(
-            worker_pb2.ReserveRequest(request=prep.worker_request, transfer_id=transfer_id), metadata=meta)
+        h.d_call = h.decode_stub.Reserve(worker_pb2.ReserveRequest(request=wreq, transfer_id=transfer_id),
+                                         metadata=meta)
         if self.client_gone:
             h.cancel_calls()
         decode_finished = False
@@ -199,8 +288,8 @@ class ActiveRequest:
                 self.stats.finished("abort")
                 return
             h.p_future = stubs.get("prefill", h.prefill.address).Prefill.future(
-                worker_pb2.PrefillRequest(request=prep.worker_request, transfer_id=transfer_id,
-                                          destination=first.reservation), metadata=meta)
+                worker_pb2.PrefillRequest(request=wreq, transfer_id=transfer_id, destination=first.reservation),
+                metadata=meta)
             h.p_future.add_done_callback(h.on_prefill_done)
             h.p_future.add_done_callback(h.load.prefill_finished)
             for ev in h.d_call:
@@ -221,22 +310,33 @@ class ActiveRequest:
         except grpc.RpcError as e:
             self._fail(e)
         if not out.finished:
-            raise RouterError(grpc.StatusCode.UNAVAILABLE,
-                              f"decode worker {h.decode.worker_id} closed the stream before finishing")
+            h.cancel_calls()
+            raise closed_early(h.decode.role, h.decode.worker_id)
         if not decode_finished:
             h.d_call.cancel()  # stopped here (stop string / abort): the decode worker frees
         if not prep.stream:
             yield out.whole()
 
+    def _remember_cached_tokens(self) -> None:
+        """Keep the prompt tokens the failed attempt's prefill found cached, if it answered:
+        usage reports the first prefill's cache hits, not those of a migration's."""
+        fut = self.h.p_future
+        if self._cached_prompt_tokens is None and fut is not None and fut.done() and not fut.cancelled() \
+                and fut.exception() is None:
+            self._cached_prompt_tokens = fut.result().cached_prompt_tokens
+
     def _settle_usage(self, out: OutputAssembler, msg) -> None:
         """Fill cached_prompt_tokens from the prefill worker's answer, which follows the
-        decode side's acknowledgement by moments (waits at most 5 s)."""
-        try:
-            res = self.h.p_future.result(timeout=5.0)
-        except Exception:  # noqa: BLE001 - failed/cancelled prefill: usage stays without cache info
-            return
-        out.cached_prompt_tokens = res.cached_prompt_tokens
-        msg.usage.cached_prompt_tokens = res.cached_prompt_tokens
+        decode side's acknowledgement by moments (waits at most 5 s); a migrated request
+        reports its first answered prefill's (at most the prompt's length)."""
+        cached = self._cached_prompt_tokens
+        if cached is None:
+            try:
+                cached = min(self.h.p_future.result(timeout=5.0).cached_prompt_tokens, out.num_prompt)
+            except Exception:  # noqa: BLE001 - failed/cancelled prefill: usage stays without cache info
+                return
+        out.cached_prompt_tokens = cached
+        msg.usage.cached_prompt_tokens = cached
 
     def _final(self, out: OutputAssembler, reason: int):
         out.finish_reason = reason
@@ -245,16 +345,16 @@ class ActiveRequest:
                                               usage=out.usage())
 
     def _fail(self, e: grpc.RpcError) -> None:
-        """Map a worker failure onto the request's error; always raises :class:`RouterError`."""
-        h, view = self.h, self.router.placer.view
+        """Map a failed decode stream onto the request's ending; always raises:
+        :class:`RouterError` for the client's own endings, else :class:`WorkerFailure`
+        (:func:`router.migration.classify` says whom it blames)."""
+        h = self.h
         h.cancel_calls()
-        if h.prefill_error is not None:
-            code, details = status_of(h.prefill_error)
-            if code == grpc.StatusCode.UNAVAILABLE and "KV transfer failed" not in details:
-                view.mark_unreachable(h.prefill.worker_id)  # lost, not just its transfer
-            raise RouterError(code, f"prefill worker {h.prefill.worker_id}: {details}")
         if e.code() == grpc.StatusCode.CANCELLED and self.client_gone:
             raise RouterError(grpc.StatusCode.CANCELLED, "client cancelled")
-        if e.code() == grpc.StatusCode.UNAVAILABLE and "KV" not in (e.details() or ""):
-            view.mark_unreachable(h.decode.worker_id)
-        raise RouterError(e.code(), f"decode worker {h.decode.worker_id}: {e.details()}")
+        decode = Side(h.decode.role, h.decode.worker_id, e.code(), e.details() or "")
+        prefill = Side(h.prefill.role, h.prefill.worker_id)
+        if h.prefill_error is not None:
+            code, details = status_of(h.prefill_error)
+            prefill = Side(h.prefill.role, h.prefill.worker_id, code, details)
+        raise classify(decode, prefill)

@@ -5,9 +5,11 @@ When the ``Prefill`` call fails, the KV of the request's reservation will not
 arrive. For a failure of the prefill side itself (worker lost, transfer failed,
 model step failed) the router tells the decode worker with
 ``DecodeWorker.FailTransfer`` and lets it apply its KV failure policy: under
-"error" its ``Reserve`` stream ends with UNAVAILABLE and the client gets the
-prefill worker's own status; under "recompute" it rebuilds the KV itself and the
-stream goes on (the prefill error is forgotten). A cancelled prefill call (client
+"error" its ``Reserve`` stream ends with UNAVAILABLE and the router migrates the
+request with the prefill worker's own status as the cause (:mod:`router.migration`);
+under "recompute" it rebuilds the KV itself and the stream goes on (the prefill
+error is forgotten). A handle is one attempt of a request: a migration starts a
+new one, so a late callback of a failed attempt never touches the next one's calls. A cancelled prefill call (client
 abort, destination released) or a request the prefill side rejected frees both
 sides at once, as does a ``FailTransfer`` that fails (decode unreachable) or finds
 no such request.
@@ -42,9 +44,11 @@ def status_of(err: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 class RequestHandle:
-    """The router's state of one request.
+    """The router's state of one attempt of a request (its first, or one after a migration).
 
     Attributes:
+        request_id: the id its workers see (:func:`router.migration.attempt_request_id`).
+        aborted: the client aborted the request.
         decode / prefill: the chosen workers' registry entries.
         d_call: the decode worker's ``Reserve`` stream; ``p_future``: the ``Prefill`` call.
         decode_stub: stub of the decode worker (for ``FailTransfer``); ``transfer_id``.

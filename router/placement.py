@@ -3,7 +3,10 @@
 :meth:`Placer.place` reads the registry view and asks the one configured policy for
 each role the cluster has: a colocated cluster (colocated workers registered) gets
 one worker doing both halves, so no KV crosses a process; otherwise a decode worker
-and a prefill worker are chosen.
+and a prefill worker are chosen. A migrating request (:mod:`router.migration`) avoids
+the workers that failed it: the policy chooses among the others, and only a role whose
+every usable worker is to be avoided gets one of those again (a transient transfer
+failure, a worker restarted under its id).
 """
 
 from __future__ import annotations
@@ -53,21 +56,30 @@ class Placer:
         self.view = view
         self.policy = policy
 
-    def place(self, request: RequestContext) -> Placement:
-        """Choose the request's workers.
+    def place(self, request: RequestContext, avoid: frozenset[str] = frozenset()) -> Placement:
+        """Choose the request's workers, other than the worker ids in ``avoid`` where the
+        role has another usable one.
 
         Raises:
             router.policy.NoWorkerError: a role has no live, non-draining worker.
         """
         colocated = self.view.workers("colocated")
         if colocated:
-            both = self._choose("colocated", colocated, request)
+            both = self._choose("colocated", colocated, request, avoid)
             return Placement(prefill=both, decode=both)
-        decode = self._choose("decode", self.view.workers_now("decode"), request)
-        prefill = self._choose("prefill", self.view.workers_now("prefill"), request)
+        decode = self._choose("decode", self.view.workers_now("decode"), request, avoid)
+        prefill = self._choose("prefill", self.view.workers_now("prefill"), request, avoid)
         return Placement(prefill=prefill, decode=decode)
 
-    def _choose(self, role: str, candidates: list[Candidate], request: RequestContext) -> WorkerInfo:
+    def _choose(self, role: str, candidates: list[Candidate], request: RequestContext,
+                avoid: frozenset[str]) -> WorkerInfo:
+        if avoid:
+            others = [c for c in candidates if c[0].worker_id not in avoid]
+            if any(not load.draining for _, load in others):
+                candidates = others
+            elif candidates:
+                log.info("request %s: every usable %s worker failed it before; trying one of them again",
+                         request.request_id, role)
         choice = self.policy.choose(role, candidates, request)
         log.debug("request %s: %s worker %s (%d prompt tokens expected cached)", request.request_id, role,
                   choice.worker.worker_id, choice.cached_tokens)

@@ -32,7 +32,8 @@ class RequestContext:
 
     Attributes:
         request_id: the client's request id.
-        prompt_token_ids: the tokenized prompt.
+        prompt_token_ids: the tokens to prefill: the tokenized prompt, followed by the
+            output tokens already generated when a migrating request is placed again.
     """
 
     request_id: str

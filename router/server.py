@@ -22,6 +22,7 @@ from router.core import RequestRouter
 from router.http import HttpServer
 from router.limits import DEFAULT_MAX_REQUEST_BYTES, Limits
 from router.load import LoadTracker
+from router.migration import DEFAULT_MAX_MIGRATIONS, check_max_migrations
 from router.openai.app import FrontDoorState, build_app
 from router.placement import POLICIES, Placer, make_policy
 from router.policy import Signals
@@ -71,11 +72,13 @@ class RouterConfig:
         max_prompt_bytes: a prompt's bytes (text, or chat roles and contents), checked
             before tokenization; ``None``: :func:`router.validation.prompt_byte_cap`
             (``max_model_len`` x the longest token), so a prompt that fits is never refused.
+        max_migrations: how often one request may resume on other workers after a worker
+            failed it (``pdcluster up --max-migrations``; :mod:`router.migration`); 0: never.
 
     Raises:
         ValueError: a non-positive ``max_model_len``, ``view_period_s``, ``max_request_bytes``
-            or ``max_prompt_bytes``, or an unregistered ``policy`` (the message lists the
-            registered names).
+            or ``max_prompt_bytes``, an unregistered ``policy`` (the message lists the
+            registered names), or ``max_migrations`` outside ``[0, 100]``.
     """
 
     model: str
@@ -92,6 +95,7 @@ class RouterConfig:
     http_port: int | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_prompt_bytes: int | None = None
+    max_migrations: int = DEFAULT_MAX_MIGRATIONS
     log: LogConfig = field(default_factory=LogConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
@@ -104,6 +108,7 @@ class RouterConfig:
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
         check_policy(self.policy)
+        check_max_migrations(self.max_migrations)
 
 
 class RouterServer:
@@ -127,7 +132,8 @@ class RouterServer:
         prompt_bytes = cfg.max_prompt_bytes or prompt_byte_cap(tokenizer, max_len)
         self.core = RequestRouter(
             RequestValidator(tokenizer, Limits(max_len, model_cfg.vocab_size, max_prompt_bytes=prompt_bytes)),
-            tokenizer, Placer(self.view, policy), load, self.metrics, StubCache(partial(internal_channel, cfg.security)))
+            tokenizer, Placer(self.view, policy), load, self.metrics, StubCache(partial(internal_channel, cfg.security)),
+            max_migrations=cfg.max_migrations)
         self.servicer = RouterServicer(self.core, info)
         self.server = make_server(cfg.security, Plane.PUBLIC, max_workers=cfg.max_workers,
                                   options=receive_limit(cfg.max_request_bytes))

@@ -3,7 +3,8 @@
 Names follow vLLM's (``vllm/v1/metrics/loggers.py``) with the ``pdcluster:`` prefix, so a
 vLLM dashboard ports by replacing the prefix; counters are declared without ``_total``
 (prometheus-client appends it). Every series carries ``role``, ``worker_id`` and
-``model_name``; a few add one label of their own (``finished_reason``, ``code``, ``reason``).
+``model_name``; a few add one label of their own (``finished_reason``, ``code``, ``reason``,
+``failed_role``).
 Units are in the names: ``_seconds``, ``_tokens``, ``_bytes``; ``kv_cache_usage_perc`` is a
 fraction in [0, 1] as in vLLM.
 
@@ -75,6 +76,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("request_success", "counter", "Finished requests by finish reason.", (ROUTER,),
                labels=("finished_reason",)),
     MetricSpec("request_errors", "counter", "Failed requests by status code.", (ROUTER,), labels=("code",)),
+    MetricSpec("request_migrations", "counter",
+               "Requests resumed on other workers after a worker failed them, by the failed worker's role.",
+               (ROUTER,), labels=("failed_role",)),
     MetricSpec("num_requests_running", "gauge", "Requests running (router: relayed; workers: in a batch).",
                (ROUTER, PREFILL, DECODE)),
     MetricSpec("num_requests_waiting", "gauge", "Requests waiting (router: for a worker; workers: for a step).",

@@ -1,0 +1,125 @@
+"""Request migration: which worker failures a request survives, and whom they are blamed on.
+
+When a worker call of a request fails (:meth:`router.core.ActiveRequest._relay`),
+:func:`classify` turns the decode stream's status and the prefill call's status (if
+that call failed) into a :class:`WorkerFailure`:
+
+1. the decode stream failed on its own (a transport error such as UNAVAILABLE "Socket
+   closed" when the decode worker died, a failed decode step, or a stream the worker
+   cut without a status it explains): the **decode** worker is blamed (and, for
+   UNAVAILABLE, marked unreachable in the registry view);
+2. the prefill call failed (the decode stream then ends because the KV never came:
+   policy "error", or the router cancelled it): the **prefill** worker is blamed (and
+   marked unreachable when it was lost, not just its transfer); a prefill worker that
+   could not deliver the KV ("KV transfer failed") casts suspicion on the decode
+   worker too;
+3. the decode worker reports the KV transfer failed (lease expired, corrupt chunk)
+   with no prefill failure known: both workers are suspects, the prefill side blamed.
+
+A failure whose status is in :data:`MIGRATABLE_CODES` is migrated: the router cancels
+both calls (both workers free the request's blocks) and resumes the request on a new
+placement that avoids the suspects, with the tokens already streamed as
+``WorkerRequest.output_token_ids`` (prefilled again after the prompt, the prompt part
+from the prefix cache), so the client sees neither an error nor a repeated or missing
+token. Client-caused endings (cancel, abort) never reach this module, and a refusal
+(INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ALREADY_EXISTS, ...) is not retried. After
+``max_migrations`` migrations (``pdcluster up --max-migrations``) the request fails
+with UNAVAILABLE naming the last cause.
+
+Each migration runs under its own worker-side request id (:func:`attempt_request_id`),
+so a resumed request never collides with its own earlier attempt still being torn
+down on a worker that serves it again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+DEFAULT_MAX_MIGRATIONS = 3
+MAX_MIGRATIONS_LIMIT = 100
+
+#: Statuses of a failed worker call that a request survives by migrating.
+MIGRATABLE_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED,
+})
+_KV = "KV transfer"
+
+
+def check_max_migrations(n: int) -> None:
+    """Raises:
+        ValueError: ``n`` is not an int in ``[0, MAX_MIGRATIONS_LIMIT]`` (the message names
+            ``max_migrations`` and the limit)."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_MIGRATIONS_LIMIT:
+        raise ValueError(f"max_migrations must be an integer in [0, {MAX_MIGRATIONS_LIMIT}], got {n!r}")
+
+
+def attempt_request_id(request_id: str, migration: int) -> str:
+    """The request id the workers see for the request's ``migration``-th migration (0:
+    the first attempt, which keeps the client's id)."""
+    return request_id if migration == 0 else f"{request_id}/migration-{migration}"
+
+
+class WorkerFailure(Exception):
+    """A worker call of one attempt failed.
+
+    Attributes:
+        role: the blamed worker's registry role (``decode``, ``prefill`` or ``colocated``;
+            the metric label of the migration).
+        code: the failed call's gRPC status.
+        message: the cause, naming the blamed worker.
+        suspects: worker ids a new placement avoids.
+        lost: worker ids to mark unreachable in the registry view now.
+    """
+
+    def __init__(self, role: str, code: grpc.StatusCode, message: str, suspects: frozenset[str],
+                 lost: frozenset[str] = frozenset()) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.role = role
+        self.code = code
+        self.message = message
+        self.suspects = suspects
+        self.lost = lost
+
+    @property
+    def migratable(self) -> bool:
+        """Whether the request may resume elsewhere after this failure."""
+        return self.code in MIGRATABLE_CODES
+
+
+@dataclass(frozen=True)
+class Side:
+    """One worker call of an attempt: the worker (``role``, ``worker_id``) and, if the
+    call failed, its status (``code`` None: it did not fail)."""
+
+    role: str
+    worker_id: str
+    code: grpc.StatusCode | None = None
+    details: str = ""
+
+
+def classify(decode: Side, prefill: Side) -> WorkerFailure:
+    """The failure of an attempt whose decode stream failed with ``decode.code`` (rules 1-3
+    of the module docstring); ``prefill.code`` is set when the prefill call failed too."""
+    d_code, d_details = decode.code or grpc.StatusCode.UNKNOWN, decode.details
+    decode_own = _KV not in d_details and (d_code != grpc.StatusCode.CANCELLED or prefill.code is None)
+    if decode_own:
+        lost = frozenset({decode.worker_id}) if d_code == grpc.StatusCode.UNAVAILABLE else frozenset()
+        return WorkerFailure(decode.role, d_code, f"{decode.role} worker {decode.worker_id}: {d_details}",
+                             frozenset({decode.worker_id}), lost)
+    both = frozenset({decode.worker_id, prefill.worker_id})
+    if prefill.code is not None:
+        undelivered = f"{_KV} failed" in prefill.details
+        lost = frozenset() if undelivered or prefill.code != grpc.StatusCode.UNAVAILABLE \
+            else frozenset({prefill.worker_id})
+        return WorkerFailure(prefill.role, prefill.code, f"{prefill.role} worker {prefill.worker_id}: "
+                             f"{prefill.details}", both if undelivered else frozenset({prefill.worker_id}), lost)
+    return WorkerFailure(prefill.role, d_code, f"{decode.role} worker {decode.worker_id}: {d_details}", both)
+
+
+def closed_early(role: str, worker_id: str) -> WorkerFailure:
+    """A decode stream that ended without a finish reason and without an error."""
+    return WorkerFailure(role, grpc.StatusCode.UNAVAILABLE,
+                         f"{role} worker {worker_id} closed the stream before finishing", frozenset({worker_id}))

@@ -1,0 +1,289 @@
+"""Request migration in the router (``router/core.py`` + ``router/migration.py``) against
+scripted workers on real gRPC (loopback), no model: a decode worker that "dies" after a
+few tokens (its stream ends with UNAVAILABLE), a prefill worker that fails, a decode
+worker whose KV never comes (policy "error": ``FailTransfer`` ends its stream).
+
+Checked: the client's stream goes on with no repeated or missing token; the next
+workers get the tokens already streamed as ``output_token_ids`` under the attempt's own
+request id; a stop string held back across the migration still cuts the text; usage and
+the request statistics count each token once; the migration metric and the limit
+(``max_migrations``, then UNAVAILABLE naming the cause; 0: the worker's own status);
+refusals are not retried; the blame rules of :func:`router.migration.classify`; the
+placement avoids failed workers; the ``--max-migrations`` flag is validated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+
+import grpc
+import pytest
+
+from deploy.cli import register
+from deploy.spec import spec_from_args
+from pdcluster.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
+from router.core import RequestRouter, RouterError
+from router.limits import Limits
+from router.load import LoadTracker
+from router.migration import Side, classify
+from router.placement import Placer, make_policy
+from router.policy import RequestContext, Signals
+from router.server import RouterConfig
+from router.stubs import StubCache
+from router.validation import RequestValidator
+from serving.metrics import ProcessMetrics
+from serving.registry import WorkerInfo, WorkerLoadSnapshot
+from serving.security import Plane, SecurityConfig, bind, internal_channel, make_server
+
+OPEN = SecurityConfig()
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+TEXT = " one two three four five six seven eight nine ten eleven twelve"
+
+
+class _Decode(worker_pb2_grpc.DecodeWorkerServicer):
+    """Streams ``seq`` from the request's ``output_token_ids`` on, one token per event, once
+    its KV "arrived" (the prefill call answered); ``die_after`` tokens then UNAVAILABLE."""
+
+    def __init__(self, wid: str, seq: list[int], kv: "_Kv", die_after: int | None = None,
+                 refuse: grpc.StatusCode | None = None) -> None:
+        self.wid, self.seq, self.kv, self.die_after, self.refuse = wid, seq, kv, die_after, refuse
+        self.requests: list[worker_pb2.WorkerRequest] = []
+
+    def Reserve(self, request, context):
+        self.requests.append(request.request)
+        if self.refuse is not None:
+            context.abort(self.refuse, "request needs 99 KV blocks")
+        yield worker_pb2.DecodeEvent(reservation=worker_pb2.KvDestination(worker_id=self.wid))
+        if not self.kv.wait(request.transfer_id):
+            context.abort(UNAVAILABLE, "KV transfer failed: prefill side failed: " + self.kv.why[request.transfer_id])
+        k = len(request.request.output_token_ids)
+        for i, tok in enumerate(self.seq[k:request.request.sampling.max_tokens]):
+            if self.die_after is not None and i == self.die_after:
+                context.abort(UNAVAILABLE, "Socket closed")
+            last = k + i + 1 == request.request.sampling.max_tokens
+            yield worker_pb2.DecodeEvent(tokens=worker_pb2.TokenDelta(
+                token_ids=[tok], finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0))
+
+    def FailTransfer(self, request, context):
+        self.kv.fail(request.transfer_id, request.reason)
+        return worker_pb2.FailTransferResponse(outcome=worker_pb2.FailTransferResponse.OUTCOME_FAILED)
+
+    def Abort(self, request, context):
+        return worker_pb2.WorkerAbortResponse(found=False)
+
+
+class _Kv:
+    """Which transfers delivered their KV (a prefill call answered) or failed."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.done: set[str] = set()
+        self.why: dict[str, str] = {}
+
+    def deliver(self, tid: str) -> None:
+        with self.cond:
+            self.done.add(tid)
+            self.cond.notify_all()
+
+    def fail(self, tid: str, why: str) -> None:
+        with self.cond:
+            self.why[tid] = why
+            self.cond.notify_all()
+
+    def wait(self, tid: str) -> bool:
+        with self.cond:
+            assert self.cond.wait_for(lambda: tid in self.done or tid in self.why, timeout=10)
+            return tid in self.done
+
+
+class _Prefill(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, kv: _Kv, fail: bool = False) -> None:
+        self.kv, self.fail = kv, fail
+        self.requests: list[worker_pb2.PrefillRequest] = []
+
+    def Prefill(self, request, context):
+        self.requests.append(request)
+        if self.fail:
+            context.abort(UNAVAILABLE, "Socket closed")
+        self.kv.deliver(request.transfer_id)
+        return worker_pb2.PrefillResponse(cached_prompt_tokens=len(request.request.prompt_token_ids) +
+                                          len(request.request.output_token_ids))
+
+
+class _View:
+    def __init__(self, workers) -> None:
+        self.workers_list = workers
+        self.marked: list[str] = []
+
+    def workers(self, role=None):
+        return [(w, WorkerLoadSnapshot(num_free_blocks=10, num_total_blocks=10)) for w in self.workers_list
+                if (role is None or w.role == role) and w.worker_id not in self.marked]
+
+    workers_now = workers
+
+    def mark_unreachable(self, worker_id: str) -> None:
+        self.marked.append(worker_id)
+
+
+@pytest.fixture
+def cluster(tokenizer):
+    """``make(decodes, prefills, max_migrations)`` -> a RequestRouter over those servicers
+    (worker ids in list order: d0, d1, ... / p0, ...)."""
+    servers = []
+
+    def make(decodes, prefills, max_migrations=3):
+        infos = []
+        for role, servicers, add in (("decode", decodes, worker_pb2_grpc.add_DecodeWorkerServicer_to_server),
+                                     ("prefill", prefills, worker_pb2_grpc.add_PrefillWorkerServicer_to_server)):
+            for i, servicer in enumerate(servicers):
+                server = make_server(OPEN, Plane.INTERNAL, max_workers=8)
+                add(servicer, server)
+                port = bind(server, "127.0.0.1", 0, OPEN, Plane.INTERNAL)
+                server.start()
+                servers.append(server)
+                infos.append(WorkerInfo(worker_id=f"{role[0]}{i}", role=role, address=f"127.0.0.1:{port}"))
+        load = LoadTracker()
+        view = _View(infos)
+        return RequestRouter(RequestValidator(tokenizer, Limits(512, tokenizer.vocab_size + 100)), tokenizer,
+                             Placer(view, make_policy("round_robin", Signals(load))), load,
+                             ProcessMetrics("router", "router", "m"), StubCache(lambda a: internal_channel(OPEN, a)),
+                             max_migrations=max_migrations)
+
+    yield make
+    for s in servers:
+        s.stop(None)
+
+
+def _generate(router: RequestRouter, prompt: str, max_tokens: int, stop=(), stream=True):
+    req = router_pb2.GenerateRequest(request_id="req-1", text=prompt, stream=stream, sampling=common_pb2.SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, stop=list(stop)))
+    return list(router.start(req).responses())
+
+
+def _metric(router: RequestRouter, name: str, **labels) -> float:
+    return router.metrics.get(name, **labels)._value.get()
+
+
+def test_decode_death_resumes_on_another_decode_worker(cluster, tokenizer):
+    seq = tokenizer.encode(TEXT, add_special_tokens=False)
+    kv = _Kv()
+    dying, healthy, prefill = _Decode("d0", seq, kv, die_after=4), _Decode("d1", seq, kv), _Prefill(kv)
+    router = cluster([dying, healthy], [prefill])
+    msgs = _generate(router, "Count:", len(seq))
+    streamed = [t for m in msgs for t in m.token_ids]
+    assert streamed == seq, "a token was repeated or lost"
+    assert "".join(m.text for m in msgs) == TEXT
+    assert healthy.requests[0].request_id == "req-1/migration-1"
+    assert list(healthy.requests[0].output_token_ids) == seq[:4]
+    assert list(prefill.requests[1].request.output_token_ids) == seq[:4]
+    usage = msgs[-1].usage
+    prompt_len = len(tokenizer.encode("Count:"))
+    assert (usage.prompt_tokens, usage.completion_tokens) == (prompt_len, len(seq))
+    assert usage.cached_prompt_tokens == prompt_len  # the first prefill's answer, not the migration's
+    assert _metric(router, "request_migrations", failed_role="decode") == 1
+    assert _metric(router, "generation_tokens") == len(seq)
+    assert _metric(router, "request_success", finished_reason="length") == 1
+    assert router.placer.view.marked == ["d0"]
+    assert router.load.in_flight("d0") == router.load.in_flight("d1") == router.load.in_flight("p0") == 0
+
+
+def test_stop_string_held_back_across_a_migration(cluster, tokenizer):
+    seq = tokenizer.encode(TEXT, add_special_tokens=False)
+    dies_at = len(tokenizer.encode(" one two three four", add_special_tokens=False))
+    kv = _Kv()
+    router = cluster([_Decode("d0", seq, kv, die_after=dies_at), _Decode("d1", seq, kv)], [_Prefill(kv)])
+    for stream in (True, False):
+        msgs = _generate(router, "Count:", len(seq), stop=[" four five"], stream=stream)
+        assert "".join(m.text for m in msgs) == " one two three"
+        assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+def test_at_most_max_migrations_then_unavailable_naming_the_cause(cluster, tokenizer):
+    seq = tokenizer.encode(TEXT, add_special_tokens=False)
+    kv = _Kv()
+    decodes = [_Decode("d0", seq, kv, die_after=1), _Decode("d1", seq, kv, die_after=1)]
+    router = cluster(decodes, [_Prefill(kv)], max_migrations=3)
+    router.placer.view.mark_unreachable = lambda wid: None  # both stay listed: tried again in turn
+    with pytest.raises(RouterError) as exc:
+        _generate(router, "Count:", len(seq))
+    assert exc.value.code == UNAVAILABLE
+    assert "failed after 3 migrations" in exc.value.message and "Socket closed" in exc.value.message
+    assert sum(len(d.requests) for d in decodes) == 4
+    assert [len(r.output_token_ids) for d in decodes for r in d.requests] == [0, 2, 1, 3]
+    assert _metric(router, "request_migrations", failed_role="decode") == 3
+    assert _metric(router, "request_errors", code="UNAVAILABLE") == 1
+
+
+def test_no_migration_when_disabled_or_refused(cluster, tokenizer):
+    seq = tokenizer.encode(TEXT, add_special_tokens=False)
+    kv = _Kv()
+    router = cluster([_Decode("d0", seq, kv, die_after=2), _Decode("d1", seq, kv)], [_Prefill(kv)],
+                     max_migrations=0)
+    with pytest.raises(RouterError) as exc:
+        _generate(router, "Count:", len(seq))
+    assert (exc.value.code, exc.value.message) == (UNAVAILABLE, "decode worker d0: Socket closed")
+    refusing = _Decode("d0", seq, kv, refuse=grpc.StatusCode.RESOURCE_EXHAUSTED)
+    router = cluster([refusing, _Decode("d1", seq, kv)], [_Prefill(kv)])
+    with pytest.raises(RouterError) as exc:
+        _generate(router, "Count:", len(seq))
+    assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert _metric(router, "request_migrations", failed_role="decode") == 0
+
+
+def test_failed_prefill_retries_on_another_prefill_worker(cluster, tokenizer):
+    seq = tokenizer.encode(TEXT, add_special_tokens=False)
+    kv = _Kv()
+    dead, alive = _Prefill(kv, fail=True), _Prefill(kv)
+    router = cluster([_Decode("d0", seq, kv)], [dead, alive])
+    msgs = _generate(router, "Count:", len(seq))
+    assert [t for m in msgs for t in m.token_ids] == seq
+    assert len(dead.requests) == len(alive.requests) == 1
+    assert alive.requests[0].request.request_id == "req-1/migration-1"
+    assert not alive.requests[0].request.output_token_ids
+    assert _metric(router, "request_migrations", failed_role="prefill") == 1
+    assert router.placer.view.marked == ["p0"]
+
+
+@pytest.mark.parametrize("decode,prefill,role,suspects,lost", [
+    # the decode worker died: its stream broke (the prefill may have failed to deliver as well)
+    ((UNAVAILABLE, "Socket closed"), None, "decode", {"d"}, {"d"}),
+    ((UNAVAILABLE, "Socket closed"), (UNAVAILABLE, "KV transfer failed: x"), "decode", {"d"}, {"d"}),
+    ((grpc.StatusCode.INTERNAL, "decode step failed: boom"), None, "decode", {"d"}, set()),
+    # the prefill worker died: the decode stream ends (policy "error") or was cancelled
+    ((UNAVAILABLE, "KV transfer failed: prefill side failed: p"), (UNAVAILABLE, "Socket closed"),
+     "prefill", {"p"}, {"p"}),
+    ((grpc.StatusCode.CANCELLED, "Locally cancelled"), (UNAVAILABLE, "Socket closed"), "prefill", {"p"}, {"p"}),
+    # the prefill worker could not deliver (decode unreachable): both suspected, none marked
+    ((grpc.StatusCode.CANCELLED, "Locally cancelled"), (UNAVAILABLE, "KV transfer failed: timeout"),
+     "prefill", {"p", "d"}, set()),
+    # the decode worker's lease expired with no prefill failure known
+    ((UNAVAILABLE, "KV transfer lease expired after 1.0s"), None, "prefill", {"p", "d"}, set()),
+])
+def test_classify_blames_the_failed_worker(decode, prefill, role, suspects, lost):
+    f = classify(Side("decode", "d", *decode), Side("prefill", "p", *(prefill or (None, ""))))
+    assert (f.role, set(f.suspects), set(f.lost), f.migratable) == (role, suspects, lost, True)
+    refused = classify(Side("decode", "d", grpc.StatusCode.RESOURCE_EXHAUSTED, "too big"), Side("prefill", "p"))
+    assert not refused.migratable
+
+
+def test_placement_avoids_failed_workers_unless_none_is_left():
+    infos = [WorkerInfo(worker_id=w, role=r, address="x:1") for w, r in
+             (("d0", "decode"), ("d1", "decode"), ("p0", "prefill"))]
+    placer = Placer(_View(infos), make_policy("least_loaded", Signals(LoadTracker())))
+    request = RequestContext("r", [1, 2, 3])
+    assert placer.place(request).decode.worker_id == "d0"
+    got = placer.place(request, avoid=frozenset({"d0", "p0"}))
+    assert (got.decode.worker_id, got.prefill.worker_id) == ("d1", "p0")  # p0 is the only prefill worker
+
+
+def test_max_migrations_flag_and_config_are_validated():
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(), None)
+    args = parser.parse_args(["up", "--max-migrations", "5"])
+    assert spec_from_args(args, "redis://x:1").router.max_migrations == 5
+    assert parser.parse_args(["up"]).max_migrations == 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["up", "--max-migrations", "-1"])
+    with pytest.raises(ValueError, match=r"max_migrations must be an integer in \[0, 100\], got 101"):
+        RouterConfig(model="m", model_path="/x", redis_url="redis://x:1", max_migrations=101)
