@@ -43,8 +43,15 @@ import grpc
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
 from router.handle import RequestHandle, status_of
 from router.load import LoadTracker
-from router.migration import DEFAULT_MAX_MIGRATIONS, Side, WorkerFailure, attempt_request_id, \
-    check_max_migrations, classify, closed_early
+from router.migration import (
+    DEFAULT_MAX_MIGRATIONS,
+    Side,
+    WorkerFailure,
+    attempt_request_id,
+    check_max_migrations,
+    classify,
+    closed_early,
+)
 from router.output import OutputAssembler
 from router.placement import Placer
 from router.policy import NoWorkerError, RequestContext

@@ -132,8 +132,8 @@ class RouterServer:
         prompt_bytes = cfg.max_prompt_bytes or prompt_byte_cap(tokenizer, max_len)
         self.core = RequestRouter(
             RequestValidator(tokenizer, Limits(max_len, model_cfg.vocab_size, max_prompt_bytes=prompt_bytes)),
-            tokenizer, Placer(self.view, policy), load, self.metrics, StubCache(partial(internal_channel, cfg.security)),
-            max_migrations=cfg.max_migrations)
+            tokenizer, Placer(self.view, policy), load, self.metrics,
+            StubCache(partial(internal_channel, cfg.security)), max_migrations=cfg.max_migrations)
         self.servicer = RouterServicer(self.core, info)
         self.server = make_server(cfg.security, Plane.PUBLIC, max_workers=cfg.max_workers,
                                   options=receive_limit(cfg.max_request_bytes))

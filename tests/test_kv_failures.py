@@ -8,8 +8,8 @@ faulty --kv-transport-module tests.kv_faults``, around ``grpc``), loaded by ever
   under "recompute" the decode worker rebuilds the prompt's KV itself and the answer
   is token-exact against HF transformers (and a seeded one equals a colocated run).
 * A prefill worker killed mid-transfer (``fault=delay`` holds every chunk, so transfers stay
-  open): the decode worker's reserved blocks come back within the lease + 1 s, the
-  request ends with UNAVAILABLE and a new request is served token-exact.
+  open), request migration off: the decode worker's reserved blocks come back within the
+  lease + 1 s, the request ends with UNAVAILABLE and a new request is served token-exact.
 * A stale replay: chunks of a finished transfer pushed again while another request
   decodes in its reused blocks are turned away ("stale:") and change nothing.
 
@@ -232,7 +232,10 @@ class TestCorruptChunkRecompute:
 class TestPrefillKilledMidTransfer:
     """Policy "error", two prefill workers, every chunk delayed 0.15 s (15 chunks of 2
     layers: a transfer takes ~2.3 s), lease 4 s. The lease runs from the reservation
-    (it is not renewed by arriving chunks), so it must outlast a whole healthy transfer."""
+    (it is not renewed by arriving chunks), so it must outlast a whole healthy transfer.
+    Request migration is off (``--max-migrations 0``): this checks what the decode side
+    does with the lost transfer and the error the client then gets; a migrated request
+    (resumed on the other prefill worker) is ``tests/test_e2e_migration.py``'s."""
 
     LEASE_S = 4.0
     DELAY_S = 0.15
@@ -243,7 +246,7 @@ class TestPrefillKilledMidTransfer:
         with running_cluster(tmp_path_factory.mktemp("state"), *SMALL, "--prefill", "2", "--decode", "1",
                              "--max-model-len", "256", "--num-kv-blocks", "64", "--kv-layers-per-chunk", "2",
                              *_faulty("delay", delay_s=str(self.DELAY_S)), "--kv-lease-s", str(self.LEASE_S),
-                             "--kv-failure-policy", "error") as state:
+                             "--kv-failure-policy", "error", "--max-migrations", "0") as state:
             yield state
 
     def test_kill_prefill_worker_mid_transfer(self, cluster, hf_model, tokenizer):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import pytest
 
 from engine.block_pool import blocks_needed
-from engine.sampling import SamplingOptions
 from pdcluster.v1 import common_pb2, worker_pb2
 from serving.convert import request_from_proto
 

@@ -1,7 +1,8 @@
-"""A 2 prefill + 2 decode cluster: cache-aware routing sends a repeated prompt to the
-prefill worker holding its prefix; killing a worker ends its in-flight requests with
-UNAVAILABLE (no hang), the router stops choosing it within 2 heartbeat intervals, and
-nothing leaks elsewhere."""
+"""A 2 prefill + 2 decode cluster with request migration off (``--max-migrations 0``):
+cache-aware routing sends a repeated prompt to the prefill worker holding its prefix;
+killing a worker ends its in-flight requests with UNAVAILABLE (no hang), the router stops
+choosing it within 2 heartbeat intervals, and nothing leaks elsewhere. (With migration on,
+the default, those requests resume on the other workers: ``tests/test_e2e_migration.py``.)"""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ HEARTBEAT_S = 0.5
 def cluster(tmp_path_factory):
     with running_cluster(tmp_path_factory.mktemp("state"), "--prefill", "2", "--decode", "2",
                          "--max-model-len", "1024", "--num-kv-blocks", "400",
-                         "--heartbeat-s", str(HEARTBEAT_S)) as state:
+                         "--heartbeat-s", str(HEARTBEAT_S), "--max-migrations", "0") as state:
         yield state
 
 
