@@ -42,17 +42,21 @@ REPORT_KEY = "controller"
 
 
 def probe_worker(entry: dict, timeout_s: float) -> tuple[Probe, str]:
-    """Ask a worker's actor how it is; returns the probe and a detail (a start error's last line)."""
+    """Ask a worker's actor how it is; returns the probe and a detail (a start error's last line).
+
+    Only an actor whose name Ray no longer knows is ``DEAD`` (Ray frees the name of an actor
+    that will not come back); a call that fails or times out means ``UNRESPONSIVE``: Ray
+    raises ``ActorUnavailableError`` / ``ActorDiedError`` for calls to a paused or restarting
+    actor too.
+    """
     try:
         actor = ray.get_actor(entry["actor"], namespace=NAMESPACE)
     except ValueError:
         return Probe.DEAD, "no such actor"
     try:
         st = ray.get(actor.status.remote(), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        return Probe.UNRESPONSIVE, ""
-    except ray.exceptions.RayActorError as e:
-        return Probe.DEAD, type(e).__name__
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as e:
+        return Probe.UNRESPONSIVE, type(e).__name__
     lines = st["error"].strip().splitlines()
     return Probe(st["phase"]), lines[-1] if lines else ""
 

@@ -215,9 +215,7 @@ def up(args) -> dict:
         state.update(launch(spec))
         wait_healthy(state["redis_url"], args.cluster, sum(spec.counts().values()), state["router_address"],
                      args.timeout_s, router_tls=spec.router.security.public_tls)
-        redis = RedisSpec(state["redis_url"], state["redis_dir"]) if state.get("started_redis") else None
-        controller = start_controller(state, HealConfig(period_s=spec.worker.heartbeat_s), redis)
-        ray.get(controller.report.remote(), timeout=args.timeout_s)  # constructed: it watches from now on
+        _start_controller(state, spec.worker.heartbeat_s, args.timeout_s)
     except BaseException:
         _cleanup(state)
         raise
@@ -226,6 +224,14 @@ def up(args) -> dict:
             ray.shutdown()
     write_state(state_dir, state)
     return state
+
+
+def _start_controller(state: dict, period_s: float, timeout_s: float) -> None:
+    """Start the cluster controller (:mod:`deploy.controller`), supervising Redis where ``up``
+    started it, and wait until it watches."""
+    redis = RedisSpec(state["redis_url"], state["redis_dir"]) if state.get("started_redis") else None
+    controller = start_controller(state, HealConfig(period_s=period_s), redis)
+    ray.get(controller.report.remote(), timeout=timeout_s)
 
 
 def internal_ca(state: dict) -> KeyPair | None:
