@@ -302,6 +302,14 @@ class WorkerRegistry:
         raw = self._r.get(f"{self.prefix}state:{key}")
         return json.loads(raw) if raw is not None else None
 
+    def server_pid(self) -> int:
+        """Process id of the Redis server (``INFO server``), for supervision and fault injection.
+
+        Raises:
+            redis.exceptions.RedisError: Redis unreachable or failing.
+        """
+        return int(self._r.info("server")["process_id"])
+
     def close(self) -> None:
         """Release the connection pool."""
         self._r.close()

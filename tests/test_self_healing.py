@@ -138,7 +138,7 @@ def test_killed_router_comes_back_on_the_same_address(cluster):
 
 def test_killed_redis_is_restarted_and_nothing_fails(cluster):
     reg = WorkerRegistry(cluster["redis_url"], cluster["cluster"])
-    pid = int(reg._r.info("server")["process_id"])
+    pid = reg.server_pid()
     reg.close()
     with Traffic(cluster) as traffic:
         time.sleep(1.0)
