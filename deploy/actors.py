@@ -1,54 +1,113 @@
 """Ray actors hosting the router and the workers.
 
-Each actor is one process: it builds its server in ``start()`` (so a failure is
-reported to the caller of ``start``, with its traceback) and serves from its
-own threads; the actor's method calls are only control (load, drain, stop, pid).
+Each actor is one process, restarted by Ray when it dies (``max_restarts=-1``: a crash,
+``kill -9``, its node leaving — Ray re-places the actor in its placement-group bundle, which
+Ray itself moves to a remaining node). A worker actor starts its server from ``__init__`` on
+a background thread, so a restarted actor comes back serving with no caller: it loads the
+model, binds new ports and registers under the next generation
+(:meth:`serving.registry.WorkerRegistry.next_generation`). ``start()`` waits for that and
+reports its address or its failure (with traceback); ``status()`` answers at once
+(``loading`` / ``serving`` / ``failed``), which is how the cluster controller
+(:mod:`deploy.controller`) tells a loading worker from a hung one. The actors' methods are
+only control (status, load, drain, stop); requests go to the gRPC servers.
 
-A worker binds its gRPC server to its Ray node's IP address (the address the
-other nodes reach it at; ``127.0.0.1`` in a loopback-only local cluster).
+A worker binds its gRPC server to its Ray node's IP address (the address the other nodes
+reach it at; ``127.0.0.1`` in a loopback-only local cluster). The router restarts on the
+ports it first bound (kept in Redis by :mod:`deploy.router_ports`), so clients reconnect
+to the same address.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import traceback
+import warnings
 from dataclasses import replace
 
 import ray
 
 from serving.worker_config import WorkerConfig
 
+log = logging.getLogger(__name__)
+RESTARTS = -1  # Ray restarts a dead actor without limit; the controller bounds restart storms
+
+
+def was_restarted() -> bool:
+    """Whether this actor process is a restart of one that died (Ray's reconstruction)."""
+    with warnings.catch_warnings():  # Ray's own property trips its deprecation warning
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return ray.get_runtime_context().was_current_actor_reconstructed
+
 
 def _node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
-@ray.remote(max_restarts=0)
+def _create_host(cfg: WorkerConfig, node_id: str):
+    if cfg.role == "prefill":
+        from prefill_worker.worker import create_prefill_worker
+
+        return create_prefill_worker(cfg, node_id=node_id)
+    if cfg.role == "decode":
+        from decode_worker.worker import create_decode_worker
+
+        return create_decode_worker(cfg, node_id=node_id)
+    from colocated_worker.worker import create_colocated_worker
+
+    return create_colocated_worker(cfg, node_id=node_id)
+
+
+@ray.remote(max_restarts=RESTARTS, max_task_retries=0, max_concurrency=4)
 class WorkerActor:
-    """Hosts one prefill, decode or colocated worker."""
+    """Hosts one prefill, decode or colocated worker; starts it on construction."""
 
     def __init__(self, cfg: WorkerConfig) -> None:
         cfg.log.apply()
         self.cfg = cfg
         self.host = None
+        self.phase = "loading"
+        self.error = ""
+        self.info: dict = {}
+        self.restarted = was_restarted()
+        self._ready = threading.Event()
+        threading.Thread(target=self._start, name="worker-start", daemon=True).start()
 
-    def start(self) -> dict:
-        """Load the model, start serving, register; returns ``{address, pid, node_id, node_ip}``."""
+    def _start(self) -> None:
         node_id = ray.get_runtime_context().get_node_id()
         cfg = replace(self.cfg, host=_node_ip())
-        if cfg.role == "prefill":
-            from prefill_worker.worker import create_prefill_worker
+        try:
+            self.host = _create_host(cfg, node_id)
+            address = self.host.start()
+            self.info = {"address": address, "pid": os.getpid(), "node_id": node_id, "node_ip": cfg.host,
+                         "generation": self.host.info.generation}
+            self.phase = "serving"
+            if self.restarted:
+                log.warning("worker %s restarted after a crash: serving again on %s (generation %d)",
+                            cfg.worker_id, address, self.host.info.generation)
+        except BaseException:  # noqa: BLE001 - reported by start() / status()
+            self.error = traceback.format_exc()
+            self.phase = "failed"
+            log.error("worker %s failed to start:\n%s", cfg.worker_id, self.error)
+        finally:
+            self._ready.set()
 
-            self.host = create_prefill_worker(cfg, node_id=node_id)
-        elif cfg.role == "decode":
-            from decode_worker.worker import create_decode_worker
+    def start(self, timeout_s: float | None = None) -> dict:
+        """Wait until the worker serves; returns ``{address, pid, node_id, node_ip, generation}``.
 
-            self.host = create_decode_worker(cfg, node_id=node_id)
-        else:
-            from colocated_worker.worker import create_colocated_worker
+        Raises:
+            RuntimeError: it failed to start (with the traceback), or did not within ``timeout_s``.
+        """
+        if not self._ready.wait(timeout_s):
+            raise RuntimeError(f"worker {self.cfg.worker_id} did not start within {timeout_s}s")
+        if self.phase != "serving":
+            raise RuntimeError(f"worker {self.cfg.worker_id} failed to start:\n{self.error}")
+        return self.info
 
-            self.host = create_colocated_worker(cfg, node_id=node_id)
-        address = self.host.start()
-        return {"address": address, "pid": os.getpid(), "node_id": node_id, "node_ip": cfg.host}
+    def status(self) -> dict:
+        """``{phase, error, restarted, pid}`` now (never waits for the model to load)."""
+        return {"phase": self.phase, "error": self.error[-2000:], "restarted": self.restarted, "pid": os.getpid()}
 
     def load(self) -> dict:
         return self.host.scheduler.load() if self.host else {}
@@ -67,29 +126,53 @@ class WorkerActor:
             self.host = None
 
 
-@ray.remote(max_restarts=0)
+@ray.remote(max_restarts=RESTARTS, max_task_retries=0, max_concurrency=4)
 class RouterActor:
     """Hosts the router (no torch compute; tokenizer and gRPC threads only).
 
-    A router configured to listen on ``0.0.0.0`` reports its node's IP address.
+    A router configured to listen on ``0.0.0.0`` reports its node's IP address. After a
+    crash Ray reconstructs it and it serves again on the ports it first bound (read from
+    Redis, waiting for Redis if it is down too); its view of the workers and their load is
+    rebuilt from the registry, which is all the state a router has.
     """
 
     def __init__(self, cfg) -> None:
         cfg.log.apply()
         self.cfg = cfg
         self.server = None
+        self.result: dict = {}
+        if was_restarted():
+            threading.Thread(target=self._restart, name="router-restart", daemon=True).start()
+
+    def _restart(self) -> None:
+        from deploy.router_ports import wait_router_ports
+
+        ports = wait_router_ports(self.cfg.redis_url, self.cfg.cluster)
+        self.cfg = replace(self.cfg, port=ports["port"],
+                           http_port=ports["http_port"] if self.cfg.http_port is not None else None)
+        self.start()
+        log.warning("router restarted after a crash: serving again on %s", self.result["address"])
 
     def start(self) -> dict:
+        """Build and start the servers; returns ``{address, http_address, pid, node_id}``."""
+        from deploy.router_ports import save_router_ports
         from router.server import RouterServer
 
         self.server = RouterServer(self.cfg)
         address = self.server.start()
         http = self.server.http_address
+        save_router_ports(self.cfg.redis_url, self.cfg.cluster, self.server.port,
+                          self.server.http.port if self.server.http else None)
         if self.cfg.host == "0.0.0.0":
             address = f"{_node_ip()}:{self.server.port}"
             http = f"{_node_ip()}:{self.server.http.port}" if http else ""
-        return {"address": address, "http_address": http, "pid": os.getpid(),
-                "node_id": ray.get_runtime_context().get_node_id()}
+        self.result = {"address": address, "http_address": http, "pid": os.getpid(),
+                       "node_id": ray.get_runtime_context().get_node_id()}
+        return self.result
+
+    def status(self) -> dict:
+        """``{serving, pid, address}`` now."""
+        return {"serving": self.serving(), "pid": os.getpid(), "address": self.result.get("address", "")}
 
     def serving(self) -> bool:
         """Whether the router can serve requests now (its health service says SERVING)."""

@@ -122,12 +122,8 @@ def start_workers(cluster: str, template: WorkerConfig, shape: WorkerShape, plac
     pg = reserve(bundles, placement.ray_strategy, pg_name, placement.timeout_s)
     actors, infos = [], []
     for i, (role, wid) in enumerate(new):
-        cfg = template.for_role(role, wid, num_threads=shape.threads, device=shape.device)
-        actors.append(WorkerActor.options(
-            name=actor_name(cluster, wid), namespace=NAMESPACE, lifetime="detached",
-            num_cpus=shape.cpus, num_gpus=shape.gpus,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-        ).remote(cfg))
+        actors.append(create_worker_actor(cluster, template.for_role(role, wid, num_threads=shape.threads,
+                                                                     device=shape.device), shape, pg, i))
         infos.append({"worker_id": wid, "role": role, "actor": actor_name(cluster, wid),
                       "placement_group": pg_name, "bundle_index": i})
     try:
@@ -139,6 +135,30 @@ def start_workers(cluster: str, template: WorkerConfig, shape: WorkerShape, plac
     for info, s in zip(infos, started):
         info.update(s)
     return infos
+
+
+def create_worker_actor(cluster: str, cfg: WorkerConfig, shape: WorkerShape, pg, bundle_index: int):
+    """Create the detached actor of one worker in bundle ``bundle_index`` of placement group ``pg``
+    (it starts loading at once: :class:`deploy.actors.WorkerActor`); returns its handle."""
+    return WorkerActor.options(
+        name=actor_name(cluster, cfg.worker_id), namespace=NAMESPACE, lifetime="detached",
+        num_cpus=shape.cpus, num_gpus=shape.gpus,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index),
+    ).remote(cfg)
+
+
+def recreate_worker(state: dict, entry: dict) -> None:
+    """Create again the actor of a desired worker whose actor is gone for good, with the same id
+    in the same placement-group bundle (it registers under the next generation).
+
+    Raises:
+        ValueError: its placement group no longer exists.
+    """
+    template = worker_config_from_dict(state["worker_template"])
+    shape = WorkerShape(**state["shape"])
+    cfg = template.for_role(entry["role"], entry["worker_id"], num_threads=shape.threads, device=shape.device)
+    pg = ray.util.get_placement_group(entry["placement_group"])
+    create_worker_actor(state["cluster"], cfg, shape, pg, entry["bundle_index"])
 
 
 def launch(spec: ClusterSpec) -> dict:
@@ -202,8 +222,10 @@ def remove_groups(names: list[str]) -> None:
 
 
 def teardown(state: dict) -> None:
-    """Stop and kill every actor of the cluster and remove its placement groups (idempotent)."""
+    """Stop and kill every actor of the cluster (its controller first, so that nothing is
+    restarted) and remove its placement groups (idempotent)."""
     cluster = state["cluster"]
+    kill_actors([actor_name(cluster, "controller")])
     kill_actors([w["actor"] for w in state.get("workers", [])] + [actor_name(cluster, "router")])
     groups = list(state.get("placement_groups", []))
     if state.get("placement_group"):  # state files written before scaling existed
@@ -217,5 +239,5 @@ def default_worker_config(**kw) -> WorkerConfig:
 
 
 __all__ = ["CacheConfig", "ClusterSpec", "PlacementConfig", "PlacementError", "SchedulerConfig", "WORKER_ROLES",
-           "launch", "start_workers", "teardown", "kill_actors", "remove_groups", "head_node_id",
+           "launch", "start_workers", "create_worker_actor", "recreate_worker", "teardown", "kill_actors", "remove_groups", "head_node_id",
            "worker_config_to_dict", "worker_config_from_dict", "default_worker_config", "actor_name", "NAMESPACE"]

@@ -27,6 +27,7 @@ import ray
 
 from common.model_config import ConfigError
 from deploy.cluster import NAMESPACE, WORKER_ROLES, actor_name, head_node_id, launch, teardown
+from deploy.controller import HealConfig, RedisSpec, start_controller
 from deploy.placement import PlacementError
 from deploy.ray_env import LOOPBACK_ENV, check_ray_reachable
 from deploy.redis_control import stop_redis_at
@@ -214,6 +215,7 @@ def up(args) -> dict:
         state.update(launch(spec))
         wait_healthy(state["redis_url"], args.cluster, sum(spec.counts().values()), state["router_address"],
                      args.timeout_s, router_tls=spec.router.security.public_tls)
+        _start_controller(state, spec.worker.heartbeat_s, args.timeout_s)
     except BaseException:
         _cleanup(state)
         raise
@@ -222,6 +224,14 @@ def up(args) -> dict:
             ray.shutdown()
     write_state(state_dir, state)
     return state
+
+
+def _start_controller(state: dict, period_s: float, timeout_s: float) -> None:
+    """Start the cluster controller (:mod:`deploy.controller`), supervising Redis where ``up``
+    started it, and wait until it watches."""
+    redis = RedisSpec(state["redis_url"], state["redis_dir"]) if state.get("started_redis") else None
+    controller = start_controller(state, HealConfig(period_s=period_s), redis)
+    ray.get(controller.report.remote(), timeout=timeout_s)
 
 
 def internal_ca(state: dict) -> KeyPair | None:
@@ -246,7 +256,8 @@ def _start_redis(args, state: dict, state_dir: Path) -> str:
 
     It listens on this node's Ray IP address, so workers on other nodes reach it (on
     127.0.0.1 in a loopback-only local cluster), always with a random password (in the
-    URL and the 0600 state file).
+    URL and the 0600 state file), and keeps an append-only file in ``<state-dir>/redis``:
+    the cluster controller restarts it there when it dies (:mod:`deploy.redis_supervisor`).
 
     Raises:
         RuntimeError: ``up`` does not run on the Ray head node (the router and Redis
@@ -258,8 +269,8 @@ def _start_redis(args, state: dict, state_dir: Path) -> str:
     host = "127.0.0.1" if args.local else ray.util.get_node_ip_address()
     password = secrets.token_hex(16)  # always: any local user could otherwise rewrite the registry
     redis = LocalRedisServer(state_dir / "redis", port=args.redis_port or None, host=host, detach=True,
-                             password=password).start()
-    state.update(started_redis=True, redis_pid=redis.pid, redis_url=redis.url)
+                             password=password, persist=True).start()
+    state.update(started_redis=True, redis_pid=redis.pid, redis_url=redis.url, redis_dir=str(state_dir / "redis"))
     return redis.url
 
 

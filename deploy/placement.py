@@ -111,6 +111,12 @@ class WorkerShape:
 def decide_shape(cluster_resources: dict, num_workers: int, device: str, worker_cpus: float | None) -> WorkerShape:
     """One GPU per worker where the cluster has GPUs (and ``device`` allows), else a CPU share.
 
+    On CPU a worker gets the torch threads of its share of the cluster's CPUs but its bundle
+    reserves half that share (at most half a CPU), so that ``pdcluster scale`` can add as many
+    workers again on the same machines without a restart: workers then share cores (on this
+    2-core machine a 1P+1D cluster can grow to 4 workers). ``worker_cpus`` reserves exactly
+    that many.
+
     Args:
         cluster_resources: ``ray.cluster_resources()``.
         num_workers: workers placed now (the CPU share divides among them).
@@ -122,7 +128,7 @@ def decide_shape(cluster_resources: dict, num_workers: int, device: str, worker_
     cpus = cluster_resources.get("CPU", 1.0)
     if worker_cpus is not None:
         return WorkerShape(worker_cpus, 0.0, max(1, math.floor(worker_cpus)), "cpu")
-    return WorkerShape(min(1.0, cpus / num_workers), 0.0, max(1, math.floor(cpus / num_workers)), "cpu")
+    return WorkerShape(min(1.0, cpus / num_workers) / 2, 0.0, max(1, math.floor(cpus / num_workers)), "cpu")
 
 
 def reserve(bundles: list[dict], strategy: str, name: str, timeout_s: float) -> PlacementGroup:

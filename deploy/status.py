@@ -1,4 +1,6 @@
-"""``pdcluster status``: the live workers of a cluster, from the Redis registry."""
+"""``pdcluster status``: the live workers of a cluster (from the Redis registry) against the
+desired ones (from the cluster controller's report, :mod:`deploy.controller`), and why a
+missing worker is missing."""
 
 from __future__ import annotations
 
@@ -12,38 +14,64 @@ from rich.table import Table
 
 from serving.registry import WorkerRegistry
 
+ROLES = ("prefill", "decode", "colocated")
 
-def collect(state: dict) -> list[dict]:
-    """One dict per live worker: id, role, address, node, load and KV blocks."""
+
+def collect(state: dict) -> dict:
+    """``{workers: [one dict per live worker], desired: {role: n}, live: {role: n},
+    missing: [{worker_id, role, reason, restarts}], controller: bool}``.
+
+    Raises:
+        redis.exceptions.RedisError: the cluster's Redis cannot be reached.
+    """
     reg = WorkerRegistry(state["redis_url"], state["cluster"])
-    rows = []
-    for info, load in reg.live_workers():
-        rows.append({
-            "worker_id": info.worker_id, "role": info.role, "address": info.address,
-            "node_id": info.node_id[:12], "num_waiting": load.num_waiting, "num_running": load.num_running,
-            "num_free_blocks": load.num_free_blocks, "num_total_blocks": load.num_total_blocks,
-            "draining": load.draining, "heartbeat_age_s": round(time.time() - load.updated_at, 2),
-        })
-    return rows
+    try:
+        rows = []
+        for info, load in reg.live_workers():
+            rows.append({
+                "worker_id": info.worker_id, "role": info.role, "address": info.address, "pid": info.pid,
+                "generation": info.generation, "node_id": info.node_id[:12], "num_waiting": load.num_waiting,
+                "num_running": load.num_running, "num_free_blocks": load.num_free_blocks,
+                "num_total_blocks": load.num_total_blocks, "draining": load.draining,
+                "heartbeat_age_s": round(time.time() - load.updated_at, 2),
+            })
+        report = reg.get_state("controller")
+    finally:
+        reg.close()
+    live_ids = {r["worker_id"] for r in rows}
+    desired_workers = report["workers"] if report else [{"worker_id": w["worker_id"], "role": w["role"]}
+                                                        for w in state.get("workers", [])]
+    missing = [{"worker_id": w["worker_id"], "role": w["role"],
+                "reason": w.get("reason") or "no heartbeat", "restarts": w.get("restarts", 0)}
+               for w in desired_workers if w["worker_id"] not in live_ids]
+    return {"workers": rows, "missing": missing, "controller": report is not None,
+            "desired": {r: sum(w["role"] == r for w in desired_workers) for r in ROLES},
+            "live": {r: sum(w["role"] == r for w in rows) for r in ROLES}}
 
 
 def print_status(state: dict, as_json: bool = False) -> int:
-    """Print the live workers (a table, or JSON); returns 0, or 1 when the cluster's Redis
-    cannot be reached (one line on stderr)."""
+    """Print the live workers against the desired ones (a table, or JSON); returns 0, 1 when
+    the cluster's Redis cannot be reached (one line on stderr), 3 when a desired worker is missing."""
     try:
-        rows = collect(state)
+        st = collect(state)
     except RedisError as e:
-        print(f"error: cannot reach the cluster's Redis: {e}", file=sys.stderr)
+        print(f"error: cannot reach the cluster's Redis ({e}); the cluster controller restarts a local one "
+              "within seconds: try again", file=sys.stderr)
         return 1
     if as_json:
-        print(json.dumps({"router_address": state["router_address"], "workers": rows}, indent=2))
-        return 0
+        print(json.dumps({"router_address": state["router_address"], **st}, indent=2))
+        return 3 if st["missing"] else 0
     table = Table(title=f"pdcluster '{state['cluster']}' — router {state['router_address']}")
-    for col in ("worker", "role", "address", "node", "waiting", "running", "free KV blocks", "heartbeat age"):
+    for col in ("worker", "role", "gen", "address", "pid", "waiting", "running", "free KV blocks", "heartbeat age"):
         table.add_column(col)
-    for r in rows:
-        table.add_row(r["worker_id"], r["role"], r["address"], r["node_id"], str(r["num_waiting"]),
-                      str(r["num_running"]), f"{r['num_free_blocks']}/{r['num_total_blocks']}",
+    for r in st["workers"]:
+        table.add_row(r["worker_id"], r["role"], str(r["generation"]), r["address"], str(r["pid"]),
+                      str(r["num_waiting"]), str(r["num_running"]), f"{r['num_free_blocks']}/{r['num_total_blocks']}",
                       f"{r['heartbeat_age_s']:.1f}s")
-    Console(width=160).print(table)
-    return 0
+    console = Console(width=160)
+    console.print(table)
+    counts = ", ".join(f"{st['live'][r]}/{n} {r}" for r, n in st["desired"].items() if n)
+    console.print(f"live/desired: {counts}" + ("" if st["controller"] else " (no controller report)"))
+    for m in st["missing"]:
+        console.print(f"missing: {m['worker_id']} ({m['role']}): {m['reason']}; restarts {m['restarts']}")
+    return 3 if st["missing"] else 0

@@ -6,7 +6,9 @@ Key layout, under the namespace ``pdcluster:<cluster>:``:
 * ``worker:<id>:info`` - hash of :class:`WorkerInfo` fields (TTL'd).
 * ``worker:<id>:hb`` - liveness key holding the :class:`WorkerLoadSnapshot`
   as JSON (TTL'd); a worker is live exactly while this key exists.
-* ``state:<key>`` - small JSON documents (e.g. the router address).
+* ``worker:<id>:generation`` - counter of the processes that registered as ``<id>``.
+* ``state:<key>`` - small JSON documents (:meth:`WorkerRegistry.put_state`): the router's
+  ports, the cluster's desired state and its controller's report.
 
 Workers keep themselves registered with a :class:`serving.heartbeat.Heartbeater`;
 the router reads the live set through a :class:`serving.discovery.RegistryView`.
@@ -51,6 +53,10 @@ class WorkerInfo:
         num_total_blocks: KV blocks in its pool.
         started_at: start time, unix seconds.
         metrics_address: ``host:port`` serving its Prometheus ``/metrics`` (``""``: none).
+        generation: how many times a process registered under this ``worker_id`` (1 for the
+            first; a replacement after a crash registers under the next, from
+            :meth:`WorkerRegistry.next_generation`).
+        pid: the process id on its node (what ``pdcluster status`` shows and chaos tests kill).
     """
 
     worker_id: str
@@ -63,6 +69,8 @@ class WorkerInfo:
     num_total_blocks: int = 0
     started_at: float = 0.0
     metrics_address: str = ""
+    generation: int = 0
+    pid: int = 0
 
     def __post_init__(self) -> None:
         if not self.worker_id:
@@ -175,6 +183,16 @@ class WorkerRegistry:
         return f"{self.prefix}worker:{worker_id}:hb"
 
     # -- workers ------------------------------------------------------------
+    def next_generation(self, worker_id: str) -> int:
+        """The next generation of ``worker_id`` (1, 2, ...): a counter kept in Redis (and in its
+        append-only file where the cluster's Redis has one), so a replacement process of a worker
+        that died registers under a new generation.
+
+        Raises:
+            redis.exceptions.RedisError: Redis unreachable or failing.
+        """
+        return int(self._r.incr(f"{self.prefix}worker:{worker_id}:generation"))
+
     def register(self, info: WorkerInfo, ttl_s: float) -> None:
         """Write (or overwrite) a worker's info; it stays for ``ttl_s`` seconds
         unless heartbeats refresh it. It is not live until its first heartbeat.
@@ -263,6 +281,34 @@ class WorkerRegistry:
         """
         h = self._r.hgetall(self._info_key(worker_id))
         return WorkerInfo.from_hash(h) if h else None
+
+    # -- cluster state documents --------------------------------------------
+    def put_state(self, key: str, value: dict, ttl_s: float | None = None) -> None:
+        """Store ``value`` (JSON-able) under ``state:<key>``, expiring after ``ttl_s`` seconds
+        when given.
+
+        Raises:
+            redis.exceptions.RedisError: Redis unreachable or failing.
+        """
+        self._r.set(f"{self.prefix}state:{key}", json.dumps(value),
+                    px=_ttl_ms(ttl_s) if ttl_s is not None else None)
+
+    def get_state(self, key: str) -> dict | None:
+        """The document stored under ``state:<key>``, ``None`` if absent.
+
+        Raises:
+            redis.exceptions.RedisError: Redis unreachable or failing.
+        """
+        raw = self._r.get(f"{self.prefix}state:{key}")
+        return json.loads(raw) if raw is not None else None
+
+    def server_pid(self) -> int:
+        """Process id of the Redis server (``INFO server``), for supervision and fault injection.
+
+        Raises:
+            redis.exceptions.RedisError: Redis unreachable or failing.
+        """
+        return int(self._r.info("server")["process_id"])
 
     def close(self) -> None:
         """Release the connection pool."""

@@ -8,8 +8,10 @@ hosts them.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from dataclasses import replace
 from typing import Callable, Protocol
 
 import grpc
@@ -137,6 +139,7 @@ class WorkerHost:
             kv_endpoint=self.kv_address, node_id=node_id,
             model=cfg.model, block_size=block_size, num_total_blocks=num_total_blocks,
             started_at=time.time(), metrics_address=metrics.serve(cfg.host) if metrics is not None else "",
+            pid=os.getpid(),
         )
         self.registry = WorkerRegistry(cfg.redis_url, cfg.cluster)
         # Liveness expires 1.5 heartbeat periods after the last beat (a dead worker is
@@ -167,10 +170,13 @@ class WorkerHost:
             self.kv_server.start()
         self.server.start()
         set_serving(self.health, self.services)
+        self.info = replace(self.info, generation=self.registry.next_generation(self.cfg.worker_id))
+        self.heartbeater.info = self.info
         self.heartbeater.start()
         for c in self.companions:
             c.start()
-        log.info("%s worker %s serving on %s", self.cfg.role, self.cfg.worker_id, self.address)
+        log.info("%s worker %s (generation %d) serving on %s", self.cfg.role, self.cfg.worker_id, self.info.generation,
+                 self.address)
         return self.address
 
     def drain(self, timeout_s: float, settle_s: float | None = None) -> dict:

@@ -73,11 +73,27 @@ def test_installs_and_starts_what_pdcluster_needs(path):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_documented_pdcluster_commands_parse(path):
-    commands = _documented_commands(path)
-    assert any(argv[1] == "up" for argv in commands), f"{path.name} documents no `pdcluster up`"
-    for argv in commands:
-        args = build_parser().parse_args(argv[1:])
-        if argv[1] == "up":
-            assert args.ray_address == "auto" and not args.local
-            assert (args.prefill_resource, args.decode_resource) == ("prefill_node", "decode_node")
-            assert args.host == "0.0.0.0"
+    for argv in _documented_commands(path):
+        build_parser().parse_args(argv[1:])
+
+
+def _head_up_command(path: Path) -> list[str]:
+    """argv of the ``pdcluster up`` the head's start commands run after Ray."""
+    ups = [cmd for cmd in _load(path)["head_start_ray_commands"] if "pdcluster up" in cmd]
+    assert len(ups) == 1, f"{path.name}: head_start_ray_commands should start pdcluster once"
+    argv = shlex.split(ups[0][ups[0].index("pdcluster up"):].split(">")[0])
+    return argv
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_head_starts_pdcluster_after_ray(path):
+    cmds = _load(path)["head_start_ray_commands"]
+    starts = [i for i, c in enumerate(cmds) if "ray start --head" in c]
+    ups = [i for i, c in enumerate(cmds) if "pdcluster up" in c]
+    assert starts and ups and starts[0] < ups[0], cmds
+    assert "nohup" in cmds[ups[0]] and cmds[ups[0]].rstrip().endswith("&"), "up must not block `ray up`"
+    args = build_parser().parse_args(_head_up_command(path)[1:])
+    assert args.ray_address == "127.0.0.1:6379" and not args.local
+    assert (args.prefill_resource, args.decode_resource) == ("prefill_node", "decode_node")
+    assert args.host == "0.0.0.0" and args.api_key_file is not None  # exposed: keys required
+    assert args.placement_timeout_s >= 600  # worker nodes join after the head

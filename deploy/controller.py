@@ -1,0 +1,227 @@
+"""The cluster controller: keeps the desired workers running and the local Redis up.
+
+One detached Ray actor per cluster (``pdcluster-<cluster>-controller``, zero CPUs, on the
+head node, itself restarted by Ray). It owns the cluster's **desired state**: the workers
+that should exist (id, role, placement-group bundle) and how to build them (template config,
+shape), kept in Redis (``state:desired``, in the append-only file) and returned to the CLI
+for the state file. Every period (the heartbeat period) it
+
+1. PINGs the cluster Redis where ``up`` started it, and restarts it after two failed PINGs
+   (:mod:`deploy.redis_supervisor`; same port, password and append-only file);
+2. compares the desired workers with the live registry; each missing one is probed through
+   its actor and healed by the rules of :mod:`deploy.heal` (Ray restarts crashed actors by
+   itself; the controller restarts hung, paused or failed ones and recreates killed ones);
+3. publishes a report (``state:controller``: desired counts, each worker's liveness and why
+   it is missing, Redis restarts), which ``pdcluster status`` prints.
+
+``pdcluster scale`` goes through :meth:`ControllerActor.scale`, so one owner changes the
+desired state: it heals first (a dead worker is replaced, not counted), then adds or drains
+workers (:func:`deploy.scale.scale`) and waits until every desired worker is live.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import ray
+from redis.exceptions import RedisError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from deploy.actors import was_restarted
+from deploy.cluster import NAMESPACE, WORKER_ROLES, actor_name, head_node_id, recreate_worker
+from deploy.heal import Action, HealConfig, Probe, WorkerWatch, decide
+from deploy.redis_supervisor import RedisSpec, RedisSupervisor
+from deploy.scale import ScaleTarget, scale
+from serving.registry import WorkerRegistry
+
+log = logging.getLogger(__name__)
+DESIRED_KEY = "desired"
+REPORT_KEY = "controller"
+
+
+def probe_worker(entry: dict, timeout_s: float) -> tuple[Probe, str]:
+    """Ask a worker's actor how it is; returns the probe and a detail (a start error's last line).
+
+    Only an actor whose name Ray no longer knows is ``DEAD`` (Ray frees the name of an actor
+    that will not come back); a call that fails or times out means ``UNRESPONSIVE``: Ray
+    raises ``ActorUnavailableError`` / ``ActorDiedError`` for calls to a paused or restarting
+    actor too.
+    """
+    try:
+        actor = ray.get_actor(entry["actor"], namespace=NAMESPACE)
+    except ValueError:
+        return Probe.DEAD, "no such actor"
+    try:
+        st = ray.get(actor.status.remote(), timeout=timeout_s)
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as e:
+        return Probe.UNRESPONSIVE, type(e).__name__
+    lines = st["error"].strip().splitlines()
+    return Probe(st["phase"]), lines[-1] if lines else ""
+
+
+@ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=4)
+class ControllerActor:
+    """See the module docstring. ``state`` is the cluster state ``up`` built (workers,
+    placement groups, template, shape); ``redis`` is given where ``up`` started the Redis."""
+
+    def __init__(self, state: dict, heal: HealConfig, redis: RedisSpec | None) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.cfg = heal
+        self.reg = WorkerRegistry(state["redis_url"], state["cluster"])
+        self.state = state
+        if was_restarted():
+            self.state = self._stored_state() or state
+            log.warning("controller restarted; desired state of %d workers", len(self.state["workers"]))
+        self.redis = RedisSupervisor(redis, heal.redis_down_checks) if redis else None
+        self.watches: dict[str, WorkerWatch] = {}
+        self.report_now: dict = {}
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._persist()
+        threading.Thread(target=self._run, name="controller", daemon=True).start()
+
+    def _stored_state(self) -> dict | None:
+        try:
+            return self.reg.get_state(DESIRED_KEY)
+        except RedisError as e:
+            log.warning("desired state not readable from Redis (%s); using the one from `up`", e)
+            return None
+
+    def _persist(self) -> None:
+        try:
+            self.reg.put_state(DESIRED_KEY, self.state)
+        except RedisError as e:
+            log.warning("desired state not saved to Redis (%s); saved on the next change", e)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.cfg.period_s):
+            try:
+                self.reconcile()
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                log.exception("reconcile failed")
+
+    def reconcile(self) -> dict:
+        """One pass: Redis, then every desired worker; returns the report it published."""
+        with self._lock:
+            redis_up = self.redis.check() if self.redis else True
+            live: dict = {}
+            if redis_up:
+                try:
+                    live = {info.worker_id: info for info, _ in self.reg.live_workers()}
+                except RedisError:
+                    redis_up = False
+            if redis_up:
+                self._heal(live)
+            self.report_now = self._report(redis_up, live)
+            if redis_up:
+                try:
+                    self.reg.put_state(REPORT_KEY, self.report_now, ttl_s=max(10.0, 5 * self.cfg.period_s))
+                except RedisError:
+                    pass
+            return self.report_now
+
+    def _heal(self, live: dict) -> None:
+        now, changed = time.monotonic(), False
+        for entry in self.state["workers"]:
+            wid = entry["worker_id"]
+            watch = self.watches.setdefault(wid, WorkerWatch(wid, entry["role"]))
+            info = live.get(wid)
+            if info is not None:
+                watch.seen_live()
+                if entry.get("address") != info.address or entry.get("pid") != info.pid:
+                    entry.update(address=info.address, pid=info.pid, generation=info.generation)
+                    changed = True
+                continue
+            probe, detail = probe_worker(entry, self.cfg.probe_timeout_s)
+            action = decide(watch, probe, time.monotonic(), self.cfg, detail)
+            if action is not Action.NONE:
+                self._act(entry, watch, action, now)
+        if changed:
+            self._persist()
+
+    def _act(self, entry: dict, watch: WorkerWatch, action: Action, now: float) -> None:
+        wid = entry["worker_id"]
+        log.warning("worker %s missing from the registry (%s): %s", wid, watch.reason, action.value)
+        try:
+            if action is Action.RESTART:
+                ray.kill(ray.get_actor(entry["actor"], namespace=NAMESPACE), no_restart=False)
+            else:
+                recreate_worker(self.state, entry)
+        except Exception as e:  # noqa: BLE001 - retried next period
+            log.error("%s of worker %s failed: %s", action.value, wid, e)
+        watch.acted_at = now
+        watch.restarts += 1
+
+    def _report(self, redis_up: bool, live: dict) -> dict:
+        desired = {role: sum(w["role"] == role for w in self.state["workers"]) for role in WORKER_ROLES}
+        workers = []
+        for entry in self.state["workers"]:
+            watch = self.watches.get(entry["worker_id"])
+            workers.append({"worker_id": entry["worker_id"], "role": entry["role"],
+                            "live": entry["worker_id"] in live if redis_up else None,
+                            "reason": watch.reason if watch else "", "restarts": watch.restarts if watch else 0})
+        return {"updated_at": time.time(), "desired": desired, "workers": workers, "redis_up": redis_up,
+                "redis_restarts": self.redis.restarts if self.redis else 0}
+
+    def report(self) -> dict:
+        """The last report (as published to Redis)."""
+        return self.report_now
+
+    def desired_state(self) -> dict:
+        """The desired state (the cluster state the state file mirrors)."""
+        with self._lock:
+            return self.state
+
+    def scale(self, target: dict, wait_s: float = 300.0) -> dict:
+        """Heal, then bring the desired workers to ``target`` (the fields of
+        :class:`deploy.scale.ScaleTarget`) and wait up to ``wait_s`` seconds until every desired
+        worker is live. Returns the new state; ``state["last_scale"]`` also holds ``live``
+        (live workers per role when it returned).
+
+        Raises:
+            ValueError / PlacementError / RuntimeError: see :func:`deploy.scale.scale`.
+        """
+        with self._lock:
+            self.reconcile()
+            self.state = scale(self.state, ScaleTarget(**target))
+            self._persist()
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            report = self.reconcile()
+            if all(w["live"] for w in report["workers"]):
+                break
+            time.sleep(self.cfg.period_s)
+        live = {role: sum(bool(w["live"]) and w["role"] == role for w in self.report_now["workers"])
+                for role in WORKER_ROLES}
+        with self._lock:
+            self.state["last_scale"]["live"] = live
+            return self.state
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def start_controller(state: dict, heal: HealConfig, redis: RedisSpec | None):
+    """Create the cluster's controller actor on the head node; returns its handle."""
+    return ControllerActor.options(
+        name=actor_name(state["cluster"], "controller"), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(head_node_id(), soft=False),
+    ).remote(state, heal, redis)
+
+
+def controller_of(cluster: str):
+    """The controller actor of ``cluster``.
+
+    Raises:
+        RuntimeError: the cluster has no controller (started by an older pdcluster).
+    """
+    try:
+        return ray.get_actor(actor_name(cluster, "controller"), namespace=NAMESPACE)
+    except ValueError:
+        raise RuntimeError(f"cluster {cluster!r} has no controller (started by an older pdcluster?): "
+                           "bring it up again (`pdcluster down`, `pdcluster up`)") from None
+
+
+__all__ = ["ControllerActor", "HealConfig", "RedisSpec", "start_controller", "controller_of"]

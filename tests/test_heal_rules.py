@@ -1,0 +1,53 @@
+"""The cluster controller's decision rules (:func:`deploy.heal.decide`) on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy.heal import Action, HealConfig, Probe, WorkerWatch, decide
+
+CFG = HealConfig(period_s=1.0, hung_after_s=20.0, start_timeout_s=100.0, restart_backoff_s=5.0)
+
+
+def test_dead_actor_is_recreated_at_once():
+    w = WorkerWatch("decode-0", "decode")
+    assert decide(w, Probe.DEAD, 0.0, CFG) is Action.RECREATE
+    assert "dead" in w.reason
+
+
+@pytest.mark.parametrize("probe", [Probe.UNRESPONSIVE, Probe.SERVING])
+def test_silent_worker_is_restarted_after_hung_after_s(probe):
+    w = WorkerWatch("prefill-0", "prefill")
+    assert decide(w, probe, 100.0, CFG) is Action.NONE
+    assert decide(w, probe, 119.0, CFG) is Action.NONE and "19s" in w.reason
+    assert decide(w, probe, 120.0, CFG) is Action.RESTART
+    w.acted_at, w.restarts = 120.0, 1
+    assert decide(w, probe, 130.0, CFG) is Action.NONE  # the quiet period starts again at the restart
+    assert decide(w, probe, 140.0, CFG) is Action.RESTART
+
+
+def test_loading_worker_is_left_alone_until_the_start_timeout():
+    w = WorkerWatch("decode-0", "decode")
+    assert decide(w, Probe.LOADING, 0.0, CFG) is Action.NONE
+    assert decide(w, Probe.LOADING, 99.0, CFG) is Action.NONE and w.reason.startswith("loading")
+    assert decide(w, Probe.LOADING, 100.0, CFG) is Action.RESTART
+
+
+def test_failed_start_is_retried_with_backoff():
+    w = WorkerWatch("decode-0", "decode", acted_at=10.0)
+    assert decide(w, Probe.FAILED, 12.0, CFG, "OSError: no space") is Action.NONE
+    assert w.reason == "failed to start: OSError: no space"
+    assert decide(w, Probe.FAILED, 15.0, CFG) is Action.RESTART
+
+
+def test_seen_live_clears_the_record():
+    w = WorkerWatch("decode-0", "decode")
+    decide(w, Probe.UNRESPONSIVE, 5.0, CFG)
+    w.seen_live()
+    assert w.missing_since is None and w.reason == ""
+    assert decide(w, Probe.UNRESPONSIVE, 50.0, CFG) is Action.NONE  # missing again from 50 s on
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="hung_after_s"):
+        HealConfig(hung_after_s=0)
