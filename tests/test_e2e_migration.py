@@ -30,6 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from serving.registry import WorkerRegistry
+
 from cluster_utils import assert_greedy_matches, assert_no_leak, router_client, running_cluster, worker_loads
 
 N_TOKENS = 200
@@ -97,7 +99,9 @@ def _wait(pred, timeout_s: float, what: str):
 
 
 def _kill(cluster: dict, worker_id: str) -> None:
-    os.kill(next(w["pid"] for w in cluster["workers"] if w["worker_id"] == worker_id), signal.SIGKILL)
+    """``kill -9`` of the live process of ``worker_id`` (its pid from the registry)."""
+    live = WorkerRegistry(cluster["redis_url"], cluster["cluster"]).live_workers()
+    os.kill(next(w.pid for w, _ in live if w.worker_id == worker_id), signal.SIGKILL)
 
 
 def _migrations(cluster: dict, role: str) -> float:

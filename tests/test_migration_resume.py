@@ -34,6 +34,7 @@ from sched_helpers import (  # noqa: F401 - fixtures
 )
 
 N = 24  # tokens of the uninterrupted run
+STEP_TIMEOUT_S = 120.0  # a run takes ~1 s; generous for a machine shared by other test runs
 GREEDY = common_pb2.SamplingParams(max_tokens=N, temperature=0.0, top_p=1.0, ignore_eos=True,
                                    repetition_penalty=1.0)
 SAMPLED = common_pb2.SamplingParams(max_tokens=N, temperature=0.9, top_p=0.95, top_k=50, seed=1234,
@@ -59,7 +60,7 @@ def _prefill(model, model_config, wreq):
         return 0
 
     fut = sched.submit(req, send)
-    _pump(sched, fut.done)
+    _pump(sched, fut.done, timeout=STEP_TIMEOUT_S)
     assert sent["kv"].shape[2] == blocks_needed(len(wreq.prompt_token_ids) + len(wreq.output_token_ids), BS)
     _no_leak(sched)
     sched.shutdown()
@@ -76,7 +77,7 @@ def _run(model, model_config, wreq, policy: str = "error") -> list[int]:
     else:
         kv, first = _prefill(model, model_config, wreq)
         _deliver(sched, res, kv, first)
-    events = _collect_tokens(sched, stream)
+    events = _collect_tokens(sched, stream, timeout=STEP_TIMEOUT_S)
     assert events[-1].finish_reason == "length"
     _no_decode_leak(sched)
     return [t for ev in events for t in ev.token_ids]
