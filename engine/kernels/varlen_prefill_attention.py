@@ -77,7 +77,7 @@ def _varlen_prefill_kernel(
             BLOCK_SIZE, DOT_PRECISION,
         )
 
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows outside every window: 0, not NaN
     tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
 
