@@ -67,7 +67,9 @@ class DecoderArch:
     Attributes:
         family: the family's registry name (``"llama"``, ``"qwen3"``, ``"gemma3"``...).
         rope: RoPE of the full-attention layers.
-        local_rope: RoPE of the sliding-window layers (Gemma 3's own base); None = ``rope``.
+        local_rope: RoPE of the layers in ``local_layers`` (Gemma 3's sliding-attention
+            layers and their own base); None = ``rope`` everywhere.
+        local_layers: indices of the layers that use ``local_rope``.
         layer_windows: per layer, the sliding window in tokens (a query attends to itself
             and the ``window - 1`` tokens before it) or None for global attention; empty =
             every layer global.
@@ -89,6 +91,7 @@ class DecoderArch:
     family: str
     rope: RopeSpec
     local_rope: RopeSpec | None = None
+    local_layers: tuple[int, ...] = ()
     layer_windows: tuple[int | None, ...] = ()
     qkv_bias: bool = False
     o_bias: bool = False
@@ -113,8 +116,8 @@ class DecoderArch:
         return self.layer_windows[layer] if self.layer_windows else None
 
     def rope_for(self, layer: int) -> RopeSpec:
-        """The RoPE that ``layer`` uses (the local one for a sliding-window layer when set)."""
-        return self.local_rope if self.local_rope is not None and self.window(layer) is not None else self.rope
+        """The RoPE that ``layer`` uses."""
+        return self.local_rope if self.local_rope is not None and layer in self.local_layers else self.rope
 
     @property
     def sliding_windows(self) -> tuple[int, ...]:

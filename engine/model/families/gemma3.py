@@ -27,6 +27,7 @@ def _arch(hf: Any) -> DecoderArch:
     bias = bool(hf.attention_bias)
     return DecoderArch(
         family="gemma3", rope=rope_spec(hf, rope["full_attention"]), local_rope=rope_spec(hf, rope["sliding_attention"]),
+        local_layers=tuple(i for i, t in enumerate(hf.layer_types) if t == "sliding_attention"),
         layer_windows=layer_windows(hf), qkv_bias=bias, o_bias=bias, qk_norm=True, norm_offset=1.0,
         embed_scale=float(hf.hidden_size) ** 0.5, activation=hf.hidden_activation, sandwich_norm=True,
         attn_scale=float(hf.query_pre_attn_scalar) ** -0.5, final_logit_softcap=hf.final_logit_softcapping,
