@@ -98,16 +98,9 @@ def _tile_config(head_dim_pad: int, dtype: torch.dtype) -> tuple[int, int, int, 
 
 
 def varlen_prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    *,
-    max_query_len: int | None = None,
-    window: int | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+    *, max_query_len: int | None = None, window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged context.
 
