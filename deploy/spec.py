@@ -10,6 +10,7 @@ from common.model_config import ConfigError, ModelConfig
 from deploy.cluster import ClusterSpec
 from deploy.placement import PlacementConfig
 from engine.config import CacheConfig, SchedulerConfig
+from engine.model.families import load_arch
 from engine.model_loader import resolve_model
 from kvtransfer.config import KvTransferConfig
 from kvtransfer.registry import load_transport
@@ -127,7 +128,9 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
             ``None``: internal traffic plaintext).
 
     Raises:
-        ValueError / common.model_config.ConfigError: a flag value out of range, a KV
+        engine.model_loader.ModelNotFoundError: ``--model`` names nothing loadable.
+        ValueError / common.model_config.ConfigError: a flag value out of range, a model
+            architecture the engine does not serve (the message lists those it does), a KV
             transport that cannot be loaded (:func:`kv_config_from_args`), bad API keys
             (:func:`api_keys_from_args`) or TLS files (:func:`public_tls_from_args`).
     """
@@ -135,6 +138,7 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
         if bs is not None and (bs <= 0 or bs & (bs - 1)):
             raise ConfigError(f"{flag} must be a power of two, got {bs}")
     folder = resolve_model(args.model)  # dequantize once here, not in every worker
+    load_arch(folder)  # an unsupported architecture or feature is refused here, before anything starts
     model_cfg = ModelConfig.from_hf_folder(folder, name=args.model)
     kv_dtype = "float32" if args.dtype in ("auto", "float32") and not use_cuda else (
         "bfloat16" if args.dtype == "auto" else args.dtype)

@@ -113,7 +113,7 @@ class RouterServer:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         model_cfg = ModelConfig.from_hf_folder(cfg.model_path, name=cfg.model)
-        max_len = min(cfg.max_model_len, model_cfg.max_position_embeddings)
+        max_len = min(cfg.max_model_len, model_cfg.context_len)
         tokenizer = load_tokenizer(cfg.model_path)
         self.view = RegistryView(WorkerRegistry(cfg.redis_url, cfg.cluster), period_s=cfg.view_period_s)
         info = router_pb2.ModelInfo(model_name=cfg.model, max_model_len=max_len, vocab_size=model_cfg.vocab_size,
