@@ -51,6 +51,8 @@ class WorkerInfo:
         num_total_blocks: KV blocks in its pool.
         started_at: start time, unix seconds.
         metrics_address: ``host:port`` serving its Prometheus ``/metrics`` (``""``: none).
+        max_num_seqs: requests it runs at once (decode and colocated workers: its batch
+            size; 0: not published). The router's admission counts these seats.
     """
 
     worker_id: str
@@ -63,6 +65,7 @@ class WorkerInfo:
     num_total_blocks: int = 0
     started_at: float = 0.0
     metrics_address: str = ""
+    max_num_seqs: int = 0
 
     def __post_init__(self) -> None:
         if not self.worker_id:
