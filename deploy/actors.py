@@ -10,6 +10,7 @@ other nodes reach it at; ``127.0.0.1`` in a loopback-only local cluster).
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import replace
 
@@ -84,6 +85,10 @@ class RouterActor:
 
         self.server = RouterServer(self.cfg)
         address = self.server.start()
+        # Everything made so far (imports, tokenizer, servers) lives as long as the process:
+        # keep it out of the garbage collector's scans, so a full collection during a burst of
+        # requests (refusals must take milliseconds) scans only the requests' own objects.
+        gc.freeze()
         http = self.server.http_address
         if self.cfg.host == "0.0.0.0":
             address = f"{_node_ip()}:{self.server.port}"
