@@ -2,19 +2,23 @@
 ``max_queued_requests``, refusals before validation and before anything is registered, the
 TTFT-SLO prediction from measured prefill rates, the retry-after hint on both front doors
 (gRPC ``retry-after-ms`` trailing metadata; HTTP 429 with ``Retry-After`` and an OpenAI error
-body), and the configs' validation."""
+body), the configs' validation and ``pdcluster up``'s flags."""
 
 from __future__ import annotations
 
+import argparse
 import types
 
 import grpc
 import pytest
 from fastapi.testclient import TestClient
 
+from deploy.cli import register
+from deploy.spec import spec_from_args
 from pdcluster.client import build_request
 from pdcluster.v1 import router_pb2, router_pb2_grpc
 from router.admission import Admission, AdmissionConfig
+from router.breaker import BreakerConfig
 from router.core import RequestRouter, RouterError
 from router.load import LoadTracker, PrefillRates
 from router.openai.app import FrontDoorState, build_app
@@ -145,3 +149,25 @@ def test_http_refusal_is_429_with_retry_after():
     assert r.headers["retry-after"] == "2" and r.headers["retry-after-ms"] == "1500"
     assert r.json() == {"error": {"message": "the router is full", "type": "rate_limit_error", "param": None,
                                   "code": "resource_exhausted"}}
+
+
+def _parse_up(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pdcluster", exit_on_error=False)
+    register(parser.add_subparsers(dest="command"), env_api_key=None)
+    return parser.parse_args(["up", *argv])
+
+
+def test_up_flags_reach_the_router_and_the_workers(capsys):
+    default = spec_from_args(_parse_up(), "redis://127.0.0.1:1")
+    assert default.router.admission == AdmissionConfig() and default.router.breaker == BreakerConfig()
+    assert default.worker.max_queued_requests == AdmissionConfig().max_queued_requests
+    spec = spec_from_args(_parse_up("--max-queued-requests", "7", "--ttft-slo-ms", "250", "--breaker-failures", "2",
+                                    "--breaker-cooldown-s", "1.5"), "redis://127.0.0.1:1")
+    assert spec.router.admission == AdmissionConfig(max_queued_requests=7, ttft_slo_ms=250.0)
+    assert spec.router.breaker == BreakerConfig(failures=2, cooldown_s=1.5)
+    assert spec.worker.max_queued_requests == 7
+    for bad in (("--max-queued-requests", "-1"), ("--ttft-slo-ms", "0"), ("--breaker-failures", "0"),
+                ("--breaker-cooldown-s", "-2")):
+        with pytest.raises(SystemExit):
+            _parse_up(*bad)
+        assert "must be" in capsys.readouterr().err

