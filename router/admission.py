@@ -153,7 +153,8 @@ class Admission:
     def left(self, stay_s: float, alpha: float = 0.1) -> None:
         """A request left the router after ``stay_s`` seconds (the queue-full hint's mean)."""
         with self._lock:
-            self._mean_stay_s = stay_s if self._mean_stay_s is None else alpha * stay_s + (1 - alpha) * self._mean_stay_s
+            mean = self._mean_stay_s
+            self._mean_stay_s = stay_s if mean is None else alpha * stay_s + (1 - alpha) * mean
 
     def _refuse(self, reason: str, request_id: str, hint_ms: float, message: str) -> Refused:
         hint = int(min(MAX_RETRY_AFTER_MS, max(MIN_RETRY_AFTER_MS, math.ceil(hint_ms))))

@@ -3,8 +3,9 @@
 ``Generate`` streams the core's responses; a :class:`router.core.RouterError` becomes the
 call's status (code and message unchanged, a retry-after hint as ``retry-after-ms`` trailing
 metadata); a client that cancels or disconnects cancels the request on both workers.
-:func:`add_router_service` registers the service with deserializers that never fail (:mod:`router.decoding`): a request protobuf cannot parse
-(e.g. invalid UTF-8 in a ``string`` field) is refused with INVALID_ARGUMENT naming the field.
+:func:`add_router_service` registers the service with deserializers that never fail
+(:mod:`router.decoding`): a request protobuf cannot parse (e.g. invalid UTF-8 in a ``string``
+field) is refused with INVALID_ARGUMENT naming the field.
 """
 
 from __future__ import annotations

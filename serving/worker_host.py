@@ -106,7 +106,8 @@ class WorkerHost:
     router's circuit breaker tells it from a transport failure.
 
     The main server's thread pool (a ``Reserve`` or ``Prefill`` holds a thread for its request's
-    lifetime) is :func:`serving.rpc.pool_size` of ``max_num_seqs`` and ``max_queued_requests``.
+    lifetime) is :func:`serving.rpc.pool_size` of ``max_num_seqs`` and ``max_queued_requests``
+    (twice both on a colocated worker, whose requests hold one call of each).
     A decode or colocated worker refuses a ``Reserve`` beyond those two itself
     (:class:`decode_worker.server.DecodeWorkerServicer`) and its server refuses any call once
     every thread is busy, so no call waits unseen; a prefill worker's ``Prefill`` calls come only
@@ -125,8 +126,9 @@ class WorkerHost:
         self._stop = threading.Event()
         self._draining = False
         self.rpcs = ActiveRpcs()
-        self.server = make_server(cfg.security, Plane.INTERNAL,
-                                  max_workers=pool_size(cfg.scheduler.max_num_seqs, cfg.max_queued_requests),
+        calls = 2 if cfg.role == "colocated" else 1  # a colocated request holds a Reserve and a Prefill
+        threads = pool_size(calls * cfg.scheduler.max_num_seqs, calls * cfg.max_queued_requests)
+        self.server = make_server(cfg.security, Plane.INTERNAL, max_workers=threads,
                                   interceptors=[self.rpcs, MarkHandlerStatus()], bounded=cfg.role != "prefill")
         self.health = add_health(self.server)
         add_servicers(self.server)

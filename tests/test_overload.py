@@ -145,8 +145,8 @@ def test_overload_is_refused_early(cluster):
 
 
 def _reserve(stub, max_tokens: int = 4):
-    req = worker_pb2.WorkerRequest(request_id=uuid.uuid4().hex, prompt_token_ids=[5, 6, 7], sampling=common_pb2.SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, top_p=1.0, repetition_penalty=1.0))
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0, repetition_penalty=1.0)
+    req = worker_pb2.WorkerRequest(request_id=uuid.uuid4().hex, prompt_token_ids=[5, 6, 7], sampling=sampling)
     return stub.Reserve(worker_pb2.ReserveRequest(request=req, transfer_id=uuid.uuid4().hex), timeout=60)
 
 
