@@ -15,6 +15,8 @@ from engine.model_loader import resolve_model
 from kvtransfer.config import KvTransferConfig
 from kvtransfer.registry import load_transport
 from pdcluster.client import API_KEY_ENV
+from router.admission import AdmissionConfig
+from router.breaker import BreakerConfig
 from router.server import RouterConfig
 from serving.certs import KeyPair
 from serving.logs import LogConfig
@@ -162,12 +164,16 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
     worker = WorkerConfig(role="prefill", worker_id="template", model=args.model, redis_url=redis_url,
                           cluster=args.cluster, device=args.device, dtype=args.dtype,
                           heartbeat_s=args.heartbeat_s, cache=cache, scheduler=sched, kv=kv,
-                          prefill_cache=prefill_cache, log=log, security=security.for_workers())
+                          prefill_cache=prefill_cache, log=log, security=security.for_workers(),
+                          max_queued_requests=args.max_queued_requests)
     router = RouterConfig(model=args.model, model_path=str(folder), redis_url=redis_url, cluster=args.cluster,
                           host=args.host, port=args.port, max_model_len=args.max_model_len, block_size=args.block_size,
                           policy=args.router_policy, view_period_s=args.heartbeat_s / 4,
                           http_port=args.http_port if args.http else None, max_request_bytes=args.max_request_bytes,
-                          max_prompt_bytes=args.max_prompt_bytes, log=log, security=security)
+                          max_prompt_bytes=args.max_prompt_bytes, log=log, security=security,
+                          admission=AdmissionConfig(max_queued_requests=args.max_queued_requests,
+                                                    ttft_slo_ms=args.ttft_slo_ms),
+                          breaker=BreakerConfig(failures=args.breaker_failures, cooldown_s=args.breaker_cooldown_s))
     placement = PlacementConfig(strategy=args.placement, prefill_resource=args.prefill_resource,
                                 decode_resource=args.decode_resource, worker_cpus=args.worker_cpus,
                                 timeout_s=args.placement_timeout_s)

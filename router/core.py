@@ -16,20 +16,26 @@ Lifecycle of one request (DESIGN.md "decode-led reservation, prefill push"):
    decode worker, whose KV failure policy decides whether the request fails or is
    recomputed there (:mod:`router.handle`).
 
+Admission (:mod:`router.admission`) refuses a request in :meth:`RequestRouter.start`, before
+anything is allocated, when the router is full or its predicted TTFT exceeds the SLO.
+
 Errors are :class:`RouterError` with a gRPC status code; each front door maps them to
-its own wire (gRPC status, HTTP status + OpenAI error body).
+its own wire (gRPC status, HTTP status + OpenAI error body), with a retry-after hint where
+the error carries one.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 
 import grpc
 
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
+from router.admission import Admission, Refused
 from router.handle import RequestHandle, status_of
 from router.load import LoadTracker
 from router.output import OutputAssembler
@@ -40,6 +46,7 @@ from router.stubs import StubCache
 from router.validation import InvalidRequest, PreparedRequest, RequestValidator
 from serving.logs import REQUEST_ID_METADATA, request_scope
 from serving.metrics import ProcessMetrics
+from serving.rpc import retry_after_ms
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +55,14 @@ _REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENG
 
 
 class RouterError(Exception):
-    """A request failed; ``code`` is its gRPC status, ``message`` names the cause."""
+    """A request failed; ``code`` is its gRPC status, ``message`` names the cause,
+    ``retry_after_ms`` (RESOURCE_EXHAUSTED refusals) when a retry may succeed."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.retry_after_ms = retry_after_ms
 
 
 class RequestRouter:
@@ -67,10 +76,11 @@ class RequestRouter:
         load: the router's per-worker load, which the placer's policy reads.
         metrics: the router's Prometheus metrics.
         stubs: the router's channels to the workers.
+        admission: the admission step (``None``: every valid request is admitted).
     """
 
     def __init__(self, validator: RequestValidator, tokenizer, placer: Placer, load: LoadTracker,
-                 metrics: ProcessMetrics, stubs: StubCache) -> None:
+                 metrics: ProcessMetrics, stubs: StubCache, admission: Admission | None = None) -> None:
         self.validator = validator
         self.tokenizer = tokenizer
         self.placer = placer
@@ -78,28 +88,49 @@ class RequestRouter:
         self.metrics = metrics
         self.gauges = RouterGauges(metrics)
         self.stubs = stubs
+        self.admission = admission
         self._lock = threading.Lock()
         self._table: dict[str, RequestHandle] = {}
+        self._since: dict[str, float] = {}
 
     def start(self, request: router_pb2.GenerateRequest) -> "ActiveRequest":
-        """Validate ``request`` and register it; nothing is allocated yet.
+        """Admit, validate and register ``request``; nothing is allocated yet.
 
         Raises:
-            RouterError: INVALID_ARGUMENT (the message names the field or limit),
-                ALREADY_EXISTS (a running request has this id).
+            RouterError: RESOURCE_EXHAUSTED with ``retry_after_ms`` (refused by admission:
+                the router is full, checked first and again when registering, or the
+                predicted TTFT exceeds the SLO), INVALID_ARGUMENT (the message names the
+                field or limit), ALREADY_EXISTS (a running request has this id).
         """
+        capacity = self.admission.capacity() if self.admission is not None else None
+        if capacity is not None and len(self._table) >= capacity:  # before any work on it
+            self._refused(self.admission.queue_full(request.request_id, len(self._table), capacity))
         try:
             prep = self.validator.prepare(request)
+            if self.admission is not None:
+                self.admission.check_ttft(prep.request_id, prep.prompt_token_ids)
         except InvalidRequest as e:
             self.metrics.inc("request_errors", code=grpc.StatusCode.INVALID_ARGUMENT.name)
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except Refused as e:
+            self._refused(e)
         handle = RequestHandle(prep.request_id)
         with self._lock:
-            if prep.request_id in self._table:
-                raise RouterError(grpc.StatusCode.ALREADY_EXISTS,
-                                  f"request_id {prep.request_id!r} is already running")
-            self._table[prep.request_id] = handle
+            duplicate = prep.request_id in self._table
+            admitted = len(self._table)
+            full = capacity is not None and admitted >= capacity
+            if not duplicate and not full:
+                self._table[prep.request_id] = handle
+                self._since[prep.request_id] = time.monotonic()
+        if duplicate:
+            raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {prep.request_id!r} is already running")
+        if full:
+            self._refused(self.admission.queue_full(prep.request_id, admitted, capacity))
         return ActiveRequest(self, prep, handle)
+
+    def _refused(self, e: Refused) -> None:
+        self.metrics.inc("request_errors", code=grpc.StatusCode.RESOURCE_EXHAUSTED.name)
+        raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message, e.retry_after_ms) from None
 
     def abort(self, request_id: str) -> bool:
         """Abort a running request (its stream ends with finish reason ABORT); returns
@@ -123,6 +154,9 @@ class RequestRouter:
     def _forget(self, request_id: str) -> None:
         with self._lock:
             self._table.pop(request_id, None)
+            since = self._since.pop(request_id, None)
+        if since is not None and self.admission is not None:
+            self.admission.left(time.monotonic() - since)
 
 
 class ActiveRequest:
@@ -257,4 +291,4 @@ class ActiveRequest:
             raise RouterError(grpc.StatusCode.CANCELLED, "client cancelled")
         if e.code() == grpc.StatusCode.UNAVAILABLE and "KV" not in (e.details() or ""):
             view.mark_unreachable(h.decode.worker_id)
-        raise RouterError(e.code(), f"decode worker {h.decode.worker_id}: {e.details()}")
+        raise RouterError(e.code(), f"decode worker {h.decode.worker_id}: {e.details()}", retry_after_ms(e))

@@ -3,7 +3,9 @@
 :meth:`Placer.place` reads the registry view and asks the one configured policy for
 each role the cluster has: a colocated cluster (colocated workers registered) gets
 one worker doing both halves, so no KV crosses a process; otherwise a decode worker
-and a prefill worker are chosen.
+and a prefill worker are chosen. Workers the registry view excludes (not live, or marked
+unreachable) never reach the policy, nor do those the circuit breaker skips
+(:mod:`router.breaker`).
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from router.breaker import CircuitBreaker
 from router.cache_aware import CacheAware
-from router.policy import Candidate, LeastLoaded, Policy, RequestContext, RoundRobin, Signals
+from router.policy import Candidate, LeastLoaded, NoWorkerError, Policy, RequestContext, RoundRobin, Signals
 from router.policy_names import CACHE_AWARE, LEAST_LOADED, ROUND_ROBIN, check_policy
 from serving.discovery import RegistryView
 from serving.registry import WorkerInfo
@@ -47,17 +50,26 @@ class Placer:
     Args:
         view: live workers from the registry.
         policy: the worker choice, asked once per role.
+        breaker: the circuit breaker whose open workers are skipped (``None``: none skipped).
     """
 
-    def __init__(self, view: RegistryView, policy: Policy) -> None:
+    def __init__(self, view: RegistryView, policy: Policy, breaker: CircuitBreaker | None = None) -> None:
         self.view = view
         self.policy = policy
+        self.breaker = breaker
+
+    def usable(self, candidates: list[Candidate]) -> list[Candidate]:
+        """``candidates`` without those the circuit breaker skips now."""
+        if self.breaker is None:
+            return candidates
+        return [c for c in candidates if self.breaker.allows(c[0].address, c[0].worker_id)]
 
     def place(self, request: RequestContext) -> Placement:
         """Choose the request's workers.
 
         Raises:
-            router.policy.NoWorkerError: a role has no live, non-draining worker.
+            router.policy.NoWorkerError: a role has no live, non-draining worker the circuit
+                breaker lets through.
         """
         colocated = self.view.workers("colocated")
         if colocated:
@@ -68,7 +80,11 @@ class Placer:
         return Placement(prefill=prefill, decode=decode)
 
     def _choose(self, role: str, candidates: list[Candidate], request: RequestContext) -> WorkerInfo:
-        choice = self.policy.choose(role, candidates, request)
+        usable = self.usable(candidates)
+        if candidates and not usable:
+            raise NoWorkerError(f"no live {role} worker: {len(candidates)} skipped by the circuit breaker "
+                                f"(consecutive transport failures)")
+        choice = self.policy.choose(role, usable, request)
         log.debug("request %s: %s worker %s (%d prompt tokens expected cached)", request.request_id, role,
                   choice.worker.worker_id, choice.cached_tokens)
         return choice.worker
