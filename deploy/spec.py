@@ -117,6 +117,19 @@ def exposure_warning(router: RouterConfig) -> str | None:
             f"give --api-key, --api-key-file or ${API_KEY_ENV}")
 
 
+def security_from_args(args, cluster_secret: str, internal_ca: KeyPair | None) -> SecurityConfig:
+    """The router's security settings (API keys, public TLS, cluster secret and CA) from ``up``'s flags.
+
+    Raises:
+        ConfigError: bad API keys (:func:`api_keys_from_args`) or TLS files (:func:`public_tls_from_args`).
+    """
+    tls_cert, tls_key = public_tls_from_args(args)
+    return SecurityConfig(api_keys=api_keys_from_args(args), cluster_secret=cluster_secret,
+                          tls_cert=tls_cert, tls_key=tls_key,
+                          internal_ca_cert=internal_ca.cert_pem if internal_ca else "",
+                          internal_ca_key=internal_ca.key_pem if internal_ca else "")
+
+
 def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret: str = "",
                    internal_ca: KeyPair | None = None) -> ClusterSpec:
     """The cluster ``up``'s flags describe.
@@ -156,11 +169,7 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
         prefill_cache = replace(cache, block_size=pbs, num_blocks=max(2, blocks * args.block_size // pbs))
     kv = kv_config_from_args(args, use_cuda)
     log = LogConfig(args.log_format, args.log_level)
-    tls_cert, tls_key = public_tls_from_args(args)
-    security = SecurityConfig(api_keys=api_keys_from_args(args), cluster_secret=cluster_secret,
-                              tls_cert=tls_cert, tls_key=tls_key,
-                              internal_ca_cert=internal_ca.cert_pem if internal_ca else "",
-                              internal_ca_key=internal_ca.key_pem if internal_ca else "")
+    security = security_from_args(args, cluster_secret, internal_ca)
     worker = WorkerConfig(role="prefill", worker_id="template", model=args.model, redis_url=redis_url,
                           cluster=args.cluster, device=args.device, dtype=args.dtype,
                           heartbeat_s=args.heartbeat_s, cache=cache, scheduler=sched, kv=kv,
