@@ -108,5 +108,6 @@ def create_colocated_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "")
         PrefillWorkerServicer(prefill, route, cfg.worker_id, device, metrics=metrics), host.server)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
         DecodeWorkerServicer(decode, cfg.worker_id, host.kv_address, cfg.cache.block_size, cfg.cache.dtype, device,
-                             metrics=metrics), host.server)
+                             metrics=metrics, max_reserves=cfg.scheduler.max_num_seqs + cfg.max_queued_requests),
+        host.server)
     return host

@@ -1,7 +1,8 @@
-"""The served model's architecture as read from its HF ``config.json`` (torch-free).
+"""The served model's dimensions as read from its HF ``config.json`` (torch-free).
 
-The router reads it for the vocabulary size, the context limit and the EOS ids;
-the engine builds the model from it.
+The router reads it for the vocabulary size, the context limit and the EOS ids; the
+engine builds the model from it plus its family's layer differences
+(:mod:`engine.model.families`, which also decides which architectures are supported).
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2).
+    """Dimensions of a decoder-only transformer, the fields every HF ``config.json`` of
+    one names alike (the family-specific ones are the engine's, see
+    :mod:`engine.model.families`).
 
-    Read from an HF ``config.json`` with :meth:`from_hf_folder`.
+    Read from an HF ``config.json`` with :meth:`from_hf_folder`. ``max_context_len``:
+    tokens a sequence may reach when RoPE scaling extends the context past
+    ``max_position_embeddings`` (``dynamic``: ``factor`` times it); None = not extended.
     """
 
     name: str
@@ -32,48 +37,54 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False  # Qwen2 has q/k/v biases
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
-    rope_scaling: dict | None = None
+    model_type: str = "llama"
+    max_context_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
-        for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim"):
+        for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, f) <= 0:
                 raise ConfigError(f"{f} must be positive, got {getattr(self, f)}")
+
+    @property
+    def context_len(self) -> int:
+        """The longest sequence (prompt + output, tokens) the model takes."""
+        return self.max_context_len or self.max_position_embeddings
 
     @classmethod
     def from_hf_folder(cls, path: str | Path, name: str | None = None) -> "ModelConfig":
         """Build from ``path/config.json`` (+ ``generation_config.json`` for EOS ids).
 
+        Whether the architecture is supported is the engine's call
+        (:func:`engine.model.families.load_arch`), not this reader's.
+
         Raises:
-            ConfigError: unsupported ``model_type`` or missing fields.
+            ConfigError: a field missing from ``config.json`` or out of range.
         """
         path = Path(path)
         cfg = json.loads((path / "config.json").read_text())
-        model_type = cfg.get("model_type")
-        if model_type not in ("llama", "mistral", "qwen2"):
-            raise ConfigError(f"unsupported model_type {model_type!r} (llama, mistral, qwen2)")
+        try:
+            return cls._from_hf_dict(cfg, path, name)
+        except KeyError as exc:
+            raise ConfigError(f"{path / 'config.json'} lacks {exc.args[0]!r}") from None
+
+    @classmethod
+    def _from_hf_dict(cls, cfg: dict, path: Path, name: str | None) -> "ModelConfig":
         eos: list[int] = []
         for src in (cfg, _read_json(path / "generation_config.json")):
             e = src.get("eos_token_id")
             for x in (e if isinstance(e, list) else [e]):
                 if x is not None and int(x) not in eos:
                     eos.append(int(x))
-        rope_params = cfg.get("rope_parameters") or {}
-        rope_theta = rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        rope_type = rope_params.get("rope_type", "default")
-        scaling = cfg.get("rope_scaling")
-        if scaling is None and rope_type != "default":
-            scaling = dict(rope_params)
         heads = cfg["num_attention_heads"]
+        max_pos = cfg.get("max_position_embeddings", 4096)
         return cls(
             name=name or cfg.get("_name_or_path") or path.name,
             path=str(path),
@@ -85,18 +96,29 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             eos_token_ids=tuple(eos),
             bos_token_id=cfg.get("bos_token_id"),
-            rope_scaling=scaling,
+            model_type=str(cfg.get("model_type", "")),
+            max_context_len=_scaled_context(cfg, max_pos),
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K+V for one token across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _scaled_context(cfg: dict, max_pos: int) -> int | None:
+    """``dynamic`` RoPE scaling's context (``factor`` x ``max_position_embeddings``), else None.
+    The scaling sits in ``rope_scaling`` (older configs) or ``rope_parameters`` (flat, or
+    per layer type under ``full_attention``)."""
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if isinstance(rope.get("full_attention"), dict):
+        rope = rope["full_attention"]
+    if rope.get("rope_type", rope.get("type")) == "dynamic" and rope.get("factor"):
+        return int(max_pos * float(rope["factor"]))
+    return None
 
 
 def _read_json(p: Path) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -16,6 +17,7 @@ from decode_worker.scheduler import DecodeScheduler
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from serving.convert import logprobs_to_proto, request_from_proto
 from serving.logs import request_id_from_metadata, request_scope
+from serving.rpc import refuse
 from serving.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -34,17 +36,30 @@ OUTCOMES = {
 }
 
 
+RETRY_AFTER_MS = 1000
+"""The retry-after hint of a ``Reserve`` refused because the worker's queue is full (ms)."""
+
+
 class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
     """Handlers only enqueue work and relay the scheduler's events.
 
     Args:
         reply_timeout_s: how long ``FailTransfer`` waits for the scheduler loop's
             answer (seconds) before ending with DEADLINE_EXCEEDED.
+        max_reserves: ``Reserve`` calls held at once (``max_num_seqs`` + the worker's
+            ``max_queued_requests``; each holds a server thread until its stream ends); one more
+            is refused at once with RESOURCE_EXHAUSTED and a ``retry-after-ms`` hint, before
+            anything is allocated. ``None``: no limit.
     """
 
     def __init__(self, scheduler: DecodeScheduler, worker_id: str, kv_endpoint: str,
                  block_size: int, dtype: str, device: torch.device, reply_timeout_s: float = 10.0,
-                 metrics: WorkerMetrics | None = None) -> None:
+                 metrics: WorkerMetrics | None = None, max_reserves: int | None = None) -> None:
+        if max_reserves is not None and max_reserves < 1:
+            raise ValueError(f"max_reserves must be >= 1, got {max_reserves}")
+        self.max_reserves = max_reserves
+        self._held = 0
+        self._held_lock = threading.Lock()
         self.scheduler = scheduler
         self.metrics = metrics
         self.reply_timeout_s = reply_timeout_s
@@ -57,7 +72,26 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def Reserve(self, request, context):
         rid = request.request.request_id
         with request_scope(request_id_from_metadata(context) or rid):
-            yield from self._reserve(request, context)
+            if not self._hold():
+                log.info("reserve refused: %d Reserve calls held (max_num_seqs + max_queued_requests)",
+                         self.max_reserves)
+                if self.metrics is not None:
+                    self.metrics.rejected("queue_full")
+                refuse(context, f"decode worker {self.worker_id}: queue full ({self.max_reserves} requests held: "
+                                f"max_num_seqs + max_queued_requests)", RETRY_AFTER_MS)
+            try:
+                yield from self._reserve(request, context)
+            finally:
+                with self._held_lock:
+                    self._held -= 1
+
+    def _hold(self) -> bool:
+        """Count one more ``Reserve`` in progress (False: the limit is reached, nothing counted)."""
+        with self._held_lock:
+            if self.max_reserves is not None and self._held >= self.max_reserves:
+                return False
+            self._held += 1
+            return True
 
     def _reserve(self, request, context):
         try:

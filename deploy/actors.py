@@ -19,6 +19,7 @@ to the same address.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -160,6 +161,10 @@ class RouterActor:
 
         self.server = RouterServer(self.cfg)
         address = self.server.start()
+        # Everything made so far (imports, tokenizer, servers) lives as long as the process:
+        # keep it out of the garbage collector's scans, so a full collection during a burst of
+        # requests (refusals must take milliseconds) scans only the requests' own objects.
+        gc.freeze()
         http = self.server.http_address
         save_router_ports(self.cfg.redis_url, self.cfg.cluster, self.server.port,
                           self.server.http.port if self.server.http else None)

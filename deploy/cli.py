@@ -17,6 +17,7 @@ from router.limits import DEFAULT_MAX_REQUEST_BYTES
 from router.migration import DEFAULT_MAX_MIGRATIONS, check_max_migrations
 from router.policy_names import DEFAULT_POLICY, POLICY_NAMES
 from serving.logs import LOG_FORMATS, LOG_LEVELS
+from serving.rpc import DEFAULT_MAX_QUEUED_REQUESTS
 
 
 def _port(value: str) -> int:
@@ -43,6 +44,22 @@ def _max_migrations(value: str) -> int:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return n
+
+
+def _non_negative(value: str) -> int:
+    """argparse type: an integer >= 0."""
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
+def _positive_float(value: str) -> float:
+    """argparse type: a number > 0."""
+    x = float(value)
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return x
 
 
 def _key_value(value: str) -> tuple[str, str]:
@@ -100,6 +117,24 @@ def _add_serving(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", default="text", choices=list(LOG_FORMATS), help="log lines as text or JSON")
     p.add_argument("--log-level", default="INFO", choices=list(LOG_LEVELS),
                    help="log level of every process (DEBUG adds one line per engine step)")
+
+
+def _add_admission(p: argparse.ArgumentParser) -> None:
+    """Admission control and circuit breaking (the router's :class:`router.admission.AdmissionConfig`
+    and :class:`router.breaker.BreakerConfig`; the queue bound goes to the decode workers too)."""
+    p.add_argument("--max-queued-requests", type=_non_negative, default=DEFAULT_MAX_QUEUED_REQUESTS, metavar="N",
+                   help="requests the router admits beyond what the decode workers run (the sum of their "
+                        "--max-num-seqs); more are refused at once with RESOURCE_EXHAUSTED / HTTP 429 and a "
+                        "retry-after hint. Each decode worker also holds at most --max-num-seqs + N reservations "
+                        f"(default {DEFAULT_MAX_QUEUED_REQUESTS})")
+    p.add_argument("--ttft-slo-ms", type=_positive_float, default=None, metavar="MS",
+                   help="refuse a request whose predicted time to first token (prompt tokens queued at the best "
+                        "prefill worker at its measured rate) exceeds MS (default: off)")
+    p.add_argument("--breaker-failures", type=_positive, default=3, metavar="N",
+                   help="consecutive transport failures of a worker's calls after which the router skips it "
+                        "(default 3)")
+    p.add_argument("--breaker-cooldown-s", type=_positive_float, default=5.0, metavar="S",
+                   help="seconds the router skips such a worker before probing it (default 5)")
 
 
 def _add_kv(p: argparse.ArgumentParser) -> None:
@@ -175,6 +210,7 @@ def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
                    help="disable the prefill workers' prefix cache")
     _add_kv(p)
     _add_serving(p)
+    _add_admission(p)
     _add_api_keys(p, env_api_key)
     _add_tls(p)
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="registry heartbeat period in seconds")

@@ -34,6 +34,7 @@ from deploy.redis_control import stop_redis_at
 from deploy.redis_server import LocalRedisServer, free_port
 from deploy.spec import exposure_warning, spec_from_args
 from deploy.state import DEFAULT_STATE_DIR, read_state, state_path, write_state
+from engine.model_loader import ModelNotFoundError
 from serving.certs import KeyPair, create_ca
 from serving.registry import WorkerRegistry
 
@@ -309,7 +310,7 @@ def cmd_up(args) -> int:
     except PlacementError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except (ConfigError, ValueError) as e:  # a flag out of range, found before anything started
+    except (ConfigError, ValueError, ModelNotFoundError) as e:  # a bad flag or model, found before anything started
         print(f"pdcluster up: error: {e}", file=sys.stderr)
         return 2
     kinds = (f"{args.workers} colocated workers" if args.colocated

@@ -10,10 +10,13 @@ from common.model_config import ConfigError, ModelConfig
 from deploy.cluster import ClusterSpec
 from deploy.placement import PlacementConfig
 from engine.config import CacheConfig, SchedulerConfig
+from engine.model.families import load_arch
 from engine.model_loader import resolve_model
 from kvtransfer.config import KvTransferConfig
 from kvtransfer.registry import load_transport
 from pdcluster.client import API_KEY_ENV
+from router.admission import AdmissionConfig
+from router.breaker import BreakerConfig
 from router.server import RouterConfig
 from serving.certs import KeyPair
 from serving.logs import LogConfig
@@ -114,6 +117,19 @@ def exposure_warning(router: RouterConfig) -> str | None:
             f"give --api-key, --api-key-file or ${API_KEY_ENV}")
 
 
+def security_from_args(args, cluster_secret: str, internal_ca: KeyPair | None) -> SecurityConfig:
+    """The router's security settings (API keys, public TLS, cluster secret and CA) from ``up``'s flags.
+
+    Raises:
+        ConfigError: bad API keys (:func:`api_keys_from_args`) or TLS files (:func:`public_tls_from_args`).
+    """
+    tls_cert, tls_key = public_tls_from_args(args)
+    return SecurityConfig(api_keys=api_keys_from_args(args), cluster_secret=cluster_secret,
+                          tls_cert=tls_cert, tls_key=tls_key,
+                          internal_ca_cert=internal_ca.cert_pem if internal_ca else "",
+                          internal_ca_key=internal_ca.key_pem if internal_ca else "")
+
+
 def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret: str = "",
                    internal_ca: KeyPair | None = None) -> ClusterSpec:
     """The cluster ``up``'s flags describe.
@@ -127,7 +143,9 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
             ``None``: internal traffic plaintext).
 
     Raises:
-        ValueError / common.model_config.ConfigError: a flag value out of range, a KV
+        engine.model_loader.ModelNotFoundError: ``--model`` names nothing loadable.
+        ValueError / common.model_config.ConfigError: a flag value out of range, a model
+            architecture the engine does not serve (the message lists those it does), a KV
             transport that cannot be loaded (:func:`kv_config_from_args`), bad API keys
             (:func:`api_keys_from_args`) or TLS files (:func:`public_tls_from_args`).
     """
@@ -135,6 +153,7 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
         if bs is not None and (bs <= 0 or bs & (bs - 1)):
             raise ConfigError(f"{flag} must be a power of two, got {bs}")
     folder = resolve_model(args.model)  # dequantize once here, not in every worker
+    load_arch(folder)  # an unsupported architecture or feature is refused here, before anything starts
     model_cfg = ModelConfig.from_hf_folder(folder, name=args.model)
     kv_dtype = "float32" if args.dtype in ("auto", "float32") and not use_cuda else (
         "bfloat16" if args.dtype == "auto" else args.dtype)
@@ -150,21 +169,20 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
         prefill_cache = replace(cache, block_size=pbs, num_blocks=max(2, blocks * args.block_size // pbs))
     kv = kv_config_from_args(args, use_cuda)
     log = LogConfig(args.log_format, args.log_level)
-    tls_cert, tls_key = public_tls_from_args(args)
-    security = SecurityConfig(api_keys=api_keys_from_args(args), cluster_secret=cluster_secret,
-                              tls_cert=tls_cert, tls_key=tls_key,
-                              internal_ca_cert=internal_ca.cert_pem if internal_ca else "",
-                              internal_ca_key=internal_ca.key_pem if internal_ca else "")
+    security = security_from_args(args, cluster_secret, internal_ca)
     worker = WorkerConfig(role="prefill", worker_id="template", model=args.model, redis_url=redis_url,
                           cluster=args.cluster, device=args.device, dtype=args.dtype,
                           heartbeat_s=args.heartbeat_s, cache=cache, scheduler=sched, kv=kv,
-                          prefill_cache=prefill_cache, log=log, security=security.for_workers())
+                          prefill_cache=prefill_cache, log=log, security=security.for_workers(),
+                          max_queued_requests=args.max_queued_requests)
     router = RouterConfig(model=args.model, model_path=str(folder), redis_url=redis_url, cluster=args.cluster,
                           host=args.host, port=args.port, max_model_len=args.max_model_len, block_size=args.block_size,
                           policy=args.router_policy, view_period_s=args.heartbeat_s / 4,
                           http_port=args.http_port if args.http else None, max_request_bytes=args.max_request_bytes,
                           max_prompt_bytes=args.max_prompt_bytes, max_migrations=args.max_migrations, log=log,
-                          security=security)
+                          security=security, admission=AdmissionConfig(max_queued_requests=args.max_queued_requests,
+                                                                       ttft_slo_ms=args.ttft_slo_ms),
+                          breaker=BreakerConfig(failures=args.breaker_failures, cooldown_s=args.breaker_cooldown_s))
     placement = PlacementConfig(strategy=args.placement, prefill_resource=args.prefill_resource,
                                 decode_resource=args.decode_resource, worker_cpus=args.worker_cpus,
                                 timeout_s=args.placement_timeout_s)

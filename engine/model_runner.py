@@ -12,7 +12,7 @@ import time
 import torch
 
 from engine.attention import SeqSlice, build_attention_metadata
-from engine.model.llama import LlamaForCausalLM
+from engine.model.decoder import CausalLM
 from engine.sampling import Sampler
 from engine.step import StepOutput, StepPlan, TokenLogprobs
 
@@ -26,7 +26,7 @@ class ModelRunner:
         block_size: tokens per KV block.
     """
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int,
                  seed: int = 0) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -43,7 +43,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         meta = build_attention_metadata(
             [SeqSlice(s.num_computed, len(s.token_ids), s.block_table) for s in plan.seqs],
-            self.block_size, self.device,
+            self.block_size, self.device, sliding_windows=self.model.sliding_windows,
         )
         flat = [t for s in plan.seqs for t in s.token_ids]
         input_ids = torch.tensor(flat, dtype=torch.int64, device=self.device)

@@ -26,8 +26,12 @@ Lifecycle of one request (DESIGN.md "decode-led reservation, prefill push"):
    (:class:`RouterError`). Abort, cancel and a failure cancel both calls, which makes
    both workers free the request's blocks.
 
+Admission (:mod:`router.admission`) refuses a request in :meth:`RequestRouter.start`, before
+anything is allocated, when the router is full or its predicted TTFT exceeds the SLO.
+
 Errors are :class:`RouterError` with a gRPC status code; each front door maps them to
-its own wire (gRPC status, HTTP status + OpenAI error body).
+its own wire (gRPC status, HTTP status + OpenAI error body), with a retry-after hint where
+the error carries one.
 """
 
 from __future__ import annotations
@@ -35,18 +39,21 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 
 import grpc
 
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
+from router.admission import Admission, Refused
 from router.handle import RequestHandle, status_of
 from router.load import LoadTracker
 from router.migration import (
     DEFAULT_MAX_MIGRATIONS,
     Side,
     WorkerFailure,
+    attempt_request,
     attempt_request_id,
     check_max_migrations,
     classify,
@@ -60,6 +67,7 @@ from router.stubs import StubCache
 from router.validation import InvalidRequest, PreparedRequest, RequestValidator
 from serving.logs import REQUEST_ID_METADATA, request_scope
 from serving.metrics import ProcessMetrics
+from serving.rpc import retry_after_ms
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +76,14 @@ _REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENG
 
 
 class RouterError(Exception):
-    """A request failed; ``code`` is its gRPC status, ``message`` names the cause."""
+    """A request failed; ``code`` is its gRPC status, ``message`` names the cause,
+    ``retry_after_ms`` (RESOURCE_EXHAUSTED refusals) when a retry may succeed."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.retry_after_ms = retry_after_ms
 
 
 class RequestRouter:
@@ -87,6 +97,7 @@ class RequestRouter:
         load: the router's per-worker load, which the placer's policy reads.
         metrics: the router's Prometheus metrics.
         stubs: the router's channels to the workers.
+        admission: the admission step (``None``: every valid request is admitted).
         max_migrations: how often one request may resume elsewhere after a worker failed
             it (:mod:`router.migration`; 0: never, the worker's status ends it).
 
@@ -95,7 +106,8 @@ class RequestRouter:
     """
 
     def __init__(self, validator: RequestValidator, tokenizer, placer: Placer, load: LoadTracker,
-                 metrics: ProcessMetrics, stubs: StubCache, max_migrations: int = DEFAULT_MAX_MIGRATIONS) -> None:
+                 metrics: ProcessMetrics, stubs: StubCache, admission: Admission | None = None,
+                 max_migrations: int = DEFAULT_MAX_MIGRATIONS) -> None:
         check_max_migrations(max_migrations)
         self.max_migrations = max_migrations
         self.validator = validator
@@ -105,28 +117,49 @@ class RequestRouter:
         self.metrics = metrics
         self.gauges = RouterGauges(metrics)
         self.stubs = stubs
+        self.admission = admission
         self._lock = threading.Lock()
         self._table: dict[str, RequestHandle] = {}
+        self._since: dict[str, float] = {}
 
     def start(self, request: router_pb2.GenerateRequest) -> "ActiveRequest":
-        """Validate ``request`` and register it; nothing is allocated yet.
+        """Admit, validate and register ``request``; nothing is allocated yet.
 
         Raises:
-            RouterError: INVALID_ARGUMENT (the message names the field or limit),
-                ALREADY_EXISTS (a running request has this id).
+            RouterError: RESOURCE_EXHAUSTED with ``retry_after_ms`` (refused by admission:
+                the router is full, checked first and again when registering, or the
+                predicted TTFT exceeds the SLO), INVALID_ARGUMENT (the message names the
+                field or limit), ALREADY_EXISTS (a running request has this id).
         """
+        capacity = self.admission.capacity() if self.admission is not None else None
+        if capacity is not None and len(self._table) >= capacity:  # before any work on it
+            self._refused(self.admission.queue_full(request.request_id, len(self._table), capacity))
         try:
             prep = self.validator.prepare(request)
+            if self.admission is not None:
+                self.admission.check_ttft(prep.request_id, prep.prompt_token_ids)
         except InvalidRequest as e:
             self.metrics.inc("request_errors", code=grpc.StatusCode.INVALID_ARGUMENT.name)
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except Refused as e:
+            self._refused(e)
         handle = RequestHandle(prep.request_id)
         with self._lock:
-            if prep.request_id in self._table:
-                raise RouterError(grpc.StatusCode.ALREADY_EXISTS,
-                                  f"request_id {prep.request_id!r} is already running")
-            self._table[prep.request_id] = handle
+            duplicate = prep.request_id in self._table
+            admitted = len(self._table)
+            full = capacity is not None and admitted >= capacity
+            if not duplicate and not full:
+                self._table[prep.request_id] = handle
+                self._since[prep.request_id] = time.monotonic()
+        if duplicate:
+            raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {prep.request_id!r} is already running")
+        if full:
+            self._refused(self.admission.queue_full(prep.request_id, admitted, capacity))
         return ActiveRequest(self, prep, handle)
+
+    def _refused(self, e: Refused) -> None:
+        self.metrics.inc("request_errors", code=grpc.StatusCode.RESOURCE_EXHAUSTED.name)
+        raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message, e.retry_after_ms) from None
 
     def abort(self, request_id: str) -> bool:
         """Abort a running request (its stream ends with finish reason ABORT); returns
@@ -160,6 +193,9 @@ class RequestRouter:
     def _forget(self, request_id: str) -> None:
         with self._lock:
             self._table.pop(request_id, None)
+            since = self._since.pop(request_id, None)
+        if since is not None and self.admission is not None:
+            self.admission.left(time.monotonic() - since)
 
 
 class ActiveRequest:
@@ -234,10 +270,10 @@ class ActiveRequest:
         for worker_id in f.lost:
             view.mark_unreachable(worker_id)
         if not f.migratable or self.h.aborted or self.client_gone:
-            raise RouterError(f.code, f.message)
+            raise RouterError(f.code, f.message, f.retry_after_ms)
         if migrations >= self.router.max_migrations:
             if migrations == 0:  # migration disabled: the worker's own status
-                raise RouterError(f.code, f.message)
+                raise RouterError(f.code, f.message, f.retry_after_ms)
             raise RouterError(grpc.StatusCode.UNAVAILABLE, f"failed after {migrations} migrations "
                               f"(max_migrations {self.router.max_migrations}): {f.code.name}: {f.message}")
 
@@ -264,22 +300,11 @@ class ActiveRequest:
         finally:
             h.load.end()
 
-    def _worker_request(self, out: OutputAssembler) -> worker_pb2.WorkerRequest:
-        """The request as this attempt's workers see it: under the attempt's id, resuming
-        after the output tokens already streamed (``output_token_ids``)."""
-        if not out.token_ids and self.h.request_id == self.prep.request_id:
-            return self.prep.worker_request
-        wreq = worker_pb2.WorkerRequest()
-        wreq.CopyFrom(self.prep.worker_request)
-        wreq.request_id = self.h.request_id
-        wreq.output_token_ids[:] = out.token_ids
-        return wreq
-
     def _relay(self, out: OutputAssembler) -> Iterator[router_pb2.GenerateResponse]:
         prep, h, stubs = self.prep, self.h, self.router.stubs
         meta = ((REQUEST_ID_METADATA, prep.request_id),)
         transfer_id = h.transfer_id = uuid.uuid4().hex
-        wreq = self._worker_request(out)
+        wreq = attempt_request(prep.worker_request, h.request_id, out.token_ids)
         h.decode_stub = stubs.get("decode", h.decode.address)
         h.d_call = h.decode_stub.Reserve(worker_pb2.ReserveRequest(request=wreq, transfer_id=transfer_id),
                                          metadata=meta)
@@ -364,4 +389,6 @@ class ActiveRequest:
         if h.prefill_error is not None:
             code, details = status_of(h.prefill_error)
             prefill = Side(h.prefill.role, h.prefill.worker_id, code, details)
-        raise classify(decode, prefill)
+        failure = classify(decode, prefill)
+        failure.retry_after_ms = retry_after_ms(e)
+        raise failure

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdcluster.v1 import worker_pb2
+
 DEFAULT_MAX_MIGRATIONS = 3
 MAX_MIGRATIONS_LIMIT = 100
 
@@ -62,6 +64,19 @@ def attempt_request_id(request_id: str, migration: int) -> str:
     return request_id if migration == 0 else f"{request_id}/migration-{migration}"
 
 
+def attempt_request(wreq: worker_pb2.WorkerRequest, worker_request_id: str,
+                    output_token_ids: list[int]) -> worker_pb2.WorkerRequest:
+    """``wreq`` as one attempt's workers see it: under ``worker_request_id``, resuming after
+    the ``output_token_ids`` already streamed (``wreq`` itself for a first attempt)."""
+    if not output_token_ids and worker_request_id == wreq.request_id:
+        return wreq
+    resumed = worker_pb2.WorkerRequest()
+    resumed.CopyFrom(wreq)
+    resumed.request_id = worker_request_id
+    resumed.output_token_ids[:] = output_token_ids
+    return resumed
+
+
 class WorkerFailure(Exception):
     """A worker call of one attempt failed.
 
@@ -72,6 +87,8 @@ class WorkerFailure(Exception):
         message: the cause, naming the blamed worker.
         suspects: worker ids a new placement avoids.
         lost: worker ids to mark unreachable in the registry view now.
+        retry_after_ms: the failed call's retry-after hint, if it carried one (a worker's
+            RESOURCE_EXHAUSTED refusal), for the client's error.
     """
 
     def __init__(self, role: str, code: grpc.StatusCode, message: str, suspects: frozenset[str],
@@ -82,6 +99,7 @@ class WorkerFailure(Exception):
         self.message = message
         self.suspects = suspects
         self.lost = lost
+        self.retry_after_ms: int | None = None
 
     @property
     def migratable(self) -> bool:

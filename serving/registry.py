@@ -57,6 +57,8 @@ class WorkerInfo:
             first; a replacement after a crash registers under the next, from
             :meth:`WorkerRegistry.next_generation`).
         pid: the process id on its node (what ``pdcluster status`` shows and chaos tests kill).
+        max_num_seqs: requests it runs at once (decode and colocated workers: its batch
+            size; 0: not published). The router's admission counts these seats.
     """
 
     worker_id: str
@@ -71,6 +73,7 @@ class WorkerInfo:
     metrics_address: str = ""
     generation: int = 0
     pid: int = 0
+    max_num_seqs: int = 0
 
     def __post_init__(self) -> None:
         if not self.worker_id:

@@ -208,11 +208,14 @@ def credential_check(security: SecurityConfig, plane: Plane) -> RequireCredentia
 
 def make_server(security: SecurityConfig, plane: Plane, *, max_workers: int,
                 options: Sequence[tuple[str, Any]] = GRPC_OPTIONS,
-                interceptors: Sequence[grpc.ServerInterceptor] = ()) -> grpc.Server:
-    """A threaded gRPC server of ``plane``: its credential check runs first, then ``interceptors``."""
+                interceptors: Sequence[grpc.ServerInterceptor] = (), bounded: bool = False) -> grpc.Server:
+    """A threaded gRPC server of ``plane`` (``max_workers`` threads): its credential check runs
+    first, then ``interceptors``. ``bounded``: a call arriving while every thread is busy is
+    refused at once with RESOURCE_EXHAUSTED instead of waiting in gRPC's queue."""
     check = credential_check(security, plane)
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=list(options),
-                       interceptors=[*([check] if check else []), *interceptors])
+                       interceptors=[*([check] if check else []), *interceptors],
+                       maximum_concurrent_rpcs=max_workers if bounded else None)
 
 
 @functools.lru_cache(maxsize=16)

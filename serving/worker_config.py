@@ -9,6 +9,7 @@ from common.model_config import ConfigError
 from engine.config import CacheConfig, SchedulerConfig
 from kvtransfer.config import KvTransferConfig
 from serving.logs import LogConfig
+from serving.rpc import DEFAULT_MAX_QUEUED_REQUESTS
 from serving.security import SecurityConfig
 
 
@@ -36,6 +37,10 @@ class WorkerConfig:
         log: log format and level of the worker process.
         security: the internal plane's credential (the cluster secret): required by the
             worker's RPC and KV ports, sent by its KV sender (:mod:`serving.security`).
+        max_queued_requests: ``Reserve`` calls a decode (or colocated) worker holds beyond
+            ``scheduler.max_num_seqs``; one more is refused at once with RESOURCE_EXHAUSTED
+            (``pdcluster up --max-queued-requests``). The worker's RPC thread pool is sized from
+            both (:func:`serving.rpc.pool_size`).
     """
 
     role: str
@@ -55,6 +60,7 @@ class WorkerConfig:
     prefill_cache: CacheConfig | None = None
     log: LogConfig = field(default_factory=LogConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -65,6 +71,8 @@ class WorkerConfig:
             raise ConfigError(f"unsupported dtype {self.dtype!r}")
         if self.num_threads <= 0 or self.heartbeat_s <= 0:
             raise ConfigError("num_threads and heartbeat_s must be positive")
+        if self.max_queued_requests < 0:
+            raise ConfigError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
 
     def for_role(self, role: str, worker_id: str, **changes) -> "WorkerConfig":
         """This template as the config of one worker: ``role`` and ``worker_id`` set,

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from serving.heartbeat import Heartbeater
 from serving.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
-from serving.rpc import add_health, set_serving
+from serving.rpc import MarkHandlerStatus, add_health, pool_size, set_serving
 from serving.security import Plane, bind, make_server
 from serving.worker_config import WorkerConfig
 from serving.worker_metrics import WorkerMetrics
@@ -29,9 +29,6 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.05
 
 
-RPC_THREADS = 64
-"""Threads of a worker's main gRPC server (router-facing RPCs; a ``Reserve`` or ``Prefill``
-holds one for its request's lifetime; calls beyond this wait in the server's queue)."""
 KV_THREADS = 32
 """Threads of a decode worker's KV receiving server (one per transfer in flight)."""
 
@@ -106,7 +103,17 @@ class WorkerHost:
 
     Both gRPC servers are internal-plane servers (:func:`serving.security.make_server`): with a
     cluster secret in ``cfg.security`` every call except health checks must carry it, and a
-    call without it is refused before :class:`ActiveRpcs` or any handler sees it.
+    call without it is refused before :class:`ActiveRpcs` or any handler sees it. Every status a
+    handler sets is marked as the worker's own (:class:`serving.rpc.MarkHandlerStatus`), so the
+    router's circuit breaker tells it from a transport failure.
+
+    The main server's thread pool (a ``Reserve`` or ``Prefill`` holds a thread for its request's
+    lifetime) is :func:`serving.rpc.pool_size` of ``max_num_seqs`` and ``max_queued_requests``
+    (twice both on a colocated worker, whose requests hold one call of each).
+    A decode or colocated worker refuses a ``Reserve`` beyond those two itself
+    (:class:`decode_worker.server.DecodeWorkerServicer`) and its server refuses any call once
+    every thread is busy, so no call waits unseen; a prefill worker's ``Prefill`` calls come only
+    for requests a decode worker reserved, so their number is bounded there.
     """
 
     def __init__(self, cfg: WorkerConfig, scheduler: Scheduler,
@@ -121,7 +128,10 @@ class WorkerHost:
         self._stop = threading.Event()
         self._draining = False
         self.rpcs = ActiveRpcs()
-        self.server = make_server(cfg.security, Plane.INTERNAL, max_workers=RPC_THREADS, interceptors=[self.rpcs])
+        calls = 2 if cfg.role == "colocated" else 1  # a colocated request holds a Reserve and a Prefill
+        threads = pool_size(calls * cfg.scheduler.max_num_seqs, calls * cfg.max_queued_requests)
+        self.server = make_server(cfg.security, Plane.INTERNAL, max_workers=threads,
+                                  interceptors=[self.rpcs, MarkHandlerStatus()], bounded=cfg.role != "prefill")
         self.health = add_health(self.server)
         add_servicers(self.server)
         self.port = bind(self.server, cfg.host, port, cfg.security, Plane.INTERNAL)
@@ -129,7 +139,7 @@ class WorkerHost:
         self.kv_server, self.kv_address = None, ""
         if add_kv_servicers is not None:
             self.kv_server = make_server(cfg.security, Plane.INTERNAL, max_workers=KV_THREADS,
-                                         interceptors=[self.rpcs])
+                                         interceptors=[self.rpcs, MarkHandlerStatus()])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.kv_server)
             add_kv_servicers(self.kv_server)
             self.kv_address = f"{cfg.host}:{bind(self.kv_server, cfg.host, 0, cfg.security, Plane.INTERNAL)}"
@@ -140,6 +150,7 @@ class WorkerHost:
             model=cfg.model, block_size=block_size, num_total_blocks=num_total_blocks,
             started_at=time.time(), metrics_address=metrics.serve(cfg.host) if metrics is not None else "",
             pid=os.getpid(),
+            max_num_seqs=cfg.scheduler.max_num_seqs if cfg.role != "prefill" else 0,
         )
         self.registry = WorkerRegistry(cfg.redis_url, cfg.cluster)
         # Liveness expires 1.5 heartbeat periods after the last beat (a dead worker is

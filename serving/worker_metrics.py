@@ -95,6 +95,10 @@ class WorkerMetrics:
         """A decode reservation was granted after ``wait_s`` seconds of waiting for blocks."""
         self.m.observe("kv_reservation_wait_seconds", wait_s)
 
+    def rejected(self, reason: str) -> None:
+        """A request was refused before anything was allocated (``reason``: ``queue_full``)."""
+        self.m.inc("num_requests_rejected", reason=reason)
+
     def kv_received(self, nbytes: int) -> None:
         """``nbytes`` KV payload bytes were written into this decode worker's blocks."""
         self.m.inc("kv_received_bytes", nbytes)

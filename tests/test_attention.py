@@ -73,8 +73,9 @@ def test_metadata_rejects_malformed_steps(seqs, match):
 
 # ---- paged_attention_torch vs a naive per-sequence reference --------------------------
 
-def _naive_attention(q_seqs, k_seqs, v_seqs, num_computed, scale):
-    """Plain causal softmax attention, one sequence at a time, GQA by repeating K/V heads."""
+def _naive_attention(q_seqs, k_seqs, v_seqs, num_computed, scale, window=None):
+    """Plain causal softmax attention (within the last ``window`` positions when set), one
+    sequence at a time, GQA by repeating K/V heads."""
     outs = []
     for q, k, v, nc in zip(q_seqs, k_seqs, v_seqs, num_computed):
         rep = q.shape[1] // k.shape[1]
@@ -82,13 +83,16 @@ def _naive_attention(q_seqs, k_seqs, v_seqs, num_computed, scale):
         v = v.repeat_interleave(rep, dim=1)
         scores = torch.einsum("qhd,lhd->hql", q, k) * scale  # [H, new, context]
         # causal: new token i (position nc + i) sees positions 0..nc + i
-        allowed = torch.arange(k.shape[0])[None, :] <= nc + torch.arange(q.shape[0])[:, None]
+        q_pos = nc + torch.arange(q.shape[0])[:, None]
+        allowed = torch.arange(k.shape[0])[None, :] <= q_pos
+        if window is not None:  # sliding window: position p sees p - window + 1 .. p
+            allowed &= torch.arange(k.shape[0])[None, :] > q_pos - window
         scores = scores.masked_fill(~allowed, float("-inf"))
         outs.append(torch.einsum("hql,lhd->qhd", scores.softmax(-1), v))
     return torch.cat(outs)
 
 
-def _run_case(lens, num_heads, num_kv_heads, block_size, head_dim=16, seed=0):
+def _run_case(lens, num_heads, num_kv_heads, block_size, head_dim=16, seed=0, window=None):
     """``lens``: (num_computed, num_new) per sequence. Blocks are drawn from a shuffled
     pool (non-contiguous tables) and every other cache slot holds garbage."""
     g = torch.Generator().manual_seed(seed)
@@ -113,11 +117,11 @@ def _run_case(lens, num_heads, num_kv_heads, block_size, head_dim=16, seed=0):
         k_seqs.append(k)
         v_seqs.append(v)
 
-    meta = build_attention_metadata(slices, block_size)
+    meta = build_attention_metadata(slices, block_size, sliding_windows=(window,) if window else ())
     scale = head_dim**-0.5
     q = torch.cat(q_seqs)
-    out = paged_attention_torch(q, k_cache, v_cache, meta, scale)
-    ref = _naive_attention(q_seqs, k_seqs, v_seqs, [nc for nc, _ in lens], scale)
+    out = paged_attention_torch(q, k_cache, v_cache, meta, scale, window=window)
+    ref = _naive_attention(q_seqs, k_seqs, v_seqs, [nc for nc, _ in lens], scale, window=window)
     assert out.shape == (sum(nn for _, nn in lens), num_heads, head_dim)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -141,6 +145,32 @@ CASES = {
 def test_paged_attention_matches_naive(case, num_heads, num_kv_heads, block_size):
     meta = _run_case(CASES[case], num_heads, num_kv_heads, block_size)
     assert meta.max_query_len == max(nn for _, nn in CASES[case])  # decode: the max_q == 1 path
+
+
+WINDOW_CASES = {**CASES, "one_prefill": [(0, 19)], "one_decode": [(20, 1)]}  # + the single-sequence fast paths
+
+
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+@pytest.mark.parametrize("window", [1, 3, 6, 64])
+def test_sliding_window_matches_naive(case, window):
+    """Windows shorter than the contexts, crossing 4-token blocks (64: longer than every
+    context, no mask needed)."""
+    meta = _run_case(WINDOW_CASES[case], 6, 2, 4, seed=2, window=window)
+    assert (window in meta.window_masks) == (window < meta.max_seq_len)
+
+
+def test_metadata_window_mask():
+    m = build_attention_metadata([SeqSlice(0, 3, [5]), SeqSlice(5, 2, [2, 7]), SeqSlice(6, 1, [3, 1])],
+                                 block_size=4, sliding_windows=(2, 9))
+    assert list(m.window_masks) == [2]  # 9 >= max_seq_len 7: the causal mask already is the window
+    mask = m.window_masks[2][:, 0].int().tolist()
+    assert mask[0] == [[1, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0, 0]]
+    assert mask[1] == [[0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 1, 1], [1, 0, 0, 0, 0, 0, 0]]
+    assert mask[2] == [[0, 0, 0, 0, 0, 1, 1], [1, 0, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0, 0]]
+    q = torch.randn(6, 2, 8)
+    cache = torch.randn(8, 4, 2, 8)
+    with pytest.raises(KeyError, match="sliding window 3 missing"):
+        paged_attention_torch(q, cache, cache, m, 0.3, window=3)
 
 
 def test_decode_tables_are_non_contiguous():

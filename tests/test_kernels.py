@@ -73,7 +73,7 @@ BF16_INTERPRETER = pytest.mark.skipif(
     "(triton-lang/triton#11584; bf16 is unsupported there); bf16 runs on CUDA")
 
 
-def _paged_step(lens, num_heads, num_kv_heads, head_dim, block_size=16, dtype=torch.float32, seed=0):
+def _paged_step(lens, num_heads, num_kv_heads, head_dim, block_size=16, dtype=torch.float32, seed=0, windows=()):
     """A step over a real-layout cache: ``lens`` = (num_computed, num_new) per sequence.
 
     Blocks come from a shuffled pool (non-contiguous, never block 0), the caches are
@@ -101,7 +101,7 @@ def _paged_step(lens, num_heads, num_kv_heads, head_dim, block_size=16, dtype=to
         assert any(t != list(range(t[0], t[0] + len(t))) for t in multi)
     kv = kv.to(device=DEVICE, dtype=dtype)
     q = torch.randn(sum(nn for _, nn in lens), num_heads, head_dim, generator=g).to(DEVICE, dtype)
-    meta = build_attention_metadata(slices, block_size, device=DEVICE)
+    meta = build_attention_metadata(slices, block_size, device=DEVICE, sliding_windows=windows)
     return q, kv[1, 0], kv[1, 1], meta
 
 
@@ -161,6 +161,20 @@ class TestDecode:
         again = paged_decode_attention(q, k, v, meta.block_tables, meta.seq_lens, 0.125, partition_size=64)
         torch.testing.assert_close(again, out, atol=0, rtol=0)
 
+    @pytest.mark.parametrize("window", [1, 5, 16, 100])
+    def test_sliding_window(self, window):
+        # contexts shorter and longer than the window; 8-token blocks, so windows cross blocks
+        lens = [(0, 1), (6, 1), (16, 1), (40, 1), (159, 1)]
+        q, k, v, meta = _paged_step(lens, 6, 2, 64, block_size=8, seed=8)
+        ref = paged_decode_attention_reference(q, k, v, meta.block_tables, meta.seq_lens, 0.125, window=window)
+        for p in (None, 64):  # one partition, and several over the window (100 = 2 partitions)
+            out = paged_decode_attention(q, k, v, meta.block_tables, meta.seq_lens, 0.125,
+                                         max_seq_len=meta.max_seq_len, partition_size=p, window=window)
+            _close(out, ref, torch.float32)
+        if window < 160:  # the window drops context: the result differs from full attention
+            full = paged_decode_attention_reference(q, k, v, meta.block_tables, meta.seq_lens, 0.125)
+            assert not torch.allclose(full[-1], ref[-1])
+
     def test_choose_partition_size(self):
         bn = decode_mod.BLOCK_N
         assert decode_mod.choose_partition_size(128, 8, 4096, 132) == 4096  # 1024 programs: no split
@@ -177,6 +191,8 @@ class TestDecode:
             paged_decode_attention(q, k, v, meta.block_tables, meta.seq_lens, 0.1, partition_size=100)
         with pytest.raises(ValueError, match="multiple of num_kv_heads"):
             paged_decode_attention(q[:, :3], k, v, meta.block_tables, meta.seq_lens, 0.1)
+        with pytest.raises(ValueError, match="window"):
+            paged_decode_attention(q, k, v, meta.block_tables, meta.seq_lens, 0.1, window=0)
 
 
 # ---- prefill ------------------------------------------------------------------------------
@@ -200,6 +216,19 @@ class TestPrefill:
                                        0.125, max_query_len=meta.max_query_len)
         ref = varlen_prefill_attention_reference(q, k, v, meta.query_start_loc, meta.seq_lens,
                                                  meta.block_tables, 0.125)
+        _close(out, ref, torch.float32)
+
+    @pytest.mark.parametrize("window", [1, 7, 33])
+    def test_sliding_window(self, window):
+        # query tiles longer than the window: rows whose window starts past the tile's first
+        # K/V tile (all masked there) must stay finite; 4-token blocks, windows cross them
+        lens = PREFILL["prefix"] + [(0, 70)]
+        q, k, v, meta = _paged_step(lens, 6, 2, 64, block_size=4, seed=9)
+        out = varlen_prefill_attention(q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                       0.125, max_query_len=meta.max_query_len, window=window)
+        ref = varlen_prefill_attention_reference(q, k, v, meta.query_start_loc, meta.seq_lens,
+                                                 meta.block_tables, 0.125, window=window)
+        assert torch.isfinite(out).all()
         _close(out, ref, torch.float32)
 
     def test_head_dim_128_gqa8(self):
@@ -237,6 +266,16 @@ class TestBackend:
         triton_out = get_attention_backend("triton")(q, k, v, meta, 0.125)
         torch_out = get_attention_backend("torch")(q, k, v, meta, 0.125)
         _close(triton_out, torch_out, torch.float32)
+
+    @pytest.mark.parametrize("case", ["mixed", "decode"])
+    def test_window_agrees_with_torch_backend(self, case):
+        lens = {"mixed": [(0, 21), (30, 1), (5, 12), (17, 1)], "decode": [(0, 1), (30, 1), (16, 1)]}[case]
+        q, k, v, meta = _paged_step(lens, 6, 2, 64, block_size=4, seed=10, windows=(6,))
+        assert 6 in meta.window_masks
+        triton_out = get_attention_backend("triton")(q, k, v, meta, 0.125, window=6)
+        torch_out = get_attention_backend("torch")(q, k, v, meta, 0.125, window=6)
+        _close(triton_out, torch_out, torch.float32)
+        assert not torch.allclose(torch_out, get_attention_backend("torch")(q, k, v, meta, 0.125))
 
     def test_registry_and_device_choice(self):
         assert get_attention_backend("triton") is paged_attention_triton

@@ -1,4 +1,4 @@
-"""Our paged-KV ``LlamaForCausalLM`` against HF transformers on the same weights.
+"""Our paged-KV decoder (``engine.model.decoder.CausalLM``) against HF transformers on the same weights.
 
 SmolLM2-135M (Llama architecture, GQA 9/3, tied embeddings) for batched varlen
 prefill, decode through :class:`ModelRunner` and chunked prefill; a tiny random
@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from common.model_config import ModelConfig
-from engine.attention import SeqSlice, build_attention_metadata, get_attention_backend
+from engine.attention import SeqSlice, build_attention_metadata
 from engine.config import CacheConfig
 from engine.kv_cache import allocate_kv_cache
 from engine.model import load_model
-from engine.model.llama import LlamaForCausalLM
 from engine.model_runner import ModelRunner
 from engine.sampling import SamplingOptions
 from engine.step import ScheduledSeq, StepPlan
@@ -146,41 +145,23 @@ def test_chunked_prefill_equals_unchunked(model, model_config, prompt_ids):
 
 # ---- Qwen2: q/k/v biases --------------------------------------------------------------
 
-def _tiny_qwen2():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def _tiny_qwen2(tmp_path):
+    """A tiny random Qwen2 saved as an HF folder (every weight and bias random: HF
+    initializes biases to zero), our model loaded from it and HF's."""
+    from family_models import build_tiny, hf_model
 
-    cfg = ModelConfig(
-        name="tiny-qwen2", path="", vocab_size=128, hidden_size=96, intermediate_size=160, num_layers=2,
-        num_heads=6, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-        max_position_embeddings=256, tie_word_embeddings=False, attention_bias=True,
-    )
-    hf_cfg = Qwen2Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_position_embeddings,
-        rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(0)
-    hf = Qwen2ForCausalLM(hf_cfg).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            else:  # every weight and bias random (HF initializes biases to zero)
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-    return cfg, hf
+    folder = build_tiny("qwen2", tmp_path / "qwen2", vocab_size=128, hidden_size=96, intermediate_size=160,
+                        num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=2, use_sliding_window=False,
+                        tie_word_embeddings=False)
+    cfg = ModelConfig.from_hf_folder(folder)
+    return cfg, load_model(cfg, CPU, torch.float32, attention_backend="torch", linear_backend="torch"), hf_model(folder)
 
 
-def test_qwen2_attention_bias_matches_hf():
-    cfg, hf = _tiny_qwen2()
-    ours = LlamaForCausalLM(cfg, get_attention_backend("torch")).requires_grad_(False)
+def test_qwen2_attention_bias_matches_hf(tmp_path):
+    cfg, ours, hf = _tiny_qwen2(tmp_path)
     assert ours.model.layers[0].self_attn.q_proj.bias is not None
     assert ours.model.layers[0].self_attn.o_proj.bias is None
     assert ours.lm_head is not None
-    ours.load_weights(hf.state_dict())
-    ours.eval()
     assert float(ours.model.layers[1].self_attn.k_proj.bias.abs().sum()) > 1.0
 
     g = torch.Generator().manual_seed(2)

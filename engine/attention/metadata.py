@@ -9,7 +9,7 @@ tokens at ``slot_mapping`` and then attends over each sequence's whole context
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +55,9 @@ class AttentionMetadata:
             ``"causal"`` (one sequence with no cached context: ``is_causal=True``,
             which skips the masked upper triangle — 1.8x faster on CPU at 2048
             tokens) or ``"none"`` (one sequence decoding one token: attends to all).
+        window_masks: sliding window (tokens) -> ``attn_mask`` restricted to it (a query at
+            position ``p`` keeps positions ``p - window + 1 .. p``), for the windows the
+            step's model uses that are shorter than ``max_seq_len`` (longer ones change nothing).
     """
 
     positions: torch.Tensor
@@ -69,6 +72,7 @@ class AttentionMetadata:
     attn_mask: torch.Tensor
     logits_index: torch.Tensor
     mask_kind: str = "mask"
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -76,9 +80,13 @@ class AttentionMetadata:
 
 
 def build_attention_metadata(
-    seqs: list[SeqSlice], block_size: int, device: torch.device | str = "cpu"
+    seqs: list[SeqSlice], block_size: int, device: torch.device | str = "cpu",
+    sliding_windows: tuple[int, ...] = (),
 ) -> AttentionMetadata:
     """Build the step's metadata once (vectorized; the Python work is O(#seqs)).
+
+    ``sliding_windows``: the model's sliding windows in tokens (its layers' distinct
+    ``window`` values); the torch backend's masks for them are built here, once per step.
 
     Raises:
         ValueError: empty step, a sequence with no new tokens, or a block table
@@ -106,7 +114,9 @@ def build_attention_metadata(
     blocks = block_tables[seq_of_token, positions // block_size]
     slot_mapping = blocks * block_size + positions % block_size
 
-    kv_gather_index, mask = _context_index_and_mask(block_tables, block_size, num_computed, num_new, seq_lens)
+    windows = tuple(w for w in sliding_windows if w < max_kv)
+    kv_gather_index, mask, window_masks = _context_index_and_mask(block_tables, block_size, num_computed, num_new,
+                                                                  seq_lens, windows)
     query_pad_index = seq_of_token * max_q + offset_in_seq
     logits_index = query_start_loc[1:] - 1
 
@@ -124,14 +134,17 @@ def build_attention_metadata(
         attn_mask=mask[:, None].to(device),
         logits_index=to(logits_index),
         mask_kind=_mask_kind(seqs),
+        window_masks={w: m[:, None].to(device) for w, m in window_masks.items()},
     )
 
 
 def _context_index_and_mask(block_tables: torch.Tensor, block_size: int, num_computed: torch.Tensor,
-                            num_new: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                            num_new: torch.Tensor, seq_lens: torch.Tensor, windows: tuple[int, ...] = (),
+                            ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
     """Cache slot of every context position, ``[B, max_seq_len]`` int64 (0 past a sequence's
-    end), and the causal mask ``[B, max_query_len, max_seq_len]`` bool (padding query rows
-    attend to slot 0 only: finite, discarded)."""
+    end), the causal mask ``[B, max_query_len, max_seq_len]`` bool (padding query rows
+    attend to slot 0 only: finite, discarded) and, per sliding window in ``windows``, that
+    mask limited to the window."""
     b, max_blocks = block_tables.shape
     max_q, max_kv = int(num_new.max()), int(seq_lens.max())
     kv_pos = torch.arange(max_kv)
@@ -144,7 +157,9 @@ def _context_index_and_mask(block_tables: torch.Tensor, block_size: int, num_com
     mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & valid_kv[:, None, :]
     mask = mask & valid_q[:, :, None]
     mask[:, :, 0] |= ~valid_q
-    return kv_gather_index, mask
+    window_masks = {w: mask & ((kv_pos[None, None, :] > q_pos[:, :, None] - w) | ~valid_q[:, :, None])
+                    for w in windows}
+    return kv_gather_index, mask, window_masks
 
 
 def _block_tables(seqs: list[SeqSlice], block_size: int) -> torch.Tensor:

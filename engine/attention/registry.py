@@ -10,15 +10,17 @@ from engine.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):
-    """``forward(q, k_cache, v_cache, meta, scale) -> out``.
+    """``forward(q, k_cache, v_cache, meta, scale, window=None) -> out``.
 
     q: ``[T, num_heads, head_dim]``; k_cache / v_cache: one layer's cache,
     ``[num_blocks, block_size, num_kv_heads, head_dim]``; returns ``[T, num_heads, head_dim]``.
+    ``window``: the layer's sliding window in tokens (a query at position ``p`` attends to
+    positions ``p - window + 1 .. p``), None = the whole causal context.
     """
 
     def __call__(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        meta: AttentionMetadata, scale: float,
+        meta: AttentionMetadata, scale: float, window: int | None = None,
     ) -> torch.Tensor: ...
 
 

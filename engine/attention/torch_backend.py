@@ -21,6 +21,7 @@ def paged_attention_torch(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of the step's new tokens over their sequences' cached context.
 
@@ -30,9 +31,15 @@ def paged_attention_torch(
             new tokens' K/V must already be written at ``meta.slot_mapping``.
         meta: the step's :class:`AttentionMetadata`.
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        window: sliding window in tokens (the query at position ``p`` attends to
+            ``p - window + 1 .. p``); None = the whole causal context.
 
     Returns:
         ``[T, num_heads, head_dim]`` in ``q``'s dtype.
+
+    Raises:
+        KeyError: ``window`` is shorter than the step's context but ``meta`` was built
+            without it (``build_attention_metadata(..., sliding_windows=...)``).
     """
     t, h, d = q.shape
     b, max_q = meta.num_seqs, meta.max_query_len
@@ -49,9 +56,15 @@ def paged_attention_torch(
         q_pad = q.new_zeros(b * max_q, h, d)
         q_pad[meta.query_pad_index] = q
         q_pad = q_pad.view(b, max_q, h, d)
+    mask, kind = meta.attn_mask, meta.mask_kind
+    if window is not None and window < meta.max_seq_len:
+        if window not in meta.window_masks:
+            raise KeyError(f"sliding window {window} missing from the step's metadata "
+                           f"(built for {sorted(meta.window_masks)})")
+        mask, kind = meta.window_masks[window], "mask"
     out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), keys, values, attn_mask=meta.attn_mask if meta.mask_kind == "mask" else None,
-        is_causal=meta.mask_kind == "causal", scale=scale, enable_gqa=kh != h,
+        q_pad.transpose(1, 2), keys, values, attn_mask=mask if kind == "mask" else None,
+        is_causal=kind == "causal", scale=scale, enable_gqa=kh != h,
     )  # [B, H, max_q, D]
     out = out.transpose(1, 2).reshape(b * max_q, h, d)
     return out if max_q == 1 else out.index_select(0, meta.query_pad_index)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.paged_kv_tile import LOG2_E, check_paged_inputs, dot_precision, online_softmax_tile
+from engine.kernels.paged_kv_tile import LOG2_E, check_paged_inputs, check_window, dot_precision, online_softmax_tile
 
 BLOCK_N = 64  # context tokens per tile
 MIN_PARTITION = 256  # a split covers at least this many tokens (several tiles)
@@ -34,7 +34,7 @@ MAX_SPLITS = 64  # upper bound on partitions per sequence (the reduce holds them
 def _decode_partition_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-    scale_log2, partition_size,
+    scale_log2, partition_size, window,
     stride_qs, stride_qh, stride_os, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ps, stride_ph, stride_pp, stride_ms, stride_mh,
@@ -45,7 +45,7 @@ def _decode_partition_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * partition_size
+    start = tl.maximum(seq_len - window, 0) + split * partition_size  # partitions cover the window only
     if start >= seq_len:
         return
     end = tl.minimum(start + partition_size, seq_len)
@@ -87,14 +87,15 @@ def _decode_partition_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq_lens_ptr, partition_size,
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq_lens_ptr, partition_size, window,
     stride_os, stride_oh, stride_ps, stride_ph, stride_pp, stride_ms, stride_mh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_parts = (seq_len + partition_size - 1) // partition_size
+    span = tl.minimum(seq_len, window)
+    num_parts = (span + partition_size - 1) // partition_size
     p = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
     p_mask = p < num_parts
@@ -141,6 +142,7 @@ def paged_decode_attention(
     *,
     max_seq_len: int | None = None,
     partition_size: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of one new token per sequence over its paged context.
 
@@ -155,13 +157,15 @@ def paged_decode_attention(
             ``seq_lens`` when None.
         partition_size: tokens per split, a positive multiple of ``BLOCK_N`` (64); None
             chooses one with :func:`choose_partition_size`.
+        window: sliding window in tokens (the new token attends to its last ``window``
+            positions, itself included); None = the whole context.
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype.
 
     Raises:
         ValueError: see :func:`~engine.kernels.paged_kv_tile.check_paged_inputs`; a
-            ``partition_size`` that is not a positive multiple of ``BLOCK_N``.
+            ``partition_size`` that is not a positive multiple of ``BLOCK_N``; a ``window`` below 1.
     """
     num_heads, num_kv_heads, head_dim, block_size = check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     num_seqs = q.shape[0]
@@ -172,29 +176,35 @@ def paged_decode_attention(
         return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    partition_size = _partition_size(q, num_kv_heads, max_seq_len, partition_size)
-    num_splits = triton.cdiv(max_seq_len, partition_size)
+    window = check_window(window)
+    span = min(max_seq_len, window)  # the most tokens one sequence attends to
+    partition_size = _partition_size(q, num_kv_heads, span, partition_size)
+    num_splits = triton.cdiv(span, partition_size)
     split = num_splits > 1
     part_out, part_max, part_sum = _split_buffers(q, num_splits)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     _launch_partitions(q, k_cache, v_cache, block_tables, seq_lens, out, (part_out, part_max, part_sum),
-                       scale, partition_size, num_splits, num_kv_heads, block_size, head_dim_pad)
+                       scale, (partition_size, window), num_splits, num_kv_heads, block_size, head_dim_pad)
     if split:
-        _reduce_splits(out, part_out, part_max, part_sum, seq_lens, partition_size, head_dim_pad)
+        _reduce_splits(out, part_out, part_max, part_sum, seq_lens, (partition_size, window), head_dim_pad)
     return out
 
 
-def _launch_partitions(q, k_cache, v_cache, block_tables, seq_lens, out, parts, scale: float, partition_size: int,
-                       num_splits: int, num_kv_heads: int, block_size: int, head_dim_pad: int) -> None:
+def _launch_partitions(q, k_cache, v_cache, block_tables, seq_lens, out, parts, scale: float,
+                       partition: tuple[int, int], num_splits: int, num_kv_heads: int, block_size: int,
+                       head_dim_pad: int) -> None:
     """Launch the per-split kernel over ``(num_seqs, num_kv_heads, num_splits)`` programs
-    (arguments as in :func:`paged_decode_attention`; ``parts`` from :func:`_split_buffers`)."""
+    (arguments as in :func:`paged_decode_attention`; ``parts`` from :func:`_split_buffers`;
+    ``partition`` = ``(partition_size, window)``, the window as
+    :func:`~engine.kernels.paged_kv_tile.check_window` gives it)."""
     part_out, part_max, part_sum = parts
+    partition_size, window = partition
     num_seqs, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
     split = num_splits > 1
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_max, part_sum,
-        scale * LOG2_E, partition_size,
+        scale * LOG2_E, partition_size, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -233,11 +243,12 @@ def _partition_size(q: torch.Tensor, num_kv_heads: int, max_seq_len: int, partit
 
 
 def _reduce_splits(out: torch.Tensor, part_out: torch.Tensor, part_max: torch.Tensor, part_sum: torch.Tensor,
-                   seq_lens: torch.Tensor, partition_size: int, head_dim_pad: int) -> None:
-    """Flash-decoding reduce: combine the per-split partial outputs into ``out`` (in place)."""
+                   seq_lens: torch.Tensor, partition: tuple[int, int], head_dim_pad: int) -> None:
+    """Flash-decoding reduce: combine the per-split partial outputs into ``out`` (in place);
+    ``partition`` = ``(partition_size, window)``."""
     num_seqs, num_heads, num_splits, head_dim = part_out.shape
     _decode_reduce_kernel[(num_seqs, num_heads)](
-        out, part_out, part_max, part_sum, seq_lens, partition_size,
+        out, part_out, part_max, part_sum, seq_lens, *partition,
         out.stride(0), out.stride(1), part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_max.stride(0), part_max.stride(1),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
@@ -247,10 +258,11 @@ def _reduce_splits(out: torch.Tensor, part_out: torch.Tensor, part_max: torch.Te
 
 def paged_decode_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference of :func:`paged_decode_attention` (same arguments), one
-    sequence at a time: gather its blocks, repeat K/V per query head, softmax in float32.
+    sequence at a time: gather its blocks, repeat K/V per query head, softmax in float32
+    over the last ``window`` positions (all when None).
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype.
@@ -263,5 +275,7 @@ def paged_decode_attention_reference(
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float().repeat_interleave(group, 1)
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float().repeat_interleave(group, 1)
         scores = torch.einsum("hd,lhd->hl", q[i].float(), k) * scale
+        if window is not None:
+            scores[:, : max(n - window, 0)] = float("-inf")
         outs.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), v))
     return torch.stack(outs).to(q.dtype)

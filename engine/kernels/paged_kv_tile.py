@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 
 LOG2_E = 1.4426950408889634
+NO_WINDOW = 1 << 30
+"""The ``window`` the kernels take for a global-attention layer (longer than any context)."""
 
 
 @triton.jit
@@ -35,9 +37,9 @@ def online_softmax_tile(
             base-2 scores; l_i: ``[M]`` running sum of ``exp2(score - m_i)``.
         block_row_ptr: pointer to this sequence's row of the block table (int32).
         pos: ``[N]`` int32 context positions of the tile; pos_valid: ``[N]`` which exist.
-        score_mask: ``[M, N]`` which (row, position) pairs may attend. Every row must
-            keep at least one True over the whole loop before its first all-False
-            tile, otherwise ``m_i`` stays ``-inf`` and the row becomes NaN.
+        score_mask: ``[M, N]`` which (row, position) pairs may attend. A row may have
+            all-False tiles anywhere (a sliding window starts after the tile): it stays
+            at zero weight until its first True; a row with no True at all ends NaN.
         d / d_mask: ``[D_PAD]`` head-dim offsets and which are < head_dim.
         scale_log2: softmax scale times ``log2(e)``.
 
@@ -52,13 +54,27 @@ def online_softmax_tile(
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, N]
     s = tl.where(score_mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet: alpha = p = 0, not NaN
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vt
                 + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
+
+
+def check_window(window: int | None) -> int:
+    """The kernels' ``window`` argument: ``window``, or :data:`NO_WINDOW` for None.
+
+    Raises:
+        ValueError: a window below 1 token.
+    """
+    if window is None:
+        return NO_WINDOW
+    if window < 1:
+        raise ValueError(f"window must be >= 1 token, got {window}")
+    return min(window, NO_WINDOW)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -17,6 +17,7 @@ def paged_attention_triton(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of the step's new tokens over their sequences' paged context.
 
@@ -28,6 +29,8 @@ def paged_attention_triton(
             ``query_start_loc``, ``seq_lens``, ``block_tables`` and python-int
             ``max_query_len`` / ``max_seq_len`` are used; no device sync).
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        window: sliding window in tokens (the token at position ``p`` attends to
+            ``p - window + 1 .. p``); None = the whole causal context.
 
     Returns:
         ``[T, num_heads, head_dim]`` in ``q``'s dtype.
@@ -37,6 +40,7 @@ def paged_attention_triton(
     """
     if meta.max_query_len == 1:  # T == num_seqs: q is already [num_seqs, H, D]
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                      max_seq_len=meta.max_seq_len)
+                                      max_seq_len=meta.max_seq_len, window=window)
     return varlen_prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                    meta.block_tables, scale, max_query_len=meta.max_query_len)
+                                    meta.block_tables, scale, max_query_len=meta.max_query_len,
+                                    window=window)

@@ -26,13 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.paged_kv_tile import LOG2_E, check_paged_inputs, dot_precision, online_softmax_tile
+from engine.kernels.paged_kv_tile import LOG2_E, check_paged_inputs, check_window, dot_precision, online_softmax_tile
 
 
 @triton.jit
 def _varlen_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    scale_log2,
+    scale_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -64,18 +64,20 @@ def _varlen_prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     block_row_ptr = block_tables_ptr + seq * stride_bt
     kv_end = prefix + tl.minimum(tok0 + BLOCK_Q, q_len)  # causal bound of the tile's last token
+    kv_start = tl.maximum(prefix + tok0 - window + 1, 0)  # window bound of the tile's first token
     n = tl.arange(0, BLOCK_N)
-    for kv0 in range(0, kv_end, BLOCK_N):
+    for kv0 in range(kv_start, kv_end, BLOCK_N):
         pos = kv0 + n
         pos_valid = pos < kv_end
+        allowed = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
         acc, m_i, l_i = online_softmax_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head,
-            pos, pos_valid, pos_valid[None, :] & (pos[None, :] <= q_pos[:, None]), d, d_mask, scale_log2,
+            pos, pos_valid, pos_valid[None, :] & allowed, d, d_mask, scale_log2,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             BLOCK_SIZE, DOT_PRECISION,
         )
 
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows outside every window: 0, not NaN
     tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
 
@@ -96,15 +98,9 @@ def _tile_config(head_dim_pad: int, dtype: torch.dtype) -> tuple[int, int, int, 
 
 
 def varlen_prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    *,
-    max_query_len: int | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+    *, max_query_len: int | None = None, window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged context.
 
@@ -120,13 +116,15 @@ def varlen_prefill_attention(
         scale: softmax scale (usually ``head_dim ** -0.5``).
         max_query_len: ``max(num_new)`` as a python int (saves a device sync); computed
             from ``query_start_loc`` when None.
+        window: sliding window in tokens (the token at position ``p`` attends to
+            ``p - window + 1 .. p``); None = the whole causal context.
 
     Returns:
         ``[T, num_heads, head_dim]`` in ``q``'s dtype.
 
     Raises:
         ValueError: see :func:`~engine.kernels.paged_kv_tile.check_paged_inputs`;
-            ``query_start_loc`` not int32 ``[B+1]``.
+            ``query_start_loc`` not int32 ``[B+1]``; a ``window`` below 1.
     """
     num_heads, num_kv_heads, head_dim, block_size = check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     num_seqs = seq_lens.shape[0]
@@ -145,7 +143,7 @@ def varlen_prefill_attention(
     block_q = block_m // group
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
     _varlen_prefill_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale * LOG2_E,
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale * LOG2_E, check_window(window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
@@ -159,10 +157,11 @@ def varlen_prefill_attention(
 def varlen_prefill_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference of :func:`varlen_prefill_attention` (same arguments), one
     sequence at a time: gather its blocks, repeat K/V per query head, causal softmax in
-    float32.
+    float32 (within ``window`` tokens when set).
 
     Returns:
         ``[T, num_heads, head_dim]`` in ``q``'s dtype.
@@ -179,7 +178,10 @@ def varlen_prefill_attention_reference(
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float().repeat_interleave(group, 1)
         scores = torch.einsum("qhd,lhd->hql", qi, k) * scale
         q_pos = (n - new) + torch.arange(new, device=q.device)
-        allowed = torch.arange(n, device=q.device)[None, :] <= q_pos[:, None]
+        kv_pos = torch.arange(n, device=q.device)[None, :]
+        allowed = kv_pos <= q_pos[:, None]
+        if window is not None:
+            allowed &= kv_pos > q_pos[:, None] - window
         scores = scores.masked_fill(~allowed, float("-inf"))
         outs.append(torch.einsum("hql,lhd->qhd", scores.softmax(-1), v))
     return torch.cat(outs).to(q.dtype)

@@ -9,8 +9,10 @@ from safetensors.torch import load_file
 
 from common.model_config import ModelConfig
 from engine.attention import get_attention_backend
+from engine.model.arch import DecoderArch
+from engine.model.decoder import CausalLM
+from engine.model.families import load_arch
 from engine.model.linear import apply_linear_backend, default_linear_backend
-from engine.model.llama import LlamaForCausalLM
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,8 +33,12 @@ def default_attention_backend(device: torch.device) -> str:
 
 
 def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-               attention_backend: str | None = None, linear_backend: str | None = None) -> LlamaForCausalLM:
+               attention_backend: str | None = None, linear_backend: str | None = None,
+               arch: DecoderArch | None = None) -> CausalLM:
     """Build the model on ``device`` in ``dtype`` and load every ``*.safetensors`` in ``cfg.path``.
+
+    ``arch``: the family's layer differences; None reads them from ``cfg.path``
+    (:func:`engine.model.families.load_arch`).
 
     ``attention_backend`` names a registered backend; None picks
     :func:`default_attention_backend` for ``device``. ``linear_backend`` names one of
@@ -43,7 +49,9 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
     Raises:
         FileNotFoundError: no safetensors file in the folder.
         KeyError: a parameter missing from the checkpoint, or an unknown backend.
+        common.model_config.ConfigError: an unsupported architecture or feature.
     """
+    arch = arch or load_arch(cfg.path)
     files = sorted(Path(cfg.path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {cfg.path}")
@@ -52,8 +60,7 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
         state.update(load_file(str(f)))
     backend = get_attention_backend(attention_backend or default_attention_backend(device))
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, backend).to(dtype)
-    model.rope.to(torch.float32)
+        model = CausalLM(cfg, arch, backend).to(dtype).requires_grad_(False)
     model.load_weights(state)
     model.eval()
     apply_linear_backend(model, linear_backend or default_linear_backend(device, dtype))

@@ -2,7 +2,9 @@
 
 gRPC status -> HTTP status: INVALID_ARGUMENT / OUT_OF_RANGE / ALREADY_EXISTS 400,
 UNAUTHENTICATED 401, NOT_FOUND 404, RESOURCE_EXHAUSTED 429, CANCELLED 499 (client closed),
-UNAVAILABLE 503, DEADLINE_EXCEEDED 504, anything else 500. ``param`` is the request field
+UNAVAILABLE 503, DEADLINE_EXCEEDED 504, anything else 500; a refusal with a retry-after hint
+(429) also carries ``Retry-After`` (whole seconds, at least 1) and ``retry-after-ms`` headers,
+both of which the ``openai`` client honours. ``param`` is the request field
 a router message names (``sampling.top_p ...`` -> ``top_p``; ``prompt: ...`` -> ``prompt``;
 ``messages[1].role ...`` -> ``messages``).
 """
@@ -10,6 +12,7 @@ a router message names (``sampling.top_p ...`` -> ``top_p``; ``prompt: ...`` -> 
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import grpc
@@ -54,4 +57,10 @@ def router_error_response(e: RouterError, body_only: bool = False):
     status = http_status(e.code)
     match = _PARAM.match(e.message) if status == 400 else None
     body = error_body(status, e.message, param=match.group(1) if match else None, code=e.code.name.lower())
-    return body if body_only else json_response(body, status)
+    if body_only:
+        return body
+    response = json_response(body, status)
+    if e.retry_after_ms is not None:
+        response.headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_ms / 1000)))
+        response.headers["retry-after-ms"] = str(e.retry_after_ms)
+    return response

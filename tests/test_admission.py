@@ -1,0 +1,173 @@
+"""Admission control without a cluster: capacity from the decode workers' published seats plus
+``max_queued_requests``, refusals before validation and before anything is registered, the
+TTFT-SLO prediction from measured prefill rates, the retry-after hint on both front doors
+(gRPC ``retry-after-ms`` trailing metadata; HTTP 429 with ``Retry-After`` and an OpenAI error
+body), the configs' validation and ``pdcluster up``'s flags."""
+
+from __future__ import annotations
+
+import argparse
+import types
+
+import grpc
+import pytest
+from fastapi.testclient import TestClient
+
+from deploy.cli import register
+from deploy.spec import spec_from_args
+from pdcluster.client import build_request
+from pdcluster.v1 import router_pb2, router_pb2_grpc
+from router.admission import Admission, AdmissionConfig
+from router.breaker import BreakerConfig
+from router.core import RequestRouter, RouterError
+from router.load import LoadTracker, PrefillRates
+from router.openai.app import FrontDoorState, build_app
+from router.service import RouterServicer, add_router_service
+from serving.metrics import ProcessMetrics
+from serving.registry import WorkerInfo
+from serving.rpc import RETRY_AFTER_METADATA
+from serving.security import Plane, SecurityConfig, make_server
+
+DECODES = [WorkerInfo("d-0", "decode", "d:0", max_num_seqs=4), WorkerInfo("d-1", "decode", "d:1", max_num_seqs=4)]
+PREFILLS = [WorkerInfo("p-0", "prefill", "p:0"), WorkerInfo("p-1", "prefill", "p:1")]
+
+
+def _rejected(metrics: ProcessMetrics, reason: str) -> float:
+    return metrics.registry.get_sample_value("pdcluster:num_requests_rejected_total", {
+        "role": "router", "worker_id": "router", "model_name": "m", "reason": reason}) or 0.0
+
+
+def _admission(cfg: AdmissionConfig, load=None, rates=None, cached=lambda w, p: 0):
+    metrics = ProcessMetrics("router", "router", "m")
+    adm = Admission(cfg, lambda: DECODES, lambda: PREFILLS, load or LoadTracker(), rates or PrefillRates(), cached,
+                    metrics)
+    return adm, metrics
+
+
+def test_configs_are_validated():
+    for bad in ({"max_queued_requests": -1}, {"ttft_slo_ms": 0}, {"max_admitted_requests": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            AdmissionConfig(**bad)
+
+
+def test_capacity_is_the_seats_plus_the_queue_capped():
+    adm, _ = _admission(AdmissionConfig(max_queued_requests=10))
+    assert adm.seats() == 8 and adm.capacity() == 18
+    assert _admission(AdmissionConfig(max_queued_requests=10, max_admitted_requests=12))[0].capacity() == 12
+
+
+def test_queue_full_hint_follows_the_time_requests_stay():
+    adm, metrics = _admission(AdmissionConfig(max_queued_requests=10))
+    refused = adm.queue_full("r-1", 18, 18)
+    assert refused.reason == "queue_full" and refused.retry_after_ms == 1000  # nothing measured yet
+    assert "18 requests admitted, capacity 18" in refused.message
+    adm.left(4.0)  # 4 s in the router, 8 seats: a seat frees every 0.5 s
+    assert adm.queue_full("r-2", 18, 18).retry_after_ms == 500
+    assert _rejected(metrics, "queue_full") == 2
+
+
+class _Clock:
+    t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_ttft_prediction_uses_the_best_prefill_worker():
+    clock = _Clock()
+    rates, load = PrefillRates(horizon_s=1000.0, clock=clock), LoadTracker()
+    for address, tokens in (("p:0", 1000), ("p:1", 4000)):  # p-0: 1000 tok/s, p-1: 4000 tok/s
+        rates.started(address)
+        clock.t += 1.0
+        rates.finished(address, tokens)
+    load.begin("p-1", "d-0", 6000)  # 6000 tokens queued at the fast one
+    adm, metrics = _admission(AdmissionConfig(ttft_slo_ms=2000), load, rates,
+                              cached=lambda w, p: 500 if w.worker_id == "p-0" else 0)
+    prompt = [1] * 1500
+    # p-0: 1000 uncached / 1000 = 1.0 s; p-1: (6000 + 1500) / 4000 = 1.875 s
+    assert adm.predicted_ttft_ms(prompt) == pytest.approx(1000, rel=0.1)
+    adm.check_ttft("ok", prompt)
+    with pytest.raises(Exception) as exc:
+        adm.check_ttft("slow", [1] * 3500)  # p-0: 3.0 s, p-1: 2.375 s > 2 s
+    assert exc.value.reason == "ttft_slo" and "predicted time to first token" in exc.value.message
+    assert exc.value.retry_after_ms == pytest.approx(375, abs=40)
+    assert _rejected(metrics, "ttft_slo") == 1
+    assert _admission(AdmissionConfig(ttft_slo_ms=1))[0].predicted_ttft_ms(prompt) is None  # nothing measured
+
+
+class _Validator:
+    def __init__(self):
+        self.seen = 0
+
+    def prepare(self, request):
+        self.seen += 1
+        return types.SimpleNamespace(request_id=request.request_id or "minted", prompt_token_ids=[1, 2, 3])
+
+
+def test_the_router_refuses_before_validating_and_holds_nothing():
+    adm, metrics = _admission(AdmissionConfig(max_queued_requests=1))  # capacity 9
+    validator = _Validator()
+    core = RequestRouter(validator, None, None, LoadTracker(), metrics, None, adm)
+    admitted = [core.start(router_pb2.GenerateRequest(request_id=f"r{i}", text="x")) for i in range(9)]
+    with pytest.raises(RouterError) as exc:
+        core.start(router_pb2.GenerateRequest(request_id="r9", text="x"))
+    assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and exc.value.retry_after_ms == 1000
+    assert validator.seen == 9 and len(core._table) == 9 and "r9" not in core._table
+    admitted[0].discard()  # one leaves: one more fits
+    core.start(router_pb2.GenerateRequest(request_id="r9", text="x"))
+    assert _rejected(metrics, "queue_full") == 1
+
+
+class _RefusingCore:
+    def start(self, request):
+        raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the router is full", retry_after_ms=1500)
+
+    def abort(self, request_id):
+        return False
+
+
+def test_grpc_refusal_carries_retry_after_ms():
+    server = make_server(SecurityConfig(), Plane.PUBLIC, max_workers=2)
+    add_router_service(RouterServicer(_RefusingCore(), router_pb2.ModelInfo(model_name="m")), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.RpcError) as exc:
+                list(router_pb2_grpc.RouterStub(channel).Generate(build_request("hi"), timeout=10))
+        assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(exc.value.trailing_metadata())[RETRY_AFTER_METADATA] == "1500"
+    finally:
+        server.stop(None)
+
+
+def test_http_refusal_is_429_with_retry_after():
+    state = FrontDoorState(core=_RefusingCore(), model_name="m", tokenizer=None, health=lambda: (True, ""),
+                           targets=list, metrics_registry=None, accepts_api_key=lambda key: True)
+    r = TestClient(build_app(state)).post("/v1/completions", json={"model": "m", "prompt": "hi"})
+    assert r.status_code == 429
+    assert r.headers["retry-after"] == "2" and r.headers["retry-after-ms"] == "1500"
+    assert r.json() == {"error": {"message": "the router is full", "type": "rate_limit_error", "param": None,
+                                  "code": "resource_exhausted"}}
+
+
+def _parse_up(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pdcluster", exit_on_error=False)
+    register(parser.add_subparsers(dest="command"), env_api_key=None)
+    return parser.parse_args(["up", *argv])
+
+
+def test_up_flags_reach_the_router_and_the_workers(capsys):
+    default = spec_from_args(_parse_up(), "redis://127.0.0.1:1")
+    assert default.router.admission == AdmissionConfig() and default.router.breaker == BreakerConfig()
+    assert default.worker.max_queued_requests == AdmissionConfig().max_queued_requests
+    spec = spec_from_args(_parse_up("--max-queued-requests", "7", "--ttft-slo-ms", "250", "--breaker-failures", "2",
+                                    "--breaker-cooldown-s", "1.5"), "redis://127.0.0.1:1")
+    assert spec.router.admission == AdmissionConfig(max_queued_requests=7, ttft_slo_ms=250.0)
+    assert spec.router.breaker == BreakerConfig(failures=2, cooldown_s=1.5)
+    assert spec.worker.max_queued_requests == 7
+    for bad in (("--max-queued-requests", "-1"), ("--ttft-slo-ms", "0"), ("--breaker-failures", "0"),
+                ("--breaker-cooldown-s", "-2")):
+        with pytest.raises(SystemExit):
+            _parse_up(*bad)
+        assert "must be" in capsys.readouterr().err
