@@ -157,6 +157,11 @@ def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     p.add_argument("--prefill-block-size", type=int, default=None,
                    help="KV block size of prefill workers when it differs from --block-size (the decode side re-blocks)")
+    p.add_argument("--prefill-tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks per prefill worker (processes on one node, one GPU each on GPUs)")
+    p.add_argument("--decode-tp", type=int, default=1, metavar="M",
+                   help="tensor-parallel ranks per decode worker (may differ from --prefill-tp: the KV transfer "
+                        "re-shards heads)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="disable the prefill workers' prefix cache")
     _add_kv(p)

@@ -12,6 +12,10 @@ from serving.logs import LogConfig
 from serving.security import SecurityConfig
 
 
+MAX_TP = 64
+"""Largest tensor-parallel size a worker accepts."""
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """Everything one prefill or decode worker needs to start.
@@ -34,6 +38,8 @@ class WorkerConfig:
         prefill_cache: cache geometry of prefill workers when it differs from
             ``cache`` (e.g. another block size); applied by :meth:`for_role`.
         log: log format and level of the worker process.
+        tp: tensor-parallel ranks of this worker (processes on its node; rank 0 is this
+            worker); ``prefill_tp`` / ``decode_tp`` are the per-role values :meth:`for_role` applies.
         security: the internal plane's credential (the cluster secret): required by the
             worker's RPC and KV ports, sent by its KV sender (:mod:`serving.security`).
     """
@@ -55,6 +61,9 @@ class WorkerConfig:
     prefill_cache: CacheConfig | None = None
     log: LogConfig = field(default_factory=LogConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    tp: int = 1
+    prefill_tp: int | None = None
+    decode_tp: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -65,6 +74,10 @@ class WorkerConfig:
             raise ConfigError(f"unsupported dtype {self.dtype!r}")
         if self.num_threads <= 0 or self.heartbeat_s <= 0:
             raise ConfigError("num_threads and heartbeat_s must be positive")
+        for name in ("tp", "prefill_tp", "decode_tp"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, int) and 1 <= v <= MAX_TP):
+                raise ConfigError(f"{name} must be an integer in [1, {MAX_TP}], got {v!r}")
 
     def for_role(self, role: str, worker_id: str, **changes) -> "WorkerConfig":
         """This template as the config of one worker: ``role`` and ``worker_id`` set,
@@ -74,7 +87,9 @@ class WorkerConfig:
             ConfigError: invalid role or changed values.
         """
         cache = self.prefill_cache if role == "prefill" and self.prefill_cache is not None else self.cache
-        return replace(self, role=role, worker_id=worker_id, cache=cache, prefill_cache=None, **changes)
+        tp = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role) or self.tp
+        return replace(self, role=role, worker_id=worker_id, cache=cache, prefill_cache=None, tp=tp,
+                       prefill_tp=None, decode_tp=None, **changes)
 
     @classmethod
     def from_dict(cls, d: dict) -> "WorkerConfig":
