@@ -145,3 +145,34 @@ def test_head_shards_validate_and_replicated_heads_are_read_once():
     torch.testing.assert_close(gather_blocks(replicated, 0, 2, [2, 0]), gather_blocks(a, 0, 2, [2, 0]))
     with pytest.raises(ValueError, match="heads"):
         scatter_tokens(HeadShards(((a, 0, 1), (b, 1, 2))), 0, 2, [0], 0, torch.randn(2, 2, 1, 4, 1, 8))
+
+
+def test_tp_flags_reach_each_role_and_size_its_bundle(folders):
+    from deploy.placement import PlacementConfig, WorkerShape
+    from deploy.spec import spec_from_args
+    from pdcluster.cli import build_parser
+
+    def spec(*flags):
+        args = build_parser().parse_args(["up", "--local", "--model", str(folders["llama3-kv2"]), *flags])
+        return spec_from_args(args, "redis://127.0.0.1:1")
+
+    worker = spec("--prefill-tp", "2").worker
+    assert worker.for_role("prefill", "p0").tp == 2 and worker.for_role("decode", "d0").tp == 1
+    assert WorkerShape(1.0, 1.0, 1, "cuda").bundle("prefill", PlacementConfig(), tp=2) == {"CPU": 2.0, "GPU": 2.0}
+    with pytest.raises(ConfigError, match=r"--decode-tp 3: .*num_attention_heads \(4\)"):
+        spec("--decode-tp", "3")
+    with pytest.raises(ConfigError, match=r"--prefill-tp must be in \[1, 64\]"):
+        spec("--prefill-tp", "0")
+    with pytest.raises(ConfigError, match="colocated"):
+        spec("--colocated", "--decode-tp", "2")
+
+
+def test_a_dead_rank_fails_the_step_instead_of_hanging(folders):
+    _, two = build_runner(str(folders["llama3-kv2"]), CACHE, device="cpu", tp=2)
+    try:
+        two.procs[0].kill()
+        two.procs[0].join(5)
+        with pytest.raises(RuntimeError, match=r"ranks \[1\] of this worker are gone"):
+            _prefill(two, [[5, 6, 7]])
+    finally:
+        two.close()

@@ -19,7 +19,7 @@ from engine.kv_cache import allocate_kv_cache
 from engine.model_runner import ModelRunner
 from engine.step import StepOutput, StepPlan
 from engine.tp import TpLayout
-from engine.tp.executor import RankSpec, rank_main, share
+from engine.tp.executor import RankSpec, rank_main
 from engine.tp.group import TpGroup, host_store
 from engine.tp.layers import load_tp_model
 
@@ -46,6 +46,9 @@ class TpModelRunner(ModelRunner):
         Raises:
             RuntimeError: a rank is gone (its pipe closed) or a collective timed out.
         """
+        dead = [r + 1 for r, p in enumerate(self.procs) if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"tensor-parallel ranks {dead} of this worker are gone; it cannot run steps")
         lean = StepPlan([replace(s, generator=None, prompt_token_ids=(), output_token_ids=()) for s in plan.seqs])
         for c in self.conns:
             c.send(lean)
@@ -111,7 +114,7 @@ def start_tp_runner(model_cfg: ModelConfig, cache: CacheConfig, size: int, devic
     try:
         group = TpGroup(store, 0, size, device, timeout_s)
         model = load_tp_model(model_cfg, layout, group, device, dtype)
-        own = share(allocate_kv_cache(layout.local_config(model_cfg), cache, device))
+        own = allocate_kv_cache(layout.local_config(model_cfg), cache, device)  # read by this process only
         others = _collect_shards(kv_queue, size - 1, timeout_s)
     except BaseException:
         stop_ranks(conns, procs)
