@@ -1,7 +1,7 @@
 """The transfer matrix of tensor parallelism through a real local cluster (Ray, Redis, router,
 one prefill and one decode worker, gRPC KV transfer): prefill TP x decode TP in
 {(1, 2), (2, 1), (2, 2)}, token-exact vs HF ``transformers`` (a near tie allowed by the
-margin rule). Each cell serves a tiny random model (HF's method, ``tests/family_models.py``;
+margin rule); one cell streams the KV layer by layer, one moves it by ``torch_dist``. Each cell serves a tiny random model (HF's method, ``tests/family_models.py``;
 the SmolLM2 vocabulary) whose heads split: 2 KV heads (one per rank) or 1 KV head
 (replicated on both ranks). The KV transfer re-shards heads between the sides' layouts:
 a TP=2 prefill worker's rank 0 reads both ranks' shares, a TP=2 decode worker writes
@@ -22,8 +22,10 @@ from family_models import build_tiny, hf_model
 
 from cluster_utils import assert_greedy_matches, assert_no_leak, hf_greedy, router_client, running_cluster
 
-# (prefill TP, decode TP) -> (family, KV heads)
-CELLS = {(1, 2): ("llama3", 1), (2, 1): ("qwen3", 2), (2, 2): ("llama3", 2)}
+# (prefill TP, decode TP) -> (family, KV heads, more `up` flags): the TP=2 prefill worker of (2, 1)
+# streams layer by layer (layer l leaves once both ranks wrote it), (2, 2) moves its KV by torch_dist
+CELLS = {(1, 2): ("llama3", 1, ()), (2, 1): ("qwen3", 2, ("--kv-layerwise",)),
+         (2, 2): ("llama3", 2, ("--kv-transport", "torch_dist"))}
 LENGTHS = (5, 12, 27)
 NEW_TOKENS = 10
 
@@ -52,13 +54,13 @@ def _alive(pid: int) -> bool:
 @pytest.fixture(scope="module", params=list(CELLS), ids=lambda c: f"P{c[0]}-D{c[1]}")
 def cell(request, tmp_path_factory, model_dir):
     p_tp, d_tp = request.param
-    family, kv_heads = CELLS[request.param]
+    family, kv_heads, flags = CELLS[request.param]
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     folder = build_tiny(family, tmp_path_factory.mktemp("tpmodel"), vocab_size=vocab, tokenizer_dir=model_dir,
                         num_key_value_heads=kv_heads)
     with running_cluster(tmp_path_factory.mktemp("state"), "--model", str(folder), "--block-size", "4",
                          "--num-kv-blocks", "128", "--max-model-len", "128", "--heartbeat-s", "0.5",
-                         "--prefill-tp", str(p_tp), "--decode-tp", str(d_tp)) as state:
+                         "--prefill-tp", str(p_tp), "--decode-tp", str(d_tp), *flags) as state:
         ranks = {w["role"]: _children(w["pid"]) for w in state["workers"]}
         yield dict(state=state, folder=folder, tp={"prefill": p_tp, "decode": d_tp}, ranks=ranks)
     deadline = time.monotonic() + 15
