@@ -24,7 +24,8 @@ class HeadShards:
         parts: ``(tensor, first head, end head)``: each tensor
             ``[L, 2, num_blocks, block_size, end - first, D]`` holds heads
             ``[first, end)``; a head may sit in several parts (replicated), the union
-            must be ``[0, H)``, every part on one device and dtype.
+            must be ``[0, H)``, every part of one dtype (devices may differ: a gather
+            returns on the first part's device).
 
     Raises:
         ValueError: parts disagree on layout, or the heads leave a gap.
@@ -79,10 +80,11 @@ class HeadShards:
         return [(t, lo, hi) for (lo, hi), t in sorted(seen.items())]
 
 
-def synchronize_shards(device: torch.device) -> None:
-    """Writes into another process's CUDA memory complete before it reads them."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def synchronize_shards(shards: "HeadShards") -> None:
+    """Writes into other processes' CUDA memory complete before those processes read them."""
+    for dev in {t.device for t, _, _ in shards.parts}:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
 
 def check_kv_cache(kv_cache: "torch.Tensor | HeadShards") -> None:
@@ -147,7 +149,8 @@ def gather_blocks(
         ValueError: bad cache layout, layer range or block id.
     """
     if isinstance(kv_cache, HeadShards):
-        return torch.cat([gather_blocks(t, layer_start, layer_end, block_ids) for t, _, _ in kv_cache.owners()], dim=4)
+        return torch.cat([gather_blocks(t, layer_start, layer_end, block_ids).to(kv_cache.device)
+                          for t, _, _ in kv_cache.owners()], dim=4)
     check_kv_cache(kv_cache)
     _check_layers(kv_cache, layer_start, layer_end)
     idx = _index(block_ids, kv_cache.shape[2], kv_cache.device)
@@ -186,7 +189,7 @@ def scatter_blocks(
             raise ValueError(f"blocks shape {tuple(blocks.shape)} does not carry the cache's {kv_cache.num_heads} heads")
         for t, lo, hi in kv_cache.parts:
             scatter_blocks(t, layer_start, layer_end, block_ids, blocks[..., lo:hi, :])
-        synchronize_shards(kv_cache.device)
+        synchronize_shards(kv_cache)
         return
     check_kv_cache(kv_cache)
     _check_layers(kv_cache, layer_start, layer_end)

@@ -71,7 +71,7 @@ def _scatter_shards(shards: HeadShards, layer_start: int, layer_end: int, reserv
         raise ValueError(f"blocks shape {tuple(blocks.shape)} does not carry the cache's {shards.num_heads} KV heads")
     n = [scatter_tokens(t, layer_start, layer_end, reserved_block_ids, token_start, blocks[..., lo:hi, :])
          for t, lo, hi in shards.parts]
-    synchronize_shards(shards.device)
+    synchronize_shards(shards)
     return n[0]
 
 

@@ -32,8 +32,12 @@ class TpGroup:
     def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> None:
         self.rank, self.size = rank, size
         timeout = datetime.timedelta(seconds=timeout_s)
-        if torch.device(device).type == "cuda":
-            self.pg = dist.ProcessGroupNCCL(store, rank, size, timeout=timeout)
+        device = torch.device(device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device.index or 0)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(store, rank, size, opts)
         else:
             self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
 

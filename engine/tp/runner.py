@@ -29,11 +29,12 @@ log = logging.getLogger(__name__)
 class TpModelRunner(ModelRunner):
     """Rank 0's runner. ``conns`` / ``procs``: the pipes to and processes of ranks 1.. ;
     ``shards``: every rank's KV cache ``[L, 2, num_blocks, block_size, local_kv_heads, D]``
-    (``shards[0]`` is this rank's own)."""
+    (``shards[0]`` is this rank's own); ``store``: the group's rendezvous, kept up as long as the group."""
 
-    def __init__(self, model, shards: list[torch.Tensor], block_size: int, layout: TpLayout, conns, procs) -> None:
+    def __init__(self, model, shards: list[torch.Tensor], block_size: int, layout: TpLayout, conns, procs,
+                 store=None) -> None:
         super().__init__(model, shards[0], block_size)
-        self.layout, self.shards, self.conns, self.procs = layout, shards, conns, procs
+        self.layout, self.shards, self.conns, self.procs, self.store = layout, shards, conns, procs, store
 
     @property
     def kv_parts(self) -> list[tuple[torch.Tensor, int, int]]:
@@ -121,6 +122,5 @@ def start_tp_runner(model_cfg: ModelConfig, cache: CacheConfig, size: int, devic
         raise
     log.info("tensor-parallel worker: %d ranks, %d/%d heads and %d KV heads per rank", size, layout.local_heads,
              layout.num_heads, layout.local_kv_heads)
-    runner = TpModelRunner(model, [own] + [others[r] for r in range(1, size)], cache.block_size, layout, conns, procs)
-    runner.store = store  # the rendezvous stays up as long as the group
-    return runner
+    return TpModelRunner(model, [own] + [others[r] for r in range(1, size)], cache.block_size, layout, conns, procs,
+                         store)
