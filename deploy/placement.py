@@ -121,7 +121,8 @@ def decide_shape(cluster_resources: dict, num_workers: int, device: str, worker_
 
     Args:
         cluster_resources: ``ray.cluster_resources()``.
-        num_workers: workers placed now (the CPU share divides among them).
+        num_workers: worker processes placed now, every tensor-parallel rank counted (the CPU
+            share divides among them; the shape is per rank, a worker's bundle is ``tp`` shapes).
         device: ``"auto"``, ``"cuda"`` or ``"cpu"``.
         worker_cpus: explicit logical CPUs per worker, or ``None``.
     """
