@@ -23,6 +23,7 @@ from decode_worker.scheduler import DecodeScheduler
 from decode_worker.server import DecodeWorkerServicer
 from engine.builder import build_runner
 from engine.request import Request
+from kvtransfer.blocks import HeadShards
 from kvtransfer.progress import LayerProgress
 from kvtransfer.registry import attach_receiver, create_sender
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
@@ -87,7 +88,7 @@ def create_colocated_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "")
     """Build (not start) a colocated worker; its KV sender and receiver (for other workers'
     requests) come from the transport registry by ``cfg.kv``."""
     model_cfg, runner = build_runner(cfg.model, cfg.cache, device=cfg.device, dtype=cfg.dtype,
-                                     num_threads=cfg.num_threads, model_cache_dir=cfg.model_cache_dir)
+                                     num_threads=cfg.num_threads, model_cache_dir=cfg.model_cache_dir, tp=cfg.tp)
     wake = threading.Event()
     metrics = WorkerMetrics(cfg, lambda: loop.load())
     decode = DecodeScheduler(runner, cfg.cache, cfg.scheduler, model_cfg.eos_token_ids, wake=wake,
@@ -99,10 +100,11 @@ def create_colocated_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "")
     host = WorkerHost(cfg, loop, lambda server: None, SERVICES, port=port,
                       add_kv_servicers=lambda server: attach_receiver(cfg.kv, server, sink),
                       block_size=cfg.cache.block_size, num_total_blocks=decode.kv.num_usable, node_id=node_id,
-                      metrics=metrics)
+                      metrics=metrics, on_stopped=runner.close)
     device: torch.device = runner.device
     route = local_route(cfg.worker_id, decode,
-                        remote_route(create_sender(cfg.kv, partial(internal_channel, cfg.security)), runner.kv_cache,
+                        remote_route(create_sender(cfg.kv, partial(internal_channel, cfg.security)),
+                                     HeadShards.of(runner.kv_parts),
                                      cfg.kv.layers_per_chunk))
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
         PrefillWorkerServicer(prefill, route, cfg.worker_id, device, metrics=metrics), host.server)

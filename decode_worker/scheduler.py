@@ -63,6 +63,7 @@ from engine.sampling import skip_draw
 from engine.step import ScheduledSeq, StepPlan, TokenLogprobs
 from engine.step_stats import StepObserver, execute_timed
 from engine.stop_check import check_finish
+from kvtransfer.blocks import HeadShards
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class DecodeScheduler:
         self.eos = eos_token_ids
         self.kv = DecodeKvManager(cache, sched.watermark)
         self.kv_failure = make_kv_failure_policy(sched.kv_failure_policy)
-        self.transfers = TransferTable(runner.kv_cache)
+        self.transfers = TransferTable(HeadShards.of(runner.kv_parts))  # every tensor-parallel rank's heads
         self._inbox = Inbox(wake)
         self._streams: dict[str, queue.Queue] = {}
         self._requests: dict[str, Request] = {}

@@ -22,14 +22,14 @@ def create_decode_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") ->
     gRPC server (port and thread pool) of its own.
     """
     model_cfg, runner = build_runner(cfg.model, cfg.cache, device=cfg.device, dtype=cfg.dtype,
-                                     num_threads=cfg.num_threads, model_cache_dir=cfg.model_cache_dir)
+                                     num_threads=cfg.num_threads, model_cache_dir=cfg.model_cache_dir, tp=cfg.tp)
     metrics = WorkerMetrics(cfg, lambda: sched.load())
     sched = DecodeScheduler(runner, cfg.cache, cfg.scheduler, model_cfg.eos_token_ids, on_step=metrics.on_step)
     sink = DecodeKvSink(sched, on_write=metrics.kv_received)
     host = WorkerHost(cfg, sched, lambda server: None, SERVICES, port=port,
                       add_kv_servicers=lambda server: attach_receiver(cfg.kv, server, sink),
                       block_size=cfg.cache.block_size, num_total_blocks=sched.kv.num_usable,
-                      node_id=node_id, metrics=metrics)
+                      node_id=node_id, metrics=metrics, on_stopped=runner.close)
     servicer = DecodeWorkerServicer(sched, cfg.worker_id, host.kv_address, cfg.cache.block_size,
                                     cfg.cache.dtype, runner.device, metrics=metrics,
                                     max_reserves=cfg.scheduler.max_num_seqs + cfg.max_queued_requests)

@@ -164,6 +164,20 @@ def _add_kv(p: argparse.ArgumentParser) -> None:
                         "KV on the decode worker")
 
 
+def _add_placement(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--placement", default="pack", choices=["pack", "spread", "strict-pack", "strict-spread"],
+                   help="placement-group strategy: pack keeps workers (e.g. a prefill-decode pair) on one node, "
+                        "spread puts them on different nodes; strict-* fail instead of bending")
+    p.add_argument("--prefill-resource", default=None, metavar="NAME",
+                   help="custom Ray resource a node must advertise to host prefill workers")
+    p.add_argument("--decode-resource", default=None, metavar="NAME",
+                   help="custom Ray resource a node must advertise to host decode workers")
+    p.add_argument("--worker-cpus", type=float, default=None, metavar="C",
+                   help="logical CPUs per worker (default: 1 with GPUs, else the cluster's CPUs shared)")
+    p.add_argument("--placement-timeout-s", type=float, default=120,
+                   help="seconds to wait for Ray to find the workers' resources before failing")
+
+
 def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
     p = sub.add_parser("up", allow_abbrev=False, help="start a cluster (router, prefill and decode workers)")
     p.add_argument("--local", action="store_true", help="start a local Ray head and Redis")
@@ -176,17 +190,7 @@ def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
     p.add_argument("--colocated", action="store_true",
                    help="place colocated workers (prefill and decode on one engine) instead")
     p.add_argument("--workers", type=int, default=1, metavar="N", help="colocated workers (with --colocated)")
-    p.add_argument("--placement", default="pack", choices=["pack", "spread", "strict-pack", "strict-spread"],
-                   help="placement-group strategy: pack keeps workers (e.g. a prefill-decode pair) on one node, "
-                        "spread puts them on different nodes; strict-* fail instead of bending")
-    p.add_argument("--prefill-resource", default=None, metavar="NAME",
-                   help="custom Ray resource a node must advertise to host prefill workers")
-    p.add_argument("--decode-resource", default=None, metavar="NAME",
-                   help="custom Ray resource a node must advertise to host decode workers")
-    p.add_argument("--worker-cpus", type=float, default=None, metavar="C",
-                   help="logical CPUs per worker (default: 1 with GPUs, else the cluster's CPUs shared)")
-    p.add_argument("--placement-timeout-s", type=float, default=120,
-                   help="seconds to wait for Ray to find the workers' resources before failing")
+    _add_placement(p)
     p.add_argument("--router-policy", default=DEFAULT_POLICY, choices=POLICY_NAMES,
                    help="how the router chooses workers: cache_aware (prefill workers by least expected prefill "
                         "work, i.e. uncached prompt tokens + prompt tokens queued there; decode workers least "
@@ -206,6 +210,11 @@ def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     p.add_argument("--prefill-block-size", type=int, default=None,
                    help="KV block size of prefill workers when it differs from --block-size (the decode side re-blocks)")
+    p.add_argument("--prefill-tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks per prefill worker (processes on one node, one GPU each on GPUs)")
+    p.add_argument("--decode-tp", type=int, default=1, metavar="M",
+                   help="tensor-parallel ranks per decode worker (may differ from --prefill-tp: the KV transfer "
+                        "re-shards heads)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="disable the prefill workers' prefix cache")
     _add_kv(p)

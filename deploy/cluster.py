@@ -118,12 +118,12 @@ def start_workers(cluster: str, template: WorkerConfig, shape: WorkerShape, plac
         RuntimeError: a worker failed to start (the started ones are killed again and
             the placement group removed).
     """
-    bundles = [shape.bundle(role, placement) for role, _ in new]
+    cfgs = [template.for_role(role, wid, num_threads=shape.threads, device=shape.device) for role, wid in new]
+    bundles = [shape.bundle(cfg.role, placement, cfg.tp) for cfg in cfgs]
     pg = reserve(bundles, placement.ray_strategy, pg_name, placement.timeout_s)
     actors, infos = [], []
     for i, (role, wid) in enumerate(new):
-        actors.append(create_worker_actor(cluster, template.for_role(role, wid, num_threads=shape.threads,
-                                                                     device=shape.device), shape, pg, i))
+        actors.append(create_worker_actor(cluster, cfgs[i], shape, pg, i))
         infos.append({"worker_id": wid, "role": role, "actor": actor_name(cluster, wid),
                       "placement_group": pg_name, "bundle_index": i})
     try:
@@ -139,10 +139,11 @@ def start_workers(cluster: str, template: WorkerConfig, shape: WorkerShape, plac
 
 def create_worker_actor(cluster: str, cfg: WorkerConfig, shape: WorkerShape, pg, bundle_index: int):
     """Create the detached actor of one worker in bundle ``bundle_index`` of placement group ``pg``
-    (it starts loading at once: :class:`deploy.actors.WorkerActor`); returns its handle."""
+    (it starts loading at once: :class:`deploy.actors.WorkerActor`); returns its handle. The actor
+    holds its whole bundle: ``cfg.tp`` ranks' CPUs and GPUs (Ray shows rank ``r`` GPU ``cuda:r``)."""
     return WorkerActor.options(
         name=actor_name(cluster, cfg.worker_id), namespace=NAMESPACE, lifetime="detached",
-        num_cpus=shape.cpus, num_gpus=shape.gpus,
+        num_cpus=shape.cpus * cfg.tp, num_gpus=shape.gpus * cfg.tp,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index),
     ).remote(cfg)
 
@@ -173,8 +174,8 @@ def launch(spec: ClusterSpec) -> dict:
     """
     cluster = spec.worker.cluster
     counts = spec.counts()
-    shape = decide_shape(ray.cluster_resources(), sum(counts.values()), spec.worker.device,
-                         spec.placement.worker_cpus)
+    ranks = sum(n * spec.worker.for_role(role, "-").tp for role, n in counts.items())  # a TP worker's ranks share
+    shape = decide_shape(ray.cluster_resources(), ranks, spec.worker.device, spec.placement.worker_cpus)
     new = [(role, f"{role}-{i}") for role in WORKER_ROLES for i in range(counts[role])]
     pg_name = actor_name(cluster, "pg-0")
     state = {"cluster": cluster, "redis_url": spec.worker.redis_url, "workers": [], "placement_groups": [pg_name],

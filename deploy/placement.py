@@ -1,7 +1,8 @@
 """Where workers go: placement-group bundles, strategies, pinning, and why a placement fails.
 
 Every worker gets one bundle: one GPU (and one CPU) where the cluster has GPUs,
-a CPU share otherwise. A bundle may carry a small amount (:data:`PIN_AMOUNT`) of
+a CPU share otherwise, times the worker's tensor-parallel ranks (``--prefill-tp`` /
+``--decode-tp``: the ranks are processes on the bundle's node). A bundle may carry a small amount (:data:`PIN_AMOUNT`) of
 a custom resource, which pins the worker to nodes that advertise it (``ray start
 --resources='{"prefill_node": 1}'``): that is how prefill and decode workers go
 to different machine kinds. The bundles of one ``up`` (or one ``scale``) form
@@ -97,11 +98,12 @@ class WorkerShape:
     threads: int
     device: str
 
-    def bundle(self, role: str, cfg: PlacementConfig) -> dict[str, float]:
-        """The placement-group bundle of one ``role`` worker."""
-        b = {"CPU": self.cpus}
+    def bundle(self, role: str, cfg: PlacementConfig, tp: int = 1) -> dict[str, float]:
+        """The placement-group bundle of one ``role`` worker of ``tp`` tensor-parallel ranks
+        (its ranks run on one node: the bundle holds ``tp`` times the per-rank CPUs and GPUs)."""
+        b = {"CPU": self.cpus * tp}
         if self.gpus:
-            b["GPU"] = self.gpus
+            b["GPU"] = self.gpus * tp
         pin = cfg.pin(role)
         if pin:
             b[pin] = PIN_AMOUNT
@@ -119,7 +121,8 @@ def decide_shape(cluster_resources: dict, num_workers: int, device: str, worker_
 
     Args:
         cluster_resources: ``ray.cluster_resources()``.
-        num_workers: workers placed now (the CPU share divides among them).
+        num_workers: worker processes placed now, every tensor-parallel rank counted (the CPU
+            share divides among them; the shape is per rank, a worker's bundle is ``tp`` shapes).
         device: ``"auto"``, ``"cuda"`` or ``"cpu"``.
         worker_cpus: explicit logical CPUs per worker, or ``None``.
     """

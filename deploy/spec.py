@@ -12,6 +12,7 @@ from deploy.placement import PlacementConfig
 from engine.config import CacheConfig, SchedulerConfig
 from engine.model.families import load_arch
 from engine.model_loader import resolve_model
+from engine.tp import TpLayout
 from kvtransfer.config import KvTransferConfig
 from kvtransfer.registry import load_transport
 from pdcluster.client import API_KEY_ENV
@@ -21,7 +22,7 @@ from router.server import RouterConfig
 from serving.certs import KeyPair
 from serving.logs import LogConfig
 from serving.security import SecurityConfig, check_credential
-from serving.worker_config import WorkerConfig
+from serving.worker_config import MAX_TP, WorkerConfig
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -130,6 +131,33 @@ def security_from_args(args, cluster_secret: str, internal_ca: KeyPair | None) -
                           internal_ca_key=internal_ca.key_pem if internal_ca else "")
 
 
+def checked_model(args, folder) -> ModelConfig:
+    """The config of the model in ``folder``, refused before anything starts when the engine
+    does not serve its architecture (:func:`load_arch`) or it does not split over the TP flags."""
+    load_arch(folder)
+    model_cfg = ModelConfig.from_hf_folder(folder, name=args.model)
+    check_tp(args, model_cfg)
+    return model_cfg
+
+
+def check_tp(args, model_cfg: ModelConfig) -> None:
+    """``--prefill-tp`` / ``--decode-tp`` in range, and the model splits over that many ranks.
+
+    Raises:
+        ConfigError: naming the flag and the dimension that does not divide.
+    """
+    tp = {"prefill": args.prefill_tp, "decode": args.decode_tp}
+    for role, n in tp.items():
+        if not 1 <= n <= MAX_TP:
+            raise ConfigError(f"--{role}-tp must be in [1, {MAX_TP}], got {n}")
+        try:
+            TpLayout.of(model_cfg, n)
+        except ConfigError as e:
+            raise ConfigError(f"--{role}-tp {n}: {e}") from None
+    if args.colocated and max(tp.values()) > 1:
+        raise ConfigError("--prefill-tp / --decode-tp apply to disaggregated workers, not --colocated")
+
+
 def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret: str = "",
                    internal_ca: KeyPair | None = None) -> ClusterSpec:
     """The cluster ``up``'s flags describe.
@@ -153,8 +181,7 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
         if bs is not None and (bs <= 0 or bs & (bs - 1)):
             raise ConfigError(f"{flag} must be a power of two, got {bs}")
     folder = resolve_model(args.model)  # dequantize once here, not in every worker
-    load_arch(folder)  # an unsupported architecture or feature is refused here, before anything starts
-    model_cfg = ModelConfig.from_hf_folder(folder, name=args.model)
+    model_cfg = checked_model(args, folder)
     kv_dtype = "float32" if args.dtype in ("auto", "float32") and not use_cuda else (
         "bfloat16" if args.dtype == "auto" else args.dtype)
     blocks = args.num_kv_blocks or num_kv_blocks(model_cfg, args.block_size, kv_dtype, args.kv_cache_gb)
@@ -174,7 +201,8 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
                           cluster=args.cluster, device=args.device, dtype=args.dtype,
                           heartbeat_s=args.heartbeat_s, cache=cache, scheduler=sched, kv=kv,
                           prefill_cache=prefill_cache, log=log, security=security.for_workers(),
-                          max_queued_requests=args.max_queued_requests)
+                          max_queued_requests=args.max_queued_requests,
+                          prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
     router = RouterConfig(model=args.model, model_path=str(folder), redis_url=redis_url, cluster=args.cluster,
                           host=args.host, port=args.port, max_model_len=args.max_model_len, block_size=args.block_size,
                           policy=args.router_policy, view_period_s=args.heartbeat_s / 4,

@@ -10,10 +10,12 @@ from engine.kv_cache import allocate_kv_cache
 from engine.model import load_model, resolve_device_dtype
 from engine.model_loader import resolve_model
 from engine.model_runner import ModelRunner
+from engine.tp.runner import start_tp_runner
 
 
 def build_runner(model: str, cache: CacheConfig, *, device: str = "auto", dtype: str = "auto",
-                 num_threads: int = 1, model_cache_dir: str | None = None) -> tuple[ModelConfig, ModelRunner]:
+                 num_threads: int = 1, model_cache_dir: str | None = None,
+                 tp: int = 1) -> tuple[ModelConfig, ModelRunner]:
     """Resolve ``model``, load its weights, allocate the KV cache (``cache``), set the
     torch thread budget.
 
@@ -23,14 +25,19 @@ def build_runner(model: str, cache: CacheConfig, *, device: str = "auto", dtype:
         device / dtype: ``"auto"`` = CUDA + bfloat16 where available, else CPU + float32.
         num_threads: torch intra-op threads (this worker's CPU share).
         model_cache_dir: where converted models are kept (default ``~/.cache/pdcluster/models``).
+        tp: tensor-parallel ranks; above 1 this process is rank 0 and starts the others
+            (:func:`engine.tp.runner.start_tp_runner`), and ``runner.close()`` stops them.
 
     Raises:
         ModelNotFoundError: the model spec names nothing loadable.
+        ConfigError: the model does not split over ``tp`` ranks.
     """
     torch.set_num_threads(num_threads)
     folder = resolve_model(model, model_cache_dir)
     model_cfg = ModelConfig.from_hf_folder(folder, name=model)
     dev, dt = resolve_device_dtype(device, dtype)
+    if tp > 1:
+        return model_cfg, start_tp_runner(model_cfg, cache, tp, dev, dt, num_threads)
     net = load_model(model_cfg, dev, dt)
     kv_cache = allocate_kv_cache(model_cfg, cache, dev)
     return model_cfg, ModelRunner(net, kv_cache, cache.block_size)

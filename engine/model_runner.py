@@ -14,7 +14,7 @@ import torch
 from engine.attention import SeqSlice, build_attention_metadata
 from engine.model.decoder import CausalLM
 from engine.sampling import Sampler
-from engine.step import StepOutput, StepPlan, TokenLogprobs
+from engine.step import ScheduledSeq, StepOutput, StepPlan, TokenLogprobs
 
 
 class ModelRunner:
@@ -34,13 +34,23 @@ class ModelRunner:
         self.device = kv_cache.device
         self.sampler = Sampler(seed=seed)
 
-    def execute(self, plan: StepPlan) -> StepOutput:
-        """Run one step: write the new tokens' K/V into their slots and sample.
+    @property
+    def kv_parts(self) -> list[tuple[torch.Tensor, int, int]]:
+        """The worker's whole paged KV cache as ``(tensor, first KV head, end KV head)``
+        parts (one part here; one per tensor-parallel rank in :class:`engine.tp.runner.TpModelRunner`)."""
+        return [(self.kv_cache, 0, self.kv_cache.shape[4])]
+
+    def close(self) -> None:
+        """Release what the runner started (nothing here; a tensor-parallel runner stops its ranks)."""
+
+    def forward_logits(self, plan: StepPlan) -> tuple[torch.Tensor | None, list[ScheduledSeq]]:
+        """Run the plan's tokens (K/V written into their slots) and compute the logits of
+        the sequences that sample: ``([N, vocab] float32, those N seqs)``, or ``(None, [])``
+        when none samples. What every tensor-parallel rank runs.
 
         Raises:
             ValueError: a malformed plan (empty, block table too short).
         """
-        t0 = time.perf_counter()
         meta = build_attention_metadata(
             [SeqSlice(s.num_computed, len(s.token_ids), s.block_table) for s in plan.seqs],
             self.block_size, self.device, sliding_windows=self.model.sliding_windows,
@@ -50,10 +60,20 @@ class ModelRunner:
         hidden = self.model(input_ids, meta, self.kv_cache, on_layer_done=plan.on_layer_done)
         rows = [i for i, s in enumerate(plan.seqs) if s.sample]
         if not rows:
-            return StepOutput([], [], [], time.perf_counter() - t0)
+            return None, []
         idx = meta.logits_index[torch.tensor(rows, device=self.device)]
-        logits = self.model.compute_logits(hidden[idx])
-        seqs = [plan.seqs[i] for i in rows]
+        return self.model.compute_logits(hidden[idx]), [plan.seqs[i] for i in rows]
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Run one step: write the new tokens' K/V into their slots and sample.
+
+        Raises:
+            ValueError: a malformed plan (empty, block table too short).
+        """
+        t0 = time.perf_counter()
+        logits, seqs = self.forward_logits(plan)
+        if logits is None:
+            return StepOutput([], [], [], time.perf_counter() - t0)
         out = self.sampler.sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs],
                                   [(s.prompt_token_ids, s.output_token_ids) for s in seqs])
         token_ids = out.token_ids.tolist()

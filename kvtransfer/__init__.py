@@ -15,7 +15,7 @@ Transports are registered by name and reached only through :mod:`kvtransfer.regi
 """
 
 from kvtransfer import dist_transport, grpc_transport  # noqa: F401 - importing them registers the built-ins
-from kvtransfer.blocks import check_kv_cache, gather_blocks, scatter_blocks
+from kvtransfer.blocks import HeadShards, check_kv_cache, gather_blocks, scatter_blocks
 from kvtransfer.config import DEFAULT_MAX_CHUNK_BYTES, KvConfigError, KvTransferConfig
 from kvtransfer.errors import KvDataPlaneError, KvIntegrityError, KvTransferError, StaleTransferError
 from kvtransfer.grpc_receiver import KvTransferServicer
@@ -67,6 +67,7 @@ __all__ = [
     "TransferStateTable",
     "Transport",
     "attach_receiver",
+    "HeadShards",
     "check_kv_cache",
     "check_same_tokens",
     "create_sender",

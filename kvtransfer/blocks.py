@@ -2,17 +2,92 @@
 
 The cache of one worker is a single tensor ``kv_cache`` of shape
 ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 of
-dim 1 is K, 1 is V), any floating dtype, on any device.
+dim 1 is K, 1 is V), any floating dtype, on any device — or, for a tensor-parallel
+worker, a :class:`HeadShards`: one such tensor per rank, each holding a range of the
+KV heads. Gathers return, and scatters take, every head (the wire always carries whole
+heads), so the two sides of a transfer may split heads differently (re-sharding).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 
-def check_kv_cache(kv_cache: torch.Tensor) -> None:
+@dataclass(frozen=True)
+class HeadShards:
+    """A paged KV cache split by KV heads over tensors (one per tensor-parallel rank).
+
+    Attributes:
+        parts: ``(tensor, first head, end head)``: each tensor
+            ``[L, 2, num_blocks, block_size, end - first, D]`` holds heads
+            ``[first, end)``; a head may sit in several parts (replicated), the union
+            must be ``[0, H)``, every part of one dtype (devices may differ: a gather
+            returns on the first part's device).
+
+    Raises:
+        ValueError: parts disagree on layout, or the heads leave a gap.
+    """
+
+    parts: tuple[tuple[torch.Tensor, int, int], ...]
+
+    def __post_init__(self) -> None:
+        first = self.parts[0][0]
+        covered: set[int] = set()
+        for t, lo, hi in self.parts:
+            check_kv_cache(t)
+            if t.shape[:4] != first.shape[:4] or t.shape[5] != first.shape[5] or t.shape[4] != hi - lo:
+                raise ValueError(f"head shard {tuple(t.shape)} for heads [{lo}, {hi}) does not fit {tuple(first.shape)}")
+            covered.update(range(lo, hi))
+        if covered != set(range(len(covered))):
+            raise ValueError(f"head shards leave a gap: heads {sorted(covered)}")
+
+    @staticmethod
+    def of(parts: Sequence[tuple[torch.Tensor, int, int]]) -> "torch.Tensor | HeadShards":
+        """The tensor itself when ``parts`` is one tensor holding every head, else the shards."""
+        if len(parts) == 1:
+            return parts[0][0]
+        return HeadShards(tuple(parts))
+
+    @property
+    def num_heads(self) -> int:
+        return max(hi for _, _, hi in self.parts)
+
+    @property
+    def shape(self) -> torch.Size:
+        """The whole cache's shape ``[L, 2, num_blocks, block_size, H, D]``."""
+        s = self.parts[0][0].shape
+        return torch.Size((*s[:4], self.num_heads, s[5]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0][0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0][0].device
+
+    def element_size(self) -> int:
+        return self.parts[0][0].element_size()
+
+    def owners(self) -> list[tuple[torch.Tensor, int, int]]:
+        """One part per distinct head range, in head order (what a gather reads)."""
+        seen: dict[tuple[int, int], torch.Tensor] = {}
+        for t, lo, hi in self.parts:
+            seen.setdefault((lo, hi), t)
+        return [(t, lo, hi) for (lo, hi), t in sorted(seen.items())]
+
+
+def synchronize_shards(shards: "HeadShards") -> None:
+    """Writes into other processes' CUDA memory complete before those processes read them."""
+    for dev in {t.device for t, _, _ in shards.parts}:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+
+def check_kv_cache(kv_cache: "torch.Tensor | HeadShards") -> None:
     """Validate the layout of a paged KV cache.
 
     Args:
@@ -22,6 +97,8 @@ def check_kv_cache(kv_cache: torch.Tensor) -> None:
     Raises:
         ValueError: wrong rank, dim 1 is not 2, or the dtype is not floating point.
     """
+    if isinstance(kv_cache, HeadShards):
+        return  # each part was checked when the shards were built
     if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
         raise ValueError(
             "kv_cache must have shape [num_layers, 2, num_blocks, block_size, "
@@ -49,7 +126,7 @@ def _check_layers(kv_cache: torch.Tensor, layer_start: int, layer_end: int) -> N
 
 
 def gather_blocks(
-    kv_cache: torch.Tensor,
+    kv_cache: "torch.Tensor | HeadShards",
     layer_start: int,
     layer_end: int,
     block_ids: Sequence[int] | torch.Tensor,
@@ -57,7 +134,8 @@ def gather_blocks(
     """Copy the given blocks of layers ``[layer_start, layer_end)`` into a new tensor.
 
     Args:
-        kv_cache: ``[L, 2, num_blocks, block_size, H, D]`` paged cache.
+        kv_cache: ``[L, 2, num_blocks, block_size, H, D]`` paged cache, or its
+            :class:`HeadShards` (the heads gathered from one part per head range).
         layer_start: first layer (inclusive).
         layer_end: last layer (exclusive).
         block_ids: block ids of ``kv_cache``, in the order wanted (any order,
@@ -70,6 +148,9 @@ def gather_blocks(
     Raises:
         ValueError: bad cache layout, layer range or block id.
     """
+    if isinstance(kv_cache, HeadShards):
+        return torch.cat([gather_blocks(t, layer_start, layer_end, block_ids).to(kv_cache.device)
+                          for t, _, _ in kv_cache.owners()], dim=4)
     check_kv_cache(kv_cache)
     _check_layers(kv_cache, layer_start, layer_end)
     idx = _index(block_ids, kv_cache.shape[2], kv_cache.device)
@@ -83,7 +164,7 @@ def gather_blocks(
 
 
 def scatter_blocks(
-    kv_cache: torch.Tensor,
+    kv_cache: "torch.Tensor | HeadShards",
     layer_start: int,
     layer_end: int,
     block_ids: Sequence[int] | torch.Tensor,
@@ -92,7 +173,8 @@ def scatter_blocks(
     """Write ``blocks`` into the given blocks of layers ``[layer_start, layer_end)`` in place.
 
     Args:
-        kv_cache: ``[L, 2, num_blocks, block_size, H, D]`` paged cache (modified).
+        kv_cache: ``[L, 2, num_blocks, block_size, H, D]`` paged cache (modified), or
+            its :class:`HeadShards` (each part gets its heads of ``blocks``).
         layer_start: first layer (inclusive).
         layer_end: last layer (exclusive).
         block_ids: destination block ids, one per entry of ``blocks`` dim 2.
@@ -102,6 +184,13 @@ def scatter_blocks(
     Raises:
         ValueError: bad cache layout, layer range, block id or ``blocks`` shape.
     """
+    if isinstance(kv_cache, HeadShards):
+        if blocks.dim() != 6 or blocks.shape[4] != kv_cache.num_heads:
+            raise ValueError(f"blocks shape {tuple(blocks.shape)} does not carry the cache's {kv_cache.num_heads} heads")
+        for t, lo, hi in kv_cache.parts:
+            scatter_blocks(t, layer_start, layer_end, block_ids, blocks[..., lo:hi, :])
+        synchronize_shards(kv_cache)
+        return
     check_kv_cache(kv_cache)
     _check_layers(kv_cache, layer_start, layer_end)
     idx = _index(block_ids, kv_cache.shape[2], kv_cache.device)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtransfer.blocks import check_kv_cache, scatter_blocks
+from kvtransfer.blocks import HeadShards, check_kv_cache, scatter_blocks, synchronize_shards
 
 
 def check_same_tokens(num_src_blocks: int, src_block_size: int, num_dst_blocks: int, dst_block_size: int) -> None:
@@ -65,8 +65,18 @@ def dest_block_range(num_dst_blocks: int, dst_block_size: int, token_start: int,
     return token_start // dst_block_size, -(-end // dst_block_size)
 
 
+def _scatter_shards(shards: HeadShards, layer_start: int, layer_end: int, reserved_block_ids: Sequence[int],
+                    token_start: int, blocks: torch.Tensor) -> int:
+    if blocks.dim() != 6 or blocks.shape[4] != shards.num_heads:
+        raise ValueError(f"blocks shape {tuple(blocks.shape)} does not carry the cache's {shards.num_heads} KV heads")
+    n = [scatter_tokens(t, layer_start, layer_end, reserved_block_ids, token_start, blocks[..., lo:hi, :])
+         for t, lo, hi in shards.parts]
+    synchronize_shards(shards)
+    return n[0]
+
+
 def scatter_tokens(
-    kv_cache: torch.Tensor,
+    kv_cache: "torch.Tensor | HeadShards",
     layer_start: int,
     layer_end: int,
     reserved_block_ids: Sequence[int],
@@ -76,8 +86,8 @@ def scatter_tokens(
     """Write the tokens of sender blocks into a reservation of the receiver's cache, in place.
 
     Args:
-        kv_cache: ``[L, 2, num_blocks, dst_block_size, H, D]`` receiver cache
-            (modified); must be contiguous unless the fast path applies.
+        kv_cache: ``[L, 2, num_blocks, dst_block_size, H, D]`` receiver cache (modified), contiguous
+            unless the fast path applies; or its :class:`~kvtransfer.blocks.HeadShards` (each part its heads).
         layer_start: first layer (inclusive).
         layer_end: last layer (exclusive).
         reserved_block_ids: the whole reservation, in token order.
@@ -95,17 +105,15 @@ def scatter_tokens(
         ValueError: bad cache layout, layer range, shape, block id, or a token
             range that does not start inside the reservation.
     """
+    if isinstance(kv_cache, HeadShards):  # each tensor-parallel rank's heads into its own share
+        return _scatter_shards(kv_cache, layer_start, layer_end, reserved_block_ids, token_start, blocks)
     check_kv_cache(kv_cache)
     num_layers, _, num_blocks, dst_bs, heads, head_dim = kv_cache.shape
     if not 0 <= layer_start < layer_end <= num_layers:
         raise ValueError(f"layer range [{layer_start}, {layer_end}) outside [0, {num_layers})")
     n_layers = layer_end - layer_start
-    if blocks.dim() != 6 or blocks.shape[0] != n_layers or blocks.shape[1] != 2 or tuple(blocks.shape[4:]) != (
-        heads, head_dim
-    ):
-        raise ValueError(
-            f"blocks shape {tuple(blocks.shape)} != ({n_layers}, 2, n, block_size, {heads}, {head_dim})"
-        )
+    if blocks.dim() != 6 or tuple(blocks.shape[:2]) != (n_layers, 2) or tuple(blocks.shape[4:]) != (heads, head_dim):
+        raise ValueError(f"blocks shape {tuple(blocks.shape)} != ({n_layers}, 2, n, block_size, {heads}, {head_dim})")
     n_tokens = blocks.shape[2] * blocks.shape[3]
     first, last = dest_block_range(len(reserved_block_ids), dst_bs, token_start, token_start + n_tokens)
     end = min(token_start + n_tokens, len(reserved_block_ids) * dst_bs)

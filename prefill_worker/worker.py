@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import partial
 
 from engine.builder import build_runner
+from kvtransfer.blocks import HeadShards
 from kvtransfer.registry import create_sender
 from pdcluster.v1 import worker_pb2_grpc
 from prefill_worker.scheduler import PrefillScheduler
@@ -22,12 +23,12 @@ def create_prefill_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -
     """Build (not start) a prefill worker; its KV sender comes from the transport registry by ``cfg.kv``
     and sends the cluster secret of ``cfg.security``."""
     model_cfg, runner = build_runner(cfg.model, cfg.cache, device=cfg.device, dtype=cfg.dtype,
-                                     num_threads=cfg.num_threads, model_cache_dir=cfg.model_cache_dir)
+                                     num_threads=cfg.num_threads, model_cache_dir=cfg.model_cache_dir, tp=cfg.tp)
     metrics = WorkerMetrics(cfg, lambda: sched.load())
     sched = PrefillScheduler(runner, cfg.cache, cfg.scheduler, model_id=f"{model_cfg.name}:{cfg.cache.dtype}",
                              layerwise=cfg.kv.layerwise, on_step=metrics.on_step)
     sender = create_sender(cfg.kv, partial(internal_channel, cfg.security))
-    route = remote_route(sender, runner.kv_cache, cfg.kv.layers_per_chunk)
+    route = remote_route(sender, HeadShards.of(runner.kv_parts), cfg.kv.layers_per_chunk)
     servicer = PrefillWorkerServicer(sched, route, cfg.worker_id, runner.device, metrics=metrics)
 
     def add(server):
@@ -39,4 +40,4 @@ def create_prefill_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -
                                               sched.model_id, cfg.cache.block_size, period_s=cfg.heartbeat_s))
     return WorkerHost(cfg, sched, add, SERVICES, port=port, block_size=cfg.cache.block_size,
                       num_total_blocks=sched.pool.num_usable, node_id=node_id, companions=companions,
-                      metrics=metrics)
+                      metrics=metrics, on_stopped=runner.close)

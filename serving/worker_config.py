@@ -13,6 +13,10 @@ from serving.rpc import DEFAULT_MAX_QUEUED_REQUESTS
 from serving.security import SecurityConfig
 
 
+MAX_TP = 64
+"""Largest tensor-parallel size a worker accepts."""
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """Everything one prefill or decode worker needs to start.
@@ -35,6 +39,8 @@ class WorkerConfig:
         prefill_cache: cache geometry of prefill workers when it differs from
             ``cache`` (e.g. another block size); applied by :meth:`for_role`.
         log: log format and level of the worker process.
+        tp: tensor-parallel ranks of this worker (processes on its node; rank 0 is this
+            worker); ``prefill_tp`` / ``decode_tp`` are the per-role values :meth:`for_role` applies.
         security: the internal plane's credential (the cluster secret): required by the
             worker's RPC and KV ports, sent by its KV sender (:mod:`serving.security`).
         max_queued_requests: ``Reserve`` calls a decode (or colocated) worker holds beyond
@@ -61,6 +67,9 @@ class WorkerConfig:
     log: LogConfig = field(default_factory=LogConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    tp: int = 1
+    prefill_tp: int | None = None
+    decode_tp: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -73,6 +82,10 @@ class WorkerConfig:
             raise ConfigError("num_threads and heartbeat_s must be positive")
         if self.max_queued_requests < 0:
             raise ConfigError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        for name in ("tp", "prefill_tp", "decode_tp"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, int) and 1 <= v <= MAX_TP):
+                raise ConfigError(f"{name} must be an integer in [1, {MAX_TP}], got {v!r}")
 
     def for_role(self, role: str, worker_id: str, **changes) -> "WorkerConfig":
         """This template as the config of one worker: ``role`` and ``worker_id`` set,
@@ -82,7 +95,9 @@ class WorkerConfig:
             ConfigError: invalid role or changed values.
         """
         cache = self.prefill_cache if role == "prefill" and self.prefill_cache is not None else self.cache
-        return replace(self, role=role, worker_id=worker_id, cache=cache, prefill_cache=None, **changes)
+        tp = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role) or self.tp
+        return replace(self, role=role, worker_id=worker_id, cache=cache, prefill_cache=None, tp=tp,
+                       prefill_tp=None, decode_tp=None, **changes)
 
     @classmethod
     def from_dict(cls, d: dict) -> "WorkerConfig":

@@ -120,8 +120,9 @@ class WorkerHost:
                  add_servicers: Callable[[grpc.Server], None], services: list[str],
                  port: int = 0, add_kv_servicers: Callable[[grpc.Server], None] | None = None, block_size: int = 0,
                  num_total_blocks: int = 0, node_id: str = "", companions: list | None = None,
-                 metrics: WorkerMetrics | None = None) -> None:
+                 metrics: WorkerMetrics | None = None, on_stopped: Callable[[], None] | None = None) -> None:
         self.cfg = cfg
+        self.on_stopped = on_stopped  # after the step loop ended (e.g. stop the tensor-parallel ranks)
         self.metrics = metrics
         self.scheduler = scheduler
         self.companions = companions or []  # objects with start()/stop() living as long as the server
@@ -271,5 +272,7 @@ class WorkerHost:
             self.kv_server.stop(grace_s).wait()
         self._stop.set()
         self._loop.join(timeout=5)
+        if self.on_stopped is not None:
+            self.on_stopped()
         if self.metrics is not None:
             self.metrics.stop()

@@ -32,6 +32,21 @@ def default_attention_backend(device: torch.device) -> str:
     return "triton" if torch.device(device).type == "cuda" else "torch"
 
 
+def read_state(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every ``*.safetensors`` in ``folder``, by name (CPU).
+
+    Raises:
+        FileNotFoundError: no safetensors file in the folder.
+    """
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
 def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                attention_backend: str | None = None, linear_backend: str | None = None,
                arch: DecoderArch | None = None) -> CausalLM:
@@ -52,12 +67,7 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
         common.model_config.ConfigError: an unsupported architecture or feature.
     """
     arch = arch or load_arch(cfg.path)
-    files = sorted(Path(cfg.path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {cfg.path}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
+    state = read_state(cfg.path)
     backend = get_attention_backend(attention_backend or default_attention_backend(device))
     with torch.device(device):
         model = CausalLM(cfg, arch, backend).to(dtype).requires_grad_(False)

@@ -181,12 +181,16 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> ``[N, vocab_size]`` float32 logits."""
-        if self.lm_head is None:  # tied embeddings
-            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
-        else:
-            logits = self.lm_head(hidden).float()
+        logits = self.head_logits(hidden).float()
         cap = self.arch.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` -> ``[N, vocab_size]`` raw LM-head output (model dtype; a
+        tensor-parallel model gathers its ranks' vocab slices here)."""
+        if self.lm_head is None:  # tied embeddings
+            return F.linear(hidden, self.model.embed_tokens.weight)
+        return self.lm_head(hidden)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Copy an HF state dict in (``lm_head.weight`` ignored when embeddings are tied).

@@ -1,0 +1,126 @@
+"""Rank 0 of a tensor-parallel worker: a :class:`~engine.model_runner.ModelRunner` that
+starts ranks ``1..size-1`` as processes on this node (``torch.multiprocessing``, spawn),
+hands each of them every step's plan before running the step on its own shard, and
+holds every rank's KV share (shared memory on CPU, CUDA IPC on GPU) so the KV transfer
+can read and write each rank's heads (:attr:`TpModelRunner.kv_parts`)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+from dataclasses import replace
+
+import torch
+import torch.multiprocessing as mp
+
+from common.model_config import ModelConfig
+from engine.config import CacheConfig
+from engine.kv_cache import allocate_kv_cache
+from engine.model_runner import ModelRunner
+from engine.step import StepOutput, StepPlan
+from engine.tp import TpLayout
+from engine.tp.executor import RankSpec, rank_main
+from engine.tp.group import TpGroup, host_store
+from engine.tp.layers import load_tp_model
+
+log = logging.getLogger(__name__)
+
+
+class TpModelRunner(ModelRunner):
+    """Rank 0's runner. ``conns`` / ``procs``: the pipes to and processes of ranks 1.. ;
+    ``shards``: every rank's KV cache ``[L, 2, num_blocks, block_size, local_kv_heads, D]``
+    (``shards[0]`` is this rank's own); ``store``: the group's rendezvous, kept up as long as the group."""
+
+    def __init__(self, model, shards: list[torch.Tensor], block_size: int, layout: TpLayout, conns, procs,
+                 store=None) -> None:
+        super().__init__(model, shards[0], block_size)
+        self.layout, self.shards, self.conns, self.procs, self.store = layout, shards, conns, procs, store
+
+    @property
+    def kv_parts(self) -> list[tuple[torch.Tensor, int, int]]:
+        return [(s, *self.layout.kv_heads(r)) for r, s in enumerate(self.shards)]
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Send the plan (without callbacks, RNGs or the token histories the sampler
+        alone reads) to every rank, then run it here; see :meth:`ModelRunner.execute`.
+
+        Raises:
+            RuntimeError: a rank is gone (its pipe closed) or a collective timed out.
+        """
+        dead = [r + 1 for r, p in enumerate(self.procs) if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"tensor-parallel ranks {dead} of this worker are gone; it cannot run steps")
+        lean = StepPlan([replace(s, generator=None, prompt_token_ids=(), output_token_ids=()) for s in plan.seqs])
+        for c in self.conns:
+            c.send(lean)
+        return super().execute(plan)
+
+    def close(self) -> None:
+        """Stop the ranks (each exits on ``None``; killed after 5 s)."""
+        stop_ranks(self.conns, self.procs)
+
+
+def stop_ranks(conns, procs) -> None:
+    """Tell each rank to stop, close its pipe, wait 5 s, then kill what is still alive."""
+    for c in conns:
+        try:
+            c.send(None)
+            c.close()
+        except OSError:
+            pass
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join(1)
+
+
+def _collect_shards(kv_queue, n: int, timeout_s: float) -> dict[int, torch.Tensor]:
+    got: dict[int, torch.Tensor] = {}
+    while len(got) < n:
+        try:
+            rank, kv = kv_queue.get(timeout=timeout_s)
+        except queue.Empty:
+            raise RuntimeError(f"tensor-parallel ranks {sorted(set(range(1, n + 1)) - set(got))} did not start "
+                               f"within {timeout_s}s") from None
+        if isinstance(kv, str):
+            raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {kv}")
+        got[rank] = kv
+    return got
+
+
+def start_tp_runner(model_cfg: ModelConfig, cache: CacheConfig, size: int, device: torch.device,
+                    dtype: torch.dtype, num_threads: int, timeout_s: float = 300.0) -> TpModelRunner:
+    """Start ranks ``1..size-1`` (rank ``r`` on ``cuda:r`` when ``device`` is CUDA), load
+    this rank's shard, and return rank 0's runner once every rank holds its KV share.
+
+    Raises:
+        ConfigError: the model does not split over ``size`` ranks.
+        RuntimeError: a rank failed or did not start within ``timeout_s`` seconds.
+    """
+    layout = TpLayout.of(model_cfg, size)
+    store = host_store(size, timeout_s)
+    ctx = mp.get_context("spawn")
+    kv_queue = ctx.Queue()
+    conns, procs = [], []
+    for r in range(1, size):
+        dev = f"cuda:{r}" if device.type == "cuda" else str(device)
+        spec = RankSpec(r, store.port, model_cfg, layout, cache, dev, dtype, num_threads, timeout_s)
+        here, there = ctx.Pipe()
+        p = ctx.Process(target=rank_main, args=(spec, there, kv_queue), daemon=True, name=f"tp-rank{r}")
+        p.start()
+        there.close()
+        conns.append(here)
+        procs.append(p)
+    try:
+        group = TpGroup(store, 0, size, device, timeout_s)
+        model = load_tp_model(model_cfg, layout, group, device, dtype)
+        own = allocate_kv_cache(layout.local_config(model_cfg), cache, device)  # read by this process only
+        others = _collect_shards(kv_queue, size - 1, timeout_s)
+    except BaseException:
+        stop_ranks(conns, procs)
+        raise
+    log.info("tensor-parallel worker: %d ranks, %d/%d heads and %d KV heads per rank", size, layout.local_heads,
+             layout.num_heads, layout.local_kv_heads)
+    return TpModelRunner(model, [own] + [others[r] for r in range(1, size)], cache.block_size, layout, conns, procs,
+                         store)
