@@ -51,6 +51,7 @@ from router.handle import RequestHandle, status_of
 from router.load import LoadTracker
 from router.migration import (
     DEFAULT_MAX_MIGRATIONS,
+    MIGRATION_WAIT_S,
     Side,
     WorkerFailure,
     attempt_request,
@@ -58,6 +59,7 @@ from router.migration import (
     check_max_migrations,
     classify,
     closed_early,
+    place_waiting,
 )
 from router.output import OutputAssembler
 from router.placement import Placer
@@ -287,7 +289,8 @@ class ActiveRequest:
         prep, h = self.prep, self.h
         tokens = prep.prompt_token_ids + out.token_ids
         try:
-            placement = self.router.placer.place(RequestContext(prep.request_id, tokens), avoid=avoid)
+            placement = place_waiting(lambda: self.router.placer.place(RequestContext(prep.request_id, tokens), avoid),
+                                      MIGRATION_WAIT_S if cause else 0.0, lambda: self.client_gone or h.aborted)
         except NoWorkerError as e:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{e} (migrating after {cause})" if cause else str(e)) \
                 from None

@@ -26,6 +26,10 @@ token. Client-caused endings (cancel, abort) never reach this module, and a refu
 ``max_migrations`` migrations (``pdcluster up --max-migrations``) the request fails
 with UNAVAILABLE naming the last cause.
 
+A migrating request that finds no live worker of a role (the only decode worker died, and
+the cluster controller is restarting it) waits up to :data:`MIGRATION_WAIT_S` seconds for
+one to register (:func:`place_waiting`) instead of failing at once.
+
 Each migration runs under its own worker-side request id (:func:`attempt_request_id`),
 so a resumed request never collides with its own earlier attempt still being torn
 down on a worker that serves it again.
@@ -33,6 +37,8 @@ down on a worker that serves it again.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -40,6 +46,7 @@ import grpc
 from pdcluster.v1 import worker_pb2
 
 DEFAULT_MAX_MIGRATIONS = 3
+MIGRATION_WAIT_S = 30.0  # a restarted worker registers within ~5-10 s on a small CPU machine
 MAX_MIGRATIONS_LIMIT = 100
 
 #: Statuses of a failed worker call that a request survives by migrating.
@@ -141,3 +148,23 @@ def closed_early(role: str, worker_id: str) -> WorkerFailure:
     """A decode stream that ended without a finish reason and without an error."""
     return WorkerFailure(role, grpc.StatusCode.UNAVAILABLE,
                          f"{role} worker {worker_id} closed the stream before finishing", frozenset({worker_id}))
+
+
+def place_waiting(place: Callable[[], object], wait_s: float, give_up: Callable[[], bool], poll_s: float = 0.25):
+    """``place()``, retried every ``poll_s`` seconds for up to ``wait_s`` seconds while it raises
+    :class:`router.policy.NoWorkerError` (and ``give_up()`` stays false: the client went away
+    or aborted); returns its placement.
+
+    Raises:
+        router.policy.NoWorkerError: still no worker after ``wait_s`` seconds (at once when 0).
+    """
+    from router.policy import NoWorkerError
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return place()
+        except NoWorkerError:
+            if time.monotonic() >= deadline or give_up():
+                raise
+            time.sleep(poll_s)

@@ -24,6 +24,12 @@ class RegistryView:
     kept (already-registered workers stay routable); the first failure of an
     outage is logged as a warning.
 
+    When Redis answers again after an outage, its liveness keys may have expired during the
+    outage (a restarted Redis comes back from its append-only file without them) until each
+    worker's next heartbeat re-registers it: for ``recovery_grace_s`` seconds after the
+    outage a worker of the last good view that the fresh one lacks is kept, so the router
+    does not see an empty cluster for a moment.
+
     :meth:`mark_unreachable` excludes a worker at once, until it reports a
     heartbeat whose ``updated_at`` is newer than the moment of marking
     (``time.time()`` here; worker and router clocks are assumed in sync).
@@ -31,16 +37,21 @@ class RegistryView:
     Args:
         registry: where to read.
         period_s: seconds between refreshes.
+        recovery_grace_s: seconds after an outage during which workers of the last good view
+            stay in it until they beat again (at least a heartbeat period).
 
     Raises:
-        ValueError: non-positive ``period_s``.
+        ValueError: non-positive ``period_s`` or negative ``recovery_grace_s``.
     """
 
-    def __init__(self, registry: WorkerRegistry, period_s: float = 0.5) -> None:
-        if period_s <= 0:
-            raise ValueError(f"period_s must be positive, got {period_s}")
+    def __init__(self, registry: WorkerRegistry, period_s: float = 0.5, recovery_grace_s: float = 3.0) -> None:
+        if period_s <= 0 or recovery_grace_s < 0:
+            raise ValueError(f"period_s must be positive and recovery_grace_s >= 0, got {period_s}, "
+                             f"{recovery_grace_s}")
         self.registry = registry
         self.period_s = period_s
+        self.recovery_grace_s = recovery_grace_s
+        self._recovered_at = float("-inf")
         self._lock = threading.Lock()
         self._view: list[tuple[WorkerInfo, WorkerLoadSnapshot]] = []
         self._marked: dict[str, float] = {}
@@ -82,8 +93,12 @@ class RegistryView:
             return False
         if self._failing:
             log.info("registry refresh restored (%d workers)", len(fresh))
+            self._recovered_at = time.monotonic()
         self._failing = False
         with self._lock:
+            if time.monotonic() - self._recovered_at < self.recovery_grace_s:
+                seen = {info.worker_id for info, _ in fresh}
+                fresh = fresh + [(info, load) for info, load in self._view if info.worker_id not in seen]
             self._view = fresh
             present = {info.worker_id: load for info, load in fresh}
             for wid, marked_at in list(self._marked.items()):
