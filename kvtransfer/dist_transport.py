@@ -2,7 +2,7 @@
 
 Control plane: the ``KvTransfer.PushKv`` stream of :mod:`kvtransfer.grpc_sender` and
 :mod:`kvtransfer.grpc_receiver` (headers, ``"done"`` chunk, ack), so states,
-generations, stale checks, CRC32 and coverage are the same code; this module only
+generations, stale checks, CRC32C and coverage are the same code; this module only
 supplies their data planes. Each ``"kv"`` chunk is sent as a header-only message
 marked ``"data": "dist"`` (:mod:`kvtransfer.wire`) and its tensor goes point to point
 over a 2-rank pair group (:mod:`kvtransfer.dist_pairs`): gloo for CPU caches, NCCL
@@ -32,13 +32,13 @@ import grpc
 import torch
 
 from kvtransfer.dist_pairs import ReceiverPairs, SenderPair, SenderPairs, backend_for
+from kvtransfer.frames import KvFrame
 from kvtransfer.grpc_receiver import InboundData, KvTransferServicer, add_kv_transfer_servicer
 from kvtransfer.grpc_sender import GrpcKvSender
 from kvtransfer.registry import ChannelFactory, check_options, register_transport
 from kvtransfer.send_stream import OutboundData, SendJob, StreamControl
 from kvtransfer.transport import KvReceiverSink
 from kvtransfer.wire import DATA_DIST, encode_dist_kv_chunk
-from pdcluster.v1 import kv_pb2
 
 NAME = "torch_dist"
 _OPTIONS = ("max_pairs_per_endpoint",)
@@ -51,7 +51,7 @@ class _PairData:
         self._pair = pair
         self._pending: tuple[torch.Tensor, int] | None = None
 
-    def encode(self, job: SendJob, i: int, tensor: torch.Tensor) -> tuple[kv_pb2.KvChunk, int]:
+    def encode(self, job: SendJob, i: int, tensor: torch.Tensor) -> tuple[KvFrame, int]:
         tag = self._pair.next_tag()
         chunk = encode_dist_kv_chunk(job.meta(i), tensor, self._pair.header_fields(tag))
         self._pending = (tensor, tag)

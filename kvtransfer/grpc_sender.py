@@ -23,6 +23,7 @@ import torch
 
 from kvtransfer.config import DEFAULT_MAX_CHUNK_BYTES
 from kvtransfer.errors import KvDataPlaneError, KvTransferError
+from kvtransfer.frames import KvFrame, push_kv
 from kvtransfer.progress import LayerProgress
 from kvtransfer.registry import ChannelFactory, plaintext_channel
 from kvtransfer.send_stream import (
@@ -37,7 +38,7 @@ from kvtransfer.send_stream import (
 from kvtransfer.states import TransferState, TransferStateTable
 from kvtransfer.transport import KvDestinationLike, KvSender, SendResult
 from kvtransfer.wire import encode_kv_chunk
-from pdcluster.v1 import kv_pb2, kv_pb2_grpc
+from pdcluster.v1 import kv_pb2
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,8 @@ class InlineData:
         """See :meth:`SendDataPlane.open`; never fails."""
         yield self
 
-    def encode(self, job: SendJob, i: int, tensor: torch.Tensor) -> tuple[kv_pb2.KvChunk, int]:
-        """See :meth:`OutboundData.encode`."""
+    def encode(self, job: SendJob, i: int, tensor: torch.Tensor) -> tuple[KvFrame, int]:
+        """See :meth:`OutboundData.encode`; the frame's payload is a view of ``tensor`` (a new gather)."""
         return encode_kv_chunk(job.meta(i), tensor), tensor.numel() * tensor.element_size()
 
     def after_yield(self, job: SendJob, ctl: StreamControl) -> None:
@@ -105,7 +106,7 @@ class GrpcKvSender(KvSender):
         self._states = TransferStateTable(state_history)
         self._data = data_plane if data_plane is not None else InlineData()
         self._lock = threading.Lock()
-        self._channels: dict[str, tuple[grpc.Channel, kv_pb2_grpc.KvTransferStub]] = {}
+        self._channels: dict[str, tuple[grpc.Channel, grpc.StreamUnaryMultiCallable]] = {}
         self._in_flight: set[str] = set()
         self._closed = False
 
@@ -181,24 +182,24 @@ class GrpcKvSender(KvSender):
         log.warning("KV transfer %s failed: %s", transfer_id, reason)
         return KvTransferError(transfer_id, reason)
 
-    def _stub(self, transfer_id: str, endpoint: str) -> kv_pb2_grpc.KvTransferStub:
+    def _stub(self, transfer_id: str, endpoint: str) -> grpc.StreamUnaryMultiCallable:
         with self._lock:
             if self._closed:
                 raise self._failure(transfer_id, "sender is closed")
             entry = self._channels.get(endpoint)
             if entry is None:
                 channel = self._connect(endpoint, self._channel_options)
-                entry = self._channels[endpoint] = (channel, kv_pb2_grpc.KvTransferStub(channel))
+                entry = self._channels[endpoint] = (channel, push_kv(channel))
             return entry[1]
 
     def _push(self, job: SendJob, endpoint: str) -> StreamControl:
-        stub = self._stub(job.transfer_id, endpoint)
+        push = self._stub(job.transfer_id, endpoint)
         ctl = StreamControl()
         try:
             with self._data.open(job, endpoint) as data:
                 try:
                     chunks = chunk_stream(job, ctl, data, self._states)
-                    ack: kv_pb2.KvAck = stub.PushKv(chunks, timeout=self._timeout_s)
+                    ack: kv_pb2.KvAck = push(chunks, timeout=self._timeout_s)
                 except grpc.RpcError as exc:
                     ctl.stop()  # before FAILED is recorded, so no later TRANSFERRING overwrites it
                     code = exc.code() if isinstance(exc, grpc.Call) else None

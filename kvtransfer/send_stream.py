@@ -2,7 +2,7 @@
 
 A :class:`SendJob` is planned once per :meth:`KvSender.send` (source blocks in
 chunks, each chunk's destination block ids from re-blocking). :func:`chunk_stream`
-yields the job's ``KvChunk`` messages in order, waiting for each chunk's layers
+yields the job's :class:`~kvtransfer.frames.KvFrame` messages in order, waiting for each chunk's layers
 when a :class:`~kvtransfer.progress.LayerProgress` is given; a
 :class:`SendDataPlane` decides where each chunk's tensor travels (inside the
 message for ``"grpc"``, over a pair group for ``"torch_dist"``); the gRPC sender
@@ -24,11 +24,11 @@ import torch
 from kvtransfer.blocks import check_kv_cache, gather_blocks
 from kvtransfer.chunking import ChunkSpec, plan_chunks
 from kvtransfer.errors import KvTransferError
+from kvtransfer.frames import KvFrame
 from kvtransfer.progress import LayerProgress
 from kvtransfer.reblock import check_same_tokens, dest_block_range
 from kvtransfer.states import TransferState, TransferStateTable
 from kvtransfer.wire import KvChunkMeta, encode_done_chunk
-from pdcluster.v1 import kv_pb2
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class SendJob:
     plan: list[ChunkSpec]
     dst_ids: list[list[int]]
     progress: LayerProgress | None
-    done: kv_pb2.KvChunk | None
+    done: KvFrame | None
     deadline: float
 
     def remaining(self) -> float:
@@ -165,8 +165,8 @@ class OutboundData(Protocol):
     ``encode`` runs under the stream lock; ``after_yield`` after the chunk's message left.
     """
 
-    def encode(self, job: SendJob, i: int, tensor: torch.Tensor) -> tuple[kv_pb2.KvChunk, int]:
-        """Chunk ``i``'s message for ``tensor`` (its CRC32 in the header) and its payload byte count."""
+    def encode(self, job: SendJob, i: int, tensor: torch.Tensor) -> tuple[KvFrame, int]:
+        """Chunk ``i``'s message for ``tensor`` (its CRC32C in the header) and its payload byte count."""
 
     def after_yield(self, job: SendJob, ctl: StreamControl) -> None:
         """Called once the message of the last encoded chunk was handed to gRPC.
@@ -195,7 +195,7 @@ class SendDataPlane(Protocol):
 
 
 def chunk_stream(job: SendJob, ctl: StreamControl, data: OutboundData,
-                 states: TransferStateTable) -> Iterator[kv_pb2.KvChunk]:
+                 states: TransferStateTable) -> Iterator[KvFrame]:
     """Yield the kv chunks then the done chunk; a local error ends the stream early.
 
     Runs on gRPC's request-consuming thread; an error is recorded in
@@ -244,7 +244,7 @@ def _wait_layers(job: SendJob, ctl: StreamControl, states: TransferStateTable, l
     return True
 
 
-def _done_after_finish(job: SendJob, ctl: StreamControl) -> kv_pb2.KvChunk | None:
+def _done_after_finish(job: SendJob, ctl: StreamControl) -> KvFrame | None:
     assert job.progress is not None
     first_token_id, logprobs = job.progress.wait_finished(job.remaining())
     try:
