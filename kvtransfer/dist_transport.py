@@ -24,6 +24,7 @@ the next transfer builds a new one.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -49,19 +50,19 @@ class _PairData:
 
     def __init__(self, pair: SenderPair) -> None:
         self._pair = pair
-        self._pending: tuple[torch.Tensor, int] | None = None
+        self._pending: collections.deque[tuple[torch.Tensor, int]] = collections.deque()
 
-    def encode(self, job: SendJob, i: int, tensor: torch.Tensor) -> tuple[KvFrame, int]:
+    def encode(self, job: SendJob, i: int) -> tuple[KvFrame, int]:
+        tensor = job.gather(i)  # a tensor of its own: it leaves after its header, while the next is gathered
         tag = self._pair.next_tag()
         chunk = encode_dist_kv_chunk(job.meta(i), tensor, self._pair.header_fields(tag))
-        self._pending = (tensor, tag)
+        self._pending.append((tensor, tag))
         return chunk, tensor.numel() * tensor.element_size()
 
     def after_yield(self, job: SendJob, ctl: StreamControl) -> None:
-        if self._pending is None:
+        if not self._pending:
             return
-        tensor, tag = self._pending
-        self._pending = None
+        tensor, tag = self._pending.popleft()
         self._pair.send(tensor, tag, job.deadline, ctl.is_stopped)
 
 

@@ -58,11 +58,14 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-def frame_bytes(frame: KvFrame | kv_pb2.KvChunk) -> bytes:
+def frame_bytes(frame: KvFrame | kv_pb2.KvChunk | bytes) -> bytes:
     """The wire bytes of ``frame`` (the ``KvChunk`` encoding): the request serializer of ``PushKv``.
 
-    A ``kv_pb2.KvChunk`` (a relay forwarding what it parsed) is serialized by protobuf.
+    ``bytes`` are taken as framed already (the sender frames chunks on its producer thread); a
+    ``kv_pb2.KvChunk`` (a relay forwarding what it parsed) is serialized by protobuf.
     """
+    if isinstance(frame, bytes):
+        return frame
     if isinstance(frame, kv_pb2.KvChunk):
         return frame.SerializeToString()
     header, payload = frame.header, frame.payload
@@ -123,7 +126,8 @@ def parse_frame(data: bytes) -> KvFrame:
 
 
 def push_kv(channel: grpc.Channel) -> grpc.StreamUnaryMultiCallable:
-    """The ``PushKv`` client call on ``channel``: a stream of :class:`KvFrame` (or ``KvChunk``) to a ``KvAck``."""
+    """The ``PushKv`` client call on ``channel``: a stream of :class:`KvFrame` (or framed ``bytes``, or
+    ``KvChunk``) to a ``KvAck``."""
     return channel.stream_unary(PUSH_KV, request_serializer=frame_bytes,
                                 response_deserializer=kv_pb2.KvAck.FromString)
 

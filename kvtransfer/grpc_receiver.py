@@ -17,6 +17,8 @@ into the reserved blocks is the only copy of the payload after gRPC's own.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -26,6 +28,7 @@ import torch
 from kvtransfer.coverage import TokenCoverage
 from kvtransfer.errors import KvDataPlaneError, KvIntegrityError, StaleTransferError
 from kvtransfer.frames import KvFrame, add_push_kv_handler
+from kvtransfer.memory import keep_freed_memory
 from kvtransfer.states import TransferState, TransferStateTable
 from kvtransfer.transport import KvReceiver, KvReceiverSink
 from kvtransfer.wire import KIND_KV, decode_chunk
@@ -117,15 +120,20 @@ class KvTransferServicer(KvReceiver):
         self._data = data_plane if data_plane is not None else InlineReceive()
 
     def PushKv(self, request_iterator: Iterator[KvFrame], context: grpc.ServicerContext) -> kv_pb2.KvAck:
-        """Handle one transfer stream; see the class docstring for the ack contract."""
+        """Handle one transfer stream; see the class docstring for the ack contract.
+
+        A reader thread takes the next message from gRPC (its copy out of gRPC's buffers)
+        while this one verifies and writes the current one.
+        """
         stream = _InboundStream(self._sink, self._states, self._data.open_stream())
-        try:
-            for chunk in request_iterator:
-                ack = stream.on_chunk(chunk)
-                if ack is not None:
-                    return ack
-        except grpc.RpcError:
-            return stream.fail("incomplete: the sender cancelled the stream or its deadline expired")
+        with _ReadAhead(request_iterator) as frames:
+            try:
+                for chunk in frames:
+                    ack = stream.on_chunk(chunk)
+                    if ack is not None:
+                        return ack
+            except grpc.RpcError:
+                return stream.fail("incomplete: the sender cancelled the stream or its deadline expired")
         return stream.fail("incomplete: the stream ended before its done chunk")
 
     def poll(self, transfer_id: str) -> TransferState:
@@ -145,9 +153,58 @@ def add_kv_transfer_servicer(
     Returns:
         The servicer, whose :meth:`KvTransferServicer.poll` shows receiver states.
     """
+    keep_freed_memory()
     servicer = KvTransferServicer(sink, data_plane=data_plane)
     add_push_kv_handler(server, servicer.PushKv)
     return servicer
+
+
+class _ReadAhead:
+    """Iterates a request iterator one message ahead on a thread of its own (a context manager:
+    leaving it lets the thread end); an exception of the iterator is raised in the consumer."""
+
+    _END = object()
+
+    def __init__(self, requests: Iterator[KvFrame]) -> None:
+        self._requests = requests
+        self._ready: queue.Queue = queue.Queue(maxsize=1)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True, name="kv-read-ahead")
+
+    def __enter__(self) -> Iterator[KvFrame]:
+        self._thread.start()
+        return self._frames()
+
+    def __exit__(self, *exc: object) -> None:
+        self._closed.set()
+
+    def _read(self) -> None:
+        item: object = self._END
+        try:
+            for frame in self._requests:
+                if not self._put(frame):
+                    return
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            item = exc
+        self._put(item)
+
+    def _put(self, item: object) -> bool:
+        while not self._closed.is_set():
+            try:
+                self._ready.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _frames(self) -> Iterator[KvFrame]:
+        while True:
+            item = self._ready.get()
+            if item is self._END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
 
 
 class _InboundStream:

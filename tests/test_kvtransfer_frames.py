@@ -133,6 +133,7 @@ def receiver():
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    channel.endpoint = f"127.0.0.1:{port}"
     yield sink, channel
     channel.close()
     server.stop(None)
@@ -160,3 +161,60 @@ def test_protobuf_stub_still_talks_to_the_receiver(receiver) -> None:
     ack = kv_pb2_grpc.KvTransferStub(channel).PushKv(iter(chunks), timeout=10)
     assert ack.ok and ack.bytes_received == t.numel() * 4 and sink.completed == ["t1"]
     assert torch.equal(sink.written[0], t)
+
+
+def test_gather_into_a_reused_buffer() -> None:
+    from kvtransfer import gather_blocks
+
+    cache = torch.randn(4, 2, 8, 4, 2, 8)
+    buf = torch.empty(4 * 2 * 8 * 4 * 2 * 8)
+    got = gather_blocks(cache, 1, 3, [6, 2], out=buf)
+    assert got.data_ptr() == buf.data_ptr() and got.shape == (2, 2, 2, 4, 2, 8)
+    assert torch.equal(got, gather_blocks(cache, 1, 3, [6, 2]))
+    strided = cache.transpose(4, 5).contiguous().transpose(4, 5)  # the slow path fills the buffer too
+    assert torch.equal(gather_blocks(strided, 0, 2, [1, 7], out=buf), gather_blocks(cache, 0, 2, [1, 7]))
+    for bad in (torch.empty(10), torch.empty(4096, dtype=torch.float64), torch.empty(2, 4096).t()):
+        with pytest.raises(ValueError, match="out must be"):
+            gather_blocks(cache, 1, 3, [6, 2], out=bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_row_copies_equal_index_copy(dtype) -> None:
+    from kvtransfer.blocks import copy_rows
+
+    dst = torch.randn(4, 9, 24).to(dtype)
+    want = dst.clone()
+    src = torch.randn(4, 3, 48).to(dtype)[:, :, ::2]  # a strided source
+    idx = torch.tensor([7, 0, 4])
+    copy_rows(dst, idx, src)
+    want.index_copy_(1, idx, src)
+    assert torch.equal(dst, want)
+    other = torch.zeros(4, 9, 24)  # another dtype: index_copy_ casts
+    copy_rows(other, idx, src.to(torch.float32))
+    assert torch.equal(other[:, idx], src.to(torch.float32))
+
+
+def test_malloc_keeps_freed_memory_once() -> None:
+    from kvtransfer.memory import keep_freed_memory
+
+    assert keep_freed_memory() is keep_freed_memory()  # idempotent; True on glibc
+
+
+def test_send_leaves_no_producer_thread(receiver) -> None:
+    from kvtransfer import GrpcKvSender
+    from pdcluster.v1 import worker_pb2
+
+    sink, channel = receiver
+    sender = GrpcKvSender(timeout_s=10.0, max_chunk_bytes=2 * 4 * 2 * 8 * 4)  # one block per chunk
+    cache = torch.randn(2, 2, 4, 4, 2, 8)
+    dest = worker_pb2.KvDestination(worker_id="d", kv_endpoint=channel.endpoint,
+                                    block_ids=[4, 0], block_size=4, generation=3, dtype="float32")
+    try:
+        result = sender.send("r1", "t1", dest, cache, [1, 3], 5)
+    finally:
+        sender.close()
+    assert result.num_chunks == 4 and sink.completed == ["t1"]
+    assert not [t for t in threading.enumerate() if t.name.startswith("kv-send-")]
+    # one layer and one block per chunk, in send order; each gathered into the same reused buffer
+    want = [cache[layer:layer + 1, :, [b]] for layer in (0, 1) for b in (1, 3)]
+    assert len(sink.written) == 4 and all(torch.equal(w, x) for w, x in zip(sink.written, want, strict=True))

@@ -22,9 +22,8 @@ from kvtransfer import (
     scatter_blocks,
 )
 from kvtransfer.chunking import plan_chunks
+from kvtransfer.frames import KvFrame
 from kvtransfer.wire import encode_dist_kv_chunk, verify_tensor
-from kvtransfer.frames import KvFrame, frame_bytes, parse_frame
-from pdcluster.v1 import kv_pb2
 
 META = KvChunkMeta(
     request_id="r1", transfer_id="t1", generation=3, layer_start=1, layer_end=3, block_ids=[4, 0, 2], block_size=4
