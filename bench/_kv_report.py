@@ -112,10 +112,15 @@ def _why(r: dict) -> list[str]:
             line += (f"; gRPC Python alone moving the same ready messages (`grpc_floor`, no KV work on either side) "
                      f"{floor['latency_ms']:.0f} ms ({floor['ratio_raw_tcp']:.2f}x raw), so the KV work costs the "
                      f"path {grpc_['latency_ms'] - floor['latency_ms']:.0f} ms")
-        out.append(line + f". That work, serially: the sender's {snd:.0f} ms (gather, CRC32C, framing), the "
-                   f"receiver's {rcv:.0f} ms (split, CRC32C, the write into the blocks); the two overlap each other "
-                   "and gRPC's own work (a producer thread, a read-ahead thread), but on 2 cores shared with other "
-                   "jobs every CPU millisecond of either process is wall time for the transfer.")
+        line += (f". That work, serially: the sender's {snd:.0f} ms (gather, CRC32C, framing), the receiver's "
+                 f"{rcv:.0f} ms (split, CRC32C, the write into the blocks), each overlapped with gRPC's own work (a "
+                 "producer thread, a read-ahead thread)")
+        if floor and grpc_['latency_ms'] - floor['latency_ms'] > max(snd, rcv):
+            line += (f"; the path is {grpc_['latency_ms'] - floor['latency_ms'] - max(snd, rcv):.0f} ms slower than "
+                     "the floor plus the larger of the two, time its threads spend waiting for the GIL (gRPC "
+                     "Python copies messages in and out of its buffers holding it) and for one of the 2 cores the "
+                     "other jobs share (`notify` and `consume_request_iterator` lines below)")
+        out.append(line + ".")
     pr = r.get("py_spy")
     if pr:
         for side in ("sender", "receiver"):

@@ -29,8 +29,10 @@ MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
 """Blocks of at least this size are mapped on their own (and unmapped when freed): glibc's
 largest allowed threshold; KV messages (``max_chunk_bytes``, 4 MiB by default) stay below it."""
 
-TRIM_THRESHOLD_BYTES = 256 * 1024 * 1024
-"""Free memory at the top of a heap kept mapped before glibc returns it to the kernel."""
+TRIM_THRESHOLD_BYTES = 64 * 1024 * 1024
+"""Free memory at the top of a heap kept mapped before glibc returns it to the kernel: room for the
+messages a few concurrent transfers have in flight (each a few MiB: a sender frames one ahead, gRPC holds
+one per direction and stream, a receiver reads one ahead)."""
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 _lock = threading.Lock()
