@@ -121,6 +121,14 @@ def _why(r: dict) -> list[str]:
                      "Python copies messages in and out of its buffers holding it) and for one of the 2 cores the "
                      "other jobs share (`notify` and `consume_request_iterator` lines below)")
         out.append(line + ".")
+    dist = [t for t in r["targets"] if t["target"].startswith("torch_dist") and not t["met"]]
+    if dist:
+        out.append("* torch_dist misses its target at " + ", ".join(f"{t['prompt_tokens']} tokens ({t['value']:.2f}x)"
+                                                               for t in dist)
+                   + ": the receiver posts the gloo recv of a chunk's tensor only when it handles that chunk's "
+                   "header (after writing the previous chunk), so the tensor's bytes wait in the socket until then "
+                   "and the sender's send with them: the chunks' transfers hardly overlap each other or the writes. "
+                   "Wire v2 made its CRC32C and gather cheaper; its gloo part is unchanged.")
     pr = r.get("py_spy")
     if pr:
         for side in ("sender", "receiver"):
