@@ -15,6 +15,7 @@ from pathlib import Path
 import _kv_measure as km
 import _kv_pyspy
 import _kv_report
+import _kv_stages
 import _prefill_measure as pm
 import grpc
 import torch
@@ -87,7 +88,7 @@ def records(n: int, m: dict, pre: dict, load_avg: tuple[float, float]) -> list[d
     """One record per transport for prompt length ``n``."""
     raw_gbps = m["raw_tcp"]["gb_per_s"]
     out = []
-    for name in [t for t in ("grpc", "torch_dist", "raw_tcp") if t in m]:
+    for name in [t for t in ("grpc", "torch_dist", "grpc_floor", "raw_tcp") if t in m]:
         t = m[name]
         out.append({"transport": name, "prompt_tokens": n, "payload_bytes": m["payload_bytes"],
                     "gb_per_s": t["gb_per_s"], "latency_ms": t["latency_ms"], "ratio_raw_tcp": t["gb_per_s"] / raw_gbps,
@@ -126,7 +127,7 @@ def run(args) -> dict:
                 log(f"  {r['transport']}: {r['latency_ms']:.1f} ms, {r['gb_per_s']:.2f} GB/s, "
                     f"x raw {r['ratio_raw_tcp']:.2f}, x prefill {r['ratio_prefill_time']:.3f}")
             points += recs
-            stages[str(n)] = km.grpc_stage_costs(kv, src, args.layers_per_chunk, args.max_chunk_bytes,
+            stages[str(n)] = _kv_stages.grpc_stage_costs(kv, src, args.layers_per_chunk, args.max_chunk_bytes,
                                                   receiver_threads=args.receiver_threads)
             if n == min(args.prompts) and not args.no_py_spy and _kv_pyspy.available():
                 log(f"py-spy over {PROFILE_TRANSFERS} gRPC transfers of {n} tokens")

@@ -1,7 +1,7 @@
 """Where the gRPC KV path spends its time: py-spy samples of the sender and the receiver
 process during real transfers, each sample classified by its innermost Python frame.
 
-C work (torch copies, CRC32, protobuf, gRPC core) is attributed to the Python line that
+C work (torch copies, CRC32C, gRPC core) is attributed to the Python line that
 called it; the line's text decides the category. py-spy's own idle detection does not
 work on this machine, so samples whose innermost line is a wait (a lock, ``accept``, the
 control pipe, an empty work queue, the idle raw TCP connection) are counted as idle and
@@ -29,16 +29,20 @@ RULES = (
     ("idle (waiting on a lock, accept, a queue or the control pipe)",
      lambda f, p, t: any(k in t for k in (".wait(", "accept(", "sys.stdin", "readline", "work_queue.get",
                                           "recv_into(")) or f.startswith("Condition.wait")),
-    ("reading chunk.payload (upb copies the field out)", lambda f, p, t: "chunk.payload" in t),
-    ("gather (index_select of the blocks)", lambda f, p, t: f.startswith(("gather_blocks", "_index"))),
-    ("tobytes copy", lambda f, p, t: f.startswith("tensor_to_bytes")),
-    ("CRC32", lambda f, p, t: "crc32" in t),
-    ("protobuf: building the KvChunk (payload copied in)", lambda f, p, t: "KvChunk(" in t),
-    ("protobuf: serialize / parse (gRPC's serializer call)", lambda f, p, t: f.startswith("_transform")),
-    ("copy into a writable tensor (tensor_from_bytes)", lambda f, p, t: f.startswith("tensor_from_bytes")),
-    ("cache write (TransferTable.write, index_copy_)", lambda f, p, t: f.startswith("TransferTable.write")),
+    ("gather (index_select of the blocks into the reused buffer)",
+     lambda f, p, t: f.startswith(("gather_blocks", "_index", "_out_view"))),
+    ("CRC32C", lambda f, p, t: f.startswith("crc32c") or "crc32" in t),
+    ("framing: the copy into the message (frame_bytes)", lambda f, p, t: f.startswith(("frame_bytes", "_varint"))),
+    ("splitting the message (parse_frame)", lambda f, p, t: f.startswith(("parse_frame", "_read_varint", "_skip"))),
+    ("msgpack header, checks and the tensor view",
+     lambda f, p, t: f.startswith(("_kv_header", "_parse_header", "_check_kv_header", "decode_chunk",
+                                   "encode_kv_chunk", "tensor_from_payload", "tensor_payload", "_require"))),
+    ("cache write (row copies into the reserved blocks)",
+     lambda f, p, t: f.startswith(("TransferTable.write", "copy_rows", "scatter_blocks", "scatter_tokens"))),
+    ("gRPC's serializer call (_transform)", lambda f, p, t: f.startswith("_transform")),
     (OPERATE, lambda f, p, t: "operate(" in t or "start_server_batch(" in t),
-    ("gRPC Python's thread handoffs (Condition notify / enter)", lambda f, p, t: f.startswith("Condition.")),
+    ("gRPC Python's thread handoffs (Condition notify / enter, queues)",
+     lambda f, p, t: f.startswith(("Condition.", "Queue.", "_put", "_take", "_ReadAhead"))),
     ("gRPC core: completion-queue poll (socket I/O, HTTP/2, or waiting for them)",
      lambda f, p, t: "next_event(" in t or ".poll(" in t),
 )

@@ -8,6 +8,9 @@ It holds a real paged KV cache ``[layers, 2, num_blocks, block_size, kv_heads, h
   :class:`TableSink`, a :class:`kvtransfer.KvReceiverSink` over
   :class:`decode_worker.transfers.TransferTable` (reservation check + ``index_copy_`` into
   the cache under the table's lock, as the decode worker's sink does, without a scheduler);
+* ``/bench.KvFloor/Push`` on the same gRPC server: a stream of ready messages whose bytes it
+  counts and drops, answering the count as decimal ASCII (``grpc_floor``: gRPC Python's own
+  cost for the gRPC path's messages, no KV work);
 * raw TCP: a thread accepting connections; per message an 8-byte little-endian length,
   then that many bytes ``recv_into`` one preallocated buffer, answered by one byte.
 
@@ -53,6 +56,7 @@ from kvtransfer import (
 )
 
 HEADER = struct.Struct("<Q")
+FLOOR_SERVICE = "bench.KvFloor"
 
 
 class TableSink(KvReceiverSink):
@@ -79,6 +83,11 @@ class TableSink(KvReceiverSink):
     def fail(self, transfer_id, generation, reason) -> None:
         if self.table.close(transfer_id, generation) is not None:
             self.failed[transfer_id] = reason
+
+
+def _drop_messages(requests, context) -> bytes:
+    """``/bench.KvFloor/Push``: count and drop the messages' bytes."""
+    return str(sum(len(m) for m in requests)).encode()
 
 
 def _recv_exact(conn: socket.socket, view: memoryview) -> bool:
@@ -136,6 +145,8 @@ def main(argv=None) -> int:
     sink = TableSink(table)
     server = grpc.server(ThreadPoolExecutor(a.grpc_workers), options=kv_server_options(a.max_chunk_bytes))
     attach_receiver(KvTransferConfig(transport="torch_dist"), server, sink)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        FLOOR_SERVICE, {"Push": grpc.stream_unary_rpc_method_handler(_drop_messages)}),))
     grpc_port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     raw = RawTcpServer(a.raw_bytes)

@@ -10,9 +10,10 @@ same bytes and against the prompt's prefill time, all measured in the same run.
    shape and serves gRPC ``KvTransfer.PushKv`` (kvtransfer's servicer, a sink over
    ``TransferTable``) and a raw TCP socket on 127.0.0.1. Each transport pushes the prompt's
    blocks ``--reps`` times from this process (``bench/_kv_measure.py``); latency = median
-   seconds from send to acknowledgement, GB/s = payload bytes / that.
-3. The gRPC path's CPU work stage by stage (same chunks, serial) and, with py-spy, where
-   real transfers spend their samples in both processes (``bench/_kv_pyspy.py``).
+   seconds from send to acknowledgement, GB/s = payload bytes / that. ``grpc_floor``: gRPC
+   Python alone streaming the same messages, framed beforehand, to a handler that drops them.
+3. The gRPC path's CPU work stage by stage (same chunks, serial; ``bench/_kv_stages.py``) and,
+   with py-spy, where real transfers spend their samples in both processes (``bench/_kv_pyspy.py``).
 
 Per transport and prompt: ``payload_bytes``, ``gb_per_s``, latency, ``ratio_raw_tcp``
 (GB/s over raw TCP's GB/s) and ``ratio_prefill_time`` (transfer seconds / prefill seconds).

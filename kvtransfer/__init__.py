@@ -3,9 +3,11 @@
 Layout of a worker's cache: one tensor
 ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (K = 0, V = 1).
 A transfer moves the tokens of one request, all layers, in chunks of the
-sender's blocks (:mod:`kvtransfer.wire`); the receiver re-blocks when its block
-size differs (:mod:`kvtransfer.reblock`). Senders can stream layer by layer
-while the KV is computed (:class:`LayerProgress`).
+sender's blocks (:mod:`kvtransfer.wire`, wire version 2: CRC32C from
+:mod:`kvtransfer.checksum`; on gRPC as hand-framed messages, :mod:`kvtransfer.frames`);
+the receiver re-blocks when its block size differs (:mod:`kvtransfer.reblock`).
+Senders can stream layer by layer while the KV is computed (:class:`LayerProgress`).
+Processes that move KV over gRPC keep freed message buffers mapped (:mod:`kvtransfer.memory`).
 
 Transports are registered by name and reached only through :mod:`kvtransfer.registry`
 (:func:`create_sender`, :func:`attach_receiver`): importing this package registers

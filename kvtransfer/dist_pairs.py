@@ -243,7 +243,7 @@ class ReceiverPairs:
 
         Raises:
             KvDataPlaneError: joining the pair or receiving failed or timed out.
-            KvIntegrityError: shape, dtype or CRC32 differ from the header.
+            KvIntegrityError: shape, dtype or CRC32C differ from the header.
         """
         d = header["dist"]
         pair = self._get(d["pair"])

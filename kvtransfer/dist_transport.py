@@ -2,7 +2,7 @@
 
 Control plane: the ``KvTransfer.PushKv`` stream of :mod:`kvtransfer.grpc_sender` and
 :mod:`kvtransfer.grpc_receiver` (headers, ``"done"`` chunk, ack), so states,
-generations, stale checks, CRC32 and coverage are the same code; this module only
+generations, stale checks, CRC32C and coverage are the same code; this module only
 supplies their data planes. Each ``"kv"`` chunk is sent as a header-only message
 marked ``"data": "dist"`` (:mod:`kvtransfer.wire`) and its tensor goes point to point
 over a 2-rank pair group (:mod:`kvtransfer.dist_pairs`): gloo for CPU caches, NCCL
@@ -24,6 +24,7 @@ the next transfer builds a new one.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -32,13 +33,13 @@ import grpc
 import torch
 
 from kvtransfer.dist_pairs import ReceiverPairs, SenderPair, SenderPairs, backend_for
+from kvtransfer.frames import KvFrame
 from kvtransfer.grpc_receiver import InboundData, KvTransferServicer, add_kv_transfer_servicer
 from kvtransfer.grpc_sender import GrpcKvSender
 from kvtransfer.registry import ChannelFactory, check_options, register_transport
 from kvtransfer.send_stream import OutboundData, SendJob, StreamControl
 from kvtransfer.transport import KvReceiverSink
 from kvtransfer.wire import DATA_DIST, encode_dist_kv_chunk
-from pdcluster.v1 import kv_pb2
 
 NAME = "torch_dist"
 _OPTIONS = ("max_pairs_per_endpoint",)
@@ -49,19 +50,19 @@ class _PairData:
 
     def __init__(self, pair: SenderPair) -> None:
         self._pair = pair
-        self._pending: tuple[torch.Tensor, int] | None = None
+        self._pending: collections.deque[tuple[torch.Tensor, int]] = collections.deque()
 
-    def encode(self, job: SendJob, i: int, tensor: torch.Tensor) -> tuple[kv_pb2.KvChunk, int]:
+    def encode(self, job: SendJob, i: int) -> tuple[KvFrame, int]:
+        tensor = job.gather(i)  # a tensor of its own: it leaves after its header, while the next is gathered
         tag = self._pair.next_tag()
         chunk = encode_dist_kv_chunk(job.meta(i), tensor, self._pair.header_fields(tag))
-        self._pending = (tensor, tag)
+        self._pending.append((tensor, tag))
         return chunk, tensor.numel() * tensor.element_size()
 
     def after_yield(self, job: SendJob, ctl: StreamControl) -> None:
-        if self._pending is None:
+        if not self._pending:
             return
-        tensor, tag = self._pending
-        self._pending = None
+        tensor, tag = self._pending.popleft()
         self._pair.send(tensor, tag, job.deadline, ctl.is_stopped)
 
 

@@ -7,11 +7,18 @@ the ``"done"`` chunk checks coverage and completes the transfer; anything else f
 is the data plane's business (:class:`ReceiveDataPlane`): inside the message for the
 ``"grpc"`` transport (:class:`InlineReceive`), or what another transport supplies
 (``"torch_dist"``: :mod:`kvtransfer.dist_transport`).
+
+Copies: the messages arrive as :class:`~kvtransfer.frames.KvFrame` straight from gRPC's
+bytes (:func:`~kvtransfer.frames.parse_frame`, no protobuf message); a chunk's CRC32C is read
+from those bytes in place and the sink gets a read-only tensor view of them, so its write
+into the reserved blocks is the only copy of the payload after gRPC's own.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -20,10 +27,12 @@ import torch
 
 from kvtransfer.coverage import TokenCoverage
 from kvtransfer.errors import KvDataPlaneError, KvIntegrityError, StaleTransferError
+from kvtransfer.frames import KvFrame, add_push_kv_handler
+from kvtransfer.memory import keep_freed_memory
 from kvtransfer.states import TransferState, TransferStateTable
 from kvtransfer.transport import KvReceiver, KvReceiverSink
 from kvtransfer.wire import KIND_KV, decode_chunk
-from pdcluster.v1 import kv_pb2, kv_pb2_grpc
+from pdcluster.v1 import kv_pb2
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +47,7 @@ class InboundData(Protocol):
         """The tensor of a verified ``"kv"`` chunk whose message carries none (an empty payload).
 
         Returns:
-            A tensor of ``header["shape"]`` and ``header["dtype"]`` whose CRC32 matched the header.
+            A tensor of ``header["shape"]`` and ``header["dtype"]`` whose CRC32C matched the header.
 
         Raises:
             KvIntegrityError: no such tensor, or it does not match the header (the transfer is corrupt).
@@ -75,12 +84,12 @@ class InlineReceive:
         """Nothing to release."""
 
 
-class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
+class KvTransferServicer(KvReceiver):
     """Receives one transfer per ``PushKv`` stream and writes it through ``sink``.
 
-    Per stream: every chunk is decoded and verified (header, dtype, size,
-    CRC32); the first one is admitted with ``sink.begin``; each ``"kv"`` chunk
-    is written with ``sink.write`` (its tensor taken from the message, or for
+    Per stream: every chunk is decoded and verified (wire version, header, dtype,
+    size, CRC32C); the first one is admitted with ``sink.begin``; each ``"kv"`` chunk
+    is written with ``sink.write`` (its tensor a read-only view of the message, or for
     a chunk without payload from the data plane, CRC-checked alike); the
     ``"done"`` chunk is accepted only if its ``num_chunks`` matches and every
     layer ``[0, num_layers)`` covers the same token range ``[0, T)``, each token
@@ -110,16 +119,21 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
         self._states = TransferStateTable(state_history)
         self._data = data_plane if data_plane is not None else InlineReceive()
 
-    def PushKv(self, request_iterator: Iterator[kv_pb2.KvChunk], context: grpc.ServicerContext) -> kv_pb2.KvAck:
-        """Handle one transfer stream; see the class docstring for the ack contract."""
+    def PushKv(self, request_iterator: Iterator[KvFrame], context: grpc.ServicerContext) -> kv_pb2.KvAck:
+        """Handle one transfer stream; see the class docstring for the ack contract.
+
+        A reader thread takes the next message from gRPC (its copy out of gRPC's buffers)
+        while this one verifies and writes the current one.
+        """
         stream = _InboundStream(self._sink, self._states, self._data.open_stream())
-        try:
-            for chunk in request_iterator:
-                ack = stream.on_chunk(chunk)
-                if ack is not None:
-                    return ack
-        except grpc.RpcError:
-            return stream.fail("incomplete: the sender cancelled the stream or its deadline expired")
+        with _ReadAhead(request_iterator) as frames:
+            try:
+                for chunk in frames:
+                    ack = stream.on_chunk(chunk)
+                    if ack is not None:
+                        return ack
+            except grpc.RpcError:
+                return stream.fail("incomplete: the sender cancelled the stream or its deadline expired")
         return stream.fail("incomplete: the stream ended before its done chunk")
 
     def poll(self, transfer_id: str) -> TransferState:
@@ -130,7 +144,8 @@ class KvTransferServicer(kv_pb2_grpc.KvTransferServicer, KvReceiver):
 def add_kv_transfer_servicer(
     server: grpc.Server, sink: KvReceiverSink, data_plane: ReceiveDataPlane | None = None
 ) -> KvTransferServicer:
-    """Register a :class:`KvTransferServicer` for ``sink`` on ``server`` (before ``server.start()``).
+    """Register a :class:`KvTransferServicer` for ``sink`` on ``server`` (before ``server.start()``), its
+    ``PushKv`` reading hand-framed messages (:func:`kvtransfer.frames.add_push_kv_handler`).
 
     The receiver factories of the transports with this control plane call it
     (:mod:`kvtransfer.grpc_transport`, :mod:`kvtransfer.dist_transport`).
@@ -138,9 +153,58 @@ def add_kv_transfer_servicer(
     Returns:
         The servicer, whose :meth:`KvTransferServicer.poll` shows receiver states.
     """
+    keep_freed_memory()
     servicer = KvTransferServicer(sink, data_plane=data_plane)
-    kv_pb2_grpc.add_KvTransferServicer_to_server(servicer, server)
+    add_push_kv_handler(server, servicer.PushKv)
     return servicer
+
+
+class _ReadAhead:
+    """Iterates a request iterator one message ahead on a thread of its own (a context manager:
+    leaving it lets the thread end); an exception of the iterator is raised in the consumer."""
+
+    _END = object()
+
+    def __init__(self, requests: Iterator[KvFrame]) -> None:
+        self._requests = requests
+        self._ready: queue.Queue = queue.Queue(maxsize=1)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True, name="kv-read-ahead")
+
+    def __enter__(self) -> Iterator[KvFrame]:
+        self._thread.start()
+        return self._frames()
+
+    def __exit__(self, *exc: object) -> None:
+        self._closed.set()
+
+    def _read(self) -> None:
+        item: object = self._END
+        try:
+            for frame in self._requests:
+                if not self._put(frame):
+                    return
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            item = exc
+        self._put(item)
+
+    def _put(self, item: object) -> bool:
+        while not self._closed.is_set():
+            try:
+                self._ready.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _frames(self) -> Iterator[KvFrame]:
+        while True:
+            item = self._ready.get()
+            if item is self._END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
 
 
 class _InboundStream:
@@ -157,10 +221,10 @@ class _InboundStream:
         self._block_size: int | None = None
         self._coverage = TokenCoverage()
 
-    def on_chunk(self, chunk: kv_pb2.KvChunk) -> kv_pb2.KvAck | None:
+    def on_chunk(self, chunk: KvFrame) -> kv_pb2.KvAck | None:
         """Process one chunk; return the final ack to end the stream, ``None`` to read on."""
         try:
-            header, tensor = decode_chunk(chunk)
+            header, tensor = decode_chunk(chunk, copy=False)
         except KvIntegrityError as exc:
             if exc.header is not None:
                 self._data.note(exc.header)

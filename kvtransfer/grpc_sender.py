@@ -23,6 +23,8 @@ import torch
 
 from kvtransfer.config import DEFAULT_MAX_CHUNK_BYTES
 from kvtransfer.errors import KvDataPlaneError, KvTransferError
+from kvtransfer.frames import frame_bytes, push_kv
+from kvtransfer.memory import keep_freed_memory
 from kvtransfer.progress import LayerProgress
 from kvtransfer.registry import ChannelFactory, plaintext_channel
 from kvtransfer.send_stream import (
@@ -37,9 +39,13 @@ from kvtransfer.send_stream import (
 from kvtransfer.states import TransferState, TransferStateTable
 from kvtransfer.transport import KvDestinationLike, KvSender, SendResult
 from kvtransfer.wire import encode_kv_chunk
-from pdcluster.v1 import kv_pb2, kv_pb2_grpc
+from pdcluster.v1 import kv_pb2
 
 log = logging.getLogger(__name__)
+
+CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (("grpc.max_send_message_length", -1),)
+"""gRPC channel options of every KV sender's channel (``channel_options`` add to them)."""
+
 
 class InlineData:
     """The ``"grpc"`` data plane: each chunk's tensor travels inside its message (stateless)."""
@@ -47,17 +53,28 @@ class InlineData:
     @contextlib.contextmanager
     def open(self, job: SendJob, endpoint: str) -> Iterator[OutboundData]:
         """See :meth:`SendDataPlane.open`; never fails."""
-        yield self
-
-    def encode(self, job: SendJob, i: int, tensor: torch.Tensor) -> tuple[kv_pb2.KvChunk, int]:
-        """See :meth:`OutboundData.encode`."""
-        return encode_kv_chunk(job.meta(i), tensor), tensor.numel() * tensor.element_size()
-
-    def after_yield(self, job: SendJob, ctl: StreamControl) -> None:
-        """Nothing to do: the tensor left with its message."""
+        yield _InlineStream()
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+class _InlineStream:
+    """One transfer's chunks framed with their tensor: gathered into one buffer reused for every
+    chunk (its pages stay mapped) and copied from it into the message, the one copy of the payload."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def encode(self, job: SendJob, i: int) -> tuple[bytes, int]:
+        """See :meth:`OutboundData.encode`: the chunk's wire bytes (:func:`kvtransfer.frames.frame_bytes`)."""
+        if self._buffer is None:
+            self._buffer = torch.empty(job.max_chunk_numel(), dtype=job.kv_cache.dtype, device=job.kv_cache.device)
+        tensor = job.gather(i, out=self._buffer)
+        return frame_bytes(encode_kv_chunk(job.meta(i), tensor)), tensor.numel() * tensor.element_size()
+
+    def after_yield(self, job: SendJob, ctl: StreamControl) -> None:
+        """Nothing to do: the tensor left with its message."""
 
 
 class GrpcKvSender(KvSender):
@@ -98,14 +115,15 @@ class GrpcKvSender(KvSender):
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if max_chunk_bytes < 1:
             raise ValueError(f"max_chunk_bytes must be >= 1, got {max_chunk_bytes}")
+        keep_freed_memory()
         self._timeout_s = timeout_s
         self._max_chunk_bytes = max_chunk_bytes
-        self._channel_options = [("grpc.max_send_message_length", -1), *channel_options]
+        self._channel_options = [*CHANNEL_OPTIONS, *channel_options]
         self._connect = connect
         self._states = TransferStateTable(state_history)
         self._data = data_plane if data_plane is not None else InlineData()
         self._lock = threading.Lock()
-        self._channels: dict[str, tuple[grpc.Channel, kv_pb2_grpc.KvTransferStub]] = {}
+        self._channels: dict[str, tuple[grpc.Channel, grpc.StreamUnaryMultiCallable]] = {}
         self._in_flight: set[str] = set()
         self._closed = False
 
@@ -181,24 +199,24 @@ class GrpcKvSender(KvSender):
         log.warning("KV transfer %s failed: %s", transfer_id, reason)
         return KvTransferError(transfer_id, reason)
 
-    def _stub(self, transfer_id: str, endpoint: str) -> kv_pb2_grpc.KvTransferStub:
+    def _stub(self, transfer_id: str, endpoint: str) -> grpc.StreamUnaryMultiCallable:
         with self._lock:
             if self._closed:
                 raise self._failure(transfer_id, "sender is closed")
             entry = self._channels.get(endpoint)
             if entry is None:
                 channel = self._connect(endpoint, self._channel_options)
-                entry = self._channels[endpoint] = (channel, kv_pb2_grpc.KvTransferStub(channel))
+                entry = self._channels[endpoint] = (channel, push_kv(channel))
             return entry[1]
 
     def _push(self, job: SendJob, endpoint: str) -> StreamControl:
-        stub = self._stub(job.transfer_id, endpoint)
+        push = self._stub(job.transfer_id, endpoint)
         ctl = StreamControl()
         try:
             with self._data.open(job, endpoint) as data:
                 try:
                     chunks = chunk_stream(job, ctl, data, self._states)
-                    ack: kv_pb2.KvAck = stub.PushKv(chunks, timeout=self._timeout_s)
+                    ack: kv_pb2.KvAck = push(chunks, timeout=self._timeout_s)
                 except grpc.RpcError as exc:
                     ctl.stop()  # before FAILED is recorded, so no later TRANSFERRING overwrites it
                     code = exc.code() if isinstance(exc, grpc.Call) else None

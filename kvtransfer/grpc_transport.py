@@ -39,7 +39,8 @@ def kv_server_options(max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> list[tu
         Options raising the receive limit to ``max_chunk_bytes`` plus 64 KiB of
         header room, never below gRPC's default 4 MiB.
     """
-    return [("grpc.max_receive_message_length", max(4 * 1024 * 1024, max_chunk_bytes + _HEADER_ROOM_BYTES))]
+    return [("grpc.max_receive_message_length", max(4 * 1024 * 1024, max_chunk_bytes + _HEADER_ROOM_BYTES)),
+            ("grpc.http2.lookahead_bytes", 2 * max_chunk_bytes)]
 
 
 def _sender(*, timeout_s: float, max_chunk_bytes: int, options: Mapping[str, str],

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtransfer.blocks import HeadShards, check_kv_cache, scatter_blocks, synchronize_shards
+from kvtransfer.blocks import HeadShards, check_kv_cache, copy_rows, scatter_blocks, synchronize_shards
 
 
 def check_same_tokens(num_src_blocks: int, src_block_size: int, num_dst_blocks: int, dst_block_size: int) -> None:
@@ -131,5 +131,5 @@ def scatter_tokens(
     tokens = blocks.reshape(n_layers * 2, n_tokens, heads * head_dim)[:, : end - token_start]
     # token rows of a [layers * 2, slots, H * D] view: one row copy per token and layer
     flat = kv_cache[layer_start:layer_end].view(n_layers * 2, num_blocks * dst_bs, heads * head_dim)
-    flat.index_copy_(1, slots, tokens.to(device=kv_cache.device, dtype=kv_cache.dtype))
+    copy_rows(flat, slots, tokens.to(device=kv_cache.device, dtype=kv_cache.dtype))
     return end - token_start

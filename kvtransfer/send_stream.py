@@ -2,8 +2,10 @@
 
 A :class:`SendJob` is planned once per :meth:`KvSender.send` (source blocks in
 chunks, each chunk's destination block ids from re-blocking). :func:`chunk_stream`
-yields the job's ``KvChunk`` messages in order, waiting for each chunk's layers
-when a :class:`~kvtransfer.progress.LayerProgress` is given; a
+yields the job's messages in order (each chunk's framed ``bytes``, then the ``"done"``
+:class:`~kvtransfer.frames.KvFrame`), waiting for each chunk's layers when a
+:class:`~kvtransfer.progress.LayerProgress` is given; a producer thread prepares the
+next chunk (gather, CRC32C, framing) while gRPC sends the current one. A
 :class:`SendDataPlane` decides where each chunk's tensor travels (inside the
 message for ``"grpc"``, over a pair group for ``"torch_dist"``); the gRPC sender
 (:mod:`kvtransfer.grpc_sender`) is the control plane around both.
@@ -12,6 +14,7 @@ message for ``"grpc"``, over a pair group for ``"torch_dist"``); the gRPC sender
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -24,11 +27,11 @@ import torch
 from kvtransfer.blocks import check_kv_cache, gather_blocks
 from kvtransfer.chunking import ChunkSpec, plan_chunks
 from kvtransfer.errors import KvTransferError
+from kvtransfer.frames import KvFrame
 from kvtransfer.progress import LayerProgress
 from kvtransfer.reblock import check_same_tokens, dest_block_range
 from kvtransfer.states import TransferState, TransferStateTable
 from kvtransfer.wire import KvChunkMeta, encode_done_chunk
-from pdcluster.v1 import kv_pb2
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,7 @@ class SendJob:
     plan: list[ChunkSpec]
     dst_ids: list[list[int]]
     progress: LayerProgress | None
-    done: kv_pb2.KvChunk | None
+    done: KvFrame | None
     deadline: float
 
     def remaining(self) -> float:
@@ -66,11 +69,17 @@ class SendJob:
         return KvChunkMeta(self.request_id, self.transfer_id, self.generation, spec.layer_start, spec.layer_end,
                            self.dst_ids[i], block_size, spec.block_start * block_size)
 
-    def gather(self, i: int) -> torch.Tensor:
-        """Chunk ``i``'s source blocks ``[layers, 2, n, block_size, H, D]`` (a new tensor)."""
+    def gather(self, i: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Chunk ``i``'s source blocks ``[layers, 2, n, block_size, H, D]``: a new tensor, or a view of
+        ``out`` (see :func:`~kvtransfer.blocks.gather_blocks`)."""
         spec = self.plan[i]
         return gather_blocks(self.kv_cache, spec.layer_start, spec.layer_end,
-                             self.src[spec.block_start:spec.block_end])
+                             self.src[spec.block_start:spec.block_end], out=out)
+
+    def max_chunk_numel(self) -> int:
+        """Elements of the largest chunk's tensor (to size a reusable gather buffer)."""
+        per_block = 2 * self.kv_cache[0, 0, 0].numel()
+        return max((c.layer_end - c.layer_start) * (c.block_end - c.block_start) * per_block for c in self.plan)
 
 
 def plan_job(
@@ -131,7 +140,7 @@ def check_destination(job: SendJob, dest: Any) -> SendJob:
 
 
 class StreamControl:
-    """Shared between ``send`` and the thread consuming :func:`chunk_stream`.
+    """Shared between ``send``, the thread consuming :func:`chunk_stream` and its producer thread.
 
     Chunks are produced under ``lock`` and only while not ``stopped``; ``send``
     calls :meth:`stop` before it returns, so no gather touches ``kv_cache``
@@ -162,14 +171,17 @@ class StreamControl:
 class OutboundData(Protocol):
     """The data plane of one transfer: where each chunk's tensor travels.
 
-    ``encode`` runs under the stream lock; ``after_yield`` after the chunk's message left.
+    ``encode`` runs under the stream lock on the producer thread, up to
+    :data:`PREFETCH` chunks ahead of gRPC; ``after_yield`` on gRPC's thread, once per
+    encoded chunk in order, after that chunk's message left.
     """
 
-    def encode(self, job: SendJob, i: int, tensor: torch.Tensor) -> tuple[kv_pb2.KvChunk, int]:
-        """Chunk ``i``'s message for ``tensor`` (its CRC32 in the header) and its payload byte count."""
+    def encode(self, job: SendJob, i: int) -> tuple[bytes | KvFrame, int]:
+        """Chunk ``i``'s message (its blocks gathered with :meth:`SendJob.gather`, their CRC32C
+        in the header) and its payload byte count."""
 
     def after_yield(self, job: SendJob, ctl: StreamControl) -> None:
-        """Called once the message of the last encoded chunk was handed to gRPC.
+        """Called once the message of the oldest encoded chunk not yet passed here was handed to gRPC.
 
         Raises:
             KvDataPlaneError: moving the tensor failed (recorded in ``ctl.error``).
@@ -194,23 +206,70 @@ class SendDataPlane(Protocol):
         """Release what the data plane holds; later :meth:`open` calls may raise :class:`KvDataPlaneError`."""
 
 
+PREFETCH = 1
+"""Chunks the producer thread may have ready beyond the one gRPC is sending."""
+_END = object()
+
+
 def chunk_stream(job: SendJob, ctl: StreamControl, data: OutboundData,
-                 states: TransferStateTable) -> Iterator[kv_pb2.KvChunk]:
+                 states: TransferStateTable) -> Iterator[bytes | KvFrame]:
     """Yield the kv chunks then the done chunk; a local error ends the stream early.
 
-    Runs on gRPC's request-consuming thread; an error is recorded in
-    ``ctl.error`` (a ``TypeError`` from encoding the producer's logprobs in
-    ``ctl.type_error``) instead of raised, so the receiver sees a stream
-    without a done chunk and fails the transfer.
+    Runs on gRPC's request-consuming thread; a producer thread waits for each chunk's
+    layers, gathers and encodes it (:meth:`OutboundData.encode`) up to :data:`PREFETCH`
+    chunks ahead. An error is recorded in ``ctl.error`` (a ``TypeError`` from encoding
+    the producer's logprobs in ``ctl.type_error``) instead of raised, so the receiver
+    sees a stream without a done chunk and fails the transfer.
     """
+    ready: queue.Queue = queue.Queue(maxsize=PREFETCH)
+    quit_ = threading.Event()
+    producer = threading.Thread(target=_produce, args=(job, ctl, data, states, ready, quit_), daemon=True,
+                                name=f"kv-send-{job.transfer_id}")
+    producer.start()
+    try:
+        while (item := _take(ready, ctl, producer)) is not _END:
+            message, is_kv = item
+            yield message
+            if is_kv:
+                data.after_yield(job, ctl)
+    except Exception as exc:  # the data plane failed to move a tensor: reported through ctl
+        log.exception("KV transfer %s: error while sending chunks", job.transfer_id)
+        ctl.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        quit_.set()
+
+
+def _take(ready: queue.Queue, ctl: StreamControl, producer: threading.Thread) -> object:
+    """The producer's next item, or ``_END`` once the send stopped or the producer ended."""
+    while True:
+        try:
+            return ready.get(timeout=0.05)
+        except queue.Empty:
+            if ctl.is_stopped() or not producer.is_alive() and ready.empty():
+                return _END
+
+
+def _put(ready: queue.Queue, item: object, ctl: StreamControl, quit_: threading.Event) -> bool:
+    while not (quit_.is_set() or ctl.is_stopped()):
+        try:
+            ready.put(item, timeout=0.05)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _produce(job: SendJob, ctl: StreamControl, data: OutboundData, states: TransferStateTable,
+             ready: queue.Queue, quit_: threading.Event) -> None:
+    """The producer thread of :func:`chunk_stream`: ``(message, is_kv)`` items, then ``_END``."""
     try:
         for i, spec in enumerate(job.plan):
             if job.progress is not None and not _wait_layers(job, ctl, states, spec.layer_end):
                 return
             with ctl.lock:
-                if ctl.stopped:
+                if ctl.stopped or quit_.is_set():
                     return
-                chunk, nbytes = data.encode(job, i, job.gather(i))
+                message, nbytes = data.encode(job, i)
                 ctl.bytes_sent += nbytes
                 ctl.num_chunks += 1
                 now = time.monotonic()
@@ -219,18 +278,18 @@ def chunk_stream(job: SendJob, ctl: StreamControl, data: OutboundData,
                 if job.progress is not None and job.progress.finished_at is None:
                     ctl.bytes_before_finish += nbytes
                 states.set(job.transfer_id, TransferState.TRANSFERRING)
-            yield chunk
-            data.after_yield(job, ctl)
-        done = job.done if job.done is not None else _done_after_finish(job, ctl)
-        with ctl.lock:
-            if ctl.stopped or done is None:
+            if not _put(ready, (message, True), ctl, quit_):
                 return
-        yield done
+        done = job.done if job.done is not None else _done_after_finish(job, ctl)
+        if done is not None:
+            _put(ready, (done, False), ctl, quit_)
     except KvTransferError as exc:  # the producer failed or was too slow
         ctl.error = exc.reason
-    except Exception as exc:  # reported through ctl, see docstring
+    except Exception as exc:  # reported through ctl, see chunk_stream
         log.exception("KV transfer %s: error while producing chunks", job.transfer_id)
         ctl.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        _put(ready, _END, ctl, quit_)
 
 
 def _wait_layers(job: SendJob, ctl: StreamControl, states: TransferStateTable, layer_end: int) -> bool:
@@ -244,7 +303,7 @@ def _wait_layers(job: SendJob, ctl: StreamControl, states: TransferStateTable, l
     return True
 
 
-def _done_after_finish(job: SendJob, ctl: StreamControl) -> kv_pb2.KvChunk | None:
+def _done_after_finish(job: SendJob, ctl: StreamControl) -> KvFrame | None:
     assert job.progress is not None
     first_token_id, logprobs = job.progress.wait_finished(job.remaining())
     try:

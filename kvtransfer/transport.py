@@ -204,7 +204,9 @@ class KvReceiverSink(abc.ABC):
                 capacity) / dst_bs)]`` for the sink's block size ``dst_bs``.
             tensor: ``[layer_end - layer_start, 2, n, src_block_size, H, D]``
                 sender blocks in the sender's dtype (cast on write), on CPU
-                (or on the receiving GPU for a torch_dist NCCL pair).
+                (or on the receiving GPU for a torch_dist NCCL pair). Read-only:
+                for ``"grpc"`` it is a view of the received message (copy it to
+                keep or change it).
             token_start: position in the transfer of ``tensor``'s first token;
                 token ``t`` goes to block ``reservation[t // dst_bs]``, slot
                 ``t % dst_bs``; tokens past the reservation's capacity are

@@ -1,9 +1,13 @@
 """Wire format of one KV chunk: a msgpack header plus the raw bytes of a tensor.
 
-A transfer is a stream of ``"kv"`` chunks followed by one ``"done"`` chunk,
-each a :class:`pdcluster.v1.kv_pb2.KvChunk` (``header``, ``payload``).
+A transfer is a stream of ``"kv"`` chunks followed by one ``"done"`` chunk, each a
+:class:`~kvtransfer.frames.KvFrame` (``header``, ``payload``) on the wire as a
+:class:`pdcluster.v1.kv_pb2.KvChunk` encoding framed without protobuf (:mod:`kvtransfer.frames`).
 
-``"kv"`` header keys: ``kind``, ``request_id``, ``transfer_id``, ``generation``,
+Wire version :data:`WIRE_VERSION` (2): every header carries ``"v": 2`` and a receiver refuses
+any other (version 1, without ``"v"``, checksummed with zlib's CRC32).
+
+``"kv"`` header keys: ``v``, ``kind``, ``request_id``, ``transfer_id``, ``generation``,
 ``layer_start``, ``layer_end`` (layers ``[start, end)``), ``block_size``
 (tokens per block, the sender's), ``token_start`` (position in the transfer of
 the payload's first token: source block index times ``block_size``),
@@ -20,31 +24,36 @@ the message (an empty payload) over a torch.distributed pair group, described
 by the header's ``"dist"`` map: ``pair`` (pair group id), ``store``
 (``host:port`` of the sender's TCPStore), ``backend`` (``"gloo"`` or
 ``"nccl"``), ``tag`` (point-to-point tag of this tensor) and ``timeout_s``
-(group timeout, seconds); ``checksum`` is then the CRC32 of the tensor's bytes
+(group timeout, seconds); ``checksum`` is then the CRC32C of the tensor's bytes
 (:func:`verify_tensor`). See :mod:`kvtransfer.dist_transport`.
 
-``"done"`` header keys: ``kind``, ``request_id``, ``transfer_id``,
+``"done"`` header keys: ``v``, ``kind``, ``request_id``, ``transfer_id``,
 ``generation``, ``num_chunks`` (``"kv"`` chunks sent before it),
 ``num_layers`` (layers of the whole transfer, for the coverage check),
 ``first_token_id``, ``first_token_logprobs`` (msgpack-able dict or ``None``)
 and ``checksum``; its payload is empty.
 
-``checksum`` is the CRC32 (:func:`zlib.crc32`) of the payload bytes.
+``checksum`` is the CRC32C (Castagnoli, :func:`kvtransfer.checksum.crc32c`: the hardware
+instruction) of the payload bytes.
 """
 
 from __future__ import annotations
 
-import zlib
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
 import torch
 
+from kvtransfer.checksum import crc32c
 from kvtransfer.errors import KvIntegrityError
+from kvtransfer.frames import KvFrame
 from pdcluster.v1 import kv_pb2
 
+WIRE_VERSION = 2
 KIND_KV = "kv"
 KIND_DONE = "done"
 DATA_DIST = "dist"
@@ -107,17 +116,16 @@ class KvChunkMeta:
     token_start: int = 0
 
 
-def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
-    """Raw C-order bytes of ``tensor`` (any dtype, bf16 included, any device).
+def tensor_payload(tensor: torch.Tensor) -> memoryview:
+    """The C-order bytes of ``tensor`` (any floating dtype, bf16 included, any device) as a 1-d byte view.
 
-    Goes through a ``uint8`` view, so the only copies are to CPU (when on an
-    accelerator), to contiguous (when strided) and into the ``bytes`` object.
+    No copy for a contiguous CPU tensor (the view keeps it alive); else one copy, to CPU
+    and/or to contiguous.
     """
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
@@ -127,29 +135,32 @@ def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
     return numel * dtype.itemsize
 
 
-def tensor_from_bytes(payload: bytes, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-    """Rebuild a CPU tensor from :func:`tensor_to_bytes` output (one copy, writable result).
+def tensor_from_payload(payload: bytes | memoryview, dtype: torch.dtype, shape: Sequence[int], *,
+                        copy: bool = True) -> torch.Tensor:
+    """A CPU tensor of ``shape`` and ``dtype`` over ``payload``'s bytes (:func:`tensor_payload` inverted).
+
+    Args:
+        copy: True: a new, writable tensor that owns its memory (one copy). False: a view
+            of ``payload`` (no copy; it keeps ``payload`` alive) that must only be read:
+            writing into it would change the (immutable) received message.
 
     Raises:
-        KvIntegrityError: ``len(payload)`` does not match ``shape`` and ``dtype``.
+        KvIntegrityError: the payload's size does not match ``shape`` and ``dtype``.
     """
+    n = payload.nbytes if isinstance(payload, memoryview) else len(payload)
     want = _nbytes(dtype, shape)
-    if want != len(payload):
-        raise KvIntegrityError(
-            f"payload is {len(payload)} bytes, shape {list(shape)} of {dtype} needs {want}"
-        )
+    if want != n:
+        raise KvIntegrityError(f"payload is {n} bytes, shape {list(shape)} of {dtype} needs {want}")
     if want == 0:
         return torch.empty(tuple(shape), dtype=dtype)
-    flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    if copy:
+        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    else:  # a ctypes view of the same address: torch.frombuffer warns on read-only buffers
+        arr = np.frombuffer(payload, dtype=np.uint8)
+        view = (ctypes.c_ubyte * want).from_address(arr.ctypes.data)
+        view.owner = arr  # the view keeps the message alive as long as the tensor lives
+        flat = torch.frombuffer(view, dtype=torch.uint8)
     return flat.view(dtype).reshape(tuple(shape))
-
-
-def tensor_crc32(tensor: torch.Tensor) -> int:
-    """CRC32 of ``tensor``'s C-order bytes (no copy for a contiguous CPU tensor)."""
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def _kv_header(meta: KvChunkMeta, tensor: torch.Tensor, checksum: int) -> dict[str, Any]:
@@ -166,6 +177,7 @@ def _kv_header(meta: KvChunkMeta, tensor: torch.Tensor, checksum: int) -> dict[s
             f"got {list(meta.block_ids)} and {meta.token_start}"
         )
     return {
+        "v": WIRE_VERSION,
         "kind": KIND_KV,
         "request_id": meta.request_id,
         "transfer_id": meta.transfer_id,
@@ -181,7 +193,7 @@ def _kv_header(meta: KvChunkMeta, tensor: torch.Tensor, checksum: int) -> dict[s
     }
 
 
-def encode_kv_chunk(meta: KvChunkMeta, tensor: torch.Tensor) -> kv_pb2.KvChunk:
+def encode_kv_chunk(meta: KvChunkMeta, tensor: torch.Tensor) -> KvFrame:
     """Build a ``"kv"`` chunk carrying ``tensor`` (sender blocks) for ``meta``'s layers and tokens.
 
     Args:
@@ -190,48 +202,50 @@ def encode_kv_chunk(meta: KvChunkMeta, tensor: torch.Tensor) -> kv_pb2.KvChunk:
             head_dim]``, floating dtype, any device/strides.
 
     Returns:
-        The chunk; ``len(chunk.payload) == tensor.numel() * tensor.element_size()``.
+        The chunk; its payload is a view of ``tensor``'s bytes (no copy for a contiguous
+        CPU tensor: do not change ``tensor`` before the chunk was sent), of
+        ``tensor.numel() * tensor.element_size()`` bytes.
 
     Raises:
         ValueError: ``tensor`` shape disagrees with ``meta``, its dtype is not
             floating point, ``meta`` has an empty or inverted range, no block
             ids, or a ``token_start`` that is not a multiple of ``block_size``.
     """
-    payload = tensor_to_bytes(tensor)
-    header = _kv_header(meta, tensor, zlib.crc32(payload))
-    return kv_pb2.KvChunk(header=msgpack.packb(header), payload=payload)
+    payload = tensor_payload(tensor)
+    header = _kv_header(meta, tensor, crc32c(payload))
+    return KvFrame(msgpack.packb(header), payload)
 
 
-def encode_dist_kv_chunk(meta: KvChunkMeta, tensor: torch.Tensor, dist: dict[str, Any]) -> kv_pb2.KvChunk:
+def encode_dist_kv_chunk(meta: KvChunkMeta, tensor: torch.Tensor, dist: dict[str, Any]) -> KvFrame:
     """Build a ``"kv"`` chunk whose tensor travels over a pair group (``"data": "dist"``, empty payload).
 
     Args:
         meta: addressing of the chunk.
-        tensor: as for :func:`encode_kv_chunk`; its CRC32 goes into the header.
+        tensor: as for :func:`encode_kv_chunk`; its CRC32C goes into the header.
         dist: the ``"dist"`` map (``pair``, ``store``, ``backend``, ``tag``,
             ``timeout_s``; see the module docstring).
 
     Raises:
         ValueError: as :func:`encode_kv_chunk`.
     """
-    header = _kv_header(meta, tensor, tensor_crc32(tensor))
+    header = _kv_header(meta, tensor, crc32c(tensor))
     header["data"] = DATA_DIST
     header["dist"] = dict(dist)
-    return kv_pb2.KvChunk(header=msgpack.packb(header), payload=b"")
+    return KvFrame(msgpack.packb(header))
 
 
 def verify_tensor(header: dict[str, Any], tensor: torch.Tensor) -> None:
     """Check a tensor received outside the message against its (decoded) ``"kv"`` header.
 
     Raises:
-        KvIntegrityError: dtype, shape or CRC32 differ from the header's.
+        KvIntegrityError: dtype, shape or CRC32C differ from the header's.
     """
     if dtype_name(tensor.dtype) != header["dtype"] or list(tensor.shape) != header["shape"]:
         raise KvIntegrityError(
             f"tensor {tensor.dtype} {list(tensor.shape)} does not match header "
             f"{header['dtype']} {header['shape']}", header
         )
-    crc = tensor_crc32(tensor)
+    crc = crc32c(tensor)
     if crc != header["checksum"]:
         raise KvIntegrityError(
             f"checksum mismatch: header {header['checksum']:#010x}, tensor {crc:#010x}", header
@@ -246,7 +260,7 @@ def encode_done_chunk(
     num_layers: int,
     first_token_id: int,
     first_token_logprobs: dict[Any, Any] | None,
-) -> kv_pb2.KvChunk:
+) -> KvFrame:
     """Build the final ``"done"`` chunk of a transfer (empty payload).
 
     Args:
@@ -259,6 +273,7 @@ def encode_done_chunk(
         TypeError: ``first_token_logprobs`` is not msgpack-able.
     """
     header = {
+        "v": WIRE_VERSION,
         "kind": KIND_DONE,
         "request_id": request_id,
         "transfer_id": transfer_id,
@@ -267,9 +282,9 @@ def encode_done_chunk(
         "num_layers": int(num_layers),
         "first_token_id": int(first_token_id),
         "first_token_logprobs": first_token_logprobs,
-        "checksum": zlib.crc32(b""),
+        "checksum": crc32c(b""),
     }
-    return kv_pb2.KvChunk(header=msgpack.packb(header), payload=b"")
+    return KvFrame(msgpack.packb(header))
 
 
 def _is_int(x: Any, minimum: int = 0) -> bool:
@@ -289,6 +304,8 @@ def _parse_header(raw: bytes) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise KvIntegrityError(f"header is a {type(header).__name__}, not a map")
     h = header
+    v = h.get("v")
+    _require(h, _is_int(v) and v == WIRE_VERSION, f"v={v!r}: this receiver speaks KV wire version {WIRE_VERSION}")
     _require(h, h.get("kind") in (KIND_KV, KIND_DONE), f"kind={h.get('kind')!r}")
     for key in ("request_id", "transfer_id"):
         _require(h, isinstance(h.get(key), str), key)
@@ -330,47 +347,51 @@ def _check_dist(h: dict[str, Any]) -> None:
     _require(h, isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0, "dist.timeout_s")
 
 
-def decode_chunk(chunk: kv_pb2.KvChunk) -> tuple[dict[str, Any], torch.Tensor | None]:
-    """Parse and verify one chunk.
+def decode_chunk(chunk: KvFrame | kv_pb2.KvChunk, *, copy: bool = True) -> tuple[dict[str, Any], torch.Tensor | None]:
+    """Parse and verify one chunk (a received :class:`KvFrame`, or a ``KvChunk`` message).
+
+    Args:
+        copy: True: a ``"kv"`` chunk's tensor is a new, writable CPU tensor. False: a
+            read-only view of the payload (no copy; :func:`tensor_from_payload`), as the
+            receiver hands its sink.
 
     Returns:
-        ``(header, tensor)``: for ``"kv"`` chunks ``tensor`` is a new CPU tensor
+        ``(header, tensor)``: for ``"kv"`` chunks ``tensor`` is a CPU tensor
         of ``header["shape"]`` and ``header["dtype"]``; for ``"done"`` chunks and
         for ``"kv"`` chunks with ``"data": "dist"`` (whose tensor the caller
         receives elsewhere and checks with :func:`verify_tensor`) it is ``None``.
 
     Raises:
-        KvIntegrityError: unparsable or inconsistent header, unknown dtype,
-            payload size not matching shape and dtype, non-empty ``"done"``
-            payload, or CRC32 mismatch. ``exc.header`` holds the header when it
-            parsed.
+        KvIntegrityError: a message that is no ``KvChunk``, an unparsable or
+            inconsistent header, another wire version, unknown dtype, payload size
+            not matching shape and dtype, non-empty ``"done"`` payload, or CRC32C
+            mismatch. ``exc.header`` holds the header when it parsed.
     """
+    if getattr(chunk, "error", None):
+        raise KvIntegrityError(chunk.error)
     header = _parse_header(chunk.header)
-    payload = chunk.payload
+    payload = chunk.payload  # read once: protobuf copies a bytes field out on every read
+    size = payload.nbytes if isinstance(payload, memoryview) else len(payload)
     if header["kind"] == KIND_DONE:
         _require(header, _is_int(header.get("num_chunks")), "num_chunks")
         _require(header, _is_int(header.get("num_layers"), 1), "num_layers")
         _require(header, _is_int(header.get("first_token_id")), "first_token_id")
         lp = header.get("first_token_logprobs")
         _require(header, lp is None or isinstance(lp, dict), "first_token_logprobs")
-        if payload:
-            raise KvIntegrityError(f"done chunk carries a {len(payload)}-byte payload", header)
+        if size:
+            raise KvIntegrityError(f"done chunk carries a {size}-byte payload", header)
         return header, None
     dtype = _check_kv_header(header)
     if "data" in header:
         _require(header, header["data"] == DATA_DIST, f"data={header['data']!r}")
         _check_dist(header)
-        if payload:
-            raise KvIntegrityError(f"dist chunk carries a {len(payload)}-byte payload", header)
+        if size:
+            raise KvIntegrityError(f"dist chunk carries a {size}-byte payload", header)
         return header, None
     want = _nbytes(dtype, header["shape"])
-    if want != len(payload):
-        raise KvIntegrityError(
-            f"payload is {len(payload)} bytes, shape {header['shape']} of {dtype} needs {want}", header
-        )
-    crc = zlib.crc32(payload)
+    if want != size:
+        raise KvIntegrityError(f"payload is {size} bytes, shape {header['shape']} of {dtype} needs {want}", header)
+    crc = crc32c(payload)
     if crc != header["checksum"]:
-        raise KvIntegrityError(
-            f"checksum mismatch: header {header['checksum']:#010x}, payload {crc:#010x}", header
-        )
-    return header, tensor_from_bytes(payload, dtype, header["shape"])
+        raise KvIntegrityError(f"checksum mismatch: header {header['checksum']:#010x}, payload {crc:#010x}", header)
+    return header, tensor_from_payload(payload, dtype, header["shape"], copy=copy)

@@ -21,6 +21,7 @@ import _kv_main  # noqa: E402
 import _kv_measure as km  # noqa: E402
 import _kv_pyspy  # noqa: E402
 import _kv_report  # noqa: E402
+import _kv_stages  # noqa: E402
 import _prefill_measure as pm  # noqa: E402
 import _prefill_report  # noqa: E402
 import prefill  # noqa: E402
@@ -114,23 +115,24 @@ def test_transfers_per_transport_and_report():
         assert m["grpc"]["num_chunks"] == 4 and len(m["raw_tcp"]["latency_ms_all"]) == 2
         samples = _kv_pyspy.summarize(collections.Counter({
             "gather_blocks (kvtransfer/blocks.py:76)": 3, "Condition.wait (threading.py:331)": 5,
-            f"encode_kv_chunk (kvtransfer/wire.py:{_line_of('kvtransfer/wire.py', 'zlib.crc32(payload)')})": 2,
+            f"crc32c (kvtransfer/checksum.py:{_line_of('kvtransfer/checksum.py', 'return int(_EXTEND(0, address')})": 2,
             "_transform (grpc/_common.py:87)": 1}))
     assert (samples["busy_samples"], samples["idle_samples"]) == (6, 5)
     cats = {c["category"]: c["samples"] for c in samples["categories"]}
-    assert cats["CRC32"] == 2 and cats["gather (index_select of the blocks)"] == 3
+    assert cats["CRC32C"] == 2 and cats["gather (index_select of the blocks into the reused buffer)"] == 3
     assert _kv_pyspy.parse_raw("a;b (x.py:1) 3\na;c (y.py:2);d (lib.so) 4\n") == {"b (x.py:1)": 3, "c (y.py:2)": 4}
     nat = _kv_pyspy.native_breakdown("f (nofile.py:1);0x7f01 (libc.so.6) 2\nf (nofile.py:1);sendmsg (libc.so.6) 1\n",
                                      "other")
     assert [(t["frame"], t["samples"]) for t in nat["leaves"]] == [("unresolved address in libc.so.6", 2),
                                                                    ("sendmsg (libc.so.6)", 1)]
-    st = km.grpc_stage_costs(kv, src, 1, 1100, reps=1)
+    st = _kv_stages.grpc_stage_costs(kv, src, 1, 1100, reps=1)
     assert st["payload_bytes"] == m["payload_bytes"] and st["num_chunks"] == 4
     assert set(st["sender"]) == {k for k, _ in _kv_report.SENDER_STAGES}
     assert set(st["receiver"]) == {k for k, _ in _kv_report.RECEIVER_STAGES}
     recs = _kv_main.records(1024, m, {"prefill_s": 2.0, "prefill_s_all": [2.0], "prefill_steps": 1,
                                       "prefill_warmup": True, "prefill_roofline_s": 0.5}, (1.0, 1.1))
-    assert [r["transport"] for r in recs] == ["grpc", "raw_tcp"] and recs[1]["ratio_raw_tcp"] == 1.0
+    assert [r["transport"] for r in recs] == ["grpc", "grpc_floor", "raw_tcp"] and recs[2]["ratio_raw_tcp"] == 1.0
+    assert m["grpc_floor"]["num_chunks"] == 4 and recs[1]["verified"] is None
     assert recs[0]["ratio_prefill_time"] == pytest.approx(recs[0]["latency_ms"] / 2000)
     assert recs[0]["ratio_prefill_time_at_roofline"] == pytest.approx(recs[0]["latency_ms"] / 500)
     res = {"quick": True, "model": "m", "started_at": "t", "duration_s": 1.0, "cpu": "c", "cpu_count": 2,
@@ -138,10 +140,15 @@ def test_transfers_per_transport_and_report():
            "thread_budget": "t", "kv_bytes_per_token": 46080, "block_size": 4, "layers_per_chunk": 1,
            "max_chunk_bytes": 1100, "reps": 2, "points": recs, "grpc_stage_costs": {"1024": st}, "py_spy": None}
     res["targets"] = _kv_report.targets(res)
-    assert [t["target"] for t in res["targets"]] == ["gRPC GB/s / raw loopback TCP GB/s",
-                                                     "gRPC transfer time / prefill time"]
+    assert [(t["target"], t["limit"]) for t in res["targets"]] == [
+        ("grpc GB/s / raw loopback TCP GB/s", ">= 0.40"), ("grpc transfer time / prefill time", "<= 0.10")]
     md = _kv_report.markdown(res)
     assert "| 1024 | grpc |" in md and "| 1024 | raw_tcp |" in md and "py-spy was not run." in md
+    assert "| 1024 | grpc_floor |" in md and "(`grpc_floor`, no KV work on either side)" in md
+    full = _kv_report.targets(res | {"quick": False, "points": recs + [recs[0] | {"transport": "torch_dist"}]})
+    assert [(t["target"], t["limit"]) for t in full][:3] == [
+        ("grpc GB/s / raw loopback TCP GB/s", ">= 0.60"), ("grpc transfer time / prefill time", "<= 0.10"),
+        ("torch_dist GB/s / raw loopback TCP GB/s", ">= 0.60")]
 
 
 def test_bench_script_does_not_shadow_the_package(monkeypatch):

@@ -32,12 +32,13 @@ from hypothesis import strategies as st
 from decode_worker.kv_sink import DecodeKvSink
 from decode_worker.transfers import TransferTable
 from kvtransfer import KvChunkMeta, KvTransferConfig, attach_receiver, encode_done_chunk, encode_kv_chunk
-from pdcluster.v1 import kv_pb2, kv_pb2_grpc
+from kvtransfer.frames import KvFrame, push_kv
+from pdcluster.v1 import kv_pb2
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 4, 8, 4, 2, 8
 RESERVED = [3, 5]
 SENTINEL = -1.0
-REFUSED_HEADERS = ("kind", "request_id", "transfer_id", "generation", "layer_start", "layer_end", "block_ids",
+REFUSED_HEADERS = ("v", "kind", "request_id", "transfer_id", "generation", "layer_start", "layer_end", "block_ids",
                    "block_size", "token_start", "dtype", "shape", "checksum")
 
 
@@ -68,7 +69,7 @@ def decode():
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield scheduler, kv_pb2_grpc.KvTransferStub(channel)
+        yield scheduler, push_kv(channel)
     server.stop(None)
 
 
@@ -77,17 +78,17 @@ def _tensor(layers: int, seed: int) -> torch.Tensor:
     return torch.randn((layers, 2, len(RESERVED), BLOCK_SIZE, HEADS, HEAD_DIM), generator=g)
 
 
-def _transfer(rid: str, tid: str, gen: int) -> list[kv_pb2.KvChunk]:
+def _transfer(rid: str, tid: str, gen: int) -> list[KvFrame]:
     """A correct transfer of all layers into the reservation: two ``"kv"`` chunks and ``"done"``."""
     chunks = [encode_kv_chunk(KvChunkMeta(rid, tid, gen, start, start + 2, RESERVED, BLOCK_SIZE), _tensor(2, start))
               for start in (0, 2)]
     return chunks + [encode_done_chunk(rid, tid, gen, 2, LAYERS, 7, None)]
 
 
-def _reheader(chunk: kv_pb2.KvChunk, **changes) -> kv_pb2.KvChunk:
+def _reheader(chunk: KvFrame, **changes) -> KvFrame:
     header = msgpack.unpackb(chunk.header, strict_map_key=False)
     header.update(changes)
-    return kv_pb2.KvChunk(header=msgpack.packb(header), payload=chunk.payload)
+    return KvFrame(header=msgpack.packb(header), payload=chunk.payload)
 
 
 _any_value = st.one_of(st.integers(-2**63, 2**64 - 1), st.integers(-3, 20), st.text(max_size=8), st.floats(),
@@ -95,7 +96,7 @@ _any_value = st.one_of(st.integers(-2**63, 2**64 - 1), st.integers(-3, 20), st.t
 
 
 @st.composite
-def broken_first_chunks(draw, first: kv_pb2.KvChunk, rid: str, tid: str, gen: int) -> tuple[str, kv_pb2.KvChunk]:
+def broken_first_chunks(draw, first: KvFrame, rid: str, tid: str, gen: int) -> tuple[str, KvFrame]:
     """``(what was broken, chunk)`` from the correct first chunk of the transfer."""
     header = msgpack.unpackb(first.header, strict_map_key=False)
     how = draw(st.sampled_from(["set", "delete", "garble header", "payload", "layers past the cache",
@@ -107,10 +108,10 @@ def broken_first_chunks(draw, first: kv_pb2.KvChunk, rid: str, tid: str, gen: in
     if how == "delete":
         key = draw(st.sampled_from(REFUSED_HEADERS))
         del header[key]
-        return f"delete {key}", kv_pb2.KvChunk(header=msgpack.packb(header), payload=first.payload)
+        return f"delete {key}", KvFrame(header=msgpack.packb(header), payload=first.payload)
     if how == "garble header":
         garbage = draw(st.binary(max_size=40))
-        return how, kv_pb2.KvChunk(header=garbage, payload=first.payload)
+        return how, KvFrame(header=garbage, payload=first.payload)
     if how == "payload":
         p = bytearray(first.payload)
         edit = draw(st.sampled_from(["truncate", "extend", "flip"]))
@@ -120,7 +121,7 @@ def broken_first_chunks(draw, first: kv_pb2.KvChunk, rid: str, tid: str, gen: in
             p += draw(st.binary(min_size=1, max_size=8))
         else:
             p[draw(st.integers(0, len(p) - 1))] ^= draw(st.integers(1, 255))
-        return f"payload {edit}", kv_pb2.KvChunk(header=first.header, payload=bytes(p))
+        return f"payload {edit}", KvFrame(header=first.header, payload=bytes(p))
     if how == "layers past the cache":  # a consistent header: only the receiver's cache can refuse it
         start = draw(st.integers(LAYERS - 1, LAYERS + 2))
         return how, encode_kv_chunk(KvChunkMeta(rid, tid, gen, start, start + 2, RESERVED, BLOCK_SIZE), _tensor(2, 9))
@@ -132,8 +133,8 @@ def broken_first_chunks(draw, first: kv_pb2.KvChunk, rid: str, tid: str, gen: in
     return how, done
 
 
-def _push(stub, chunks: list[kv_pb2.KvChunk]) -> kv_pb2.KvAck:
-    return stub.PushKv(iter(chunks), timeout=10)
+def _push(push, chunks: list[KvFrame]) -> kv_pb2.KvAck:
+    return push(iter(chunks), timeout=10)
 
 
 def _assert_transfer_lands(scheduler: Scheduler, stub, rid: str, tid: str, gen: int) -> None:

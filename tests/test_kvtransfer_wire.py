@@ -22,8 +22,8 @@ from kvtransfer import (
     scatter_blocks,
 )
 from kvtransfer.chunking import plan_chunks
+from kvtransfer.frames import KvFrame
 from kvtransfer.wire import encode_dist_kv_chunk, verify_tensor
-from pdcluster.v1 import kv_pb2
 
 META = KvChunkMeta(
     request_id="r1", transfer_id="t1", generation=3, layer_start=1, layer_end=3, block_ids=[4, 0, 2], block_size=4
@@ -71,7 +71,7 @@ def test_payload_block_count_is_the_senders() -> None:
     assert torch.equal(out, t) and header["block_ids"] == [9] and header["token_start"] == 12
 
 
-def _dist_chunk(**dist_changes: object) -> kv_pb2.KvChunk:
+def _dist_chunk(**dist_changes: object) -> KvFrame:
     d = {"pair": "p1", "store": "127.0.0.1:1234", "backend": "gloo", "tag": 3, "timeout_s": 2.0}
     d.update(dist_changes)
     return encode_dist_kv_chunk(META, _blocks(torch.float32), d)
@@ -99,7 +99,7 @@ def test_bad_dist_fields_raise(changes: dict) -> None:
         decode_chunk(_dist_chunk(**changes))
     chunk = _dist_chunk()
     with pytest.raises(KvIntegrityError, match="payload"):
-        decode_chunk(kv_pb2.KvChunk(header=chunk.header, payload=b"x"))
+        decode_chunk(KvFrame(header=chunk.header, payload=b"x"))
 
 
 def test_checksum_mismatch_raises_with_header() -> None:
@@ -107,20 +107,20 @@ def test_checksum_mismatch_raises_with_header() -> None:
     bad = bytearray(chunk.payload)
     bad[7] ^= 0x01
     with pytest.raises(KvIntegrityError, match="checksum") as ei:
-        decode_chunk(kv_pb2.KvChunk(header=chunk.header, payload=bytes(bad)))
+        decode_chunk(KvFrame(header=chunk.header, payload=bytes(bad)))
     assert ei.value.header["transfer_id"] == "t1"
 
 
-def _with_header(chunk: kv_pb2.KvChunk, **changes: object) -> kv_pb2.KvChunk:
+def _with_header(chunk: KvFrame, **changes: object) -> KvFrame:
     header = msgpack.unpackb(chunk.header)
     header.update(changes)
-    return kv_pb2.KvChunk(header=msgpack.packb(header), payload=chunk.payload)
+    return KvFrame(header=msgpack.packb(header), payload=chunk.payload)
 
 
 def test_payload_size_mismatch_raises() -> None:
     chunk = encode_kv_chunk(META, _blocks(torch.float32))
     with pytest.raises(KvIntegrityError, match="bytes"):
-        decode_chunk(kv_pb2.KvChunk(header=chunk.header, payload=chunk.payload[:-4]))
+        decode_chunk(KvFrame(header=chunk.header, payload=chunk.payload[:-4]))
     with pytest.raises(KvIntegrityError, match="bytes"):  # same shape, half the element size
         decode_chunk(_with_header(chunk, dtype="bfloat16"))
 
@@ -153,10 +153,10 @@ def test_inconsistent_header_raises(changes: dict) -> None:
 
 def test_garbage_header_raises_without_header() -> None:
     with pytest.raises(KvIntegrityError) as ei:
-        decode_chunk(kv_pb2.KvChunk(header=b"\xc1\xff", payload=b""))
+        decode_chunk(KvFrame(header=b"\xc1\xff", payload=b""))
     assert ei.value.header is None
     with pytest.raises(KvIntegrityError, match="not a map"):
-        decode_chunk(kv_pb2.KvChunk(header=msgpack.packb([1, 2]), payload=b""))
+        decode_chunk(KvFrame(header=msgpack.packb([1, 2]), payload=b""))
 
 
 def test_done_chunk_round_trip() -> None:
@@ -168,7 +168,7 @@ def test_done_chunk_round_trip() -> None:
     assert decode_chunk(encode_done_chunk("r1", "t1", 3, 4, 2, 11, None))[0]["first_token_logprobs"] is None
     chunk = encode_done_chunk("r1", "t1", 3, 4, 2, 11, None)
     with pytest.raises(KvIntegrityError, match="payload"):
-        decode_chunk(kv_pb2.KvChunk(header=chunk.header, payload=b"x"))
+        decode_chunk(KvFrame(header=chunk.header, payload=b"x"))
 
 
 def test_plan_chunks_respects_layers_and_bytes() -> None:
