@@ -78,7 +78,8 @@ class SendJob:
 
     def max_chunk_numel(self) -> int:
         """Elements of the largest chunk's tensor (to size a reusable gather buffer)."""
-        per_block = 2 * self.kv_cache[0, 0, 0].numel()
+        shape = self.kv_cache.shape  # [L, 2, num_blocks, block_size, H, D] (a tensor or its HeadShards)
+        per_block = 2 * shape[3] * shape[4] * shape[5]
         return max((c.layer_end - c.layer_start) * (c.block_end - c.block_start) * per_block for c in self.plan)
 
 

@@ -102,8 +102,10 @@ def test_latency_quantiles_and_counts(observed):
         assert q is not None and q > 0, metric
     assert _value(prom, "sum(pdcluster:time_to_first_token_seconds_count)") == summary["completed"]
     _wait_for(prom, "sum(pdcluster:request_success_total)", summary["completed"], timeout_s=10)
-    prompt = _value(prom, "sum(pdcluster:prefix_cache_queries_total)")
-    assert prompt == _value(prom, "sum(pdcluster:prompt_tokens_total)") > 0
+    prompt = _value(prom, "sum(pdcluster:prompt_tokens_total)")
+    assert prompt > 0
+    # the prefill workers' last scrape may precede the router's: wait for it to catch up
+    _wait_for(prom, "sum(pdcluster:prefix_cache_queries_total)", prompt, timeout_s=10)
     assert _value(prom, "sum(pdcluster:kv_transfer_bytes_total)") == _value(prom, "sum(pdcluster:kv_received_bytes_total)")
 
 
