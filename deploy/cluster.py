@@ -26,6 +26,18 @@ from serving.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 NAMESPACE = "pdcluster"
+
+
+class _PlacementGroupRemovalNotice(logging.Filter):
+    """Drops Ray's warning that a restartable detached actor dies with its placement group:
+    that is how ``down`` and ``scale`` remove workers, and Ray restarts a crashed worker in
+    its bundle as long as the group lives."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "restartable detached actor with a placement group" not in record.getMessage()
+
+
+logging.getLogger("ray.actor").addFilter(_PlacementGroupRemovalNotice())
 WORKER_ROLES = ("prefill", "decode", "colocated")
 
 
