@@ -30,7 +30,14 @@ from redis.exceptions import RedisError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deploy.actors import was_restarted
-from deploy.cluster import NAMESPACE, WORKER_ROLES, actor_name, head_node_id, recreate_worker
+from deploy.cluster import (
+    NAMESPACE,
+    WORKER_ROLES,
+    actor_name,
+    head_node_id,
+    recreate_worker,
+    worker_config_from_dict,
+)
 from deploy.heal import Action, HealConfig, Probe, WorkerWatch, decide
 from deploy.redis_supervisor import RedisSpec, RedisSupervisor
 from deploy.scale import ScaleTarget, scale
@@ -67,7 +74,7 @@ class ControllerActor:
     placement groups, template, shape); ``redis`` is given where ``up`` started the Redis."""
 
     def __init__(self, state: dict, heal: HealConfig, redis: RedisSpec | None) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        worker_config_from_dict(state["worker_template"]).log.apply()  # the cluster's --log-format / --log-level
         self.cfg = heal
         self.reg = WorkerRegistry(state["redis_url"], state["cluster"])
         self.state = state
@@ -123,7 +130,7 @@ class ControllerActor:
             return self.report_now
 
     def _heal(self, live: dict) -> None:
-        now, changed = time.monotonic(), False
+        changed = False
         for entry in self.state["workers"]:
             wid = entry["worker_id"]
             watch = self.watches.setdefault(wid, WorkerWatch(wid, entry["role"]))
@@ -135,7 +142,8 @@ class ControllerActor:
                     changed = True
                 continue
             probe, detail = probe_worker(entry, self.cfg.probe_timeout_s)
-            action = decide(watch, probe, time.monotonic(), self.cfg, detail)
+            now = time.monotonic()  # after the probe, which may take probe_timeout_s
+            action = decide(watch, probe, now, self.cfg, detail)
             if action is not Action.NONE:
                 self._act(entry, watch, action, now)
         if changed:
