@@ -43,3 +43,7 @@ command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)  # built with
 if [ ${#missing[@]} -gt 0 ]; then
   as_root_apt "${missing[@]}"
 fi
+
+# The C++ CPU kernels (engine/kernels/cpu/csrc), compiled for this machine's CPU; a kernel that
+# cannot be built here falls back to its plain-torch path.
+PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -m engine.kernels.cpu.build

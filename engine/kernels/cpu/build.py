@@ -1,0 +1,77 @@
+"""Build and load the C++ CPU kernels in ``csrc/`` as torch extensions.
+
+``python -m engine.kernels.cpu.build`` (run by ``scripts/install.sh``) compiles every
+``csrc/<name>.cpp`` once per machine into ``_build/<name>/`` next to this file (never outside
+the package), with ``-O3 -march=native`` (the kernels use the build machine's vector
+instructions: build where they run) and OpenMP, so ``at::parallel_for`` splits work over
+torch's intra-op threads (``torch.set_num_threads``). :func:`load` imports a built
+extension; when it is missing or stale it builds it first (torch's ``cpp_extension.load``
+rebuilds only when a source changed), and when no compiler is available it logs one warning
+and returns ``None``: the caller falls back to its plain-torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+BUILD_ROOT = Path(__file__).parent / "_build"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
+LDFLAGS = ("-fopenmp",)
+
+
+def kernel_names() -> list[str]:
+    """Every extension in ``csrc/``: one per ``<name>.cpp``."""
+    return sorted(p.stem for p in CSRC.glob("*.cpp"))
+
+
+@functools.cache
+def load(name: str) -> ModuleType | None:
+    """The extension built from ``csrc/<name>.cpp`` (built now if missing or stale), or ``None``
+    when it cannot be built here (the reason is logged once).
+
+    Raises:
+        FileNotFoundError: no ``csrc/<name>.cpp``.
+    """
+    source = CSRC / f"{name}.cpp"
+    if not source.is_file():
+        raise FileNotFoundError(f"no CPU kernel source {source}")
+    build_dir = BUILD_ROOT / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        from torch.utils import cpp_extension
+        _ninja_on_path()
+        return cpp_extension.load(name=f"pdcluster_{name}", sources=[str(source)], build_directory=str(build_dir),
+                                  extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=False)
+    except Exception as e:  # no compiler, no ninja, a compile error: fall back to torch
+        log.warning("CPU kernel %s is not available (%s: %s); using the plain-torch path",
+                    name, type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
+        return None
+
+
+def _ninja_on_path() -> None:
+    """torch runs ``ninja`` from PATH: a process started outside the venv (a Ray worker) finds the
+    ``ninja`` package's binary this way."""
+    if shutil.which("ninja") is None:
+        import ninja
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def main() -> int:
+    """Build every kernel; exit status 0 even when some cannot be built (they fall back)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for name in kernel_names():
+        print(f"cpu kernel {name}: {'built' if load(name) is not None else 'NOT built (plain-torch fallback)'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
