@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from common.model_config import ModelConfig
-from engine.config import CacheConfig
+from common.model_config import ConfigError, ModelConfig
+from engine.config import CacheConfig, check_quantization
 from engine.kv_cache import allocate_kv_cache
 from engine.model import load_model, resolve_device_dtype
-from engine.model_loader import resolve_model
+from engine.model_loader import resolve_model_source
 from engine.model_runner import ModelRunner
 from engine.tp.runner import start_tp_runner
 
 
 def build_runner(model: str, cache: CacheConfig, *, device: str = "auto", dtype: str = "auto",
                  num_threads: int = 1, model_cache_dir: str | None = None,
-                 tp: int = 1) -> tuple[ModelConfig, ModelRunner]:
+                 tp: int = 1, quantization: str = "none") -> tuple[ModelConfig, ModelRunner]:
     """Resolve ``model``, load its weights, allocate the KV cache (``cache``), set the
     torch thread budget.
 
@@ -27,17 +27,24 @@ def build_runner(model: str, cache: CacheConfig, *, device: str = "auto", dtype:
         model_cache_dir: where converted models are kept (default ``~/.cache/pdcluster/models``).
         tp: tensor-parallel ranks; above 1 this process is rank 0 and starts the others
             (:func:`engine.tp.runner.start_tp_runner`), and ``runner.close()`` stops them.
+        quantization: one of :data:`engine.config.QUANTIZATIONS` (decoder projections served as
+            int8 or Q4_1, :func:`engine.model.load_model`); only with ``tp == 1``.
 
     Raises:
         ModelNotFoundError: the model spec names nothing loadable.
-        ConfigError: the model does not split over ``tp`` ranks.
+        ConfigError: the model does not split over ``tp`` ranks; an unknown ``quantization``, or
+            one with ``tp > 1``.
     """
+    check_quantization(quantization)
+    if quantization != "none" and tp > 1:
+        raise ConfigError(f"quantization {quantization!r} is not supported with tp={tp} (tensor-parallel "
+                          f"layers are float only); use quantization='none' or tp=1")
     torch.set_num_threads(num_threads)
-    folder = resolve_model(model, model_cache_dir)
+    folder, gguf = resolve_model_source(model, model_cache_dir)
     model_cfg = ModelConfig.from_hf_folder(folder, name=model)
     dev, dt = resolve_device_dtype(device, dtype)
     if tp > 1:
         return model_cfg, start_tp_runner(model_cfg, cache, tp, dev, dt, num_threads)
-    net = load_model(model_cfg, dev, dt)
+    net = load_model(model_cfg, dev, dt, quantization=quantization, gguf_path=gguf)
     kv_cache = allocate_kv_cache(model_cfg, cache, dev)
     return model_cfg, ModelRunner(net, kv_cache, cache.block_size)

@@ -79,3 +79,20 @@ class SchedulerConfig:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.kv_failure_policy not in KV_FAILURE_POLICIES:
             raise ConfigError(f"kv_failure_policy must be one of {KV_FAILURE_POLICIES}, got {self.kv_failure_policy!r}")
+
+
+QUANTIZATIONS = ("none", "int8", "q4")
+"""``--quantization`` choices: ``none`` serves the float weights (the default, token-exact vs HF);
+``int8`` quantizes the decoder projections per output channel; ``q4`` serves them as llama.cpp Q4_1
+blocks (a GGUF's own where it stores them so). Implemented by :data:`engine.model.quant.QUANT_BACKENDS`."""
+
+
+def check_quantization(value: str, field: str = "quantization") -> str:
+    """``value`` when it is one of :data:`QUANTIZATIONS`.
+
+    Raises:
+        ConfigError: naming ``field`` and the choices.
+    """
+    if value not in QUANTIZATIONS:
+        raise ConfigError(f"{field} must be one of {QUANTIZATIONS}, got {value!r}")
+    return value

@@ -88,16 +88,28 @@ def resolve_model(spec: str, cache_dir: str | Path | None = None, hub_cache: str
         ModelNotFoundError: unknown name, missing file, a folder without config.json, or
             a model id absent from the hub cache (the message names the path searched).
     """
+    return resolve_model_source(spec, cache_dir, hub_cache)[0]
+
+
+def resolve_model_source(spec: str, cache_dir: str | Path | None = None,
+                         hub_cache: str | Path | None = None) -> tuple[Path, Path | None]:
+    """:func:`resolve_model`, plus the GGUF file the folder was dequantized from (None for an HF
+    folder): ``--quantization q4`` reads that file's own Q4_1 blocks.
+
+    Raises:
+        ModelNotFoundError: as :func:`resolve_model`.
+    """
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
     if spec in _BUNDLED:
-        return _dequantize_cached(_bundled_gguf(spec, cache_dir), cache_dir, name=spec)
+        gguf = _bundled_gguf(spec, cache_dir)
+        return _dequantize_cached(gguf, cache_dir, name=spec), gguf
     p = Path(spec).expanduser()
     if p.is_file() and p.suffix == ".gguf":
-        return _dequantize_cached(p, cache_dir, name=p.stem.lower())
+        return _dequantize_cached(p, cache_dir, name=p.stem.lower()), p
     if p.is_dir():
         if not (p / "config.json").exists():
             raise ModelNotFoundError(f"{p} has no config.json (not an HF model folder)")
-        return p
+        return p, None
     if _HUB_ID.fullmatch(spec) and not p.exists():
         hub = Path(hub_cache) if hub_cache else hf_hub_cache(os.environ)
         return _from_hub_cache(spec, hub, cache_dir)
@@ -107,10 +119,10 @@ def resolve_model(spec: str, cache_dir: str | Path | None = None, hub_cache: str
     )
 
 
-def _from_hub_cache(model_id: str, hub: Path, cache_dir: Path) -> Path:
+def _from_hub_cache(model_id: str, hub: Path, cache_dir: Path) -> tuple[Path, Path | None]:
     """The snapshot folder of ``model_id`` in the hub cache ``hub`` (its ``refs/main``
-    revision, else the newest snapshot); a snapshot with one ``.gguf`` and no config is
-    dequantized into ``cache_dir``.
+    revision, else the newest snapshot) and None; a snapshot with one ``.gguf`` and no config is
+    dequantized into ``cache_dir`` (then the folder and that ``.gguf``).
 
     Raises:
         ModelNotFoundError: no snapshot, or one with neither config.json nor a single .gguf.
@@ -129,10 +141,10 @@ def _from_hub_cache(model_id: str, hub: Path, cache_dir: Path) -> Path:
             f"(cache {hub}, from $HF_HUB_CACHE / $HF_HOME / ~/.cache/huggingface/hub); download it first, "
             f"e.g. `hf download {model_id}`, or pass a folder or .gguf file")
     if (snap / "config.json").exists():
-        return snap
+        return snap, None
     ggufs = sorted(snap.glob("*.gguf"))
     if len(ggufs) == 1:
-        return _dequantize_cached(ggufs[0], cache_dir, name=model_id.replace("/", "--").lower())
+        return _dequantize_cached(ggufs[0], cache_dir, name=model_id.replace("/", "--").lower()), ggufs[0]
     raise ModelNotFoundError(f"{snap} (model {model_id!r}) has no config.json and "
                              f"{len(ggufs)} .gguf files; pass the folder or one .gguf file")
 

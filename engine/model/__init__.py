@@ -9,10 +9,13 @@ from safetensors.torch import load_file
 
 from common.model_config import ModelConfig
 from engine.attention import get_attention_backend
+from engine.config import check_quantization
+from engine.gguf_blocks import matching_blocks, read_q4_1_blocks
 from engine.model.arch import DecoderArch
 from engine.model.decoder import CausalLM
 from engine.model.families import load_arch
 from engine.model.linear import apply_linear_backend, default_linear_backend
+from engine.model.quant import apply_quantization
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,7 +52,8 @@ def read_state(folder: str | Path) -> dict[str, torch.Tensor]:
 
 def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                attention_backend: str | None = None, linear_backend: str | None = None,
-               arch: DecoderArch | None = None) -> CausalLM:
+               arch: DecoderArch | None = None, quantization: str = "none",
+               gguf_path: str | Path | None = None) -> CausalLM:
     """Build the model on ``device`` in ``dtype`` and load every ``*.safetensors`` in ``cfg.path``.
 
     ``arch``: the family's layer differences; None reads them from ``cfg.path``
@@ -61,11 +65,19 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
     :func:`~engine.model.linear.default_linear_backend` (oneDNN-prepacked weights for CPU
     float32). A packed model's decoder weights are buffers, no longer parameters.
 
+    ``quantization`` (one of :data:`engine.config.QUANTIZATIONS`): ``"none"`` keeps the float
+    weights; ``"int8"`` / ``"q4"`` replace the decoder projections (q/k/v/o, gate/up/down) with
+    quantized layers (:mod:`engine.model.quant`; embeddings and LM head stay float). With ``"q4"``
+    and ``gguf_path`` (the GGUF ``cfg.path`` was dequantized from), the file's own Q4_1 blocks are
+    served where they dequantize exactly to the loaded weights (:mod:`engine.gguf_blocks`).
+
     Raises:
         FileNotFoundError: no safetensors file in the folder.
         KeyError: a parameter missing from the checkpoint, or an unknown backend.
-        common.model_config.ConfigError: an unsupported architecture or feature.
+        common.model_config.ConfigError: an unsupported architecture or feature, or an unknown
+            ``quantization``.
     """
+    check_quantization(quantization)
     arch = arch or load_arch(cfg.path)
     state = read_state(cfg.path)
     backend = get_attention_backend(attention_backend or default_attention_backend(device))
@@ -73,5 +85,10 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
         model = CausalLM(cfg, arch, backend).to(dtype).requires_grad_(False)
     model.load_weights(state)
     model.eval()
+    blocks = None
+    if quantization == "q4" and gguf_path is not None:
+        blocks = matching_blocks(read_q4_1_blocks(gguf_path), state)
+    del state
+    apply_quantization(model, quantization, blocks)
     apply_linear_backend(model, linear_backend or default_linear_backend(device, dtype))
     return model

@@ -102,10 +102,11 @@ def apply_linear_backend(model: nn.Module, name: str) -> int:
 
 
 def dense_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter plus every packed weight (as ``<module>.weight``, dense copy),
-    by name: the model's weights whatever its linear backend."""
+    """Every parameter plus every packed or quantized weight (as ``<module>.weight``, dense float
+    copy: any module with a ``dense_weight()`` method), by name: the model's weights whatever its
+    linear backend or quantization."""
     out = {n: p.detach() for n, p in model.named_parameters()}
     for name, mod in model.named_modules():
-        if isinstance(mod, PackedLinear):
+        if callable(getattr(mod, "dense_weight", None)):
             out[f"{name}.weight"] = mod.dense_weight()
     return out

@@ -1,0 +1,188 @@
+"""Weight-only quantized linear layers: int8 per output channel and GGUF's Q4_1.
+
+Two weight formats, both multiplied with float32 activations:
+
+* **int8** (symmetric, per output channel): ``W[n, k] ~= qweight[n, k] * scale[n]``,
+  ``qweight`` int8 in [-127, 127], ``scale = max|W[n, :]| / 127``.
+* **Q4_1** (llama.cpp's ``block_q4_1``, ``ggml-quants.c``): each row is cut into blocks of 32
+  weights; block ``b`` of row ``n`` holds a scale ``d[n, b]``, a minimum ``m[n, b]`` and 32 4-bit
+  codes packed two per byte in ``qs[n, b, :16]``: code ``j < 16`` is ``qs[n, b, j] & 0xF``, code
+  ``j >= 16`` is ``qs[n, b, j - 16] >> 4``; ``W[n, 32 b + j] = d[n, b] * code + m[n, b]``.
+
+:func:`linear_int8` / :func:`linear_q4_1` call the C++ kernels of ``csrc/quant_gemv.cpp``
+(:func:`engine.kernels.cpu.build.load`) for CPU float32 activations when that extension is built
+and exposes them, and otherwise the plain-torch reference (dequantize, then ``F.linear``), which
+is also what the tests compare the kernels against.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+QK4_1 = 32
+"""Weights per Q4_1 block (llama.cpp's ``QK4_1``)."""
+
+GGUF_Q4_1_BLOCK_BYTES = 20
+"""Bytes of one GGUF ``block_q4_1``: fp16 ``d``, fp16 ``m``, 16 bytes of packed codes."""
+
+
+@functools.cache
+def _extension() -> ModuleType | None:
+    """The built ``quant_gemv`` extension when it exposes both kernels, else None."""
+    from engine.kernels.cpu.build import load
+    try:
+        mod = load("quant_gemv")
+    except FileNotFoundError:  # no csrc/quant_gemv.cpp in this checkout
+        return None
+    if mod is None or not (hasattr(mod, "linear_int8") and hasattr(mod, "linear_q4_1")):
+        return None
+    return mod
+
+
+def kernel_available() -> bool:
+    """Whether the C++ ``quant_gemv`` kernels are built and loaded here."""
+    return _extension() is not None
+
+
+def _use_kernel(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and _extension() is not None
+
+
+# ---------------------------------------------------------------------------------------- int8
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 quantization.
+
+    Args:
+        weight: ``[N, K]`` floating point.
+
+    Returns:
+        ``(qweight, scale)``: ``[N, K]`` int8 in [-127, 127] (``round(W / scale)``) and ``[N]``
+        float32 (``max|W[n]| / 127``; 0 for an all-zero row, whose codes are 0).
+
+    Raises:
+        ValueError: ``weight`` is not 2-D.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(w * inv[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` int8 and ``[N]`` float32 -> ``[N, K]`` float32 ``qweight * scale[:, None]``."""
+    return qweight.float() * scale.float()[:, None]
+
+
+def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ dequantize_int8(qweight, scale).T + bias``.
+
+    Args:
+        x: ``[M, K]`` activations (float32 for the C++ kernel; other dtypes take the reference path).
+        qweight: ``[N, K]`` int8. scale: ``[N]`` float32. bias: ``[N]`` float32 or None.
+
+    Returns:
+        ``[M, N]`` in ``x``'s dtype.
+    """
+    if _use_kernel(x):
+        return _extension().linear_int8(x.contiguous(), qweight, scale, bias)
+    return linear_int8_reference(x, qweight, scale, bias)
+
+
+def linear_int8_reference(x, qweight, scale, bias):
+    """Plain-torch :func:`linear_int8` (dequantize, then ``F.linear``); same shapes."""
+    w = dequantize_int8(qweight, scale).to(x.dtype)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+# ---------------------------------------------------------------------------------------- Q4_1
+
+
+def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 quantization, as llama.cpp's ``quantize_row_q4_1_ref`` (``ggml-quants.c``).
+
+    Per block of 32: ``d = (max - min) / 15``, ``m = min``, ``code = min(15, floor((w - m) / d + 0.5))``
+    (computed with the float32 ``d`` and ``min``); ``d`` and ``m`` are then stored rounded to
+    float16, as in the GGUF file, and returned as float32.
+
+    Args:
+        weight: ``[N, K]`` floating point, ``K`` a multiple of 32.
+
+    Returns:
+        ``(qs, d, m)``: ``[N, K/32, 16]`` uint8 packed codes, ``[N, K/32]`` float32, ``[N, K/32]`` float32.
+
+    Raises:
+        ValueError: not 2-D, or ``K`` not a multiple of 32.
+    """
+    if weight.dim() != 2 or weight.shape[1] % QK4_1:
+        raise ValueError(f"weight must be [N, K] with K a multiple of {QK4_1}, got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // QK4_1, QK4_1)
+    lo, hi = w.amin(dim=2), w.amax(dim=2)
+    d = (hi - lo) / 15.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    codes = torch.floor((w - lo[..., None]) * inv[..., None] + 0.5).clamp_(0, 15).to(torch.uint8)
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    return qs.contiguous(), d.half().float().contiguous(), lo.half().float().contiguous()
+
+
+def dequantize_q4_1(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``[N, B, 16]`` uint8, ``[N, B]`` float32 ``d`` and ``m`` -> ``[N, 32 B]`` float32 weights
+    (``d * code + m``, the same float32 operations as gguf-py's ``dequantize``)."""
+    n, b, _ = qs.shape
+    codes = torch.cat([qs & 0xF, qs >> 4], dim=2).float()
+    return (d.float()[..., None] * codes + m.float()[..., None]).reshape(n, b * QK4_1)
+
+
+def q4_1_from_gguf(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split a GGUF Q4_1 tensor's raw bytes into ``(qs, d, m)`` (no rounding: the fp16 ``d``/``m``
+    become the same float32 values gguf-py and transformers dequantize with).
+
+    Args:
+        raw: ``[N, 20 * K/32]`` uint8 (``GGUFReader``'s ``tensor.data`` of a Q4_1 tensor: per block an
+            fp16 ``d``, an fp16 ``m`` and 16 bytes of codes, little-endian).
+
+    Returns:
+        ``(qs, d, m)`` as :func:`quantize_q4_1`.
+
+    Raises:
+        ValueError: not a 2-D uint8 tensor of whole blocks.
+    """
+    if raw.dim() != 2 or raw.dtype != torch.uint8 or raw.shape[1] % GGUF_Q4_1_BLOCK_BYTES:
+        raise ValueError(f"raw Q4_1 data must be [N, 20*B] uint8, got {tuple(raw.shape)} {raw.dtype}")
+    n = raw.shape[0]
+    blocks = raw.contiguous().reshape(n, -1, GGUF_Q4_1_BLOCK_BYTES)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    m = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
+    return blocks[..., 4:].contiguous(), d.contiguous(), m.contiguous()
+
+
+def linear_q4_1(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ dequantize_q4_1(qs, d, m).T + bias``.
+
+    Args:
+        x: ``[M, K]`` activations (float32 for the C++ kernel; other dtypes take the reference path).
+        qs: ``[N, K/32, 16]`` uint8. d, m: ``[N, K/32]`` float32. bias: ``[N]`` float32 or None.
+
+    Returns:
+        ``[M, N]`` in ``x``'s dtype.
+    """
+    if _use_kernel(x):
+        return _extension().linear_q4_1(x.contiguous(), qs, d, m, bias)
+    return linear_q4_1_reference(x, qs, d, m, bias)
+
+
+def linear_q4_1_reference(x, qs, d, m, bias):
+    """Plain-torch :func:`linear_q4_1` (dequantize, then ``F.linear``); same shapes."""
+    w = dequantize_q4_1(qs, d, m).to(x.dtype)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))

@@ -1,0 +1,160 @@
+"""Weight-only quantized decoder projections (``--quantization int8|q4``).
+
+:data:`QUANT_BACKENDS` maps each name of :data:`engine.config.QUANTIZATIONS` to a function
+that replaces the decoder's projection matrices — attention ``q_proj``/``k_proj``/``v_proj``/
+``o_proj`` and MLP ``gate_proj``/``up_proj``/``down_proj`` of every layer — with
+:class:`Int8Linear` or :class:`Q4Linear`, whose weights stay quantized in memory and are multiplied
+by :func:`engine.kernels.cpu.quant_ops.linear_int8` / ``linear_q4_1`` (C++ kernels, plain-torch
+fallback). The token embedding and the LM head stay float: they are a lookup table and the one
+layer whose rounding moves every logit directly, and SmolLM2 ties them (one matrix).
+
+``q4`` takes a GGUF's own Q4_1 blocks where the caller passes them (``q4_blocks``, read by
+:func:`engine.gguf_blocks.read_q4_1_blocks`), so the served weights are the file's bit for bit;
+every other projection is quantized from the loaded float weights with llama.cpp's Q4_1 rounding.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+
+from engine.config import QUANTIZATIONS, check_quantization
+from engine.kernels.cpu import quant_ops
+
+log = logging.getLogger(__name__)
+
+PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+"""Per decoder layer: sub-module -> the projections quantization replaces."""
+
+Q4Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""``(qs, d, m)`` of one Q4_1 matrix: ``[N, K/32, 16]`` uint8, ``[N, K/32]`` float32 twice."""
+
+
+def _bias(linear: nn.Linear) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach().float().clone()
+
+
+class Int8Linear(nn.Module):
+    """``y = x @ (qweight * scale[:, None]).T + bias`` with int8 weights (per output channel).
+
+    Args:
+        qweight: ``[out_features, in_features]`` int8. scale: ``[out_features]`` float32.
+        bias: ``[out_features]`` float32 or None.
+    """
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", bias)
+        self.weight_nbytes = qweight.numel() + scale.numel() * 4
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        """Quantize ``linear``'s weight (:func:`~engine.kernels.cpu.quant_ops.quantize_int8`)."""
+        q, s = quant_ops.quantize_int8(linear.weight)
+        return cls(q, s, _bias(linear))
+
+    def dense_weight(self) -> torch.Tensor:
+        """The dequantized ``[out_features, in_features]`` float32 weight."""
+        return quant_ops.dequantize_int8(self.qweight, self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., in_features]`` -> ``[..., out_features]`` (``x``'s dtype)."""
+        lead = x.shape[:-1]
+        y = quant_ops.linear_int8(x.reshape(-1, self.in_features), self.qweight, self.scale, self.bias)
+        return y.reshape(*lead, self.out_features)
+
+
+class Q4Linear(nn.Module):
+    """``y = x @ W.T + bias`` with ``W`` in llama.cpp's Q4_1 blocks (32 weights, float ``d`` and ``m``).
+
+    Args:
+        qs: ``[out_features, in_features/32, 16]`` uint8. d, m: ``[out_features, in_features/32]`` float32.
+        bias: ``[out_features]`` float32 or None.
+    """
+
+    def __init__(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features = qs.shape[0]
+        self.in_features = qs.shape[1] * quant_ops.QK4_1
+        for name, t in (("qs", qs), ("d", d), ("m", m), ("bias", bias)):
+            self.register_buffer(name, t)
+        self.weight_nbytes = qs.numel() + (d.numel() + m.numel()) * 4
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Q4Linear":
+        """Quantize ``linear``'s weight (:func:`~engine.kernels.cpu.quant_ops.quantize_q4_1`)."""
+        return cls(*quant_ops.quantize_q4_1(linear.weight), _bias(linear))
+
+    def dense_weight(self) -> torch.Tensor:
+        """The dequantized ``[out_features, in_features]`` float32 weight."""
+        return quant_ops.dequantize_q4_1(self.qs, self.d, self.m)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., in_features]`` -> ``[..., out_features]`` (``x``'s dtype)."""
+        lead = x.shape[:-1]
+        y = quant_ops.linear_q4_1(x.reshape(-1, self.in_features), self.qs, self.d, self.m, self.bias)
+        return y.reshape(*lead, self.out_features)
+
+
+def _projections(model: nn.Module):
+    """``(hf_weight_name, parent, attr, linear)`` of every decoder projection still an ``nn.Linear``."""
+    for i, layer in enumerate(model.model.layers):
+        for sub, names in PROJECTIONS.items():
+            parent = getattr(layer, sub)
+            for attr in names:
+                child = getattr(parent, attr, None)
+                if type(child) is nn.Linear:
+                    yield f"model.layers.{i}.{sub}.{attr}.weight", parent, attr, child
+
+
+def _quantize_int8(model: nn.Module, q4_blocks: Mapping[str, Q4Blocks] | None = None) -> int:
+    count = 0
+    for _, parent, attr, child in list(_projections(model)):
+        setattr(parent, attr, Int8Linear.from_linear(child))
+        count += 1
+    return count
+
+
+def _quantize_q4(model: nn.Module, q4_blocks: Mapping[str, Q4Blocks] | None = None) -> int:
+    count = kept = 0
+    for name, parent, attr, child in list(_projections(model)):
+        blocks = (q4_blocks or {}).get(name)
+        if blocks is not None and blocks[0].shape[0] == child.out_features \
+                and blocks[0].shape[1] * quant_ops.QK4_1 == child.in_features:
+            setattr(parent, attr, Q4Linear(*(t.to(child.weight.device) for t in blocks), _bias(child)))
+            kept += 1
+        else:
+            setattr(parent, attr, Q4Linear.from_linear(child))
+        count += 1
+    log.info("q4: %d decoder projections, %d from the GGUF's own Q4_1 blocks, %d quantized from floats",
+             count, kept, count - kept)
+    return count
+
+
+QUANT_BACKENDS: dict[str, Callable[..., int]] = {"none": lambda model, q4_blocks=None: 0,
+                                                 "int8": _quantize_int8, "q4": _quantize_q4}
+"""Name (one of :data:`engine.config.QUANTIZATIONS`) -> ``fn(model, q4_blocks=None)`` that quantizes the
+decoder projections of a loaded float model in place and returns how many it replaced."""
+
+assert tuple(QUANT_BACKENDS) == QUANTIZATIONS  # one registry entry per declared choice
+
+
+def apply_quantization(model: nn.Module, name: str, q4_blocks: Mapping[str, Q4Blocks] | None = None) -> int:
+    """Quantize ``model``'s decoder projections with backend ``name``; returns how many were replaced.
+
+    Args:
+        model: a loaded :class:`engine.model.decoder.CausalLM` (float weights).
+        name: one of :data:`engine.config.QUANTIZATIONS`.
+        q4_blocks: for ``"q4"``, Q4_1 blocks by HF weight name to keep as they are.
+
+    Raises:
+        common.model_config.ConfigError: unknown name (the message lists the choices).
+    """
+    check_quantization(name)
+    return QUANT_BACKENDS[name](model, q4_blocks)
