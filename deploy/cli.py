@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.config import KV_FAILURE_POLICIES
+from engine.config import KV_FAILURE_POLICIES, QUANTIZATIONS
 from pdcluster.client import API_KEY_ENV
 from router.limits import DEFAULT_MAX_REQUEST_BYTES
 from router.migration import DEFAULT_MAX_MIGRATIONS, check_max_migrations
@@ -226,6 +226,9 @@ def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
     p.add_argument("--timeout-s", type=float, default=300, help="seconds to wait for the cluster to be ready")
     p.add_argument("--cluster", default="default", help="cluster name (registry namespace)")
     p.add_argument("--dtype", default="auto", help="model dtype (auto, float16, bfloat16, float32)")
+    p.add_argument("--quantization", default=QUANTIZATIONS[0], choices=QUANTIZATIONS,
+                   help="serve the decoder's projection weights quantized: int8 (per output channel) or q4 "
+                        "(llama.cpp Q4_1; a GGUF's own blocks where it stores them so); none = float (default)")
     p.add_argument("--device", default="auto", help="torch device (auto, cuda, cpu)")
     _add_state_dir(p)
     p.set_defaults(func=_deploy("cmd_up"))

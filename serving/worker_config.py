@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from common.model_config import ConfigError
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import QUANTIZATIONS, CacheConfig, SchedulerConfig, check_quantization
 from kvtransfer.config import KvTransferConfig
 from serving.logs import LogConfig
 from serving.rpc import DEFAULT_MAX_QUEUED_REQUESTS
@@ -30,6 +30,9 @@ class WorkerConfig:
         cluster: registry namespace (several clusters may share one Redis).
         device: ``"cpu"``, ``"cuda"`` or ``"auto"``.
         dtype: weights/activations dtype, ``"auto"`` = float32 on CPU, bfloat16 on CUDA.
+        quantization: how the decoder's projection weights are served, one of
+            :data:`engine.config.QUANTIZATIONS` (``pdcluster up --quantization``): ``"none"`` (float,
+            token-exact vs HF), ``"int8"`` or ``"q4"`` (:mod:`engine.model.quant`); not with ``tp > 1``.
         num_threads: torch intra-op threads (CPU share of this worker).
         heartbeat_s: registry heartbeat period (seconds): liveness expires 1.5x this after
             the last beat (a dead worker is dropped within 2 periods); beats go out twice per period.
@@ -70,6 +73,7 @@ class WorkerConfig:
     tp: int = 1
     prefill_tp: int | None = None
     decode_tp: int | None = None
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -86,6 +90,10 @@ class WorkerConfig:
             v = getattr(self, name)
             if v is not None and not (isinstance(v, int) and 1 <= v <= MAX_TP):
                 raise ConfigError(f"{name} must be an integer in [1, {MAX_TP}], got {v!r}")
+        check_quantization(self.quantization)
+        tps = {n: getattr(self, n) for n in ("tp", "prefill_tp", "decode_tp") if (getattr(self, n) or 1) > 1}
+        if self.quantization != QUANTIZATIONS[0] and tps:
+            raise ConfigError(f"quantization {self.quantization!r} needs tensor parallelism off, got {tps}")
 
     def for_role(self, role: str, worker_id: str, **changes) -> "WorkerConfig":
         """This template as the config of one worker: ``role`` and ``worker_id`` set,
