@@ -144,11 +144,11 @@ def measure(args) -> dict:
     tok = AutoTokenizer.from_pretrained(folder)
     torch.set_num_threads(args.threads)
     prompts = mt_bench_prompts(tok, args.prompts)
-    sonnet_ids = tok(SONNET.read_text())["input_ids"]
+    sonnet_ids = tok(SONNET.read_text())["input_ids"][:args.ppl_tokens]
     res = {"model": DEFAULT_MODEL, "gguf": gguf.name, "cpu": cpu_name(), "threads": args.threads,
            "load_avg_1m_before": load_avg_1m(), "quant_kernel": kernel_available(),
            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "num_prompts": len(prompts),
-           "all_prompts": args.prompts is None, "new_tokens": args.new_tokens, "ppl_window": args.ppl_window,
+           "all_prompts": args.prompts is None, "all_sonnet": args.ppl_tokens is None, "new_tokens": args.new_tokens, "ppl_window": args.ppl_window,
            "methods": {}}
     runs = {m: run_method(m, cfg, gguf, prompts, sonnet_ids, args) for m in QUANTIZATIONS}
     ref = runs["none"]
@@ -170,7 +170,8 @@ def markdown(res: dict) -> str:
              f"Greedy agreement: {res['num_prompts']} MT-Bench first turns"
              f"{'' if res['all_prompts'] else ' (a SUBSET: --prompts)'}, chat template, {res['new_tokens']} new "
              f"tokens each; per prompt, tokens identical to float32 before the first divergence / "
-             f"{res['new_tokens']}. Perplexity: sonnet.txt, windows of {res['ppl_window']} tokens.", "",
+             f"{res['new_tokens']}. Perplexity: sonnet.txt{'' if res['all_sonnet'] else ' (its FIRST tokens only: --ppl-tokens)'}, "
+             f"{res['methods']['none']['ppl_tokens']} predicted tokens in windows of {res['ppl_window']}.", "",
              "| quantization | perplexity | ratio to fp32 | target | met | mean agreement | min agreement "
              "| prompts identical |", "|---|---|---|---|---|---|---|---|"]
     for m, r in res["methods"].items():
@@ -191,6 +192,7 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=None, help="first N MT-Bench prompts (default: all 80)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--ppl-window", type=int, default=512, help="tokens per perplexity window")
+    p.add_argument("--ppl-tokens", type=int, default=None, help="first N tokens of the sonnet (default: all)")
     p.add_argument("--batch", type=int, default=40, help="prompts generated together")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")

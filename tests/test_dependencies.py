@@ -23,7 +23,6 @@ OURS = set(PRODUCT) | set(TOOLING) | SIBLINGS | {"__future__"}
 
 # declared, used, but never imported by name
 NOT_IMPORTED = {
-    "gguf": "transformers' GGUF loader dequantizes the bundled model with it",
     "accelerate": "transformers refuses to load a GGUF file without it",
     "jinja2": "transformers renders chat templates with it",
     "pytest-timeout": "pytest plugin: the suite's `timeout` ini option",
