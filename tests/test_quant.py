@@ -72,7 +72,7 @@ def test_round_trips_within_half_a_step():
     assert torch.equal(quant_ops.dequantize_int8(*quant_ops.quantize_int8(zero)), zero)
 
 
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 40])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_ops_match_dense_matmul(rows, bias):
     torch.manual_seed(rows)
