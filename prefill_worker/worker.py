@@ -19,6 +19,13 @@ from serving.worker_metrics import WorkerMetrics
 SERVICES = ["pdcluster.v1.PrefillWorker"]
 
 
+def _model_id(name: str, cfg: WorkerConfig) -> str:
+    """The prefix-cache hash salt: model, KV dtype and (when not float) the weights' quantization, so
+    KV computed with other weights never counts as a cache hit."""
+    quant = "" if cfg.quantization == "none" else f":{cfg.quantization}"
+    return f"{name}:{cfg.cache.dtype}{quant}"
+
+
 def create_prefill_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -> WorkerHost:
     """Build (not start) a prefill worker; its KV sender comes from the transport registry by ``cfg.kv``
     and sends the cluster secret of ``cfg.security``."""
@@ -26,7 +33,7 @@ def create_prefill_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -
                                      num_threads=cfg.num_threads, model_cache_dir=cfg.model_cache_dir, tp=cfg.tp,
                                      quantization=cfg.quantization)
     metrics = WorkerMetrics(cfg, lambda: sched.load())
-    sched = PrefillScheduler(runner, cfg.cache, cfg.scheduler, model_id=f"{model_cfg.name}:{cfg.cache.dtype}",
+    sched = PrefillScheduler(runner, cfg.cache, cfg.scheduler, model_id=_model_id(model_cfg.name, cfg),
                              layerwise=cfg.kv.layerwise, on_step=metrics.on_step)
     sender = create_sender(cfg.kv, partial(internal_channel, cfg.security))
     route = remote_route(sender, HeadShards.of(runner.kv_parts), cfg.kv.layers_per_chunk)
