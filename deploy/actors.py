@@ -29,6 +29,7 @@ from dataclasses import replace
 
 import ray
 
+from serving.priority import lower_cpu_priority
 from serving.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class WorkerActor:
 
     def __init__(self, cfg: WorkerConfig) -> None:
         cfg.log.apply()
+        lower_cpu_priority(cfg.cpu_nice)  # before its threads start: they inherit it
         self.cfg = cfg
         self.host = None
         self.phase = "loading"

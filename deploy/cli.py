@@ -18,6 +18,7 @@ from router.migration import DEFAULT_MAX_MIGRATIONS, check_max_migrations
 from router.policy_names import DEFAULT_POLICY, POLICY_NAMES
 from serving.logs import LOG_FORMATS, LOG_LEVELS
 from serving.rpc import DEFAULT_MAX_QUEUED_REQUESTS
+from serving.priority import DEFAULT_WORKER_NICE
 
 
 def _port(value: str) -> int:
@@ -223,6 +224,10 @@ def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
     _add_api_keys(p, env_api_key)
     _add_tls(p)
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="registry heartbeat period in seconds")
+    p.add_argument("--worker-nice", type=int, choices=range(20), default=DEFAULT_WORKER_NICE, metavar="N",
+                   help="nice steps the worker processes run below the router, Redis and the controller (0-19; "
+                        f"default {DEFAULT_WORKER_NICE}): on shared cores those answer first, e.g. refuse an "
+                        "overload burst at once")
     p.add_argument("--timeout-s", type=float, default=300, help="seconds to wait for the cluster to be ready")
     p.add_argument("--cluster", default="default", help="cluster name (registry namespace)")
     p.add_argument("--dtype", default="auto", help="model dtype (auto, float16, bfloat16, float32)")

@@ -29,7 +29,7 @@ from common.model_config import ConfigError
 from deploy.cluster import NAMESPACE, WORKER_ROLES, actor_name, head_node_id, launch, teardown
 from deploy.controller import HealConfig, RedisSpec, start_controller
 from deploy.placement import PlacementError
-from deploy.ray_env import LOOPBACK_ENV, check_ray_reachable
+from deploy.ray_env import LOOPBACK_ENV, NODE_ENV, check_ray_reachable
 from deploy.redis_control import stop_redis_at
 from deploy.redis_server import LocalRedisServer, free_port
 from deploy.spec import exposure_warning, spec_from_args
@@ -90,7 +90,7 @@ def start_ray_node(state_dir: Path, head_address: str | None = None, resources: 
         cmd += [f"--address={head_address}"]
         log_path = state_dir / f"ray-node-{free_port()}.log"
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, env={**os.environ, **LOOPBACK_ENV})
+                            start_new_session=True, env={**os.environ, **LOOPBACK_ENV, **NODE_ENV})
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
