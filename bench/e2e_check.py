@@ -12,7 +12,8 @@ client-side: TTFT = first token - call start; TPOT = (last token - first token) 
 * ``--device cpu``: float32, a small KV pool; meant CI-sized (few requests and tokens).
 
 Writes one JSON object to ``--out`` (and stdout): the setup, ``ok`` (every request returned
-exactly ``--new-tokens`` tokens), ``failed`` (request errors), TTFT / TPOT median, p90 and max
+exactly ``--new-tokens`` tokens and afterwards every worker's KV pool is back at its baseline:
+``kv_held_after`` empty), ``failed`` (request errors), TTFT / TPOT median, p90 and max
 (ms), output tokens/s of the burst, wall seconds of ``up``.
 
 Usage: ``python bench/e2e_check.py --device cuda --out e2e.json``;
@@ -95,6 +96,29 @@ def summarize(recs: list[dict], new_tokens: int) -> dict:
     return out
 
 
+def held_kv(state: dict, timeout_s: float = 5.0) -> dict[str, list[int]]:
+    """Workers whose KV pool is not back at its baseline within ``timeout_s`` (worker id -> [blocks
+    held, requests running]); empty when every block is free and nothing runs (the tests' leak check)."""
+    from pdcluster.v1 import worker_pb2, worker_pb2_grpc
+    from serving.registry import WorkerRegistry
+    from serving.security import SecurityConfig, internal_channel
+
+    sec = SecurityConfig(cluster_secret=state["cluster_secret"], internal_ca_cert=state.get("internal_ca_cert", ""),
+                         internal_ca_key=state.get("internal_ca_key", ""))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = {}
+        for info, _ in WorkerRegistry(state["redis_url"], state["cluster"]).live_workers():
+            stub = (worker_pb2_grpc.PrefillWorkerStub if info.role == "prefill"
+                    else worker_pb2_grpc.DecodeWorkerStub)(internal_channel(sec, info.address))
+            w = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+            if w.num_free_blocks != w.num_total_blocks or w.num_running:
+                held[w.worker_id] = [w.num_total_blocks - w.num_free_blocks, w.num_running]
+        if not held or time.monotonic() > deadline:
+            return held
+        time.sleep(0.1)
+
+
 def run(a: argparse.Namespace, prompts: list[list[int]]) -> dict:
     from deploy import local
     from pdcluster.cli import build_parser
@@ -124,9 +148,12 @@ def run(a: argparse.Namespace, prompts: list[list[int]]) -> dict:
                 t.start()
             for t in threads:
                 t.join()
+        held = held_kv(state)
     finally:
         local.down(state_dir)
-    return summarize(recs, a.new_tokens) | {"up_s": up_s, "worker_shape": shape}
+    res = summarize(recs, a.new_tokens) | {"up_s": up_s, "worker_shape": shape, "kv_held_after": held}
+    res["ok"] = res["ok"] and not held
+    return res
 
 
 def main(argv=None) -> int:

@@ -166,7 +166,8 @@ def step_e2e(out: Path, dev: str, log: Path) -> dict:
             "tpot_ms_p90", "output_tokens_per_s", "up_s")
     ok = rc == 0 and res["ok"]
     return {"status": "passed" if ok else "failed", "numbers": {k: res.get(k) for k in keys}, "files": [str(res_path)],
-            "reason": "" if ok else f"exit code {rc}; tokens per request {res['tokens']}; errors {res['failed'][:3]}",
+            "reason": "" if ok else (f"exit code {rc}; tokens per request {res['tokens']}; errors {res['failed'][:3]}; "
+                                     f"KV held after the run {res.get('kv_held_after')}"),
             "mode": ("1P+1D on one GPU (--worker-gpus 0.5), bfloat16, gRPC KV" if dev == "cuda"
                      else "1P+1D on CPU, float32, tiny (CI smoke)")}
 
