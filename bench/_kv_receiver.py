@@ -142,6 +142,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     shape = [int(x) for x in a.shape.split(",")]
     kv_cache = torch.zeros(*shape, dtype=getattr(torch, a.dtype), device=a.device)
+    if kv_cache.device.type == "cuda":
+        torch.cuda.set_device(kv_cache.device)  # torch_dist receives NCCL tensors on the current device
     kv_cache.fill_(0.0)  # touch every page before any timing
     table = TransferTable(kv_cache)
     sink = TableSink(table)

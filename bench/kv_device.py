@@ -54,7 +54,8 @@ LAYERS_PER_CHUNK = 4
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=sorted(SHAPES), required=True)
-    p.add_argument("--tokens", default=None, help="comma-separated prompt lengths (default 1024,8192 on cuda, 256 on cpu)")
+    p.add_argument("--tokens", default=None,
+                   help="comma-separated prompt lengths (default 1024,8192 on cuda, 256 on cpu)")
     p.add_argument("--reps", type=int, default=5, help="timed transfers per transport and length")
     p.add_argument("--out", type=Path, required=True, help="JSON output file")
     a = p.parse_args(argv)

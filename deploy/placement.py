@@ -1,8 +1,9 @@
 """Where workers go: placement-group bundles, strategies, pinning, and why a placement fails.
 
 Every worker gets one bundle: one GPU (and one CPU) where the cluster has GPUs
-(or ``--worker-gpus`` of one, so that workers share a GPU), a CPU share otherwise, times the worker's tensor-parallel ranks (``--prefill-tp`` /
-``--decode-tp``: the ranks are processes on the bundle's node). A bundle may carry a small amount (:data:`PIN_AMOUNT`) of
+(or ``--worker-gpus`` of one, so that workers share a GPU), a CPU share otherwise,
+times the worker's tensor-parallel ranks (``--prefill-tp`` / ``--decode-tp``: the
+ranks are processes on the bundle's node). A bundle may carry a small amount (:data:`PIN_AMOUNT`) of
 a custom resource, which pins the worker to nodes that advertise it (``ray start
 --resources='{"prefill_node": 1}'``): that is how prefill and decode workers go
 to different machine kinds. The bundles of one ``up`` (or one ``scale``) form

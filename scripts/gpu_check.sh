@@ -56,7 +56,7 @@ for step in kernel_tests kernel_bench e2e kv_transport; do
     fi
     echo "== $step (limit ${limit}s)"
     t=$(now)
-    timeout --kill-after=15 "$limit" "$PY" "${STEPS_PY[@]}" run "$step" "$OUT"
+    timeout --kill-after=30 "$limit" "$PY" "${STEPS_PY[@]}" run "$step" "$OUT"
     rc=$?
     secs=$("$PY" -c "print($(now) - $t)")
     "$PY" "${STEPS_PY[@]}" finish "$step" "$OUT" "$rc" "$secs" "$limit"

@@ -34,8 +34,8 @@ STEPS = ("kernel_tests", "kernel_bench", "e2e", "kv_transport")
 # kernel tests run on CPU: one of each kind, small shapes (the whole file runs in the test suite)
 CPU_KERNEL_SUBSET = "TestBackend or (test_matches_reference and gqa3) or (test_boundary_lengths and auto-gqa8-64)"
 # Nominal HBM bandwidth (GB/s, vendor data sheets) by a substring of torch's device name.
-HBM_PEAK_GBPS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 PCIe": 2000.0, "H100 NVL": 3900.0, "A100-SXM4-80GB": 2039.0,
-                 "A100-SXM4-40GB": 1555.0, "L40S": 864.0, "A10G": 600.0}
+HBM_PEAK_GBPS = {"H200": 4800.0, "H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0, "H100 NVL": 3900.0,
+                 "A100-SXM4-80GB": 2039.0, "A100-SXM4-40GB": 1555.0, "L40S": 864.0, "A10G": 600.0}
 # Largest tolerated |triton - torch backend| in bench/kernels.py's outputs: a gross-error guard
 # (the tight per-dtype tolerances are tests/test_kernels.py's).
 BENCH_MAX_DIFF = {"bfloat16": 0.25, "float16": 0.05, "float32": 1e-3}
@@ -235,7 +235,8 @@ def _fmt(v) -> str:
 def markdown(rep: dict) -> str:
     """The report as a markdown table plus each step's numbers."""
     dev = rep["device"]
-    where = (f"{dev['gpu']} x{dev['gpu_count']} (CUDA {dev['cuda']}, NCCL {'yes' if dev.get('nccl_available') else 'no'})"
+    nccl = "yes" if dev.get("nccl_available") else "no"
+    where = (f"{dev['gpu']} x{dev['gpu_count']} (CUDA {dev['cuda']}, NCCL {nccl})"
              if dev["cuda_available"] else "no CUDA device: CPU forms of the steps (GPU forms skipped)")
     lines = [f"# GPU check ({'passed' if rep['passed'] else 'FAILED'})", "",
              f"{where}; torch {dev['torch']}, Python {dev['python']}; {rep['total_seconds']:.0f} s of a "
