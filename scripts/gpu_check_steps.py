@@ -3,9 +3,9 @@
 Subcommands (``OUT`` = the check's output folder; per-step files under ``OUT/steps/``)::
 
     detect OUT                     prints "cuda" or "cpu"; writes OUT/steps/device.json
-    run STEP OUT                   runs one step; writes OUT/steps/STEP.json
+    run STEP OUT LIMIT_S           runs one step (interrupted after LIMIT_S); writes OUT/steps/STEP.json
     finish STEP OUT RC SECONDS LIMIT   folds the step's exit code and wall seconds into its record
-    skip STEP OUT REASON           records a step that did not run
+    skip STEP OUT REASON           records a step the budget left no time for (failed)
     report OUT                     OUT/gpu_check.json + OUT/gpu_check.md; exit 1 when a step failed
 
 A step record: ``{"name", "status": "passed" | "failed" | "skipped", "reason", "mode", "gpu_part",
@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+INTERRUPT_GRACE_S = 45  # seconds an interrupted step has to clean up (e.g. take its cluster down)
 REPO = Path(__file__).resolve().parents[1]
 STEPS = ("kernel_tests", "kernel_bench", "e2e", "kv_transport")
 # kernel tests run on CPU: one of each kind, small shapes (the whole file runs in the test suite)
@@ -81,15 +83,46 @@ def _device(out: Path) -> str:
     return "cuda" if json.loads((_steps_dir(out) / "device.json").read_text())["cuda_available"] else "cpu"
 
 
-def _run(cmd: list[str], log: Path, env: dict | None = None) -> int:
-    """Run ``cmd`` from the repository root, its output appended to ``log``; returns its exit code."""
+def _tail(log: Path) -> str:
+    """The log's last non-empty line (the error of a step that died), at most 300 characters."""
+    try:
+        lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return ""
+    return lines[-1].strip()[:300] if lines else ""
+
+
+class StepTimeout(Exception):
+    """A step's command ran past its limit (it was interrupted)."""
+
+
+def _run(cmd: list[str], log: Path, limit_s: float, env: dict | None = None) -> int:
+    """Run ``cmd`` from the repository root, its output appended to ``log``; returns its exit code.
+
+    Past ``limit_s`` seconds the command gets SIGINT (a benchmark that started a cluster takes it
+    down on KeyboardInterrupt; Ray's driver turns SIGTERM into a crash without cleanup), then
+    SIGKILL after :data:`INTERRUPT_GRACE_S`.
+
+    Raises:
+        StepTimeout: it ran past ``limit_s``.
+    """
     with log.open("a") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
-        return subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=env)
+        try:
+            return proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=INTERRUPT_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise StepTimeout(f"timed out after {limit_s:.0f}s (limit); interrupted") from None
 
 
-def step_kernel_tests(out: Path, dev: str, log: Path) -> dict:
+def step_kernel_tests(out: Path, dev: str, log: Path, limit_s: float) -> dict:
     """``tests/test_kernels.py``: every test compiled on the GPU, a subset under the interpreter on CPU."""
     xml = _steps_dir(out) / "kernel_tests.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py", f"--junitxml={xml}"]
@@ -97,7 +130,7 @@ def step_kernel_tests(out: Path, dev: str, log: Path) -> dict:
     if dev == "cpu":
         cmd += ["-k", CPU_KERNEL_SUBSET]
         env["TRITON_INTERPRET"] = "1"
-    rc = _run(cmd, log, env)
+    rc = _run(cmd, log, limit_s, env)
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     if xml.exists():
         suite = ET.parse(xml).getroot()
@@ -106,7 +139,8 @@ def step_kernel_tests(out: Path, dev: str, log: Path) -> dict:
     counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     ok = rc == 0 and counts["passed"] > 0
     return {"status": "passed" if ok else "failed", "numbers": counts,
-            "reason": "" if ok else f"pytest exit code {rc}: {counts['failures']} failed, {counts['errors']} errors",
+            "reason": "" if ok else (f"pytest exit code {rc}: {counts['failures']} failed, {counts['errors']} errors: "
+                                     f"{_tail(log)}"),
             "mode": "compiled on the GPU" if dev == "cuda" else f"Triton interpreter on CPU, -k {CPU_KERNEL_SUBSET!r}"}
 
 
@@ -132,7 +166,7 @@ def kernel_numbers(res: dict) -> dict:
     return nums
 
 
-def step_kernel_bench(out: Path, dev: str, log: Path) -> dict:
+def step_kernel_bench(out: Path, dev: str, log: Path, limit_s: float) -> dict:
     """``bench/kernels.py`` into ``OUT/kernels/`` (its ``--interpret --quick`` smoke on CPU)."""
     kdir = out / "kernels"
     cmd = [sys.executable, "bench/kernels.py", "--out-dir", str(kdir)]
@@ -140,10 +174,11 @@ def step_kernel_bench(out: Path, dev: str, log: Path) -> dict:
     env.pop("TRITON_INTERPRET", None)  # bench/kernels.py sets it itself with --interpret
     if dev == "cpu":
         cmd += ["--interpret", "--quick"]
-    rc = _run(cmd, log, env)
+    rc = _run(cmd, log, limit_s, env)
     found = sorted(kdir.glob("kernels_*.json"))
     if rc != 0 or not found:
-        return {"status": "failed", "reason": f"bench/kernels.py exit code {rc}" + ("" if found else ", no result")}
+        return {"status": "failed", "reason": f"bench/kernels.py exit code {rc}{'' if found else ', no result'}: "
+                                              f"{_tail(log)}"}
     nums = kernel_numbers(json.loads(found[-1].read_text()))
     limit = BENCH_MAX_DIFF.get(nums["dtype"], 0.25)
     bad = nums["max_abs_diff_vs_torch"] > limit
@@ -152,15 +187,17 @@ def step_kernel_bench(out: Path, dev: str, log: Path) -> dict:
             "mode": "compiled on the GPU" if dev == "cuda" else "Triton interpreter on CPU (not performance figures)"}
 
 
-def step_e2e(out: Path, dev: str, log: Path) -> dict:
+def step_e2e(out: Path, dev: str, log: Path, limit_s: float) -> dict:
     """``bench/e2e_check.py``: 1P+1D on one GPU in bf16; on CPU 2 requests of 8 tokens in float32."""
     res_path = _steps_dir(out) / "e2e_result.json"
     cmd = [sys.executable, "bench/e2e_check.py", "--device", dev, "--out", str(res_path)]
+    if os.environ.get("GPU_CHECK_MODEL"):
+        cmd += ["--model", os.environ["GPU_CHECK_MODEL"]]
     if dev == "cpu":
         cmd += ["--requests", "2", "--prompt-tokens", "32", "--new-tokens", "8"]
-    rc = _run(cmd, log)
+    rc = _run(cmd, log, limit_s)
     if not res_path.exists():
-        return {"status": "failed", "reason": f"bench/e2e_check.py exit code {rc}, no result"}
+        return {"status": "failed", "reason": f"bench/e2e_check.py exit code {rc}, no result: {_tail(log)}"}
     res = json.loads(res_path.read_text())
     keys = ("requests", "prompt_tokens", "new_tokens", "ttft_ms_median", "ttft_ms_p90", "tpot_ms_median",
             "tpot_ms_p90", "output_tokens_per_s", "up_s")
@@ -172,15 +209,15 @@ def step_e2e(out: Path, dev: str, log: Path) -> dict:
                      else "1P+1D on CPU, float32, tiny (CI smoke)")}
 
 
-def step_kv_transport(out: Path, dev: str, log: Path) -> dict:
+def step_kv_transport(out: Path, dev: str, log: Path, limit_s: float) -> dict:
     """``bench/kv_device.py``: torch_dist (NCCL on GPUs, gloo on CPU) and gRPC GB/s, raw TCP for reference."""
     res_path = _steps_dir(out) / "kv_result.json"
     cmd = [sys.executable, "bench/kv_device.py", "--device", dev, "--out", str(res_path)]
     if dev == "cpu":
         cmd += ["--tokens", "256", "--reps", "2"]
-    rc = _run(cmd, log)
+    rc = _run(cmd, log, limit_s)
     if rc != 0 or not res_path.exists():
-        return {"status": "failed", "reason": f"bench/kv_device.py exit code {rc}"}
+        return {"status": "failed", "reason": f"bench/kv_device.py exit code {rc}: {_tail(log)}"}
     res = json.loads(res_path.read_text())
     nums, bad = {"dtype": res["dtype"], "torch_dist_backend": res["torch_dist_backend"]}, []
     for r in res["results"]:
@@ -199,12 +236,16 @@ RUNNERS = {"kernel_tests": step_kernel_tests, "kernel_bench": step_kernel_bench,
            "kv_transport": step_kv_transport}
 
 
-def run_step(name: str, out: Path) -> int:
-    """Run step ``name`` and write its record; exit code 1 when it failed."""
+def run_step(name: str, out: Path, limit_s: float) -> int:
+    """Run step ``name`` (its command interrupted after ``limit_s`` seconds) and write its record;
+    exit code 1 when it failed."""
     dev = _device(out)
     log = _steps_dir(out) / f"{name}.log"
     rec = {"name": name, "status": "failed", "reason": "", "numbers": {}, "notes": [], "log": str(log)}
-    rec |= RUNNERS[name](out, dev, log)
+    try:
+        rec |= RUNNERS[name](out, dev, log, limit_s)
+    except StepTimeout as e:
+        rec["reason"] = str(e)
     rec["gpu_part"] = "ran" if dev == "cuda" else "skipped: no CUDA device visible to torch (ran the CPU form)"
     _write(out, rec)
     return 0 if rec["status"] != "failed" else 1
@@ -214,8 +255,8 @@ def finish(name: str, out: Path, rc: int, seconds: float, limit: float) -> None:
     """Fold the step's exit code and wall time into its record (a missing record or a timeout fails it)."""
     rec = _read(out, name) or {"name": name, "status": "failed", "numbers": {}, "notes": [],
                                "reason": f"exit code {rc}, no record (see steps/{name}.log)"}
-    if rc in (124, 137):
-        rec["status"], rec["reason"] = "failed", f"timed out after {limit:.0f}s (limit)"
+    if rc in (124, 137):  # the shell's safety net: the step did not even end after its interrupt
+        rec["status"], rec["reason"] = "failed", f"timed out after {limit:.0f}s (limit) and did not stop when interrupted"
     elif rc != 0 and rec["status"] == "passed":
         rec["status"], rec["reason"] = "failed", f"exit code {rc}"
     rec |= {"seconds": round(seconds, 1), "limit_s": limit, "log": str(_steps_dir(out) / f"{name}.log")}
@@ -223,7 +264,8 @@ def finish(name: str, out: Path, rc: int, seconds: float, limit: float) -> None:
 
 
 def skip(name: str, out: Path, reason: str) -> None:
-    _write(out, {"name": name, "status": "skipped", "reason": reason, "numbers": {}, "notes": [], "seconds": 0.0})
+    """Record a step that could not run because the budget was spent: a failure of the check."""
+    _write(out, {"name": name, "status": "failed", "reason": reason, "numbers": {}, "notes": [], "seconds": 0.0})
 
 
 def _fmt(v) -> str:
@@ -267,7 +309,7 @@ def report(out: Path, budget_s: float, total_s: float) -> int:
 
 
 def main(argv: list[str]) -> int:
-    usage = ("usage: gpu_check_steps.py detect OUT | run STEP OUT | finish STEP OUT RC SECONDS LIMIT | "
+    usage = ("usage: gpu_check_steps.py detect OUT | run STEP OUT LIMIT_S | finish STEP OUT RC SECONDS LIMIT | "
              "skip STEP OUT REASON | report OUT BUDGET_S TOTAL_S")
     if not argv:
         raise SystemExit(usage)
@@ -277,8 +319,8 @@ def main(argv: list[str]) -> int:
         return 0
     if cmd in ("run", "finish", "skip") and rest and rest[0] not in STEPS:
         raise SystemExit(f"unknown step {rest[0]!r}; steps: {', '.join(STEPS)}")
-    if cmd == "run" and len(rest) == 2:
-        return run_step(rest[0], Path(rest[1]))
+    if cmd == "run" and len(rest) == 3:
+        return run_step(rest[0], Path(rest[1]), float(rest[2]))
     if cmd == "finish" and len(rest) == 5:
         finish(rest[0], Path(rest[1]), int(rest[2]), float(rest[3]), float(rest[4]))
         return 0
