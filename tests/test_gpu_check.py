@@ -62,3 +62,25 @@ def test_gpu_check_runs_and_reports(tmp_path):
     md = (out / "gpu_check.md").read_text()
     assert md.startswith("# GPU check (passed)") and "| step | status |" in md
     assert all(f"| {name} | passed |" in md for name in STEPS)
+
+
+def test_report_fails_on_a_failed_timed_out_or_unrun_step(tmp_path):
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import gpu_check_steps as g
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    g.detect(tmp_path)
+    g._write(tmp_path, {"name": "kernel_tests", "status": "passed", "reason": "", "numbers": {"tests": 1},
+                        "notes": []})
+    g.finish("kernel_tests", tmp_path, 0, 1.5, 150)
+    g.finish("kernel_bench", tmp_path, 124, 180.0, 120)  # the outer safety net fired: no record
+    g.skip("e2e", tmp_path, "not run: the 450s budget was spent")
+    assert g.report(tmp_path, 450, 460) == 1  # kv_transport has no record at all
+    rep = json.loads((tmp_path / "gpu_check.json").read_text())
+    status = {s["name"]: (s["status"], s["reason"]) for s in rep["steps"]}
+    assert status["kernel_tests"] == ("passed", "")
+    assert status["kernel_bench"][0] == "failed" and "timed out after 120s" in status["kernel_bench"][1]
+    assert status["e2e"] == ("failed", "not run: the 450s budget was spent")
+    assert status["kv_transport"] == ("failed", "no record")
+    assert (tmp_path / "gpu_check.md").read_text().startswith("# GPU check (FAILED)")
