@@ -6,9 +6,9 @@ Subcommands (``OUT`` = the check's output folder; per-step files under ``OUT/ste
     run STEP OUT LIMIT_S           runs one step (interrupted after LIMIT_S); writes OUT/steps/STEP.json
     finish STEP OUT RC SECONDS LIMIT   folds the step's exit code and wall seconds into its record
     skip STEP OUT REASON           records a step the budget left no time for (failed)
-    report OUT                     OUT/gpu_check.json + OUT/gpu_check.md; exit 1 when a step failed
+    report OUT BUDGET_S TOTAL_S    OUT/gpu_check.json + OUT/gpu_check.md; exit 1 when a step failed
 
-A step record: ``{"name", "status": "passed" | "failed" | "skipped", "reason", "mode", "gpu_part",
+A step record: ``{"name", "status": "passed" | "failed", "reason", "mode", "gpu_part",
 "numbers": {...}, "notes": [...], "seconds", "limit_s", "log"}``. With a CUDA device every step runs
 its GPU form; without one, its CPU form (``gpu_part`` says the GPU form was skipped and why):
 
@@ -256,7 +256,8 @@ def finish(name: str, out: Path, rc: int, seconds: float, limit: float) -> None:
     rec = _read(out, name) or {"name": name, "status": "failed", "numbers": {}, "notes": [],
                                "reason": f"exit code {rc}, no record (see steps/{name}.log)"}
     if rc in (124, 137):  # the shell's safety net: the step did not even end after its interrupt
-        rec["status"], rec["reason"] = "failed", f"timed out after {limit:.0f}s (limit) and did not stop when interrupted"
+        rec["status"] = "failed"
+        rec["reason"] = f"timed out after {limit:.0f}s (limit) and did not stop when interrupted"
     elif rc != 0 and rec["status"] == "passed":
         rec["status"], rec["reason"] = "failed", f"exit code {rc}"
     rec |= {"seconds": round(seconds, 1), "limit_s": limit, "log": str(_steps_dir(out) / f"{name}.log")}
