@@ -175,6 +175,10 @@ def _add_placement(p: argparse.ArgumentParser) -> None:
                    help="custom Ray resource a node must advertise to host decode workers")
     p.add_argument("--worker-cpus", type=float, default=None, metavar="C",
                    help="logical CPUs per worker (default: 1 with GPUs, else the cluster's CPUs shared)")
+    p.add_argument("--worker-gpus", type=float, default=None, metavar="G",
+                   help="fraction of a GPU per worker where the cluster has GPUs, in (0, 1] (default 1); e.g. 0.5 "
+                        "puts a prefill and a decode worker on one GPU (they share its memory; not with TP > 1 "
+                        "or --kv-transport torch_dist)")
     p.add_argument("--placement-timeout-s", type=float, default=120,
                    help="seconds to wait for Ray to find the workers' resources before failing")
 

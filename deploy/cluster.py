@@ -187,7 +187,8 @@ def launch(spec: ClusterSpec) -> dict:
     cluster = spec.worker.cluster
     counts = spec.counts()
     ranks = sum(n * spec.worker.for_role(role, "-").tp for role, n in counts.items())  # a TP worker's ranks share
-    shape = decide_shape(ray.cluster_resources(), ranks, spec.worker.device, spec.placement.worker_cpus)
+    shape = decide_shape(ray.cluster_resources(), ranks, spec.worker.device, spec.placement.worker_cpus,
+                         spec.placement.worker_gpus)
     new = [(role, f"{role}-{i}") for role in WORKER_ROLES for i in range(counts[role])]
     pg_name = actor_name(cluster, "pg-0")
     state = {"cluster": cluster, "redis_url": spec.worker.redis_url, "workers": [], "placement_groups": [pg_name],

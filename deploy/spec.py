@@ -156,6 +156,14 @@ def check_tp(args, model_cfg: ModelConfig) -> None:
             raise ConfigError(f"--{role}-tp {n}: {e}") from None
     if args.colocated and max(tp.values()) > 1:
         raise ConfigError("--prefill-tp / --decode-tp apply to disaggregated workers, not --colocated")
+    if args.worker_gpus is not None and args.worker_gpus < 1:
+        # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected")
+        if max(tp.values()) > 1:
+            raise ConfigError(f"--worker-gpus {args.worker_gpus} (workers sharing a GPU) cannot be combined with "
+                              "--prefill-tp / --decode-tp > 1: a worker's ranks need a GPU each")
+        if args.kv_transport == "torch_dist":
+            raise ConfigError(f"--worker-gpus {args.worker_gpus} (workers sharing a GPU) cannot be combined with "
+                              "--kv-transport torch_dist: NCCL cannot pair two processes on one GPU; use grpc")
 
 
 def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret: str = "",
@@ -213,7 +221,7 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
                           breaker=BreakerConfig(failures=args.breaker_failures, cooldown_s=args.breaker_cooldown_s))
     placement = PlacementConfig(strategy=args.placement, prefill_resource=args.prefill_resource,
                                 decode_resource=args.decode_resource, worker_cpus=args.worker_cpus,
-                                timeout_s=args.placement_timeout_s)
+                                worker_gpus=args.worker_gpus, timeout_s=args.placement_timeout_s)
     if args.colocated:
         return ClusterSpec(0, 0, worker, router, placement, num_colocated=args.workers, timeout_s=args.timeout_s)
     return ClusterSpec(args.prefill, args.decode, worker, router, placement, timeout_s=args.timeout_s)
