@@ -11,7 +11,14 @@ holds, the gRPC pool has a thread for each of them plus spare ones for fast refu
 call beyond the pool is refused at once (never queued). The router's channels to the workers
 report every call's end to the circuit breaker (:mod:`router.breaker`) and every ``Prefill``
 to the prefill-rate meter (:mod:`router.watch`), and ping their workers (keepalive) so a worker
-that stopped answering fails its calls instead of holding them."""
+that stopped answering fails its calls instead of holding them.
+
+Several routers may serve one cluster behind one address (``pdcluster up --routers N``): with
+``RouterConfig.reuse_port`` the public gRPC and HTTP ports are bound with SO_REUSEPORT and the
+kernel spreads connections over the routers. A scrape of the shared HTTP port reaches any one of
+them, so each router also serves its own ``/metrics`` on a private port and publishes a record
+in Redis (:mod:`router.peers`); service discovery lists every live router's private port, and
+admission divides the cluster's capacity by the live routers."""
 
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ cluster (real Ray, Redis, processes, ``kill -9``):
 - Prometheus service discovery lists each router's own ``/metrics``; ``status`` shows 2/2 routers;
 - one router killed with ``kill -9`` mid-traffic: new connections to the same address succeed
   at once (the other router takes them), Ray restarts the killed one in place (new pid, same
-  ports) and it serves again; no KV block leaks.
+  ports) and it serves again; no KV block leaks;
+- a router actor killed for good (no Ray restart) is created again by the cluster controller.
 """
 
 from __future__ import annotations
@@ -182,4 +183,23 @@ def test_killed_router_the_other_serves_and_it_comes_back(cluster, reference):
     _wait(lambda: _generate(cluster) and _served(back.metrics_address) > served, 60, "the restarted router serving")
     st = cluster_status.collect(cluster)
     assert sorted(r["index"] for r in st["routers"]["live"]) == [0, 1] and st["routers"]["desired"] == 2
+    assert_no_leak(cluster)
+
+
+def test_router_actor_gone_for_good_is_recreated_by_the_controller(cluster):
+    import ray
+
+    from deploy.cluster import NAMESPACE, router_actor_name
+
+    old = _wait(lambda: _routers(cluster).get(1), 30, "router-1 live")
+    ray.init(address=cluster["ray_address"], namespace=NAMESPACE, logging_level="WARNING")
+    try:
+        ray.kill(ray.get_actor(router_actor_name(cluster["cluster"], 1), namespace=NAMESPACE), no_restart=True)
+    finally:
+        ray.shutdown()
+    new = _wait(lambda: (r := _routers(cluster).get(1)) and r.pid != old.pid and r, 60,
+                "router-1 recreated by the controller", 0.5)
+    assert new.address == old.address
+    with PdclusterClient(cluster["router_address"], timeout_s=60) as client:
+        assert len(client.generate(PROMPT, max_tokens=2, temperature=0, ignore_eos=True).token_ids) == 2
     assert_no_leak(cluster)
