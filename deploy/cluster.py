@@ -215,9 +215,10 @@ def recreate_worker(state: dict, entry: dict) -> None:
 
 
 def launch(spec: ClusterSpec) -> dict:
-    """Place and start every worker and the router; returns the cluster state dict
-    (router address, workers with address/pid/node/placement group, what ``scale``
-    needs to add more workers alike).
+    """Place and start every worker and the ``spec.num_routers`` routers (router 0 first: it
+    picks the shared ports the others bind); returns the cluster state dict (router address,
+    ``routers``, workers with address/pid/node/placement group, what ``scale`` needs to add
+    more workers alike).
 
     Raises:
         PlacementError: the workers could not be placed within ``spec.placement.timeout_s``
