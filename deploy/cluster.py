@@ -293,6 +293,9 @@ def default_worker_config(**kw) -> WorkerConfig:
     return WorkerConfig(role="prefill", worker_id="template", **kw)
 
 
-__all__ = ["CacheConfig", "ClusterSpec", "PlacementConfig", "PlacementError", "SchedulerConfig", "WORKER_ROLES",
-           "launch", "start_workers", "create_router_actor", "router_actor_name", "router_actor_names", "create_worker_actor", "recreate_worker", "teardown", "kill_actors", "remove_groups", "head_node_id",
-           "worker_config_to_dict", "worker_config_from_dict", "default_worker_config", "actor_name", "NAMESPACE"]
+__all__ = [
+    "CacheConfig", "ClusterSpec", "PlacementConfig", "PlacementError", "SchedulerConfig", "WORKER_ROLES", "launch",
+    "start_workers", "create_router_actor", "router_actor_name", "router_actor_names", "create_worker_actor",
+    "recreate_worker", "teardown", "kill_actors", "remove_groups", "head_node_id", "worker_config_to_dict",
+    "worker_config_from_dict", "default_worker_config", "actor_name", "NAMESPACE"
+]

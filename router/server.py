@@ -233,7 +233,8 @@ class RouterServer:
 
     def _record(self) -> RouterRecord:
         """This router's record for the cluster's other routers (:mod:`router.peers`)."""
-        return RouterRecord(index=self.cfg.index, pid=os.getpid(), address=self.address,
+        host = self.cfg.advertise_host or self.cfg.host
+        return RouterRecord(index=self.cfg.index, pid=os.getpid(), address=f"{host}:{self.port}",
                             metrics_address=self.metrics_address, started_at=self.started_at)
 
     def scrape_targets(self) -> list[dict]:
