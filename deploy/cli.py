@@ -203,6 +203,11 @@ def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
                         f"(default: {DEFAULT_POLICY})")
     p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
     p.add_argument("--port", type=_port, default=50051, help="router port (0: any free port)")
+    p.add_argument("--routers", type=_positive, default=1, metavar="N",
+                   help="router processes behind the one address: they share --port and --http-port "
+                        "(SO_REUSEPORT; the kernel spreads client connections over them), each admits its "
+                        "share of the cluster's capacity, and one that dies is restarted on the same ports "
+                        "while the others keep serving (default 1)")
     p.add_argument("--host", default="127.0.0.1", help="router bind host (0.0.0.0: every interface)")
     p.add_argument("--redis-url", default=None, help="existing Redis URL (default: start one)")
     p.add_argument("--redis-port", type=int, default=0, help="port of the Redis `up` starts (0: any free)")

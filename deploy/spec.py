@@ -218,10 +218,11 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
                           max_prompt_bytes=args.max_prompt_bytes, max_migrations=args.max_migrations, log=log,
                           security=security, admission=AdmissionConfig(max_queued_requests=args.max_queued_requests,
                                                                        ttft_slo_ms=args.ttft_slo_ms),
-                          breaker=BreakerConfig(failures=args.breaker_failures, cooldown_s=args.breaker_cooldown_s))
+                          breaker=BreakerConfig(failures=args.breaker_failures, cooldown_s=args.breaker_cooldown_s),
+                          reuse_port=args.routers > 1)
     placement = PlacementConfig(strategy=args.placement, prefill_resource=args.prefill_resource,
                                 decode_resource=args.decode_resource, worker_cpus=args.worker_cpus,
                                 worker_gpus=args.worker_gpus, timeout_s=args.placement_timeout_s)
-    if args.colocated:
-        return ClusterSpec(0, 0, worker, router, placement, num_colocated=args.workers, timeout_s=args.timeout_s)
-    return ClusterSpec(args.prefill, args.decode, worker, router, placement, timeout_s=args.timeout_s)
+    counts = (0, 0, args.workers) if args.colocated else (args.prefill, args.decode, 0)
+    return ClusterSpec(counts[0], counts[1], worker, router, placement, num_colocated=counts[2],
+                       timeout_s=args.timeout_s, num_routers=args.routers)
