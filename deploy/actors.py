@@ -146,6 +146,9 @@ class RouterActor:
 
     def __init__(self, cfg, follow: bool = False) -> None:
         cfg.log.apply()
+        if (nice := os.getpriority(os.PRIO_PROCESS, 0)) > 0:
+            log.warning("the router runs at nice %d (Ray's RAY_worker_niceness): on shared cores the workers "
+                        "compete with it as equals; start the Ray nodes with RAY_worker_niceness=0", nice)
         self.cfg = cfg
         self.server = None
         self.result: dict = {}
