@@ -67,6 +67,18 @@ def test_kernel_matches_reference(case, threads):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("heads_per_item", [3, 1])
+def test_several_kv_heads_per_item(heads_per_item, threads):
+    gen = torch.Generator().manual_seed(4)
+    lens = [300, 17, 1, 64, 129]
+    k, v, tables = _paged(gen, lens, 3, 64, 16)
+    q = torch.randn(len(lens), 9, 64, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    out = paged_decode_attention_cpu(q, k, v, tables, seq_lens, 0.125, 50, heads_per_item=heads_per_item)
+    torch.testing.assert_close(out, paged_decode_attention_cpu_reference(q, k, v, tables, seq_lens, 0.125, 50),
+                               atol=2e-5, rtol=1e-4)
+
+
 def test_noncontiguous_query_is_accepted(threads):
     gen = torch.Generator().manual_seed(1)
     k, v, tables = _paged(gen, [40, 5], 3, 64, 16)
@@ -95,6 +107,8 @@ def test_bad_inputs_raise_value_error():
     with pytest.raises(ValueError, match="num_kv_heads"):
         paged_decode_attention_cpu(torch.randn(1, 3, 64), torch.randn(4, 16, 2, 64), torch.randn(4, 16, 2, 64),
                                    tables, lens, 0.1)
+    with pytest.raises(ValueError, match="heads_per_item"):
+        paged_decode_attention_cpu(q, k, v, tables, lens, 0.1, heads_per_item=2)
     with pytest.raises(ValueError, match="window"):
         paged_decode_attention_cpu(q, k, v, tables, lens, 0.1, window=0)
 

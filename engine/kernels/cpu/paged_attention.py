@@ -34,6 +34,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def paged_decode_attention_cpu(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int | None = None,
+    heads_per_item: int = 1,
 ) -> torch.Tensor:
     """Decode attention of one new token per sequence over its paged context (C++ kernel).
 
@@ -47,6 +48,9 @@ def paged_decode_attention_cpu(
         scale: softmax scale (usually ``head_dim ** -0.5``).
         window: sliding window in tokens (the token attends to its last ``window`` positions,
             itself included); None = the whole context.
+        heads_per_item: kv heads one work item covers, a divisor of ``num_kv_heads`` (several:
+            each block's rows of those heads are read in memory order; one, the default, was as
+            fast on SmolLM2's shapes and gives more items to share over the threads).
 
     Returns:
         ``[B, num_heads, head_dim]`` float32.
@@ -54,8 +58,9 @@ def paged_decode_attention_cpu(
     Raises:
         RuntimeError: the kernel cannot be built here (check :func:`cpu_decode_available`).
         ValueError: dtypes, shapes, a non-contiguous cache, ``head_dim`` not a multiple of 8,
-            ``num_heads`` not a multiple of ``num_kv_heads``, a window below 1, or a length /
-            block id out of range.
+            ``num_heads`` not a multiple of ``num_kv_heads``, a window below 1, a
+            ``heads_per_item`` that does not divide ``num_kv_heads``, or a length / block id out
+            of range.
     """
     ext = load(NAME)
     if ext is None:
@@ -63,7 +68,7 @@ def paged_decode_attention_cpu(
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1 token, got {window}")
     return ext.decode(q.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(),
-                      float(scale), 0 if window is None else int(window))
+                      float(scale), 0 if window is None else int(window), int(heads_per_item))
 
 
 def paged_decode_attention_cpu_reference(
