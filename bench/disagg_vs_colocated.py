@@ -29,7 +29,10 @@ cores on average adds about ``x`` to the load average of an otherwise idle machi
 without subtracting it an idle cluster that alone sits near the limit would make every point
 wait or be refused. The baseline is measured as CPU use (not load) so that it stays
 meaningful on a loaded machine, where our runnable-but-waiting tasks would inflate a load
-reading. ``--idle-baseline X`` gives it instead (0 = the raw load gate). After a run the
+reading. Measured on the 2-core dev machine (10 s windows, 2026-12-01): an idle colocated
+cluster uses 0.06-0.09 cores and an idle disaggregated one 0.09, so the idle cluster alone
+does not keep the 1-minute load above 1.0; subtracting it only stops it from eating into the
+limit. ``--idle-baseline X`` gives it instead (0 = the raw load gate). After a run the
 1-minute average decays with a 60 s time constant, so expect about a minute of waiting
 between runs. The bench never kills or waits for anything but its own runs.
 
@@ -144,6 +147,10 @@ def workload_config(args, workload: str, rate: float, num_requests: int, seed: i
                           max_input_tokens=args.clips[workload], max_output_tokens=args.max_output_tokens, seed=seed)
 
 
+def _ms(v: float | None) -> str:
+    return "–" if v is None else f"{v:.0f} ms"
+
+
 def measure_point(state: dict, args, workload: str, mode: str, rate: float, baseline: float) -> dict:
     """``--repetitions`` gated runs at one rate; returns ``{"rate", "runs", "skipped_runs", "stats"}``."""
     point: dict = {"rate": rate, "runs": [], "skipped_runs": []}
@@ -160,7 +167,7 @@ def measure_point(state: dict, args, workload: str, mode: str, rate: float, base
         args.model = summary["model"]
         row = dc.row_of(summary, rep, gate)
         log(f"{tag}: attainment {row['slo_attainment']:.2f}, goodput {row['goodput']:.3f} req/s, "
-            f"ITL p99 {row['itl_p99_ms']} ms, TTFT p99 {row['ttft_p99_ms']} ms")
+            f"ITL p99 {_ms(row['itl_p99_ms'])}, TTFT p99 {_ms(row['ttft_p99_ms'])}")
         point["runs"].append(row)
     point["stats"] = ds.aggregate_point(point["runs"])
     return point

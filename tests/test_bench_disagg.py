@@ -136,3 +136,55 @@ def _assert_group_gone(pgid: int, timeout_s: float = 20.0) -> None:
             return
         time.sleep(0.5)
     raise AssertionError(f"Ray head process group {pgid} still alive {timeout_s:.0f} s after the bench ended")
+
+
+def test_sweep_stops_with_colocated_and_disaggregated_follows(tmp_path, monkeypatch):
+    """The sweep's control flow with fake clusters: colocated stops after the first rate whose
+    mean attainment is < 0.9, disaggregated runs exactly colocated's rates, each mode warms
+    up once (unrecorded), and a run whose load gate stays shut is skipped, not recorded."""
+    import contextlib
+
+    import _disagg_cluster as dc
+    import disagg_vs_colocated as bench
+
+    calls, loads = [], iter([0.5, 0.5, 9.0] + [0.5] * 20)  # the third gated run (rate 2, rep 0) sees load 9
+    attainment = {"colocated": {1.0: 1.0, 2.0: 0.5, 4.0: 0.0}, "disaggregated": {1.0: 1.0, 2.0: 0.95}}
+
+    @contextlib.contextmanager
+    def fake_cluster(mode):
+        yield {"mode": mode, "router_address": "x", "ray_head_pid": None}, ""
+
+    def fake_replay(state, workload, args, out):
+        calls.append((state["mode"], workload.rate, workload.num_requests, out is not None))
+        att = attainment[state["mode"]][workload.rate]
+        return {"model": "m", "sent": 4, "completed": 4, "failed": 0, "duration_s": 4.0, "request_throughput": 1.0,
+                "output_throughput": 16.0, "slo_attainment": att, "goodput": att * workload.rate,
+                "ttft_ms": {"p50": 10.0, "p99": 20.0},
+                "itl_ms": {"p99": 100.0 if state["mode"] == "colocated" else 30.0},
+                "tpot_ms": {"mean": 5.0, "p99": 6.0}}
+
+    monkeypatch.setattr(dc, "cluster", fake_cluster)
+    monkeypatch.setattr(dc, "replay", fake_replay)
+    monkeypatch.setattr(bench.os, "getloadavg", lambda: (next(loads), 0.0, 0.0))
+    assert bench.main(["--workloads", "code", "--rates", "1,2,4", "--repetitions", "2", "--num-requests", "4",
+                       "--warmup-requests", "3", "--stop-below-attainment", "0.9", "--idle-baseline", "0.2",
+                       "--load-wait-s", "0", "--results-dir", str(tmp_path)]) == 0
+    warm = [c for c in calls if not c[3]]
+    assert warm == [("colocated", 1.0, 3, False), ("disaggregated", 1.0, 3, False)]
+    assert [c[:2] for c in calls if c[3]] == [("colocated", 1.0), ("colocated", 1.0), ("colocated", 2.0),
+                                              ("disaggregated", 1.0), ("disaggregated", 1.0),
+                                              ("disaggregated", 2.0), ("disaggregated", 2.0)]
+    res = json.loads((tmp_path / "disagg_vs_colocated.json").read_text())
+    colo = res["workloads"]["code"]["modes"]["colocated"]
+    assert [p["rate"] for p in colo["points"]] == [1.0, 2.0] and len(colo["points"][1]["runs"]) == 1
+    assert colo["points"][1]["stats"]["slo_attainment"]["n"] == 1 and colo["points"][1]["runs"][0]["rep"] == 1
+    assert colo["points"][1]["skipped_runs"] == [{"rep": 0, "ok": False, "load_1m": 9.0, "gate_value": pytest.approx(8.8),
+                                                  "waited_s": pytest.approx(0, abs=1)}]
+    disagg = res["workloads"]["code"]["modes"]["disaggregated"]
+    assert colo["distserve_goodput"] == 1.0 and disagg["distserve_goodput"] == 2.0
+    t = res["workloads"]["code"]["targets"]
+    assert t["itl"]["rate"] == 2.0 and t["itl"]["ratio"] == pytest.approx(0.3) and t["itl"]["met"] is True
+    assert t["goodput"]["met"] is True
+    assert res["modes"]["colocated"]["idle_baseline"] == {"cores": 0.2, "measured": False}
+    md = (tmp_path / "disagg_vs_colocated.md").read_text()
+    assert "rep 0: 9.00" in md and "**met**" in md
