@@ -105,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-poll-s", type=float, default=10.0, help="seconds between load readings")
     p.add_argument("--idle-baseline", type=float, default=None, help="idle cluster load (cores); default: measured")
     p.add_argument("--baseline-window-s", type=float, default=30.0, help="seconds the idle baseline is measured")
-    p.add_argument("--run-duration", type=float, default=600.0, help="seconds of sending per run, at most")
+    p.add_argument("--run-duration", type=float, default=1200.0, help="seconds of sending per run, at most")
     p.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to finish a run after sending")
     p.add_argument("--results-dir", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--seed", type=int, default=0)
@@ -136,6 +136,9 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Nam
         p.error("--repetitions and --num-requests must be >= 1, --warmup-requests >= 0")
     if args.max_load < 0 or args.load_wait_s < 0 or args.load_poll_s <= 0 or args.baseline_window_s <= 0:
         p.error("--max-load, --load-wait-s must be >= 0; --load-poll-s, --baseline-window-s > 0")
+    if args.num_requests / min(args.rates) > args.run_duration:
+        p.error(f"--num-requests {args.num_requests} at {min(args.rates):g} req/s need about "
+                f"{args.num_requests / min(args.rates):.0f} s of sending > --run-duration {args.run_duration:g}")
     if not 0 < args.attainment_target <= 1:
         p.error("--attainment-target must be in (0, 1]")
     return args

@@ -178,8 +178,9 @@ def test_sweep_stops_with_colocated_and_disaggregated_follows(tmp_path, monkeypa
     colo = res["workloads"]["code"]["modes"]["colocated"]
     assert [p["rate"] for p in colo["points"]] == [1.0, 2.0] and len(colo["points"][1]["runs"]) == 1
     assert colo["points"][1]["stats"]["slo_attainment"]["n"] == 1 and colo["points"][1]["runs"][0]["rep"] == 1
-    assert colo["points"][1]["skipped_runs"] == [{"rep": 0, "ok": False, "load_1m": 9.0, "gate_value": pytest.approx(8.8),
-                                                  "waited_s": pytest.approx(0, abs=1)}]
+    [skipped] = colo["points"][1]["skipped_runs"]
+    assert skipped == {"rep": 0, "ok": False, "load_1m": 9.0, "gate_value": pytest.approx(8.8),
+                       "waited_s": pytest.approx(0, abs=1)}
     disagg = res["workloads"]["code"]["modes"]["disaggregated"]
     assert colo["distserve_goodput"] == 1.0 and disagg["distserve_goodput"] == 2.0
     t = res["workloads"]["code"]["targets"]
