@@ -35,13 +35,15 @@ def _mode_table(name: str, mode: dict, entry: dict, result: dict) -> list[str]:
     lines += [f"Warm-up: {entry.get('warmup')}. Idle cluster baseline: {base.get('cores', 0):.2f} cores "
               f"({'measured' if base.get('measured') else 'given'}).", "",
               "| rate (req/s) | recorded / reps | " + " | ".join(t for _, t, _, _ in LABELS)
-              + " | 1-min load before each run | skipped runs (load seen) |", "|" + "---|" * (4 + len(LABELS))]
+              + " | 1-min load before each run | cluster CPU (cores) per run | skipped runs (load seen) |",
+              "|" + "---|" * (5 + len(LABELS))]
     reps = result["config"]["repetitions"]
     for p in mode["points"]:
         loads = ", ".join(f"{r['load_1m_before']:.2f}" for r in p["runs"]) or "–"
+        cpu = ", ".join(f"{r['cluster_cpu_cores']:.2f}" for r in p["runs"] if "cluster_cpu_cores" in r) or "–"
         skipped = ", ".join(f"rep {s['rep']}: {s['load_1m']:.2f}" for s in p["skipped_runs"]) or "–"
         cells = " | ".join(_ci(p["stats"][k], sc, f) for k, _, sc, f in LABELS)
-        lines.append(f"| {p['rate']:g} | {len(p['runs'])}/{reps} | {cells} | {loads} | {skipped} |")
+        lines.append(f"| {p['rate']:g} | {len(p['runs'])}/{reps} | {cells} | {loads} | {cpu} | {skipped} |")
     target = result["config"]["attainment_target"]
     lines += ["", f"DistServe goodput (highest rate whose mean SLO attainment, and every lower rate's, is ≥ "
                   f"{100 * target:.0f} %): **{_rate(mode['distserve_goodput'])}**", ""]

@@ -45,6 +45,8 @@ between runs. The bench never kills or waits for anything but its own runs.
   lower rate too), and the targets (disaggregated p99 ITL <= 0.5 x colocated's at the rate
   where colocated first drops below the attainment target, else its highest rate;
   disaggregated DistServe goodput >= colocated's) with met / missed;
+  Each run also records ``cluster_cpu_cores``: the cluster's CPU use over the run (cores, out of
+  ``os.cpu_count()``), a first clue when a target is missed (CPU-bound or not);
 * ``disagg_vs_colocated.md`` / ``.png``: the same as tables and plots (error bars: 95 % CI);
 * ``runs/<workload>/<mode>/rate_<r>/rep_<i>/``: each run's summary.json, requests.jsonl, report.md.
 
@@ -166,9 +168,11 @@ def measure_point(state: dict, args, workload: str, mode: str, rate: float, base
             point["skipped_runs"].append({"rep": rep, **gate})
             continue
         out = args.results_dir / "runs" / workload / mode / f"rate_{rate:g}" / f"rep_{rep}"
+        cpu0, t0 = dc.cluster_cpu_s(state), time.monotonic()
         summary = dc.replay(state, workload_config(args, workload, rate, args.num_requests, args.seed + rep), args, out)
         args.model = summary["model"]
-        row = dc.row_of(summary, rep, gate)
+        row = dc.row_of(summary, rep, gate) | {"cluster_cpu_cores": (dc.cluster_cpu_s(state) - cpu0)
+                                               / max(time.monotonic() - t0, 1e-9)}
         log(f"{tag}: attainment {row['slo_attainment']:.2f}, goodput {row['goodput']:.3f} req/s, "
             f"ITL p99 {_ms(row['itl_p99_ms'])}, TTFT p99 {_ms(row['ttft_p99_ms'])}")
         point["runs"].append(row)

@@ -118,6 +118,7 @@ def test_smoke_end_to_end(tmp_path):
     assert point["rate"] == 1.0 and len(point["runs"]) == 2 and point["skipped_runs"] == []
     for run in point["runs"]:
         assert run["sent"] == 4 and run["completed"] + run["failed"] <= 4 and run["load_1m_before"] >= 0
+        assert 0 < run["cluster_cpu_cores"] <= os.cpu_count() + 0.5
     assert {run["rep"] for run in point["runs"]} == {0, 1}
     assert set(point["stats"]) == set(ds.COMPARED) and point["stats"]["goodput"]["n"] == 2
     assert w["targets"]["goodput"]["met"] is None  # disaggregated not run
