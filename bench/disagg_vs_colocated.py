@@ -52,7 +52,7 @@ between runs. The bench never kills or waits for anything but its own runs.
 
 Usage (from the repository root; the full default sweep takes hours on 2 cores)::
 
-    python bench/disagg_vs_colocated.py --rates 0.2,0.4,0.6,0.8,1.0,1.2 --stop-below-attainment 0.9
+    python bench/disagg_vs_colocated.py --rates 0.2,0.4,0.6,0.8,1.0 --stop-below-attainment 0.9
 """
 
 from __future__ import annotations
