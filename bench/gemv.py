@@ -54,14 +54,14 @@ def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="6 layers + LM head, rows 1,8, 3 reps")
     p.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
-    p.add_argument("--rows", default="1,2,4,8,16,64,256", help="comma-separated input row counts")
+    p.add_argument("--rows", default=None, help="comma-separated input row counts (default 1,2,4,8,16,64,256; "
+                                                "1,8 with --quick)")
     p.add_argument("--quant-max-rows", type=int, default=16, help="quantized kernels timed up to this row count")
     p.add_argument("--reps", type=int, default=None, help="alternating passes per variant (default 7, 3 quick)")
     p.add_argument("--out-dir", type=Path, default=None, help="default bench/results (temporary with --quick)")
     a = p.parse_args(argv)
     a.layers = 6 if a.quick else LAYERS
-    if a.quick:
-        a.rows = "1,8"
+    a.rows = a.rows or ("1,8" if a.quick else "1,2,4,8,16,64,256")
     a.reps = a.reps or (3 if a.quick else 7)
     a.threads = [int(t) for t in a.threads.split(",")]
     a.rows = [int(r) for r in a.rows.split(",")]

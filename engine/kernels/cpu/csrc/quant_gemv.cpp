@@ -8,8 +8,8 @@
 // linear_q4_1: GGUF/ggml Q4_1 (ggml-quants.c, block_q4_1: 32 weights per block, 4-bit unsigned
 //   quants, a float scale d and offset m; element j < 16 is the low nibble of byte j, element
 //   j >= 16 the high nibble of byte j - 16; weight = d * q + m). Per block
-//   dot(x_b, w_b) = d * dot(x_b, q_b) + m * sum(x_b): the quants are dotted with x in registers and
-//   the offset term uses each block's sum of x, computed once per call.
+//   dot(x_b, w_b) = dot(x_b, d * q_b) + m * sum(x_b): the block is decoded to d * q in registers once
+//   and dotted with every input row; the offset term uses each block's sum of x, computed once per call.
 // Both split output features over torch's intra-op threads (at::parallel_for); any M works
 // (input rows are processed in register tiles that reuse the decoded weights).
 #include <torch/extension.h>
@@ -62,14 +62,23 @@ inline void tile_i8(const float* x, int64_t K, const int8_t* w, float* dots /* [
   __m256 acc[MT][NR];
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NR; ++j) acc[m][j] = _mm256_setzero_ps();
-  for (; k + 8 <= K; k += 8) {
-    __m256 wv[NR];
-    for (int j = 0; j < NR; ++j)
-      wv[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + j * K + k))));
+  for (; k + 16 <= K; k += 16) {  // 16 weights per row per step: one 128-bit load, two widenings
+    __m256 wlo[NR], whi[NR];
+    for (int j = 0; j < NR; ++j) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * K + k));
+      wlo[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+      whi[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q, q)));
+    }
     for (int m = 0; m < MT; ++m) {
-      __m256 xv = _mm256_loadu_ps(x + m * K + k);
-      for (int j = 0; j < NR; ++j) acc[m][j] = _mm256_fmadd_ps(xv, wv[j], acc[m][j]);
+      const __m256 x0 = _mm256_loadu_ps(x + m * K + k), x1 = _mm256_loadu_ps(x + m * K + k + 8);
+      for (int j = 0; j < NR; ++j) acc[m][j] = _mm256_fmadd_ps(x1, whi[j], _mm256_fmadd_ps(x0, wlo[j], acc[m][j]));
+    }
+  }
+  for (; k + 8 <= K; k += 8) {
+    for (int j = 0; j < NR; ++j) {
+      const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + j * K + k))));
+      for (int m = 0; m < MT; ++m) acc[m][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), wv, acc[m][j]);
     }
   }
   for (int m = 0; m < MT; ++m)
@@ -105,27 +114,27 @@ inline void row_q4_1(const float* x, int64_t K, const float* xsum, const uint8_t
   const int64_t nb = K / QK;
   float acc_s[MT] = {};
 #ifdef PDC_AVX2
-  __m256 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  __m256 acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   const __m128i mask = _mm_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
+    // decode the block once (quants scaled by d), then 4 FMAs per input row
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16));
     const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo)));
-    const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)));
     const __m256 db = _mm256_broadcast_ss(d + b);
+    const __m256 q0 = _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
+    const __m256 q1 = _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo))));
+    const __m256 q2 = _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)));
+    const __m256 q3 = _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi))));
     for (int m = 0; m < MT; ++m) {
       const float* xb = x + m * K + b * QK;
-      __m256 t0 = _mm256_mul_ps(_mm256_loadu_ps(xb), q0);
-      __m256 t1 = _mm256_mul_ps(_mm256_loadu_ps(xb + 8), q1);
-      t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), q2, t0);
-      t1 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), q3, t1);
-      acc[m] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), db, acc[m]);
+      acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xb), q0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), q1, acc[m][1]);
+      acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), q2, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), q3, acc[m][1]);
     }
   }
-  for (int m = 0; m < MT; ++m) acc_s[m] = hsum(acc[m]);
+  for (int m = 0; m < MT; ++m) acc_s[m] = hsum(_mm256_add_ps(acc[m][0], acc[m][1]));
 #else
   for (int64_t b = 0; b < nb; ++b)
     for (int m = 0; m < MT; ++m) {
