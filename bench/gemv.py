@@ -12,7 +12,8 @@ Measured in one run, at each thread count (``torch.set_num_threads``):
     alternating the variants ``--reps`` times and keeping each one's fastest pass (a shared
     machine only ever slows a pass down).
 
-Per (threads, rows, variant): ms per pass, GB/s of the weight bytes the variant streams
+Per (threads, rows, variant): ms per pass (wall; at 1 thread also the calling thread's CPU
+time, which a busy machine's time slicing does not inflate), GB/s of the weight bytes the variant streams
 (float32 4 B, int8 1 B + a scale per row, Q4_1 0.75 B per weight), its ratio to the copy
 bandwidth, speed-up over ``F.linear`` and the max abs difference from ``F.linear`` (fp32
 variants). The 1-minute load average is recorded per thread count: the machine is shared.
@@ -134,16 +135,20 @@ def time_point(w: dict, rows: int, reps: int, copy_GBps: float, quant: bool) -> 
         ref = vs["f_linear"][1]()
         diffs = {n: max(float((a - b).abs().max()) for a, b in zip(ref, fn()))
                  for n, (fmt, fn) in vs.items() if fmt == "fp32"}
-        best = dict.fromkeys(vs, float("inf"))
+        best, cpu = dict.fromkeys(vs, float("inf")), dict.fromkeys(vs, float("inf"))
         for _ in range(reps):
             for name, (_, fn) in vs.items():
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 fn()
                 best[name] = min(best[name], time.perf_counter() - t0)
+                cpu[name] = min(cpu[name], time.thread_time() - c0)
+    single = torch.get_num_threads() == 1
     out = []
     for name, (fmt, _) in vs.items():
         gbps = w["bytes"][fmt] / best[name] / 1e9
         out.append({"rows": rows, "variant": name, "format": fmt, "ms": best[name] * 1e3, "weight_GBps": gbps,
+                    "cpu_ms": cpu[name] * 1e3 if single else None,
+                    "cpu_weight_GBps": w["bytes"][fmt] / cpu[name] / 1e9 if single else None,
                     "ratio_copy_bandwidth": gbps / copy_GBps, "speedup_vs_f_linear": best["f_linear"] / best[name],
                     "max_abs_diff_vs_f_linear": diffs.get(name)})
     return out
@@ -190,14 +195,19 @@ def markdown(res: dict) -> str:
                   f"Copy bandwidth {rec['copy_GBps']:.1f} GB/s, read bandwidth (`torch.sum`) {rec['read_GBps']:.1f}"
                   f" GB/s; 1-minute load average {rec['load_avg_1m_before']:.2f} before, "
                   f"{rec['load_avg_1m_after']:.2f} after.", "",
-                  "| rows | variant | format | ms / pass | weight GB/s | / copy bw | vs F.linear | max abs diff |",
-                  "|---:|---|---|---:|---:|---:|---:|---:|"]
+                  "| rows | variant | format | ms / pass | weight GB/s | / copy bw | vs F.linear | CPU ms | CPU GB/s "
+                  "| max abs diff |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for p in rec["points"]:
             diff = "" if p["max_abs_diff_vs_f_linear"] is None else f"{p['max_abs_diff_vs_f_linear']:.1e}"
             lines.append(f"| {p['rows']} | {p['variant']} | {p['format']} | {p['ms']:.2f} | {p['weight_GBps']:.1f} "
-                         f"| {p['ratio_copy_bandwidth']:.2f} | {p['speedup_vs_f_linear']:.2f}x | {diff} |")
+                         f"| {p['ratio_copy_bandwidth']:.2f} | {p['speedup_vs_f_linear']:.2f}x | {_num(p['cpu_ms'], 2)} "
+                         f"| {_num(p['cpu_weight_GBps'], 1)} | {diff} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _num(v: float | None, digits: int) -> str:
+    return "" if v is None else f"{v:.{digits}f}"
 
 
 def main(argv=None) -> int:

@@ -2,14 +2,16 @@
 // with W stored quantized and dequantized in registers (never materialized), so each step reads
 // 1 byte (int8) or 0.75 byte (Q4_1) per weight instead of 4.
 //
-// linear_int8: W[n, k] = qweight[n, k] * scale[n] (symmetric per-output-channel int8). A tile of 4
-//   weight rows is widened int8 -> int32 -> float (8 lanes at a time, AVX2) and multiplied into up
-//   to 2 input rows; the per-row scale is applied once to the finished dot product.
+// linear_int8: W[n, k] = qweight[n, k] * scale[n] (symmetric per-output-channel int8). Each weight
+//   row (one at a time: one sequential stream, measured up to 4x faster here than interleaving 4
+//   rows) is widened int8 -> int32 -> float in registers and multiplied into up to 4 input rows;
+//   the per-row scale is applied once to the finished dot product.
 // linear_q4_1: GGUF/ggml Q4_1 (ggml-quants.c, block_q4_1: 32 weights per block, 4-bit unsigned
 //   quants, a float scale d and offset m; element j < 16 is the low nibble of byte j, element
 //   j >= 16 the high nibble of byte j - 16; weight = d * q + m). Per block
 //   dot(x_b, w_b) = dot(x_b, d * q_b) + m * sum(x_b): the block is decoded to d * q in registers once
 //   and dotted with every input row; the offset term uses each block's sum of x, computed once per call.
+// AVX-512 is used where the build machine has it (-march=native), else AVX2+FMA, else scalar loops.
 // Both split output features over torch's intra-op threads (at::parallel_for); any M works
 // (input rows are processed in register tiles that reuse the decoded weights).
 #include <torch/extension.h>
@@ -22,6 +24,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PDC_AVX2 1
+#endif
+#if defined(PDC_AVX2) && defined(__AVX512F__)
+#define PDC_AVX512 1  // 16 lanes per instruction: half the widen/convert/FMA work per weight
 #endif
 
 namespace {
@@ -52,12 +57,30 @@ void check_vec(const char* fn, const char* name, const c10::optional<torch::Tens
 }
 
 // ---------------------------------------------------------------------------------------- int8
-constexpr int64_t NT8 = 4;
+constexpr int64_t NT8 = 1;  // weight rows per tile (see the file comment)
 
 template <int MT, int NR>
 inline void tile_i8(const float* x, int64_t K, const int8_t* w, float* dots /* [MT][NR] */) {
   int64_t k = 0;
   float acc_s[MT][NR] = {};
+#ifdef PDC_AVX512
+  {
+    __m512 acc[MT][NR];
+    for (int m = 0; m < MT; ++m)
+      for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+      __m512 wv[NR];
+      for (int j = 0; j < NR; ++j)
+        wv[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * K + k))));
+      for (int m = 0; m < MT; ++m) {
+        const __m512 xv = _mm512_loadu_ps(x + m * K + k);
+        for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+      }
+    }
+    for (int m = 0; m < MT; ++m)
+      for (int j = 0; j < NR; ++j) acc_s[m][j] = _mm512_reduce_add_ps(acc[m][j]);
+  }
+#endif
 #ifdef PDC_AVX2
   __m256 acc[MT][NR];
   for (int m = 0; m < MT; ++m)
@@ -82,7 +105,7 @@ inline void tile_i8(const float* x, int64_t K, const int8_t* w, float* dots /* [
     }
   }
   for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NR; ++j) acc_s[m][j] = hsum(acc[m][j]);
+    for (int j = 0; j < NR; ++j) acc_s[m][j] += hsum(acc[m][j]);
 #endif
   for (; k < K; ++k)
     for (int m = 0; m < MT; ++m)
@@ -94,10 +117,12 @@ inline void tile_i8(const float* x, int64_t K, const int8_t* w, float* dots /* [
 template <int NR>
 inline void rows_i8(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale, const float* bias,
                     float* y, int64_t N) {
-  float d[2 * NR];
+  float d[4 * NR];
   for (int64_t m = 0; m < M;) {
-    const int mt = (M - m >= 2) ? 2 : 1;
-    if (mt == 2) tile_i8<2, NR>(x + m * K, K, w, d); else tile_i8<1, NR>(x + m * K, K, w, d);
+    const int mt = (M - m >= 4) ? 4 : (M - m >= 2) ? 2 : 1;
+    if (mt == 4) tile_i8<4, NR>(x + m * K, K, w, d);
+    else if (mt == 2) tile_i8<2, NR>(x + m * K, K, w, d);
+    else tile_i8<1, NR>(x + m * K, K, w, d);
     for (int r = 0; r < mt; ++r)
       for (int j = 0; j < NR; ++j) y[(m + r) * N + j] = d[r * NR + j] * scale[j] + (bias ? bias[j] : 0.f);
     m += mt;
@@ -113,7 +138,25 @@ inline void row_q4_1(const float* x, int64_t K, const float* xsum, const uint8_t
                      const float* mn, float* out) {
   const int64_t nb = K / QK;
   float acc_s[MT] = {};
-#ifdef PDC_AVX2
+#if defined(PDC_AVX512)
+  __m512 acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    // decode the block once (quants scaled by d: elements 0-15, 16-31), then 2 FMAs per input row
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16));
+    const __m512 db = _mm512_set1_ps(d[b]);
+    const __m512 q0 = _mm512_mul_ps(db, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask))));
+    const __m512 q1 = _mm512_mul_ps(db, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                            _mm_and_si128(_mm_srli_epi16(q, 4), mask))));
+    for (int m = 0; m < MT; ++m) {
+      const float* xb = x + m * K + b * QK;
+      acc[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xb), q0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), q1, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) acc_s[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+#elif defined(PDC_AVX2)
   __m256 acc[MT][2];
   for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   const __m128i mask = _mm_set1_epi8(0x0F);
