@@ -132,11 +132,12 @@ def test_q4_1_bad_arguments(bad, match):
 
 
 @needs_gemv
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("rows", [1, 4, 5, 40])
-def test_gemv_linear_module_any_rows(rows):
+def test_gemv_linear_module_any_rows(rows, packed):
     """GEMV below ``max_rows``, oneDNN / F.linear above: the same function of the input."""
     lin = torch.nn.Linear(576, 193)
-    mod = GemvLinear(lin.weight, lin.bias)
+    mod = GemvLinear(lin.weight, lin.bias, packed=packed)
     x = torch.randn(2, rows, 576)
     with torch.inference_mode():
         torch.testing.assert_close(mod(x), lin(x), atol=1e-4, rtol=1e-4)
@@ -149,8 +150,9 @@ def test_gemv_linear_rejects_non_float32():
 
 
 @needs_gemv
-def test_gemv_backend_greedy_matches_hf(model_config, hf_model, tokenizer):
-    """Batch-1 greedy decode of SmolLM2-135M with the ``"gemv"`` backend: HF's tokens exactly."""
+@pytest.mark.parametrize("backend", ["gemv", "gemv_packed"])
+def test_gemv_backend_greedy_matches_hf(model_config, hf_model, tokenizer, backend):
+    """Batch-1 greedy decode of SmolLM2-135M with the GEMV backends: HF's tokens exactly."""
     from engine.config import CacheConfig
     from engine.kv_cache import allocate_kv_cache
     from engine.model import load_model
@@ -158,7 +160,7 @@ def test_gemv_backend_greedy_matches_hf(model_config, hf_model, tokenizer):
     from engine.sampling import SamplingOptions
     from engine.step import ScheduledSeq, StepPlan
 
-    model = load_model(model_config, torch.device("cpu"), torch.float32, linear_backend="gemv")
+    model = load_model(model_config, torch.device("cpu"), torch.float32, linear_backend=backend)
     assert isinstance(model.lm_head, GemvLinear) and model.lm_head.weight is model.model.embed_tokens.weight
     runner = ModelRunner(model, allocate_kv_cache(model_config, CacheConfig(block_size=16, num_blocks=8),
                                                   torch.device("cpu")), 16)

@@ -10,8 +10,13 @@ project's 2-core AVX2 machine (float32, SmolLM2-135M shapes): 1.1-2x faster than
 ``"gemv"`` replaces them with :class:`GemvLinear`: the plain row-major weight, multiplied by
 the C++ GEMV kernel (``engine/kernels/cpu/csrc/gemv.cpp``) for up to :data:`GEMV_MAX_ROWS`
 rows (decode) and by oneDNN on the same plain weight above that (prefill); no second copy of
-the weights, and a tied LM head shares the embedding's tensor (``bench/gemv.py`` measures
-all of these).
+the weights, and a tied LM head shares the embedding's tensor. ``"gemv_packed"`` also keeps a
+oneDNN-prepacked copy for more rows (twice the weight memory). Measured with
+``bench/gemv.py`` (CPU time, 1 thread, SmolLM2-135M's matrices, ``bench/results/gemv.md``):
+the kernel streams 31 GB/s at 1 row against oneDNN prepacked's 24 (1.28x), 1.2x at 2 rows,
+1.05x at 4, and loses from 8 rows on; oneDNN on the plain weight is 5-40% slower than
+prepacked for 8-256 rows. The default stays ``"onednn"``: ``"gemv"`` is slower above 4 rows
+and ``"gemv_packed"`` doubles the weight memory.
 """
 
 from __future__ import annotations
@@ -90,20 +95,23 @@ GEMV_MAX_ROWS = 4
 
 class GemvLinear(nn.Module):
     """``y = x @ W.T + b`` on CPU float32: the GEMV kernel for few rows, oneDNN (or
-    ``F.linear`` without it) for more, both on one plain row-major weight.
+    ``F.linear`` without it) for more.
 
     Args:
         weight: ``[out_features, in_features]`` CPU float32; a contiguous ``nn.Parameter`` is
             kept as is (shared, e.g. with tied embeddings), anything else is copied.
         bias: ``[out_features]`` float32 or None.
         max_rows: most rows (product of the leading dimensions) sent to the GEMV kernel.
+        packed: also keep a oneDNN-prepacked copy for more than ``max_rows`` rows (as fast
+            as :class:`PackedLinear` there, for twice the weight memory); else oneDNN runs on
+            the plain weight (measured 5-40% slower than prepacked for 8-256 rows).
 
     Raises:
         ValueError: not a CPU float32 weight.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 max_rows: int = GEMV_MAX_ROWS) -> None:
+                 max_rows: int = GEMV_MAX_ROWS, packed: bool = False) -> None:
         super().__init__()
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
             raise ValueError(f"GemvLinear needs a 2-D CPU float32 weight, got {weight.device} {weight.dtype} "
@@ -116,6 +124,8 @@ class GemvLinear(nn.Module):
         self.max_rows = max_rows
         self._kernel = load_cpu_kernel("gemv")
         self._onednn = onednn_available()
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+                             if packed and self._onednn else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` float32 -> ``[..., out_features]`` float32."""
@@ -124,29 +134,31 @@ class GemvLinear(nn.Module):
         if self._kernel is not None and x2.shape[0] <= self.max_rows:
             y = self._kernel.linear_f32(x2, self.weight, self.bias)
         elif self._onednn:
-            y = torch.ops.mkldnn._linear_pointwise(x2, self.weight, self.bias, "none", [], "")
+            w = self.weight if self.packed_weight is None else self.packed_weight
+            y = torch.ops.mkldnn._linear_pointwise(x2, w, self.bias, "none", [], "")
         else:
             y = nn.functional.linear(x2, self.weight, self.bias)
         return y.reshape(*lead, self.out_features)
 
 
-def _gemv_all(model: nn.Module) -> int:
+def _gemv_all(model: nn.Module, packed: bool = False) -> int:
     """Every ``nn.Linear`` becomes a :class:`GemvLinear` on its own weight; a model with tied
-    embeddings gets an LM head sharing the embedding's weight (no copy)."""
+    embeddings gets an LM head sharing the embedding's weight (no copy of the plain weight)."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, GemvLinear(child.weight, child.bias))
+                setattr(parent, name, GemvLinear(child.weight, child.bias, packed=packed))
                 count += 1
     if getattr(model, "lm_head", False) is None:
-        model.lm_head = GemvLinear(model.model.embed_tokens.weight)
+        model.lm_head = GemvLinear(model.model.embed_tokens.weight, packed=packed)
         count += 1
     return count
 
 
-LINEAR_BACKENDS: dict[str, Callable[[nn.Module], int]] = {"torch": lambda model: 0, "onednn": _pack_all,
-                                                          "gemv": _gemv_all}
+LINEAR_BACKENDS: dict[str, Callable[[nn.Module], int]] = {
+    "torch": lambda model: 0, "onednn": _pack_all, "gemv": _gemv_all,
+    "gemv_packed": lambda model: _gemv_all(model, packed=True)}
 """Name -> function that converts a loaded model in place and returns the layers converted."""
 
 
