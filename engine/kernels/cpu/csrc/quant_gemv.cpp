@@ -139,23 +139,31 @@ inline void row_q4_1(const float* x, int64_t K, const float* xsum, const uint8_t
   const int64_t nb = K / QK;
   float acc_s[MT] = {};
 #if defined(PDC_AVX512)
-  __m512 acc[MT][2];
-  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  __m512 acc[MT][4];  // 4 chains per input row: blocks b (0, 1) and b + 1 (2, 3)
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = _mm512_setzero_ps();
   const __m128i mask = _mm_set1_epi8(0x0F);
-  for (int64_t b = 0; b < nb; ++b) {
+  int64_t b = 0;
+  auto block = [&](int64_t bb, int u) {
     // decode the block once (quants scaled by d: elements 0-15, 16-31), then 2 FMAs per input row
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16));
-    const __m512 db = _mm512_set1_ps(d[b]);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + bb * 16));
+    const __m512 db = _mm512_set1_ps(d[bb]);
     const __m512 q0 = _mm512_mul_ps(db, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask))));
     const __m512 q1 = _mm512_mul_ps(db, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                                             _mm_and_si128(_mm_srli_epi16(q, 4), mask))));
     for (int m = 0; m < MT; ++m) {
-      const float* xb = x + m * K + b * QK;
-      acc[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xb), q0, acc[m][0]);
-      acc[m][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), q1, acc[m][1]);
+      const float* xb = x + m * K + bb * QK;
+      acc[m][u] = _mm512_fmadd_ps(_mm512_loadu_ps(xb), q0, acc[m][u]);
+      acc[m][u + 1] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), q1, acc[m][u + 1]);
     }
+  };
+  for (; b + 2 <= nb; b += 2) {
+    block(b, 0);
+    block(b + 1, 2);
   }
-  for (int m = 0; m < MT; ++m) acc_s[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+  if (b < nb) block(b, 0);
+  for (int m = 0; m < MT; ++m)
+    acc_s[m] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]),
+                                                  _mm512_add_ps(acc[m][2], acc[m][3])));
 #elif defined(PDC_AVX2)
   __m256 acc[MT][2];
   for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
