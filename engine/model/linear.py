@@ -12,11 +12,11 @@ the C++ GEMV kernel (``engine/kernels/cpu/csrc/gemv.cpp``) for up to :data:`GEMV
 rows (decode) and by oneDNN on the same plain weight above that (prefill); no second copy of
 the weights, and a tied LM head shares the embedding's tensor. ``"gemv_packed"`` also keeps a
 oneDNN-prepacked copy for more rows (twice the weight memory). Measured with
-``bench/gemv.py`` (CPU time, 1 thread, SmolLM2-135M's matrices, ``bench/results/gemv.md``):
-the kernel streams 31 GB/s at 1 row against oneDNN prepacked's 24 (1.28x), 1.2x at 2 rows,
-1.05x at 4, and loses from 8 rows on; oneDNN on the plain weight is 5-40% slower than
-prepacked for 8-256 rows. The default stays ``"onednn"``: ``"gemv"`` is slower above 4 rows
-and ``"gemv_packed"`` doubles the weight memory.
+``bench/gemv.py`` (SmolLM2-135M's matrices, ``bench/results/gemv.md``, a busy machine): at 1
+row the kernel streams 54 GB/s at 2 threads against oneDNN prepacked's 42 (1.3x; 1.04-1.28x in
+1-thread CPU time over two runs), 1.3x at 2 rows, 1.2x at 4, and loses from 8 rows on; oneDNN
+on the plain weight is 5-40% slower than prepacked for 8-256 rows. The default stays
+``"onednn"``: ``"gemv"`` is slower above 4 rows and ``"gemv_packed"`` doubles the weight memory.
 """
 
 from __future__ import annotations
