@@ -257,7 +257,8 @@ def run(args) -> dict:
     res = {
         "benchmark": "decode", "complete": False, "quick": args.quick, "model": args.model,
         "model_dir": str(model_dir), "dtype": "float32", "device": "cpu", "cpu": _common.cpu_name(),
-        "cpu_count": os.cpu_count(), "linear_backend": args.linear_backend or "default", "torch": torch.__version__, "transformers": transformers.__version__,
+        "cpu_count": os.cpu_count(), "linear_backend": args.linear_backend or "default", "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "vllm": peer.info["vllm"] if peer else None, "block_size": BLOCK_SIZE, "rounds": args.rounds,
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "thread_budget": {"ours": f"{args.threads} torch intra-op threads (one process)",

@@ -200,7 +200,8 @@ def markdown(res: dict) -> str:
         for p in rec["points"]:
             diff = "" if p["max_abs_diff_vs_f_linear"] is None else f"{p['max_abs_diff_vs_f_linear']:.1e}"
             lines.append(f"| {p['rows']} | {p['variant']} | {p['format']} | {p['ms']:.2f} | {p['weight_GBps']:.1f} "
-                         f"| {p['ratio_copy_bandwidth']:.2f} | {p['speedup_vs_f_linear']:.2f}x | {_num(p['cpu_ms'], 2)} "
+                         f"| {p['ratio_copy_bandwidth']:.2f} | {p['speedup_vs_f_linear']:.2f}x "
+                         f"| {_num(p['cpu_ms'], 2)} "
                          f"| {_num(p['cpu_weight_GBps'], 1)} | {diff} |")
         lines.append("")
     return "\n".join(lines)
