@@ -50,9 +50,12 @@ RECEIVER = Path(__file__).with_name("_kv_receiver.py")
 class Receiver:
     """The receiver process and its line-based JSON control channel (a context manager)."""
 
-    def __init__(self, shape: tuple[int, ...], max_chunk_bytes: int, threads: int = 1, grpc_workers: int = 4) -> None:
+    def __init__(self, shape: tuple[int, ...], max_chunk_bytes: int, threads: int = 1, grpc_workers: int = 4,
+                 device: str = "cpu", dtype: str = "float32") -> None:
         cmd = [sys.executable, str(RECEIVER), "--shape", ",".join(map(str, shape)), "--threads", str(threads),
-               "--grpc-workers", str(grpc_workers), "--max-chunk-bytes", str(max_chunk_bytes)]
+               "--grpc-workers", str(grpc_workers), "--max-chunk-bytes", str(max_chunk_bytes),
+               "--device", device, "--dtype", dtype]
+        self.dtype = dtype
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         info = self._read()
         self.pid = info["pid"]
@@ -77,7 +80,7 @@ class Receiver:
         r = self.call(cmd="open", transfer_id=transfer_id, request_id=request_id, num_blocks=num_blocks)
         return worker_pb2.KvDestination(worker_id="bench-decode", kv_endpoint=self.grpc_endpoint,
                                         block_ids=r["block_ids"], block_size=block_size,
-                                        generation=r["generation"], dtype="float32")
+                                        generation=r["generation"], dtype=self.dtype)
 
     def check_completed(self, transfer_id: str) -> None:
         """Raises RuntimeError unless the receiver completed ``transfer_id``."""
@@ -103,8 +106,8 @@ class Receiver:
 
 
 def payload_view(blocks: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous tensor as a memoryview (no copy)."""
-    return memoryview(blocks.reshape(-1).view(torch.uint8).numpy())
+    """The bytes of a contiguous tensor as a memoryview (no copy on CPU; a host copy of a device tensor)."""
+    return memoryview(blocks.reshape(-1).view(torch.uint8).cpu().numpy())
 
 
 def raw_tcp_once(sock: socket.socket, view: memoryview) -> float:

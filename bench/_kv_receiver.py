@@ -1,7 +1,7 @@
 """Decode side of ``bench/kvtransfer.py``, run as its own process (as a decode worker is).
 
 It holds a real paged KV cache ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``
-(float32, zeros) and serves, on 127.0.0.1 (ephemeral ports):
+(zeros; float32 on CPU unless ``--dtype`` / ``--device`` say otherwise) and serves, on 127.0.0.1 (ephemeral ports):
 
 * gRPC: ``KvTransfer.PushKv`` through the ``torch_dist`` transport's receiver
   (:func:`kvtransfer.attach_receiver`; it takes ``grpc`` senders too) with
@@ -136,10 +136,14 @@ def main(argv=None) -> int:
     p.add_argument("--grpc-workers", type=int, default=4, help="gRPC server thread pool")
     p.add_argument("--max-chunk-bytes", type=int, required=True, help="the senders' max_chunk_bytes")
     p.add_argument("--raw-bytes", type=int, default=1 << 20, help="initial raw TCP buffer size")
+    p.add_argument("--device", default="cpu", help="torch device of the cache (e.g. cuda:1)")
+    p.add_argument("--dtype", default="float32", help="dtype of the cache (float32, bfloat16, float16)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     shape = [int(x) for x in a.shape.split(",")]
-    kv_cache = torch.zeros(*shape, dtype=torch.float32)
+    kv_cache = torch.zeros(*shape, dtype=getattr(torch, a.dtype), device=a.device)
+    if kv_cache.device.type == "cuda":
+        torch.cuda.set_device(kv_cache.device)  # torch_dist receives NCCL tensors on the current device
     kv_cache.fill_(0.0)  # touch every page before any timing
     table = TransferTable(kv_cache)
     sink = TableSink(table)
@@ -167,7 +171,7 @@ def main(argv=None) -> int:
             reply({"completed": msg["transfer_id"] in sink.completed, "failed": sink.failed.get(msg["transfer_id"])})
         elif cmd == "digest":
             blocks = gather_blocks(kv_cache, 0, shape[0], msg["block_ids"])
-            reply({"crc32": zlib.crc32(blocks.reshape(-1).view(torch.uint8).numpy())})
+            reply({"crc32": zlib.crc32(blocks.reshape(-1).view(torch.uint8).cpu().numpy())})
         elif cmd == "raw_buffer":
             raw.buffer = bytearray(msg["nbytes"])
             raw.buffer[::4096] = b"\0" * len(raw.buffer[::4096])  # touch every page before timing

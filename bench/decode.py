@@ -68,6 +68,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads for ours and HF")
     p.add_argument("--model", default="smollm2-135m-instruct", help="model spec (engine.model_loader)")
     p.add_argument("--no-hf", action="store_true", help="skip HF generate")
+    p.add_argument("--linear-backend", default=None,
+                   help="our engine's linear backend (engine.model.linear.LINEAR_BACKENDS; default: the engine's)")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vLLM's CPU build")
     p.add_argument("--rounds", type=int, default=None,
                    help="runs of each engine per point, interleaved in rotating order; the best run "
@@ -243,7 +245,7 @@ def run(args) -> dict:
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_hf_folder(model_dir, name=args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = load_model(cfg, torch.device("cpu"), torch.float32)
+    model = load_model(cfg, torch.device("cpu"), torch.float32, linear_backend=args.linear_backend)
     hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     stats = model_stats(model, cfg)
     log(f"machine rates, load {load_start:.2f}")
@@ -255,7 +257,8 @@ def run(args) -> dict:
     res = {
         "benchmark": "decode", "complete": False, "quick": args.quick, "model": args.model,
         "model_dir": str(model_dir), "dtype": "float32", "device": "cpu", "cpu": _common.cpu_name(),
-        "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "cpu_count": os.cpu_count(), "linear_backend": args.linear_backend or "default", "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "vllm": peer.info["vllm"] if peer else None, "block_size": BLOCK_SIZE, "rounds": args.rounds,
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "thread_budget": {"ours": f"{args.threads} torch intra-op threads (one process)",

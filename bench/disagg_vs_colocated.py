@@ -1,233 +1,260 @@
-"""Disaggregated vs colocated serving on one machine, at a sweep of request rates.
+"""Disaggregated vs colocated serving on one machine: repeated runs at a sweep of request rates,
+on two Azure workloads, with confidence intervals.
 
 Each mode is brought up with ``pdcluster up --local`` (through the CLI's own parser, as
 ``tests/cluster_utils.py`` does) with the same model, KV pool and number of workers, so
-both get the same CPU threads (each worker's torch threads are its share of the cores).
-The same Azure-conversation trace slice (lengths clipped so the CPU keeps up) is replayed
-at every rate with ``--rate`` (the slice's burst pattern rescaled to that mean rate), and
-the comparison is written to ``--results-dir``:
+both get the same CPU threads. Colocated runs first. Per mode:
 
-* ``disagg_vs_colocated.json`` / ``.md``: per mode and rate, p50/p99 TTFT, p99 ITL, mean
-  and p99 TPOT, SLO attainment and goodput (vLLM's per-run goodput: req/s of completed
-  requests meeting every SLO); per mode, DistServe's goodput: the highest swept rate
-  whose SLO attainment stays >= ``--attainment-target``;
-* ``disagg_vs_colocated.png``: the same against the rate;
-* ``runs/<mode>/rate_<r>/``: each run's summary.json, requests.jsonl and report.md.
+1. **Warm-up**: once the cluster is up, ``--warmup-requests`` requests of the first workload
+   are replayed at the lowest rate and thrown away (model pages, allocator, gRPC channels).
+2. **Idle baseline**: the idle cluster's own CPU use (cores, over ``--baseline-window-s``):
+   every process of the Ray head's session, its Redis and this driver, from ``/proc``.
+3. **Sweep**: per workload (``--workloads``: ``conversation`` = the repository's Azure LLM
+   inference trace 2023 conversation CSV, ``code`` = its code CSV, whose long prompts make
+   prefill interfere with decode; both from ``loadtest/data/azure2023``, nothing outside the
+   repository is read), per rate (ascending), ``--repetitions`` runs of the same
+   ``--num-requests`` trace rows with the burst pattern rescaled to that rate (repetition
+   ``i`` uses seed ``--seed + i`` for the prompt tokens). With ``--stop-below-attainment``,
+   colocated stops raising the rate after the first rate whose mean SLO attainment is below
+   it; disaggregated then runs exactly the rates colocated ran.
 
-A mode whose extra arguments ``pdcluster up`` rejects (e.g. a build without ``--colocated``)
-is skipped, and the result says so. Every run is bounded (``--run-duration`` seconds of
-sending, then at most ``--drain-timeout`` seconds) and only targets the local router.
+**Load gate.** Before every measured run (our cluster up but idle: the previous run has
+drained) the 1-minute load average is read; the gate value is that load minus the idle
+baseline of step 2, i.e. an estimate of the load with nothing of ours running. If it exceeds
+``--max-load`` (default 1.0), the bench waits up to ``--load-wait-s`` for it to drop
+(polling every ``--load-poll-s``); if it does not, the run is not recorded (it appears under
+``skipped_runs`` with the load seen). Why subtract the baseline: the cluster being up is
+itself load (0.5 s heartbeats, health checks, Ray's GCS/raylet loops); a process using ``x``
+cores on average adds about ``x`` to the load average of an otherwise idle machine, and
+without subtracting it an idle cluster that alone sits near the limit would make every point
+wait or be refused. The baseline is measured as CPU use (not load) so that it stays
+meaningful on a loaded machine, where our runnable-but-waiting tasks would inflate a load
+reading. Measured on the 2-core dev machine (10 s windows, 2026-12-01): an idle colocated
+cluster uses 0.06-0.09 cores and an idle disaggregated one 0.09, so the idle cluster alone
+does not keep the 1-minute load above 1.0; subtracting it only stops it from eating into the
+limit. ``--idle-baseline X`` gives it instead (0 = the raw load gate). After a run the
+1-minute average decays with a 60 s time constant, so expect about a minute of waiting
+between runs. The bench never kills or waits for anything but its own runs.
 
-Usage (from the repository root)::
+**Outputs** in ``--results-dir``:
 
-    python bench/disagg_vs_colocated.py --modes disaggregated,colocated --rates 0.2,0.4,0.8 --num-requests 20
+* ``disagg_vs_colocated.json``: config, machine, per mode its warm-up and idle baseline; per
+  workload and mode the points (rate, every recorded run with the load before it, skipped
+  runs, and mean / 95 % CI (Student t over repetitions) of goodput, SLO attainment, p99 ITL
+  and p99 TTFT), DistServe goodput (highest rate whose mean attainment >= the target, every
+  lower rate too), and the targets (disaggregated p99 ITL <= 0.5 x colocated's at the rate
+  where colocated first drops below the attainment target, else its highest rate;
+  disaggregated DistServe goodput >= colocated's) with met / missed;
+  Each run also records ``cluster_cpu_cores``: the cluster's CPU use over the run (cores, out of
+  ``os.cpu_count()``), a first clue when a target is missed (CPU-bound or not);
+* ``disagg_vs_colocated.md`` / ``.png``: the same as tables and plots (error bars: 95 % CI);
+* ``runs/<workload>/<mode>/rate_<r>/rep_<i>/``: each run's summary.json, requests.jsonl, report.md.
+
+Usage (from the repository root; the full default sweep takes hours on 2 cores)::
+
+    python bench/disagg_vs_colocated.py --rates 0.2,0.4,0.6,0.8,1.0 --stop-below-attainment 0.9
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from deploy.ray_env import use_loopback_ray  # noqa: E402
 
 use_loopback_ray()  # before anything imports ray: the local clusters stay on loopback
 
-from loadtest.driver import run_loadtest  # noqa: E402
-from loadtest.metrics import max_rate_meeting, parse_slo  # noqa: E402
-from loadtest.runner import RunConfig  # noqa: E402
+import _disagg_cluster as dc  # noqa: E402
+import _disagg_report  # noqa: E402
+import _disagg_stats as ds  # noqa: E402
+from _common import logger, write_results  # noqa: E402
+
+from loadtest.metrics import parse_slo  # noqa: E402
 from loadtest.workload import WorkloadConfig  # noqa: E402
-from pdcluster.cli import build_parser  # noqa: E402
 
-DISAGG_ARGS = ["--prefill", "1", "--decode", "1"]
-"""Extra ``pdcluster up`` arguments of the disaggregated mode (2 workers)."""
+WORKLOADS = {"conversation": ("azure-conv", 128), "code": ("azure-code", 384)}
+"""Workload -> (trace of ``loadtest/traces.py``, default input clip in tokens; 384 + 16
+outputs fits ``--max-model-len 512`` and keeps the code prompts' long prefills)."""
 
-COLOCATED_ARGS = ["--colocated", "--workers", "2"]
-"""Extra ``pdcluster up`` arguments of the colocated mode (2 workers, prefill + decode on each)."""
-
-MODES = {"disaggregated": DISAGG_ARGS, "colocated": COLOCATED_ARGS}
-
-CLUSTER_ARGS = ["--max-model-len", "512", "--block-size", "16", "--num-kv-blocks", "800", "--heartbeat-s", "0.5"]
-"""``pdcluster up`` arguments shared by both modes."""
-
-METRICS = (("ttft_p50_ms", "ttft_ms", "p50"), ("ttft_p99_ms", "ttft_ms", "p99"), ("itl_p99_ms", "itl_ms", "p99"),
-           ("tpot_mean_ms", "tpot_ms", "mean"), ("tpot_p99_ms", "tpot_ms", "p99"))
+log = logger("disagg")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--modes", default="disaggregated,colocated", help="comma-separated subset of " + ",".join(MODES))
-    p.add_argument("--rates", default="0.2,0.4,0.8", help="request rates to sweep (req/s, >= 3 values)")
-    p.add_argument("--num-requests", type=int, default=20, help="requests per rate (the same trace rows)")
+    p.add_argument("--modes", default="colocated,disaggregated", help="comma-separated subset of " + ",".join(dc.MODES))
+    p.add_argument("--workloads", default="conversation,code", help="comma-separated subset of " + ",".join(WORKLOADS))
+    p.add_argument("--rates", default="0.2,0.4,0.6,0.8,1.0", help="request rates to sweep (req/s)")
+    p.add_argument("--repetitions", type=int, default=3, help="measured runs per (workload, mode, rate)")
+    p.add_argument("--num-requests", type=int, default=100, help="requests per run (the same trace rows)")
+    p.add_argument("--stop-below-attainment", type=float, default=None,
+                   help="stop raising the rate once colocated's mean attainment at a rate is below this")
     p.add_argument("--skip", type=int, default=0, help="trace rows skipped before the slice")
-    p.add_argument("--max-input-tokens", type=int, default=128)
+    p.add_argument("--max-input-tokens", default="conversation=128,code=384", help="input clip per workload")
     p.add_argument("--max-output-tokens", type=int, default=16)
     p.add_argument("--slo", default="ttft=2s,tpot=200ms", help="SLOs of attainment and goodput")
     p.add_argument("--attainment-target", type=float, default=0.9, help="DistServe goodput target")
-    p.add_argument("--run-duration", type=float, default=180.0, help="seconds of sending per run, at most")
+    p.add_argument("--warmup-requests", type=int, default=10, help="unrecorded requests after each mode's up")
+    p.add_argument("--max-load", type=float, default=1.0, help="load gate (1-min load minus the idle baseline)")
+    p.add_argument("--load-wait-s", type=float, default=600.0, help="seconds to wait for the load gate")
+    p.add_argument("--load-poll-s", type=float, default=10.0, help="seconds between load readings")
+    p.add_argument("--idle-baseline", type=float, default=None, help="idle cluster load (cores); default: measured")
+    p.add_argument("--baseline-window-s", type=float, default=30.0, help="seconds the idle baseline is measured")
+    p.add_argument("--run-duration", type=float, default=1200.0, help="seconds of sending per run, at most")
     p.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to finish a run after sending")
     p.add_argument("--results-dir", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    args.rates = sorted(float(r) for r in args.rates.split(","))
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if len(args.rates) < 3:
-        p.error("give at least 3 rates")
-    if unknown := set(args.modes) - set(MODES):
+    return _check(p, args)
+
+
+def _split(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    try:
+        args.rates = sorted(float(r) for r in _split(args.rates))
+        clips = {k.strip(): int(v) for k, v in (kv.split("=") for kv in _split(args.max_input_tokens))}
+        args.slo_obj = parse_slo(args.slo)
+    except ValueError as exc:
+        p.error(f"bad --rates, --max-input-tokens or --slo: {exc}")
+    args.modes, args.workloads = _split(args.modes), _split(args.workloads)
+    if unknown := set(args.modes) - set(dc.MODES):
         p.error(f"unknown modes {sorted(unknown)}")
+    if unknown := (set(args.workloads) | set(clips)) - set(WORKLOADS):
+        p.error(f"unknown workloads {sorted(unknown)}; known: {', '.join(WORKLOADS)}")
+    args.clips = {w: clips.get(w, WORKLOADS[w][1]) for w in WORKLOADS}
+    if not args.rates or min(args.rates) <= 0 or not args.workloads or not args.modes:
+        p.error("give at least one rate (> 0 req/s), one workload and one mode")
+    if args.repetitions < 1 or args.num_requests < 1 or args.warmup_requests < 0:
+        p.error("--repetitions and --num-requests must be >= 1, --warmup-requests >= 0")
+    if args.max_load < 0 or args.load_wait_s < 0 or args.load_poll_s <= 0 or args.baseline_window_s <= 0:
+        p.error("--max-load, --load-wait-s must be >= 0; --load-poll-s, --baseline-window-s > 0")
+    if args.num_requests / min(args.rates) > args.run_duration:
+        p.error(f"--num-requests {args.num_requests} at {min(args.rates):g} req/s need about "
+                f"{args.num_requests / min(args.rates):.0f} s of sending > --run-duration {args.run_duration:g}")
+    if not 0 < args.attainment_target <= 1:
+        p.error("--attainment-target must be in (0, 1]")
     return args
 
 
-def up_args(mode_args: list[str], state_dir: Path) -> tuple[argparse.Namespace | None, str]:
-    """Parse ``pdcluster up`` arguments of a mode; ``(None, reason)`` when the parser rejects them."""
-    argv = ["up", "--local", "--port", "0", "--state-dir", str(state_dir), *CLUSTER_ARGS, *mode_args]
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            return build_parser().parse_args(argv), ""
-    except SystemExit:
-        return None, f"`pdcluster {' '.join(argv[:2])} ... {' '.join(mode_args)}` rejected: " + \
-            err.getvalue().strip().splitlines()[-1]
+def workload_config(args, workload: str, rate: float, num_requests: int, seed: int) -> WorkloadConfig:
+    """The replay of ``workload``'s trace slice at ``rate`` req/s (lengths clipped)."""
+    return WorkloadConfig(source=WORKLOADS[workload][0], num_requests=num_requests, skip=args.skip, rate=rate,
+                          max_input_tokens=args.clips[workload], max_output_tokens=args.max_output_tokens, seed=seed)
 
 
-def run_mode(mode: str, args: argparse.Namespace, slo) -> dict:
-    """Bring the mode's cluster up, replay the slice at every rate, bring it down."""
-    from deploy import local
-
-    state_dir = Path(tempfile.mkdtemp(prefix=f"bench-{mode}-"))
-    up, reason = up_args(MODES[mode], state_dir)
-    if up is None:
-        print(f"[{mode}] skipped: {reason}", flush=True)
-        return {"mode": mode, "up_args": MODES[mode], "skipped": reason, "runs": []}
-    runs, model = [], None
-    try:
-        state = local.up(up)
-    except Exception as exc:  # noqa: BLE001 - reported in the result, the other mode still runs
-        local.down(state_dir)
-        return {"mode": mode, "up_args": MODES[mode], "skipped": f"`up` failed: {exc!r}", "runs": []}
-    try:
-        for rate in args.rates:
-            out = args.results_dir / "runs" / mode / f"rate_{rate:g}"
-            workload = WorkloadConfig(source="azure-conv", num_requests=args.num_requests, skip=args.skip,
-                                      rate=rate, max_input_tokens=args.max_input_tokens,
-                                      max_output_tokens=args.max_output_tokens, seed=args.seed)
-            run = RunConfig(address=state["router_address"], duration_s=args.run_duration,
-                            drain_timeout_s=args.drain_timeout)
-            load = os.getloadavg()[0]
-            print(f"[{mode}] rate {rate:g} req/s, {args.num_requests} requests (1-min load before: {load:.2f})",
-                  flush=True)
-            s = run_loadtest(workload, run, slo=slo, output_dir=out, plots=False, progress=False).summary
-            model = s["model"]
-            row = {"rate": rate, "load_avg_1m_before": load, "sent": s["sent"], "completed": s["completed"],
-                   "failed": s["failed"], "duration_s": s["duration_s"],
-                   "request_throughput": s["request_throughput"], "output_throughput": s["output_throughput"],
-                   "slo_attainment": s["slo_attainment"], "goodput": s["goodput"],
-                   **{name: s[key][stat] for name, key, stat in METRICS}}
-            print(f"[{mode}]   " + ", ".join(f"{k}={v:.3g}" for k, v in row.items() if isinstance(v, float)),
-                  flush=True)
-            runs.append(row)
-    finally:
-        local.down(state_dir)
-    max_rate = max_rate_meeting([r["rate"] for r in runs], [r["slo_attainment"] for r in runs],
-                                args.attainment_target)
-    return {"mode": mode, "up_args": MODES[mode], "model": model, "runs": runs, "distserve_goodput": max_rate}
+def _ms(v: float | None) -> str:
+    return "–" if v is None else f"{v:.0f} ms"
 
 
-def _fmt(v) -> str:
-    if v is None:
-        return "–"
-    return f"{v:.0f}" if isinstance(v, float) else str(v)
-
-
-def write_markdown(path: Path, result: dict) -> None:
-    cfg = result["config"]
-    lines = ["# Disaggregated vs colocated (generated by bench/disagg_vs_colocated.py)", "",
-             f"Machine: {result['machine']['cpus']} CPUs, {result['machine']['platform']}. "
-             f"Model {result['model']}; `pdcluster up --local {' '.join(CLUSTER_ARGS)}` plus the mode's arguments.",
-             f"Workload: Azure LLM inference trace 2023 (conversation), rows {cfg['skip']}..{cfg['skip'] + cfg['num_requests']}, "
-             f"inputs clipped to {cfg['max_input_tokens']} tokens, outputs to {cfg['max_output_tokens']} "
-             f"(ignore_eos), arrivals rescaled to each rate. SLO: {cfg['slo']}.", ""]
-    for m in result["modes"]:
-        lines.append(f"## {m['mode']} (`{' '.join(m['up_args'])}`)")
-        lines.append("")
-        if m.get("skipped"):
-            lines += [f"**Not run:** {m['skipped']}", ""]
+def measure_point(state: dict, args, workload: str, mode: str, rate: float, baseline: float) -> dict:
+    """``--repetitions`` gated runs at one rate; returns ``{"rate", "runs", "skipped_runs", "stats"}``."""
+    point: dict = {"rate": rate, "runs": [], "skipped_runs": []}
+    for rep in range(args.repetitions):
+        gate = ds.wait_for_load(lambda: os.getloadavg()[0], time.sleep, time.monotonic, max_load=args.max_load,
+                                idle_baseline=baseline, wait_s=args.load_wait_s, poll_s=args.load_poll_s)
+        tag = f"[{workload}/{mode}] rate {rate:g} rep {rep}: load {gate['load_1m']:.2f} (gate {gate['gate_value']:.2f})"
+        if not gate["ok"]:
+            log(f"{tag} > {args.max_load:g} after {gate['waited_s']:.0f} s: not recorded")
+            point["skipped_runs"].append({"rep": rep, **gate})
             continue
-        lines += ["| rate (req/s) | done/sent | TTFT p50 (ms) | TTFT p99 (ms) | ITL p99 (ms) | TPOT mean (ms) | "
-                  "TPOT p99 (ms) | SLO attainment | goodput (req/s) | throughput (req/s) | load avg before |",
-                  "|" + "---|" * 11]
-        for r in m["runs"]:
-            lines.append(f"| {r['rate']:g} | {r['completed']}/{r['sent']} | {_fmt(r['ttft_p50_ms'])} | "
-                         f"{_fmt(r['ttft_p99_ms'])} | {_fmt(r['itl_p99_ms'])} | {_fmt(r['tpot_mean_ms'])} | "
-                         f"{_fmt(r['tpot_p99_ms'])} | {100 * r['slo_attainment']:.0f} % | {r['goodput']:.3f} | "
-                         f"{r['request_throughput']:.3f} | {r['load_avg_1m_before']:.2f} |")
-        best = m["distserve_goodput"]
-        lines += ["", f"DistServe goodput (highest swept rate with SLO attainment ≥ "
-                      f"{100 * cfg['attainment_target']:.0f} %): "
-                      + (f"**{best:g} req/s**" if best is not None else "**none of the swept rates**"), ""]
-    lines += ["Goodput columns: vLLM's per-run goodput = completed requests meeting every SLO / run duration. "
-              "DistServe's goodput = the highest request rate whose SLO attainment stays above the target.", ""]
-    path.write_text("\n".join(lines))
+        out = args.results_dir / "runs" / workload / mode / f"rate_{rate:g}" / f"rep_{rep}"
+        cpu0, t0 = dc.cluster_cpu_s(state), time.monotonic()
+        summary = dc.replay(state, workload_config(args, workload, rate, args.num_requests, args.seed + rep), args, out)
+        args.model = summary["model"]
+        row = dc.row_of(summary, rep, gate) | {"cluster_cpu_cores": (dc.cluster_cpu_s(state) - cpu0)
+                                               / max(time.monotonic() - t0, 1e-9)}
+        log(f"{tag}: attainment {row['slo_attainment']:.2f}, goodput {row['goodput']:.3f} req/s, "
+            f"ITL p99 {_ms(row['itl_p99_ms'])}, TTFT p99 {_ms(row['ttft_p99_ms'])}")
+        point["runs"].append(row)
+    point["stats"] = ds.aggregate_point(point["runs"])
+    return point
 
 
-def write_plot(path: Path, result: dict) -> None:
-    from matplotlib.figure import Figure
+def warm_up(state: dict, args) -> dict:
+    """The unrecorded warm-up replay; ``{"requests", "completed", "duration_s"}``."""
+    if args.warmup_requests == 0:
+        return {"requests": 0, "completed": 0, "duration_s": 0.0}
+    wl = workload_config(args, args.workloads[0], args.rates[0], args.warmup_requests, args.seed + 1000)
+    s = dc.replay(state, wl, args, None)
+    return {"requests": args.warmup_requests, "completed": s["completed"], "duration_s": s["duration_s"]}
 
-    fig = Figure(figsize=(13, 4))
-    axes = fig.subplots(1, 3)
-    for m in result["modes"]:
-        if not m["runs"]:
-            continue
-        rates = [r["rate"] for r in m["runs"]]
-        for key, ls in (("ttft_p50_ms", ":"), ("ttft_p99_ms", "-")):
-            axes[0].plot(rates, [r[key] for r in m["runs"]], ls, marker="o", label=f"{m['mode']} {key[:8]}")
-        for key, ls in (("tpot_mean_ms", ":"), ("itl_p99_ms", "-")):
-            axes[1].plot(rates, [r[key] for r in m["runs"]], ls, marker="o", label=f"{m['mode']} {key[:-3]}")
-        axes[2].plot(rates, [100 * r["slo_attainment"] for r in m["runs"]], marker="o", label=m["mode"])
-    axes[2].set_ylim(-5, 105)
-    axes[2].axhline(100 * result["config"]["attainment_target"], color="gray", ls="--", lw=1, label="target")
-    for ax, title, unit in zip(axes, ("TTFT", "TPOT and ITL", f"SLO attainment ({result['config']['slo']})"),
-                               ("ms", "ms", "%")):
-        ax.set_title(title)
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel(unit)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+
+def run_mode(mode: str, args, rates_by_workload: dict) -> dict:
+    """Up, warm-up, idle baseline and sweep of one mode; returns ``{"up_args", "skipped"?,
+    "warmup", "idle_baseline", "workloads": {workload: [point, ...]}}``."""
+    entry: dict = {"up_args": dc.MODES[mode], "workloads": {w: [] for w in args.workloads}}
+    with dc.cluster(mode) as (state, reason):
+        if state is None:
+            log(f"[{mode}] skipped: {reason}")
+            return entry | {"skipped": reason}
+        entry["ray_head_pid"] = state.get("ray_head_pid")  # its session is gone after down (smoke test)
+        entry["warmup"] = warm_up(state, args)
+        log(f"[{mode}] warm-up: {entry['warmup']}")
+        if args.idle_baseline is None:
+            entry["idle_baseline"] = dc.idle_cpu_cores(state, args.baseline_window_s) | {"measured": True}
+        else:
+            entry["idle_baseline"] = {"cores": args.idle_baseline, "measured": False}
+        log(f"[{mode}] idle baseline: {entry['idle_baseline']}")
+        for workload in args.workloads:
+            for rate in rates_by_workload[workload]:
+                point = measure_point(state, args, workload, mode, rate, entry["idle_baseline"]["cores"])
+                entry["workloads"][workload].append(point)
+                if mode == "colocated" and ds.should_stop(point, args.stop_below_attainment):
+                    log(f"[{workload}/colocated] mean attainment below {args.stop_below_attainment}: stop at {rate:g}")
+                    break
+    return entry
+
+
+def build_result(args, modes: dict, started: str) -> dict:
+    """The JSON document: config, machine, modes, and per workload its points and targets."""
+    workloads = {}
+    for w in args.workloads:
+        per_mode = {m: {"points": e["workloads"].get(w, []),
+                        "distserve_goodput": ds.distserve_goodput(e["workloads"].get(w, []), args.attainment_target)}
+                    for m, e in modes.items()}
+        empty: list = []
+        workloads[w] = {"trace": WORKLOADS[w][0], "max_input_tokens": args.clips[w], "modes": per_mode,
+                        "targets": ds.targets(per_mode.get("disaggregated", {}).get("points", empty),
+                                              per_mode.get("colocated", {}).get("points", empty),
+                                              args.attainment_target)}
+    return {
+        "started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "model": getattr(args, "model", None),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "config": {"rates": args.rates, "repetitions": args.repetitions, "num_requests": args.num_requests,
+                   "workloads": args.workloads, "skip": args.skip, "max_output_tokens": args.max_output_tokens,
+                   "slo": args.slo, "attainment_target": args.attainment_target,
+                   "stop_below_attainment": args.stop_below_attainment, "warmup_requests": args.warmup_requests,
+                   "max_load": args.max_load, "load_wait_s": args.load_wait_s, "cluster_args": dc.CLUSTER_ARGS},
+        "modes": {m: {k: v for k, v in e.items() if k != "workloads"} for m, e in modes.items()},
+        "workloads": workloads,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    slo = parse_slo(args.slo)
-    args.results_dir.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    modes = [run_mode(mode, args, slo) if mode in args.modes else
-             {"mode": mode, "up_args": MODES[mode], "skipped": "not selected in this invocation (--modes)", "runs": []}
-             for mode in MODES]
-    result = {
-        "started": started, "model": next((m["model"] for m in modes if m.get("model")), None),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "config": {"rates": args.rates, "num_requests": args.num_requests, "skip": args.skip,
-                   "max_input_tokens": args.max_input_tokens, "max_output_tokens": args.max_output_tokens,
-                   "slo": args.slo, "attainment_target": args.attainment_target, "cluster_args": CLUSTER_ARGS},
-        "modes": modes,
-    }
-    base = args.results_dir / "disagg_vs_colocated"
-    base.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    write_markdown(base.with_suffix(".md"), result)
-    write_plot(base.with_suffix(".png"), result)
-    print(f"wrote {base}.json, .md, .png")
+    rates = {w: list(args.rates) for w in args.workloads}
+    modes: dict = {}
+    for mode in dc.MODES:  # colocated first
+        if mode not in args.modes:
+            continue
+        modes[mode] = run_mode(mode, args, rates)
+        if mode == "colocated" and not modes[mode].get("skipped"):
+            rates = {w: [p["rate"] for p in modes[mode]["workloads"][w]] for w in args.workloads}
+    result = build_result(args, modes, started)
+    stem, _ = write_results(result, args.results_dir, "disagg_vs_colocated", _disagg_report.markdown)
+    _disagg_report.write_plot(stem.with_suffix(".png"), result)
+    log(f"wrote {stem}.json, .md, .png")
     return 0
 
 

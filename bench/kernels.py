@@ -10,7 +10,7 @@ Measures, in one run on one device:
 * the varlen prefill kernel (``varlen_prefill_attention``) at several (batch, new tokens,
   cached prefix) points: TFLOP/s of the causal attention (4 * head_dim flops per
   (query, key, head) pair that is not masked) and its ratio to the GEMM rate;
-* at every point the ``"torch"`` backend (gather + SDPA) on the same step, as a second
+* at every point the ``"sdpa"`` backend (gather + SDPA) on the same step, as a second
   ratio, and the largest difference between the two outputs (a broken kernel is not timed
   as a fast one).
 
@@ -150,7 +150,7 @@ def run(cfg: dict, device, interpret: bool) -> dict:
     dtype = getattr(torch, cfg["dtype"])
     h, kh, d = cfg["heads"]
     scale = d**-0.5
-    triton_be, torch_be = get_attention_backend("triton"), get_attention_backend("torch")
+    triton_be, torch_be = get_attention_backend("triton"), get_attention_backend("sdpa")
 
     copy_gbps, gemm_tflops, gemm_dtype = _machine_rates(torch, cfg, device, timer)
     m = cfg["gemm_n"]

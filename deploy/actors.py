@@ -12,9 +12,10 @@ reports its address or its failure (with traceback); ``status()`` answers at onc
 only control (status, load, drain, stop); requests go to the gRPC servers.
 
 A worker binds its gRPC server to its Ray node's IP address (the address the other nodes
-reach it at; ``127.0.0.1`` in a loopback-only local cluster). The router restarts on the
-ports it first bound (kept in Redis by :mod:`deploy.router_ports`), so clients reconnect
-to the same address.
+reach it at; ``127.0.0.1`` in a loopback-only local cluster). A router restarts on the
+ports the cluster's first router bound (kept in Redis by :mod:`deploy.router_ports`), so
+clients reconnect to the same address; ``pdcluster up --routers N`` runs N router actors
+sharing those ports.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import replace
 
 import ray
 
+from serving.priority import lower_cpu_priority
 from serving.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ class WorkerActor:
 
     def __init__(self, cfg: WorkerConfig) -> None:
         cfg.log.apply()
+        lower_cpu_priority(cfg.cpu_nice)  # before its threads start: they inherit it
         self.cfg = cfg
         self.host = None
         self.phase = "loading"
@@ -129,36 +132,56 @@ class WorkerActor:
 
 @ray.remote(max_restarts=RESTARTS, max_task_retries=0, max_concurrency=4)
 class RouterActor:
-    """Hosts the router (no torch compute; tokenizer and gRPC threads only).
+    """Hosts one router (no torch compute; tokenizer and gRPC threads only).
 
-    A router configured to listen on ``0.0.0.0`` reports its node's IP address. After a
-    crash Ray reconstructs it and it serves again on the ports it first bound (read from
-    Redis, waiting for Redis if it is down too); its view of the workers and their load is
-    rebuilt from the registry, which is all the state a router has.
+    A router configured to listen on ``0.0.0.0`` reports its node's IP address. The first
+    router of a cluster is started by :meth:`start` and records the ports it bound in Redis;
+    every other one (``follow``: the cluster's routers 1 .. N-1, or one the controller
+    recreates) and every router Ray reconstructs after a crash starts on its own, on the
+    recorded ports (read from Redis, waiting for Redis if it is down too), shared with the
+    others through SO_REUSEPORT when the cluster has several. Its view of the workers, their
+    load and the other routers is rebuilt from the registry, which is all the state a router has.
+    :meth:`started` waits until a router that starts on its own serves.
     """
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, follow: bool = False) -> None:
         cfg.log.apply()
+        if (nice := os.getpriority(os.PRIO_PROCESS, 0)) > 0:
+            log.warning("the router runs at nice %d (Ray's RAY_worker_niceness): on shared cores the workers "
+                        "compete with it as equals; start the Ray nodes with RAY_worker_niceness=0", nice)
         self.cfg = cfg
         self.server = None
         self.result: dict = {}
-        if was_restarted():
-            threading.Thread(target=self._restart, name="router-restart", daemon=True).start()
+        self.error = ""
+        self._ready = threading.Event()
+        self.restarted = was_restarted()
+        if self.restarted or follow:
+            threading.Thread(target=self._follow, name="router-start", daemon=True).start()
 
-    def _restart(self) -> None:
+    def _follow(self) -> None:
         from deploy.router_ports import wait_router_ports
 
-        ports = wait_router_ports(self.cfg.redis_url, self.cfg.cluster)
-        self.cfg = replace(self.cfg, port=ports["port"],
-                           http_port=ports["http_port"] if self.cfg.http_port is not None else None)
-        self.start()
-        log.warning("router restarted after a crash: serving again on %s", self.result["address"])
+        try:
+            ports = wait_router_ports(self.cfg.redis_url, self.cfg.cluster)
+            self.cfg = replace(self.cfg, port=ports["port"],
+                               http_port=ports["http_port"] if self.cfg.http_port is not None else None)
+            self.start()
+        except BaseException:  # noqa: BLE001 - reported by started()
+            self.error = traceback.format_exc()
+            log.error("router-%d failed to start:\n%s", self.cfg.index, self.error)
+            self._ready.set()
+            return
+        if self.restarted:
+            log.warning("router-%d restarted after a crash: serving again on %s", self.cfg.index,
+                        self.result["address"])
 
     def start(self) -> dict:
-        """Build and start the servers; returns ``{address, http_address, pid, node_id}``."""
+        """Build and start the servers; returns ``{address, http_address, pid, node_id, index}``."""
         from deploy.router_ports import save_router_ports
         from router.server import RouterServer
 
+        if self.cfg.host == "0.0.0.0":
+            self.cfg = replace(self.cfg, advertise_host=_node_ip())
         self.server = RouterServer(self.cfg)
         address = self.server.start()
         # Everything made so far (imports, tokenizer, servers) lives as long as the process:
@@ -171,13 +194,28 @@ class RouterActor:
         if self.cfg.host == "0.0.0.0":
             address = f"{_node_ip()}:{self.server.port}"
             http = f"{_node_ip()}:{self.server.http.port}" if http else ""
-        self.result = {"address": address, "http_address": http, "pid": os.getpid(),
+        self.result = {"address": address, "http_address": http, "pid": os.getpid(), "index": self.cfg.index,
+                       "metrics_address": self.server.metrics_address,
                        "node_id": ray.get_runtime_context().get_node_id()}
+        self._ready.set()
+        return self.result
+
+    def started(self, timeout_s: float | None = None) -> dict:
+        """Wait until a router that starts on its own serves; returns what :meth:`start` returns.
+
+        Raises:
+            RuntimeError: it failed to start (with the traceback), or did not within ``timeout_s``.
+        """
+        if not self._ready.wait(timeout_s):
+            raise RuntimeError(f"router-{self.cfg.index} did not start within {timeout_s}s")
+        if not self.result:
+            raise RuntimeError(f"router-{self.cfg.index} failed to start:\n{self.error}")
         return self.result
 
     def status(self) -> dict:
-        """``{serving, pid, address}`` now."""
-        return {"serving": self.serving(), "pid": os.getpid(), "address": self.result.get("address", "")}
+        """``{serving, pid, address, index}`` now."""
+        return {"serving": self.serving(), "pid": os.getpid(), "address": self.result.get("address", ""),
+                "index": self.cfg.index}
 
     def serving(self) -> bool:
         """Whether the router can serve requests now (its health service says SERVING)."""

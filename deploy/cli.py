@@ -18,6 +18,7 @@ from router.migration import DEFAULT_MAX_MIGRATIONS, check_max_migrations
 from router.policy_names import DEFAULT_POLICY, POLICY_NAMES
 from serving.logs import LOG_FORMATS, LOG_LEVELS
 from serving.rpc import DEFAULT_MAX_QUEUED_REQUESTS
+from serving.priority import DEFAULT_WORKER_NICE
 
 
 def _port(value: str) -> int:
@@ -174,6 +175,10 @@ def _add_placement(p: argparse.ArgumentParser) -> None:
                    help="custom Ray resource a node must advertise to host decode workers")
     p.add_argument("--worker-cpus", type=float, default=None, metavar="C",
                    help="logical CPUs per worker (default: 1 with GPUs, else the cluster's CPUs shared)")
+    p.add_argument("--worker-gpus", type=float, default=None, metavar="G",
+                   help="fraction of a GPU per worker where the cluster has GPUs, in (0, 1] (default 1); e.g. 0.5 "
+                        "puts a prefill and a decode worker on one GPU (they share its memory; not with TP > 1 "
+                        "or --kv-transport torch_dist)")
     p.add_argument("--placement-timeout-s", type=float, default=120,
                    help="seconds to wait for Ray to find the workers' resources before failing")
 
@@ -198,6 +203,11 @@ def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
                         f"(default: {DEFAULT_POLICY})")
     p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
     p.add_argument("--port", type=_port, default=50051, help="router port (0: any free port)")
+    p.add_argument("--routers", type=_positive, default=1, metavar="N",
+                   help="router processes behind the one address: they share --port and --http-port "
+                        "(SO_REUSEPORT; the kernel spreads client connections over them), each admits its "
+                        "share of the cluster's capacity, and one that dies is restarted on the same ports "
+                        "while the others keep serving (default 1)")
     p.add_argument("--host", default="127.0.0.1", help="router bind host (0.0.0.0: every interface)")
     p.add_argument("--redis-url", default=None, help="existing Redis URL (default: start one)")
     p.add_argument("--redis-port", type=int, default=0, help="port of the Redis `up` starts (0: any free)")
@@ -223,6 +233,10 @@ def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
     _add_api_keys(p, env_api_key)
     _add_tls(p)
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="registry heartbeat period in seconds")
+    p.add_argument("--worker-nice", type=int, choices=range(20), default=DEFAULT_WORKER_NICE, metavar="N",
+                   help="nice steps the worker processes run below the router, Redis and the controller (0-19; "
+                        f"default {DEFAULT_WORKER_NICE}): on shared cores those answer first, e.g. refuse an "
+                        "overload burst at once")
     p.add_argument("--timeout-s", type=float, default=300, help="seconds to wait for the cluster to be ready")
     p.add_argument("--cluster", default="default", help="cluster name (registry namespace)")
     p.add_argument("--dtype", default="auto", help="model dtype (auto, float16, bfloat16, float32)")

@@ -2,8 +2,9 @@
 
 Workers are Ray actors in placement groups, one bundle each (:mod:`deploy.placement`:
 one GPU per worker where the cluster has GPUs, a CPU share otherwise; strategy
-and pinning resources chosen by the caller). The router is a zero-CPU actor on
-the Ray head node. All actors are detached and named ``pdcluster-<cluster>-<id>``
+and pinning resources chosen by the caller). Each router (``--routers N``, one by
+default) is a zero-CPU actor on the Ray head node; they share the public ports
+(:class:`deploy.actors.RouterActor`). All actors are detached and named ``pdcluster-<cluster>-<id>``
 in the ``pdcluster`` namespace, so ``pdcluster down`` / ``scale`` (other
 processes) find them. Worker ids are ``<role>-<index>``; indices are never reused
 within a cluster, so a removed worker's id is never taken by a new one.
@@ -12,7 +13,7 @@ within a cluster, so a removed worker's id is never taken by a new one.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import ray
 from ray.util.placement_group import remove_placement_group
@@ -54,9 +55,12 @@ class ClusterSpec:
         placement: strategy, pinning resources, CPUs per worker, placement timeout.
         num_colocated: colocated workers (prefill and decode on one engine).
         timeout_s: seconds to wait for every server to come up once placed.
+        num_routers: router processes behind the one address (>= 1; more than one needs
+            ``router.reuse_port``).
 
     Raises:
-        ValueError: a worker mix other than the two above, or a non-positive timeout.
+        ValueError: a worker mix other than the two above, a non-positive timeout, fewer than
+            one router, or several without ``router.reuse_port``.
     """
 
     num_prefill: int
@@ -66,8 +70,11 @@ class ClusterSpec:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     num_colocated: int = 0
     timeout_s: float = 300.0
+    num_routers: int = 1
 
     def __post_init__(self) -> None:
+        if self.num_routers < 1 or (self.num_routers > 1 and not self.router.reuse_port):
+            raise ValueError(f"num_routers must be >= 1 (several need router.reuse_port), got {self.num_routers}")
         counts = (self.num_prefill, self.num_decode, self.num_colocated)
         if min(counts) < 0:
             raise ValueError(f"worker counts must be >= 0, got {counts}")
@@ -84,6 +91,39 @@ class ClusterSpec:
 
 def actor_name(cluster: str, ident: str) -> str:
     return f"pdcluster-{cluster}-{ident}"
+
+
+def router_actor_name(cluster: str, index: int) -> str:
+    """Actor name of router ``index`` (the first keeps the single-router name ``...-router``)."""
+    return actor_name(cluster, "router" if index == 0 else f"router-{index}")
+
+
+def router_actor_names(state: dict) -> list[str]:
+    """Actor names of every desired router of the cluster ``state`` describes."""
+    return [router_actor_name(state["cluster"], i) for i in range(state.get("num_routers", 1))]
+
+
+def create_router_actor(cluster: str, cfg: RouterConfig, follow: bool):
+    """Create the detached actor of router ``cfg.index`` on the head node (zero CPUs); returns
+    its handle. ``follow``: it starts at once on the ports recorded in Redis
+    (:class:`deploy.actors.RouterActor`); otherwise call its ``start``."""
+    return RouterActor.options(
+        name=router_actor_name(cluster, cfg.index), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(head_node_id(), soft=False),
+    ).remote(cfg, follow)
+
+
+def start_routers(spec: "ClusterSpec", first: dict) -> list[dict]:
+    """Start routers 1 .. N-1 on the ports router 0 recorded and wait until they serve; returns
+    every router's start result (``first``: router 0's).
+
+    Raises:
+        RuntimeError: a router failed to start or did not within ``spec.timeout_s``.
+    """
+    cluster = spec.worker.cluster
+    others = [create_router_actor(cluster, replace(spec.router, index=i), follow=True)
+              for i in range(1, spec.num_routers)]
+    return [first, *ray.get([a.started.remote(spec.timeout_s) for a in others], timeout=spec.timeout_s + 10)]
 
 
 def worker_config_to_dict(cfg: WorkerConfig) -> dict:
@@ -175,9 +215,10 @@ def recreate_worker(state: dict, entry: dict) -> None:
 
 
 def launch(spec: ClusterSpec) -> dict:
-    """Place and start every worker and the router; returns the cluster state dict
-    (router address, workers with address/pid/node/placement group, what ``scale``
-    needs to add more workers alike).
+    """Place and start every worker and the ``spec.num_routers`` routers (router 0 first: it
+    picks the shared ports the others bind); returns the cluster state dict (router address,
+    ``routers``, workers with address/pid/node/placement group, what ``scale`` needs to add
+    more workers alike).
 
     Raises:
         PlacementError: the workers could not be placed within ``spec.placement.timeout_s``
@@ -187,27 +228,29 @@ def launch(spec: ClusterSpec) -> dict:
     cluster = spec.worker.cluster
     counts = spec.counts()
     ranks = sum(n * spec.worker.for_role(role, "-").tp for role, n in counts.items())  # a TP worker's ranks share
-    shape = decide_shape(ray.cluster_resources(), ranks, spec.worker.device, spec.placement.worker_cpus)
+    shape = decide_shape(ray.cluster_resources(), ranks, spec.worker.device, spec.placement.worker_cpus,
+                         spec.placement.worker_gpus)
     new = [(role, f"{role}-{i}") for role in WORKER_ROLES for i in range(counts[role])]
     pg_name = actor_name(cluster, "pg-0")
     state = {"cluster": cluster, "redis_url": spec.worker.redis_url, "workers": [], "placement_groups": [pg_name],
              "placement": asdict(spec.placement), "shape": asdict(shape),
              "worker_template": worker_config_to_dict(spec.worker), "next_index": dict(counts), "next_pg": 1}
-    router = RouterActor.options(
-        name=actor_name(cluster, "router"), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(head_node_id(), soft=False),
-    ).remote(spec.router)
+    state["num_routers"] = spec.num_routers
+    router = create_router_actor(cluster, replace(spec.router, index=0), follow=False)
     router_started = router.start.remote()  # loads its tokenizer while the workers are placed
     try:
         state["workers"] = start_workers(cluster, spec.worker, shape, spec.placement, new, pg_name, spec.timeout_s)
-        r = ray.get(router_started, timeout=spec.timeout_s)
+        routers = start_routers(spec, ray.get(router_started, timeout=spec.timeout_s))
     except Exception as e:
         teardown(state)
         if isinstance(e, PlacementError):
             raise
         raise RuntimeError(f"pdcluster failed to start: {e}") from e
+    r = routers[0]
     state.update(router_address=r["address"], router_http_address=r["http_address"], router_pid=r["pid"],
-                 router_node_id=r["node_id"])
+                 router_node_id=r["node_id"],
+                 routers=[{"index": x["index"], "actor": router_actor_name(cluster, x["index"]), "pid": x["pid"],
+                           "metrics_address": x["metrics_address"]} for x in routers])
     return state
 
 
@@ -239,7 +282,7 @@ def teardown(state: dict) -> None:
     restarted) and remove its placement groups (idempotent)."""
     cluster = state["cluster"]
     kill_actors([actor_name(cluster, "controller")])
-    kill_actors([w["actor"] for w in state.get("workers", [])] + [actor_name(cluster, "router")])
+    kill_actors([w["actor"] for w in state.get("workers", [])] + router_actor_names(state))
     groups = list(state.get("placement_groups", []))
     if state.get("placement_group"):  # state files written before scaling existed
         groups.append(state["placement_group"])
@@ -251,6 +294,9 @@ def default_worker_config(**kw) -> WorkerConfig:
     return WorkerConfig(role="prefill", worker_id="template", **kw)
 
 
-__all__ = ["CacheConfig", "ClusterSpec", "PlacementConfig", "PlacementError", "SchedulerConfig", "WORKER_ROLES",
-           "launch", "start_workers", "create_worker_actor", "recreate_worker", "teardown", "kill_actors", "remove_groups", "head_node_id",
-           "worker_config_to_dict", "worker_config_from_dict", "default_worker_config", "actor_name", "NAMESPACE"]
+__all__ = [
+    "CacheConfig", "ClusterSpec", "PlacementConfig", "PlacementError", "SchedulerConfig", "WORKER_ROLES", "launch",
+    "start_workers", "create_router_actor", "router_actor_name", "router_actor_names", "create_worker_actor",
+    "recreate_worker", "teardown", "kill_actors", "remove_groups", "head_node_id", "worker_config_to_dict",
+    "worker_config_from_dict", "default_worker_config", "actor_name", "NAMESPACE"
+]

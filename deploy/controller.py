@@ -11,8 +11,11 @@ for the state file. Every period (the heartbeat period) it
 2. compares the desired workers with the live registry; each missing one is probed through
    its actor and healed by the rules of :mod:`deploy.heal` (Ray restarts crashed actors by
    itself; the controller restarts hung, paused or failed ones and recreates killed ones);
-3. publishes a report (``state:controller``: desired counts, each worker's liveness and why
-   it is missing, Redis restarts), which ``pdcluster status`` prints.
+3. keeps the desired routers (``pdcluster up --routers N``): Ray restarts a crashed router
+   actor in place; one whose actor is gone for good (killed without restart) is created
+   again with the same index, on the same shared ports (:func:`deploy.cluster.create_router_actor`);
+4. publishes a report (``state:controller``: desired counts, each worker's liveness and why
+   it is missing, live routers, Redis restarts), which ``pdcluster status`` prints.
 
 ``pdcluster scale`` goes through :meth:`ControllerActor.scale`, so one owner changes the
 desired state: it heals first (a dead worker is replaced, not counted), then adds or drains
@@ -24,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 
 import ray
 from redis.exceptions import RedisError
@@ -34,8 +38,10 @@ from deploy.cluster import (
     NAMESPACE,
     WORKER_ROLES,
     actor_name,
+    create_router_actor,
     head_node_id,
     recreate_worker,
+    router_actor_name,
     worker_config_from_dict,
 )
 from deploy.heal import Action, HealConfig, Probe, WorkerWatch, decide
@@ -71,9 +77,11 @@ def probe_worker(entry: dict, timeout_s: float) -> tuple[Probe, str]:
 @ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=4)
 class ControllerActor:
     """See the module docstring. ``state`` is the cluster state ``up`` built (workers,
-    placement groups, template, shape); ``redis`` is given where ``up`` started the Redis."""
+    placement groups, template, shape, ``num_routers``); ``redis`` is given where ``up`` started
+    the Redis; ``router`` is the routers' config (:class:`router.server.RouterConfig`; ``None``:
+    routers are not recreated). Ray gives a restarted controller the same arguments."""
 
-    def __init__(self, state: dict, heal: HealConfig, redis: RedisSpec | None) -> None:
+    def __init__(self, state: dict, heal: HealConfig, redis: RedisSpec | None, router=None) -> None:
         worker_config_from_dict(state["worker_template"]).log.apply()  # the cluster's --log-format / --log-level
         self.cfg = heal
         self.reg = WorkerRegistry(state["redis_url"], state["cluster"])
@@ -82,6 +90,8 @@ class ControllerActor:
             self.state = self._stored_state() or state
             log.warning("controller restarted; desired state of %d workers", len(self.state["workers"]))
         self.redis = RedisSupervisor(redis, heal.redis_down_checks) if redis else None
+        self.router_cfg = router
+        self.router_acted: dict[int, float] = {}
         self.watches: dict[str, WorkerWatch] = {}
         self.report_now: dict = {}
         self._lock = threading.RLock()
@@ -114,14 +124,17 @@ class ControllerActor:
         with self._lock:
             redis_up = self.redis.check() if self.redis else True
             live: dict = {}
+            routers: set[int] = set()
             if redis_up:
                 try:
                     live = {info.worker_id: info for info, _ in self.reg.live_workers()}
+                    routers = {r.index for r in self.reg.live_routers()}
                 except RedisError:
                     redis_up = False
             if redis_up:
                 self._heal(live)
-            self.report_now = self._report(redis_up, live)
+                self._heal_routers(routers)
+            self.report_now = self._report(redis_up, live, routers)
             if redis_up:
                 try:
                     self.reg.put_state(REPORT_KEY, self.report_now, ttl_s=max(10.0, 5 * self.cfg.period_s))
@@ -149,6 +162,30 @@ class ControllerActor:
         if changed:
             self._persist()
 
+    def _heal_routers(self, live: set[int]) -> None:
+        """Create again every desired router missing from Redis whose actor Ray no longer knows
+        (at most once per ``restart_backoff_s`` each); a crashed one Ray restarts by itself."""
+        if self.router_cfg is None:
+            return
+        cluster = self.state["cluster"]
+        for index in range(self.state.get("num_routers", 1)):
+            if index in live:
+                continue
+            try:
+                ray.get_actor(router_actor_name(cluster, index), namespace=NAMESPACE)
+                continue  # starting, or restarting after a crash
+            except ValueError:
+                pass
+            now = time.monotonic()
+            if now - self.router_acted.get(index, -1e9) < self.cfg.restart_backoff_s:
+                continue
+            self.router_acted[index] = now
+            log.warning("router-%d is gone (no actor, no record): creating it again", index)
+            try:
+                create_router_actor(cluster, replace(self.router_cfg, index=index), follow=True)
+            except Exception as e:  # noqa: BLE001 - retried next period
+                log.error("recreating router-%d failed: %s", index, e)
+
     def _act(self, entry: dict, watch: WorkerWatch, action: Action, now: float) -> None:
         wid = entry["worker_id"]
         log.warning("worker %s missing from the registry (%s): %s", wid, watch.reason, action.value)
@@ -162,7 +199,7 @@ class ControllerActor:
         watch.acted_at = now
         watch.restarts += 1
 
-    def _report(self, redis_up: bool, live: dict) -> dict:
+    def _report(self, redis_up: bool, live: dict, routers: set[int]) -> dict:
         desired = {role: sum(w["role"] == role for w in self.state["workers"]) for role in WORKER_ROLES}
         workers = []
         for entry in self.state["workers"]:
@@ -171,7 +208,8 @@ class ControllerActor:
                             "live": entry["worker_id"] in live if redis_up else None,
                             "reason": watch.reason if watch else "", "restarts": watch.restarts if watch else 0})
         return {"updated_at": time.time(), "desired": desired, "workers": workers, "redis_up": redis_up,
-                "redis_restarts": self.redis.restarts if self.redis else 0}
+                "redis_restarts": self.redis.restarts if self.redis else 0,
+                "routers": {"desired": self.state.get("num_routers", 1), "live": sorted(routers)}}
 
     def report(self) -> dict:
         """The last report (as published to Redis)."""
@@ -211,12 +249,13 @@ class ControllerActor:
         self._stop.set()
 
 
-def start_controller(state: dict, heal: HealConfig, redis: RedisSpec | None):
-    """Create the cluster's controller actor on the head node; returns its handle."""
+def start_controller(state: dict, heal: HealConfig, redis: RedisSpec | None, router=None):
+    """Create the cluster's controller actor on the head node; returns its handle (``router``:
+    the routers' config, to recreate a router that is gone for good)."""
     return ControllerActor.options(
         name=actor_name(state["cluster"], "controller"), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(head_node_id(), soft=False),
-    ).remote(state, heal, redis)
+    ).remote(state, heal, redis, router)
 
 
 def controller_of(cluster: str):

@@ -29,7 +29,7 @@ from common.model_config import ConfigError
 from deploy.cluster import NAMESPACE, WORKER_ROLES, actor_name, head_node_id, launch, teardown
 from deploy.controller import HealConfig, RedisSpec, start_controller
 from deploy.placement import PlacementError
-from deploy.ray_env import LOOPBACK_ENV, check_ray_reachable
+from deploy.ray_env import LOOPBACK_ENV, NODE_ENV, check_ray_reachable
 from deploy.redis_control import stop_redis_at
 from deploy.redis_server import LocalRedisServer, free_port
 from deploy.spec import exposure_warning, spec_from_args
@@ -90,7 +90,7 @@ def start_ray_node(state_dir: Path, head_address: str | None = None, resources: 
         cmd += [f"--address={head_address}"]
         log_path = state_dir / f"ray-node-{free_port()}.log"
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, env={**os.environ, **LOOPBACK_ENV})
+                            start_new_session=True, env={**os.environ, **LOOPBACK_ENV, **NODE_ENV})
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -216,7 +216,7 @@ def up(args) -> dict:
         state.update(launch(spec))
         wait_healthy(state["redis_url"], args.cluster, sum(spec.counts().values()), state["router_address"],
                      args.timeout_s, router_tls=spec.router.security.public_tls)
-        _start_controller(state, spec.worker.heartbeat_s, args.timeout_s)
+        _start_controller(state, spec.worker.heartbeat_s, args.timeout_s, spec.router)
     except BaseException:
         _cleanup(state)
         raise
@@ -227,11 +227,11 @@ def up(args) -> dict:
     return state
 
 
-def _start_controller(state: dict, period_s: float, timeout_s: float) -> None:
+def _start_controller(state: dict, period_s: float, timeout_s: float, router) -> None:
     """Start the cluster controller (:mod:`deploy.controller`), supervising Redis where ``up``
-    started it, and wait until it watches."""
+    started it and keeping the ``router`` config's routers, and wait until it watches."""
     redis = RedisSpec(state["redis_url"], state["redis_dir"]) if state.get("started_redis") else None
-    controller = start_controller(state, HealConfig(period_s=period_s), redis)
+    controller = start_controller(state, HealConfig(period_s=period_s), redis, router)
     ray.get(controller.report.remote(), timeout=timeout_s)
 
 
@@ -318,7 +318,8 @@ def cmd_up(args) -> int:
     redis_at = state["redis_url"].rsplit("@", 1)[-1]  # without the password
     scheme = "https" if args.tls_cert else "http"
     http = f", OpenAI HTTP at {scheme}://{state['router_http_address']}/v1" if state.get("router_http_address") else ""
-    print(f"pdcluster is up: router at {state['router_address']}{http} ({kinds}, redis {redis_at})")
+    routers = f"{args.routers} routers" if args.routers > 1 else "router"
+    print(f"pdcluster is up: {routers} at {state['router_address']}{http} ({kinds}, redis {redis_at})")
     print(state["router_address"])
     return 0
 

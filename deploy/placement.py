@@ -1,8 +1,9 @@
 """Where workers go: placement-group bundles, strategies, pinning, and why a placement fails.
 
-Every worker gets one bundle: one GPU (and one CPU) where the cluster has GPUs,
-a CPU share otherwise, times the worker's tensor-parallel ranks (``--prefill-tp`` /
-``--decode-tp``: the ranks are processes on the bundle's node). A bundle may carry a small amount (:data:`PIN_AMOUNT`) of
+Every worker gets one bundle: one GPU (and one CPU) where the cluster has GPUs
+(or ``--worker-gpus`` of one, so that workers share a GPU), a CPU share otherwise,
+times the worker's tensor-parallel ranks (``--prefill-tp`` / ``--decode-tp``: the
+ranks are processes on the bundle's node). A bundle may carry a small amount (:data:`PIN_AMOUNT`) of
 a custom resource, which pins the worker to nodes that advertise it (``ray start
 --resources='{"prefill_node": 1}'``): that is how prefill and decode workers go
 to different machine kinds. The bundles of one ``up`` (or one ``scale``) form
@@ -47,11 +48,16 @@ class PlacementConfig:
             any node).
         worker_cpus: logical CPUs per worker bundle; ``None`` derives it (1 with
             GPUs, else the cluster's CPUs divided among the workers, at most 1).
+        worker_gpus: fraction of a GPU per worker (per tensor-parallel rank) where the
+            cluster has GPUs, in (0, 1]; ``None`` = 1. Below 1, Ray may put several workers
+            on one GPU (e.g. 0.5: a prefill and a decode worker share one); they then share
+            its memory (each takes its ``--kv-cache-gb`` plus the weights).
         timeout_s: seconds to wait for Ray to reserve the bundles.
 
     Raises:
         ValueError: unknown strategy, non-positive ``worker_cpus`` / ``timeout_s``,
-            or a pinning resource named like a built-in one (``CPU``, ``GPU``...).
+            ``worker_gpus`` outside (0, 1], or a pinning resource named like a built-in
+            one (``CPU``, ``GPU``...).
     """
 
     strategy: str = "pack"
@@ -60,12 +66,15 @@ class PlacementConfig:
     colocated_resource: str | None = None
     worker_cpus: float | None = None
     timeout_s: float = 120.0
+    worker_gpus: float | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"placement strategy must be one of {sorted(STRATEGIES)}, got {self.strategy!r}")
         if self.worker_cpus is not None and self.worker_cpus <= 0:
             raise ValueError(f"worker_cpus must be positive, got {self.worker_cpus}")
+        if self.worker_gpus is not None and not 0 < self.worker_gpus <= 1:
+            raise ValueError(f"worker_gpus must be in (0, 1], got {self.worker_gpus}")
         if self.timeout_s <= 0:
             raise ValueError(f"placement timeout_s must be positive, got {self.timeout_s}")
         for name in (self.prefill_resource, self.decode_resource, self.colocated_resource):
@@ -88,7 +97,7 @@ class WorkerShape:
 
     Attributes:
         cpus: logical CPUs in the worker's bundle.
-        gpus: GPUs in the bundle (0 or 1).
+        gpus: GPUs in the bundle per tensor-parallel rank (0, 1, or a fraction of one).
         threads: torch intra-op threads of the worker.
         device: ``"cuda"`` or ``"cpu"``.
     """
@@ -110,8 +119,10 @@ class WorkerShape:
         return b
 
 
-def decide_shape(cluster_resources: dict, num_workers: int, device: str, worker_cpus: float | None) -> WorkerShape:
-    """One GPU per worker where the cluster has GPUs (and ``device`` allows), else a CPU share.
+def decide_shape(cluster_resources: dict, num_workers: int, device: str, worker_cpus: float | None,
+                 worker_gpus: float | None = None) -> WorkerShape:
+    """One GPU (or ``worker_gpus`` of one) per worker where the cluster has GPUs (and ``device``
+    allows), else a CPU share.
 
     On CPU a worker gets the torch threads of its share of the cluster's CPUs but its bundle
     reserves half that share (at most half a CPU), so that ``pdcluster scale`` can add as many
@@ -125,9 +136,10 @@ def decide_shape(cluster_resources: dict, num_workers: int, device: str, worker_
             share divides among them; the shape is per rank, a worker's bundle is ``tp`` shapes).
         device: ``"auto"``, ``"cuda"`` or ``"cpu"``.
         worker_cpus: explicit logical CPUs per worker, or ``None``.
+        worker_gpus: fraction of a GPU per worker (rank), or ``None`` for a whole one.
     """
     if cluster_resources.get("GPU", 0) >= 1 and device in ("auto", "cuda"):
-        return WorkerShape(worker_cpus or 1.0, 1.0, max(1, math.floor(worker_cpus or 1.0)), "cuda")
+        return WorkerShape(worker_cpus or 1.0, worker_gpus or 1.0, max(1, math.floor(worker_cpus or 1.0)), "cuda")
     cpus = cluster_resources.get("CPU", 1.0)
     if worker_cpus is not None:
         return WorkerShape(worker_cpus, 0.0, max(1, math.floor(worker_cpus)), "cpu")

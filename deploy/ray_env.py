@@ -16,6 +16,11 @@ import sys
 from pathlib import Path
 
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+NODE_ENV = {"RAY_worker_niceness": "0"}
+"""Environment of every Ray node pdcluster starts (``ray start`` here and in the ``ray up`` YAMLs):
+Ray starts its worker processes at nice 15 by default, which would put the router (an actor)
+below every other process of its host; at 0 the router runs at normal priority and each pdcluster
+worker lowers its own (:attr:`serving.worker_config.WorkerConfig.cpu_nice`)."""
 
 
 def use_loopback_ray() -> None:

@@ -156,6 +156,14 @@ def check_tp(args, model_cfg: ModelConfig) -> None:
             raise ConfigError(f"--{role}-tp {n}: {e}") from None
     if args.colocated and max(tp.values()) > 1:
         raise ConfigError("--prefill-tp / --decode-tp apply to disaggregated workers, not --colocated")
+    if args.worker_gpus is not None and args.worker_gpus < 1:
+        # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected")
+        if max(tp.values()) > 1:
+            raise ConfigError(f"--worker-gpus {args.worker_gpus} (workers sharing a GPU) cannot be combined with "
+                              "--prefill-tp / --decode-tp > 1: a worker's ranks need a GPU each")
+        if args.kv_transport == "torch_dist":
+            raise ConfigError(f"--worker-gpus {args.worker_gpus} (workers sharing a GPU) cannot be combined with "
+                              "--kv-transport torch_dist: NCCL cannot pair two processes on one GPU; use grpc")
 
 
 def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret: str = "",
@@ -201,7 +209,7 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
                           cluster=args.cluster, device=args.device, dtype=args.dtype,
                           heartbeat_s=args.heartbeat_s, cache=cache, scheduler=sched, kv=kv,
                           prefill_cache=prefill_cache, log=log, security=security.for_workers(),
-                          max_queued_requests=args.max_queued_requests,
+                          max_queued_requests=args.max_queued_requests, cpu_nice=args.worker_nice,
                           prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                           quantization=args.quantization)
     router = RouterConfig(model=args.model, model_path=str(folder), redis_url=redis_url, cluster=args.cluster,
@@ -211,10 +219,11 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
                           max_prompt_bytes=args.max_prompt_bytes, max_migrations=args.max_migrations, log=log,
                           security=security, admission=AdmissionConfig(max_queued_requests=args.max_queued_requests,
                                                                        ttft_slo_ms=args.ttft_slo_ms),
-                          breaker=BreakerConfig(failures=args.breaker_failures, cooldown_s=args.breaker_cooldown_s))
+                          breaker=BreakerConfig(failures=args.breaker_failures, cooldown_s=args.breaker_cooldown_s),
+                          reuse_port=args.routers > 1)
     placement = PlacementConfig(strategy=args.placement, prefill_resource=args.prefill_resource,
                                 decode_resource=args.decode_resource, worker_cpus=args.worker_cpus,
-                                timeout_s=args.placement_timeout_s)
-    if args.colocated:
-        return ClusterSpec(0, 0, worker, router, placement, num_colocated=args.workers, timeout_s=args.timeout_s)
-    return ClusterSpec(args.prefill, args.decode, worker, router, placement, timeout_s=args.timeout_s)
+                                worker_gpus=args.worker_gpus, timeout_s=args.placement_timeout_s)
+    counts = (0, 0, args.workers) if args.colocated else (args.prefill, args.decode, 0)
+    return ClusterSpec(counts[0], counts[1], worker, router, placement, num_colocated=counts[2],
+                       timeout_s=args.timeout_s, num_routers=args.routers)

@@ -1,6 +1,6 @@
-"""``pdcluster status``: the live workers of a cluster (from the Redis registry) against the
-desired ones (from the cluster controller's report, :mod:`deploy.controller`), and why a
-missing worker is missing."""
+"""``pdcluster status``: the live workers and routers of a cluster (from the Redis registry)
+against the desired ones (from the cluster controller's report, :mod:`deploy.controller`), and
+why a missing worker is missing."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ ROLES = ("prefill", "decode", "colocated")
 
 def collect(state: dict) -> dict:
     """``{workers: [one dict per live worker], desired: {role: n}, live: {role: n},
-    missing: [{worker_id, role, reason, restarts}], controller: bool}``.
+    missing: [{worker_id, role, reason, restarts}], controller: bool, routers: {desired: n,
+    live: [{index, router_id, pid, address, metrics_address, started_at}]}}``.
 
     Raises:
         redis.exceptions.RedisError: the cluster's Redis cannot be reached.
@@ -35,6 +36,8 @@ def collect(state: dict) -> dict:
                 "num_total_blocks": load.num_total_blocks, "draining": load.draining,
                 "heartbeat_age_s": round(time.time() - load.updated_at, 2),
             })
+        routers = [{"index": r.index, "router_id": r.router_id, "pid": r.pid, "address": r.address,
+                    "metrics_address": r.metrics_address, "started_at": r.started_at} for r in reg.live_routers()]
         report = reg.get_state("controller")
     finally:
         reg.close()
@@ -45,6 +48,7 @@ def collect(state: dict) -> dict:
                 "reason": w.get("reason") or "no heartbeat", "restarts": w.get("restarts", 0)}
                for w in desired_workers if w["worker_id"] not in live_ids]
     return {"workers": rows, "missing": missing, "controller": report is not None,
+            "routers": {"desired": state.get("num_routers", 1), "live": routers},
             "desired": {r: sum(w["role"] == r for w in desired_workers) for r in ROLES},
             "live": {r: sum(w["role"] == r for w in rows) for r in ROLES}}
 
@@ -71,7 +75,11 @@ def print_status(state: dict, as_json: bool = False) -> int:
     console = Console(width=160)
     console.print(table)
     counts = ", ".join(f"{st['live'][r]}/{n} {r}" for r, n in st["desired"].items() if n)
+    routers = st["routers"]
+    counts += f", {len(routers['live'])}/{routers['desired']} routers"
     console.print(f"live/desired: {counts}" + ("" if st["controller"] else " (no controller report)"))
+    for r in routers["live"]:
+        console.print(f"{r['router_id']}: pid {r['pid']}, metrics at {r['metrics_address']}")
     for m in st["missing"]:
         console.print(f"missing: {m['worker_id']} ({m['role']}): {m['reason']}; restarts {m['restarts']}")
     return 3 if st["missing"] else 0

@@ -3,10 +3,12 @@ instead of queuing it where nobody sees it.
 
 A request is admitted (:meth:`router.core.RequestRouter.start`) only while
 
-* the router holds fewer requests than its **capacity**: the seats of the live decode (or
-  colocated) workers, each worker's ``max_num_seqs`` as it publishes it in the registry, plus
-  ``max_queued_requests`` (never more than ``max_admitted_requests``, which sizes the router's
-  gRPC thread pool); otherwise it is refused with reason ``queue_full``; and
+* the router holds fewer requests than its **capacity**: its share of the cluster's capacity,
+  which is the seats of the live decode (or colocated) workers, each worker's ``max_num_seqs``
+  as it publishes it in the registry, plus ``max_queued_requests``, divided by the number of
+  live routers (``pdcluster up --routers N``, counted from their records in Redis:
+  :mod:`router.peers`; rounded up), never more than ``max_admitted_requests`` (which sizes the
+  router's gRPC thread pool); otherwise it is refused with reason ``queue_full``; and
 * with ``ttft_slo_ms`` set, its **predicted TTFT** at the best prefill worker is within the
   SLO: (prompt tokens already queued there + this prompt's tokens it has not cached) / that
   worker's measured prefill rate (:class:`router.load.PrefillRates`); a worker without a
@@ -17,6 +19,12 @@ A refusal is :class:`Refused`: RESOURCE_EXHAUSTED with a retry-after hint in mil
 queue is the time one seat takes to free on average (Little's law: the mean time requests spend
 in the router / the seats; 1 s before anything was measured); for the SLO, how far the
 prediction is over it. Each refusal counts in ``num_requests_rejected{reason}`` and logs one line.
+
+With several routers the shares are exact only while the kernel spreads the load evenly over
+them (SO_REUSEPORT hashes connections, not requests): one router may refuse while another has
+room, and for a few seconds after a router dies (until its record expires) the others keep the
+smaller share. The cluster as a whole never admits more than its capacity (+ N - 1 from the
+rounding), instead of N times it.
 """
 
 from __future__ import annotations
@@ -88,11 +96,13 @@ class Admission:
         rates: measured prefill rates (per worker address).
         cached_tokens: ``(worker, prompt) ->`` prompt tokens the worker has cached.
         metrics: the router's metrics (``num_requests_rejected``).
+        routers: ``() ->`` the live routers sharing the capacity (>= 1; default: this one alone).
     """
 
     def __init__(self, cfg: AdmissionConfig, decode_workers: Callable[[], list[WorkerInfo]],
                  prefill_workers: Callable[[], list[WorkerInfo]], load: LoadTracker, rates: PrefillRates,
-                 cached_tokens: Callable[[WorkerInfo, list[int]], int], metrics: ProcessMetrics) -> None:
+                 cached_tokens: Callable[[WorkerInfo, list[int]], int], metrics: ProcessMetrics,
+                 routers: Callable[[], int] = lambda: 1) -> None:
         self.cfg = cfg
         self._decode_workers = decode_workers
         self._prefill_workers = prefill_workers
@@ -100,6 +110,7 @@ class Admission:
         self._rates = rates
         self._cached = cached_tokens
         self._metrics = metrics
+        self._routers = routers
         self._lock = threading.Lock()
         self._mean_stay_s: float | None = None
 
@@ -108,18 +119,20 @@ class Admission:
         return sum(w.max_num_seqs for w in self._decode_workers())
 
     def capacity(self) -> int:
-        """Requests the router may hold now."""
-        return min(self.seats() + self.cfg.max_queued_requests, self.cfg.max_admitted_requests)
+        """Requests this router may hold now: its share of the seats + ``max_queued_requests``."""
+        share = math.ceil((self.seats() + self.cfg.max_queued_requests) / max(1, self._routers()))
+        return min(share, self.cfg.max_admitted_requests)
 
     def queue_full(self, request_id: str, admitted: int, capacity: int) -> Refused:
         """Count and log a ``queue_full`` refusal; returns it (the caller raises)."""
         with self._lock:
             stay = self._mean_stay_s
-        seats = max(1, capacity - self.cfg.max_queued_requests)
+        seats = max(1, math.ceil(self.seats() / max(1, self._routers())))
         hint = DEFAULT_RETRY_AFTER_MS if stay is None else stay * 1000 / seats
         return self._refuse(QUEUE_FULL, request_id, hint,
                             f"the router is full: {admitted} requests admitted, capacity {capacity} (the decode "
-                            f"workers' max_num_seqs + max_queued_requests {self.cfg.max_queued_requests}); retry later")
+                            f"workers' max_num_seqs + max_queued_requests {self.cfg.max_queued_requests}, "
+                            f"shared by {max(1, self._routers())} router(s)); retry later")
 
     def check_ttft(self, request_id: str, prompt: list[int]) -> None:
         """Refuse a request whose predicted TTFT exceeds ``ttft_slo_ms`` (nothing when unset).

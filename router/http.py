@@ -1,9 +1,12 @@
 """The router's HTTP port: uvicorn serving the FastAPI app on a thread of the router process,
-HTTPS when given a certificate."""
+HTTPS when given a certificate. With ``reuse_port`` the listening socket is made here with
+SO_REUSEPORT (uvicorn's own has none), so the cluster's routers share one HTTP port and the
+kernel spreads connections over them (``pdcluster up --routers N``)."""
 
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 import threading
 import time
@@ -19,6 +22,26 @@ def _private_file(data: bytes) -> str:
     return path
 
 
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: any free port) with SO_REUSEADDR and SO_REUSEPORT,
+    not yet listening (uvicorn listens on it).
+
+    Raises:
+        OSError: the address cannot be bound (taken by a socket without SO_REUSEPORT, or by
+            another user).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class HttpServer:
     """uvicorn on its own thread (its own event loop).
 
@@ -27,9 +50,14 @@ class HttpServer:
         host / port: where to listen (port 0 = any free port).
         tls: ``(certificate PEM, key PEM)`` to serve HTTPS with; ``None``: plain HTTP. uvicorn
             reads them from files: they are written to 0600 temporary files, removed once it listens.
+        reuse_port: listen with SO_REUSEPORT (other processes of this user may bind the port too).
+
+    Raises:
+        OSError: with ``reuse_port``, the port cannot be bound.
     """
 
-    def __init__(self, app, host: str, port: int, tls: tuple[bytes, bytes] | None = None) -> None:
+    def __init__(self, app, host: str, port: int, tls: tuple[bytes, bytes] | None = None,
+                 reuse_port: bool = False) -> None:
         self._tls_files = [_private_file(tls[0]), _private_file(tls[1])] if tls else []
         ssl = {"ssl_certfile": self._tls_files[0], "ssl_keyfile": self._tls_files[1]} if tls else {}
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
@@ -37,7 +65,8 @@ class HttpServer:
         self.server = uvicorn.Server(config)
         self.host = host
         self.port = port
-        self._thread = threading.Thread(target=self.server.run, name="router-http", daemon=True)
+        sockets = [reuse_port_socket(host, port)] if reuse_port else None
+        self._thread = threading.Thread(target=self.server.run, args=(sockets,), name="router-http", daemon=True)
 
     def start(self, timeout_s: float = 30.0) -> int:
         """Start serving; returns the bound port.

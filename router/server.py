@@ -11,10 +11,18 @@ holds, the gRPC pool has a thread for each of them plus spare ones for fast refu
 call beyond the pool is refused at once (never queued). The router's channels to the workers
 report every call's end to the circuit breaker (:mod:`router.breaker`) and every ``Prefill``
 to the prefill-rate meter (:mod:`router.watch`), and ping their workers (keepalive) so a worker
-that stopped answering fails its calls instead of holding them."""
+that stopped answering fails its calls instead of holding them.
+
+Several routers may serve one cluster behind one address (``pdcluster up --routers N``): with
+``RouterConfig.reuse_port`` the public gRPC and HTTP ports are bound with SO_REUSEPORT and the
+kernel spreads connections over the routers. A scrape of the shared HTTP port reaches any one of
+them, so each router also serves its own ``/metrics`` on a private port and publishes a record
+in Redis (:mod:`router.peers`); service discovery lists every live router's private port, and
+admission divides the cluster's capacity by the live routers."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,6 +42,7 @@ from router.limits import DEFAULT_MAX_REQUEST_BYTES, Limits
 from router.load import LoadTracker, PrefillRates
 from router.migration import DEFAULT_MAX_MIGRATIONS, check_max_migrations
 from router.openai.app import FrontDoorState, build_app
+from router.peers import RouterPeers
 from router.placement import POLICIES, Placer, make_policy
 from router.policy import Signals
 from router.policy_names import DEFAULT_POLICY, check_policy
@@ -45,11 +54,15 @@ from serving.cache_index import CacheIndexView
 from serving.discovery import RegistryView
 from serving.logs import LogConfig
 from serving.metrics import ProcessMetrics
-from serving.registry import WorkerInfo, WorkerRegistry
+from serving.metrics_http import MetricsHttpServer
+from serving.registry import RouterRecord, WorkerInfo, WorkerRegistry
 from serving.rpc import GRPC_OPTIONS, SPARE_THREADS, add_health, keepalive_options, receive_limit, set_serving
 from serving.security import Plane, SecurityConfig, bind, internal_channel, make_server
 
 SERVICE = "pdcluster.v1.Router"
+PEER_PERIODS = 4
+"""A router refreshes its record for the other routers every ``PEER_PERIODS`` view periods
+(``pdcluster up`` sets the view period to a quarter of the heartbeat: once per heartbeat)."""
 
 
 @dataclass(frozen=True)
@@ -88,11 +101,19 @@ class RouterConfig:
         admission: the admission limits (:class:`router.admission.AdmissionConfig`); the gRPC
             pool has ``admission.max_admitted_requests`` + :data:`serving.rpc.SPARE_THREADS` threads.
         breaker: the circuit breaker's thresholds (:class:`router.breaker.BreakerConfig`).
+        index: this router's index among the cluster's routers (``pdcluster up --routers N``:
+            0 .. N-1); its id (metrics ``worker_id``, service discovery) is ``router-<index>``.
+        reuse_port: bind the public gRPC and HTTP ports with SO_REUSEPORT, so the cluster's
+            routers share them and the kernel spreads client connections over them (on with
+            ``--routers`` > 1 only: with it, a second cluster started on the same fixed port by
+            the same user would share the port silently instead of failing).
+        advertise_host: the host other processes reach this router's private ``/metrics`` at
+            (``""``: ``host``; the Ray actor gives its node's IP when ``host`` is ``0.0.0.0``).
 
     Raises:
         ValueError: a non-positive ``max_model_len``, ``view_period_s``, ``max_request_bytes``
             or ``max_prompt_bytes``, an unregistered ``policy`` (the message lists the
-            registered names), or ``max_migrations`` outside ``[0, 100]``.
+            registered names), ``max_migrations`` outside ``[0, 100]`` or a negative ``index``.
     """
 
     model: str
@@ -113,8 +134,13 @@ class RouterConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    index: int = 0
+    reuse_port: bool = False
+    advertise_host: str = ""
 
     def __post_init__(self) -> None:
+        if self.index < 0:
+            raise ValueError(f"index must be >= 0, got {self.index}")
         if self.max_model_len <= 0 or self.view_period_s <= 0:
             raise ValueError("max_model_len and view_period_s must be positive")
         if self.max_request_bytes <= 0 or (self.max_prompt_bytes is not None and self.max_prompt_bytes <= 0):
@@ -143,14 +169,17 @@ class RouterServer:
             period_s=cfg.view_period_s) if POLICIES[cfg.policy].needs_cache_index else None
         load = LoadTracker()
         policy = make_policy(cfg.policy, Signals(load, self.cache_index))
-        self.metrics = ProcessMetrics("router", "router", cfg.model)
+        self.router_id = f"router-{cfg.index}"
+        self.metrics = ProcessMetrics("router", self.router_id, cfg.model)
         prompt_bytes = cfg.max_prompt_bytes or prompt_byte_cap(tokenizer, max_len)
         connect = partial(internal_channel, cfg.security,
                           options=GRPC_OPTIONS + keepalive_options(cfg.breaker.ping_s))
         self.breaker = CircuitBreaker(cfg.breaker, health_probe(connect, cfg.breaker.probe_timeout_s), self.metrics)
         self.prefill_rates = PrefillRates()
+        self.peers = RouterPeers(WorkerRegistry(cfg.redis_url, cfg.cluster), self._record,
+                                 period_s=cfg.view_period_s * PEER_PERIODS)
         self.admission = Admission(cfg.admission, partial(self._takers, "decode"), partial(self._takers, "prefill"),
-                                   load, self.prefill_rates, self._cached_tokens, self.metrics)
+                                   load, self.prefill_rates, self._cached_tokens, self.metrics, self.peers.count)
         self.core = RequestRouter(
             RequestValidator(tokenizer, Limits(max_len, model_cfg.vocab_size, max_prompt_bytes=prompt_bytes)),
             tokenizer, Placer(self.view, policy, self.breaker), load, self.metrics,
@@ -159,7 +188,8 @@ class RouterServer:
         self.servicer = RouterServicer(self.core, info)
         self.server = make_server(cfg.security, Plane.PUBLIC,
                                   max_workers=cfg.admission.max_admitted_requests + SPARE_THREADS,
-                                  options=receive_limit(cfg.max_request_bytes), bounded=True)
+                                  options=[(k, int(cfg.reuse_port) if k == "grpc.so_reuseport" else v)
+                                           for k, v in receive_limit(cfg.max_request_bytes)], bounded=True)
         self.health = add_health(self.server)
         add_router_service(self.servicer, self.server)
         reflection.enable_server_reflection(
@@ -167,14 +197,18 @@ class RouterServer:
              "grpc.health.v1.Health"), self.server)
         self.port = bind(self.server, cfg.host, cfg.port, cfg.security, Plane.PUBLIC)
         self.address = f"{cfg.host}:{self.port}"
+        tls = (cfg.security.tls_cert.encode(), cfg.security.tls_key.encode()) if cfg.security.public_tls else None
+        self.metrics_http = MetricsHttpServer(self.metrics.registry, cfg.host,
+                                              cfg.security.accepts_api_key if cfg.security.api_keys else None, tls)
+        self.metrics_address = f"{cfg.advertise_host or cfg.host}:{self.metrics_http.port}"
+        self.started_at = 0.0
         self.http = None
         self.http_address = ""
         if cfg.http_port is not None:
             self.http = HttpServer(build_app(FrontDoorState(
                 self.core, cfg.model, tokenizer, self.serving_now, self.scrape_targets, self.metrics.registry,
                 cfg.security.accepts_api_key, int(time.time()), max_len, cfg.max_request_bytes)), cfg.host,
-                cfg.http_port,
-                tls=(cfg.security.tls_cert.encode(), cfg.security.tls_key.encode()) if cfg.security.public_tls else None)
+                cfg.http_port, tls=tls, reuse_port=cfg.reuse_port)
         self._stop = threading.Event()
         self._health_thread = threading.Thread(target=self._watch_health, name="router-health", daemon=True)
 
@@ -197,10 +231,17 @@ class RouterServer:
                    if not any(not load.draining for _, load in self.view.workers(role))]
         return (not missing), (f"no live {' or '.join(missing)} worker" if missing else "")
 
+    def _record(self) -> RouterRecord:
+        """This router's record for the cluster's other routers (:mod:`router.peers`)."""
+        host = self.cfg.advertise_host or self.cfg.host
+        return RouterRecord(index=self.cfg.index, pid=os.getpid(), address=f"{host}:{self.port}",
+                            metrics_address=self.metrics_address, started_at=self.started_at)
+
     def scrape_targets(self) -> list[dict]:
-        """Prometheus HTTP service discovery: every live process' ``/metrics`` with its role and id."""
-        out = [{"targets": [self.http_address], "labels": {"role": "router", "worker_id": "router"}}] \
-            if self.http_address else []
+        """Prometheus HTTP service discovery: every live process' ``/metrics`` with its role and id
+        (each router's own private ``/metrics``, not the shared HTTP port, which reaches any one)."""
+        out = [{"targets": [r.metrics_address], "labels": {"role": "router", "worker_id": r.router_id}}
+               for r in self.peers.live()]
         for info, _ in self.view.workers():
             if info.metrics_address:
                 out.append({"targets": [info.metrics_address], "labels": {"role": info.role,
@@ -221,10 +262,13 @@ class RouterServer:
         if self.cache_index is not None:
             self.cache_index.start()
         set_serving(self.health, [SERVICE], serving=False)
+        self.metrics_http.start()
         self.server.start()
         if self.http is not None:
             self.http_address = f"{self.cfg.host}:{self.http.start()}"
         self._health_thread.start()
+        self.started_at = time.time()
+        self.peers.start()
         return self.address
 
     def stop(self, grace_s: float = 1.0) -> None:
@@ -233,6 +277,8 @@ class RouterServer:
         if self.http is not None:
             self.http.stop()
         self.server.stop(grace_s).wait()
+        self.peers.stop()
+        self.metrics_http.stop()
         self.view.stop()
         if self.cache_index is not None:
             self.cache_index.stop()

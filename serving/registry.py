@@ -9,6 +9,8 @@ Key layout, under the namespace ``pdcluster:<cluster>:``:
 * ``worker:<id>:generation`` - counter of the processes that registered as ``<id>``.
 * ``state:<key>`` - small JSON documents (:meth:`WorkerRegistry.put_state`): the router's
   ports, the cluster's desired state and its controller's report.
+* ``router:<index>`` - one :class:`RouterRecord` per live router process, as JSON (TTL'd:
+  a router is live exactly while its record exists; :meth:`WorkerRegistry.put_router`).
 
 Workers keep themselves registered with a :class:`serving.heartbeat.Heartbeater`;
 the router reads the live set through a :class:`serving.discovery.RegistryView`.
@@ -138,6 +140,31 @@ class WorkerLoadSnapshot:
             raise ValueError(f"load snapshot must be a JSON object, got {text!r}")
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass(frozen=True)
+class RouterRecord:
+    """One live router process (``pdcluster up --routers N`` runs N behind one address).
+
+    Attributes:
+        index: the router's index in the cluster (0 .. N-1); its id is ``router-<index>``.
+        pid: its process id on its node.
+        address: ``host:port`` of the gRPC port it shares with the cluster's other routers.
+        metrics_address: ``host:port`` of its own ``/metrics`` (not shared).
+        node_id: the machine / Ray node it runs on.
+        started_at: when it started serving, unix seconds.
+    """
+
+    index: int
+    pid: int
+    address: str
+    metrics_address: str
+    node_id: str = ""
+    started_at: float = 0.0
+
+    @property
+    def router_id(self) -> str:
+        return f"router-{self.index}"
 
 
 class WorkerRegistry:
@@ -304,6 +331,41 @@ class WorkerRegistry:
         """
         raw = self._r.get(f"{self.prefix}state:{key}")
         return json.loads(raw) if raw is not None else None
+
+    # -- routers --------------------------------------------------------------
+    def put_router(self, record: RouterRecord, ttl_s: float) -> None:
+        """Mark a router live for ``ttl_s`` seconds (it refreshes its record every heartbeat).
+
+        Raises:
+            ValueError: ``ttl_s`` is not positive.
+            redis.exceptions.RedisError: Redis unreachable or failing.
+        """
+        self._r.set(f"{self.prefix}router:{record.index}", json.dumps(asdict(record)), px=_ttl_ms(ttl_s))
+
+    def remove_router(self, index: int) -> None:
+        """Forget router ``index`` at once (it stops).
+
+        Raises:
+            redis.exceptions.RedisError: Redis unreachable or failing.
+        """
+        self._r.delete(f"{self.prefix}router:{index}")
+
+    def live_routers(self) -> list[RouterRecord]:
+        """The routers whose record has not expired, by index.
+
+        Raises:
+            redis.exceptions.RedisError: Redis unreachable or failing.
+        """
+        keys = sorted(self._r.scan_iter(match=f"{self.prefix}router:*", count=100))
+        out = []
+        for raw in self._r.mget(keys) if keys else []:
+            if raw is None:
+                continue  # expired between the scan and the read
+            try:
+                out.append(RouterRecord(**json.loads(raw)))
+            except (TypeError, ValueError) as e:
+                log.warning("skipping malformed router record %r: %s", raw, e)
+        return sorted(out, key=lambda r: r.index)
 
     def server_pid(self) -> int:
         """Process id of the Redis server (``INFO server``), for supervision and fault injection.

@@ -9,6 +9,7 @@ from common.model_config import ConfigError
 from engine.config import QUANTIZATIONS, CacheConfig, SchedulerConfig, check_quantization
 from kvtransfer.config import KvTransferConfig
 from serving.logs import LogConfig
+from serving.priority import DEFAULT_WORKER_NICE
 from serving.rpc import DEFAULT_MAX_QUEUED_REQUESTS
 from serving.security import SecurityConfig
 
@@ -46,6 +47,9 @@ class WorkerConfig:
             worker); ``prefill_tp`` / ``decode_tp`` are the per-role values :meth:`for_role` applies.
         security: the internal plane's credential (the cluster secret): required by the
             worker's RPC and KV ports, sent by its KV sender (:mod:`serving.security`).
+        cpu_nice: how many nice steps below the router, Redis and the controller the worker
+            process runs (``pdcluster up --worker-nice``; 0-19; :mod:`serving.priority`): on
+            cores it shares with them, they get the CPU first.
         max_queued_requests: ``Reserve`` calls a decode (or colocated) worker holds beyond
             ``scheduler.max_num_seqs``; one more is refused at once with RESOURCE_EXHAUSTED
             (``pdcluster up --max-queued-requests``). The worker's RPC thread pool is sized from
@@ -70,6 +74,7 @@ class WorkerConfig:
     log: LogConfig = field(default_factory=LogConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    cpu_nice: int = DEFAULT_WORKER_NICE
     tp: int = 1
     prefill_tp: int | None = None
     decode_tp: int | None = None
@@ -86,6 +91,8 @@ class WorkerConfig:
             raise ConfigError("num_threads and heartbeat_s must be positive")
         if self.max_queued_requests < 0:
             raise ConfigError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if not 0 <= self.cpu_nice <= 19:
+            raise ConfigError(f"cpu_nice (--worker-nice) must be in [0, 19], got {self.cpu_nice}")
         for name in ("tp", "prefill_tp", "decode_tp"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, int) and 1 <= v <= MAX_TP):

@@ -10,7 +10,7 @@ Where each figure comes from:
 * read at scrape time from the scheduler's ``load()``: requests running / waiting, KV-cache
   usage; cumulative counters (preemptions, KV recomputes) follow ``load()``'s totals.
 
-The endpoint is prometheus-client's own HTTP server on the worker's host, any free port;
+The endpoint (:mod:`serving.metrics_http`) is on the worker's host, any free port;
 its address is registered in Redis (``WorkerInfo.metrics_address``) for service discovery.
 """
 
@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from wsgiref.simple_server import make_server
-
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 
 from engine.step_stats import StepStats
 from serving.metrics import ProcessMetrics
+from serving.metrics_http import MetricsHttpServer
 from serving.worker_config import WorkerConfig
 
 _TOTALS = ("num_preemptions", "num_kv_recomputes")  # load() keys that are also counter names
@@ -104,27 +101,12 @@ class WorkerMetrics:
         self.m.inc("kv_received_bytes", nbytes)
 
     def serve(self, host: str) -> str:
-        """Start the ``/metrics`` HTTP endpoint on ``host`` (any free port); returns ``host:port``.
-
-        The body is prometheus-client's text format 0.0.4 whatever the scraper asks for: its
-        OpenMetrics output rewrites the ``:`` of our names to ``_``, which would split a
-        dashboard's series between the router (text format) and the workers.
-        """
-        registry = self.m.registry
-
-        def app(environ, start_response):
-            if environ.get("PATH_INFO") != "/metrics":
-                start_response("404 Not Found", [("Content-Type", "text/plain")])
-                return [b"not found; metrics are at /metrics\n"]
-            start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST)])
-            return [generate_latest(registry)]
-
-        self._http = make_server(host, 0, app, ThreadingWSGIServer, handler_class=_SilentHandler)
-        threading.Thread(target=self._http.serve_forever, name="metrics-http", daemon=True).start()
-        return f"{host}:{self._http.server_address[1]}"
+        """Start the ``/metrics`` HTTP endpoint on ``host`` (any free port; open, plain HTTP:
+        :class:`serving.metrics_http.MetricsHttpServer`); returns ``host:port``."""
+        self._http = MetricsHttpServer(self.m.registry, host)
+        return self._http.start()
 
     def stop(self) -> None:
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.stop()
             self._http = None

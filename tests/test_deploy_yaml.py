@@ -61,6 +61,8 @@ def test_installs_and_starts_what_pdcluster_needs(path):
     workers = " ".join(config["worker_start_ray_commands"])
     assert re.search(r"ray start --head --port=6379\b", head), head
     assert "ray start --address=$RAY_HEAD_IP:6379" in workers, workers
+    # Ray's workers at normal priority: the router (an actor) must not run below other processes
+    assert "RAY_worker_niceness=0 ray start" in head and "RAY_worker_niceness=0 ray start" in workers
     if config["provider"]["type"] == "local":
         # node kinds come from each machine's resources file, advertised by `ray start`
         assert "ray-resources.json" in setup and "ray-resources.json" in head and "ray-resources.json" in workers

@@ -119,6 +119,19 @@ def _burst(cluster: dict, n: int):
         http.value
 
 
+def _nice(pid: int) -> int:
+    """The nice value of process ``pid``'s main thread (field 19 of /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+def test_workers_run_below_the_router(cluster):
+    """Workers run ``--worker-nice`` (default 10) steps below the router, so the router answers
+    first on the cores they share."""
+    router = _nice(cluster["router_pid"])
+    assert [_nice(w["pid"]) - router for w in cluster["workers"]] == [10] * 3, (router, [_nice(w["pid"]) for w in cluster["workers"]])
+
+
 def test_overload_is_refused_early(cluster):
     before = _metrics(cluster).get(("pdcluster:num_requests_rejected_total", (("reason", "queue_full"),)), 0.0)
     results, http = _burst(cluster, 500)

@@ -155,3 +155,26 @@ def test_diagnose_names_what_is_missing():
     assert local.ray_start_flags({"CPU": 2, "GPU": 0, "x": 1.0}) == [
         "--num-cpus=2", "--num-gpus=0", '--resources={"x": 1}']
 
+
+
+def test_worker_gpus_lets_workers_share_a_gpu():
+    from common.model_config import ConfigError
+    from deploy.placement import PlacementConfig, decide_shape
+    from deploy.spec import spec_from_args
+
+    one_gpu = {"CPU": 16.0, "GPU": 1.0}
+    shape = decide_shape(one_gpu, 2, "auto", None, 0.5)
+    assert (shape.device, shape.gpus) == ("cuda", 0.5)
+    assert shape.bundle("decode", PlacementConfig(worker_gpus=0.5)) == {"CPU": 1.0, "GPU": 0.5}
+    assert decide_shape(one_gpu, 2, "auto", None).gpus == 1.0  # a whole GPU each by default
+    assert decide_shape({"CPU": 2.0}, 2, "auto", None, 0.5).device == "cpu"
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="worker_gpus must be in"):
+            PlacementConfig(worker_gpus=bad)
+
+    def spec(*flags):
+        return spec_from_args(build_parser().parse_args(["up", "--local", *flags]), "redis://127.0.0.1:1")
+
+    assert spec("--worker-gpus", "0.5").placement.worker_gpus == 0.5
+    with pytest.raises(ConfigError, match="--worker-gpus 0.5 .* torch_dist"):
+        spec("--worker-gpus", "0.5", "--kv-transport", "torch_dist")

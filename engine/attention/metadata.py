@@ -58,6 +58,9 @@ class AttentionMetadata:
         window_masks: sliding window (tokens) -> ``attn_mask`` restricted to it (a query at
             position ``p`` keeps positions ``p - window + 1 .. p``), for the windows the
             step's model uses that are shorter than ``max_seq_len`` (longer ones change nothing).
+        decode_seqs / prefill_seqs: ``[n] int64`` indices of the sequences with one new token /
+            with several (a mixed step's decode rows go to a decode kernel, the rest to SDPA);
+            None when not built (every sequence then takes the general path).
     """
 
     positions: torch.Tensor
@@ -73,6 +76,8 @@ class AttentionMetadata:
     logits_index: torch.Tensor
     mask_kind: str = "mask"
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    decode_seqs: torch.Tensor | None = None
+    prefill_seqs: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -135,6 +140,8 @@ def build_attention_metadata(
         logits_index=to(logits_index),
         mask_kind=_mask_kind(seqs),
         window_masks={w: m[:, None].to(device) for w, m in window_masks.items()},
+        decode_seqs=to(torch.nonzero(num_new == 1).view(-1)),
+        prefill_seqs=to(torch.nonzero(num_new > 1).view(-1)),
     )
 
 

@@ -1,4 +1,6 @@
-"""Name -> attention backend registry (``"torch"`` serves on CPU, ``"triton"`` on CUDA)."""
+"""Name -> attention backend registry (``"torch"`` serves on CPU: the C++ paged decode kernel for
+decode rows where it is built, gather + SDPA for the rest; ``"sdpa"``: gather + SDPA only, the
+plain-torch path; ``"triton"`` on CUDA)."""
 
 from __future__ import annotations
 
@@ -45,6 +47,15 @@ def _torch_factory() -> AttentionBackend:
 
 
 register_attention_backend("torch", _torch_factory)
+
+
+def _sdpa_factory() -> AttentionBackend:
+    from engine.attention.torch_backend import paged_attention_sdpa
+
+    return paged_attention_sdpa
+
+
+register_attention_backend("sdpa", _sdpa_factory)
 
 
 def _triton_factory() -> AttentionBackend:

@@ -31,7 +31,8 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
 
 
 def default_attention_backend(device: torch.device) -> str:
-    """``"triton"`` (the paged Triton kernels) on CUDA, ``"torch"`` (vectorized SDPA) elsewhere."""
+    """``"triton"`` (the paged Triton kernels) on CUDA, ``"torch"`` (the C++ paged decode kernel for decode
+    rows where it is built, vectorized SDPA for the rest) elsewhere."""
     return "triton" if torch.device(device).type == "cuda" else "torch"
 
 

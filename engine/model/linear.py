@@ -1,4 +1,4 @@
-"""Linear-layer backends: plain ``F.linear`` or oneDNN-prepacked weights on CPU.
+"""Linear-layer backends: plain ``F.linear``, oneDNN-prepacked weights, or this project's GEMV kernel on CPU.
 
 ``"torch"`` leaves every ``nn.Linear`` as it is. ``"onednn"`` replaces the decoder's
 ``nn.Linear`` modules with :class:`PackedLinear`, whose weight was reordered once
@@ -7,6 +7,16 @@ multiplied with ``torch.ops.mkldnn._linear_pointwise`` — what PyTorch inductor
 CPU weight prepacking (``freezing``) and vLLM's CPU backend do. Measured on this
 project's 2-core AVX2 machine (float32, SmolLM2-135M shapes): 1.1-2x faster than
 ``F.linear`` for 1 to 512 rows, max abs difference ~1e-4 (float rounding order).
+``"gemv"`` replaces them with :class:`GemvLinear`: the plain row-major weight, multiplied by
+the C++ GEMV kernel (``engine/kernels/cpu/csrc/gemv.cpp``) for up to :data:`GEMV_MAX_ROWS`
+rows (decode) and by oneDNN on the same plain weight above that (prefill); no second copy of
+the weights, and a tied LM head shares the embedding's tensor. ``"gemv_packed"`` also keeps a
+oneDNN-prepacked copy for more rows (twice the weight memory). Measured with
+``bench/gemv.py`` (SmolLM2-135M's matrices, ``bench/results/gemv.md``, a busy machine): at 1
+row the kernel streams 54 GB/s at 2 threads against oneDNN prepacked's 42 (1.3x; 1.04-1.28x in
+1-thread CPU time over two runs), 1.3x at 2 rows, 1.2x at 4, and loses from 8 rows on; oneDNN
+on the plain weight is 5-40% slower than prepacked for 8-256 rows. The default stays
+``"onednn"``: ``"gemv"`` is slower above 4 rows and ``"gemv_packed"`` doubles the weight memory.
 """
 
 from __future__ import annotations
@@ -15,6 +25,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from engine.kernels.cpu.build import load as load_cpu_kernel
 
 BATCH_HINT = 32
 """Rows oneDNN tunes the packed layout for (any row count works; 1-512 measured within 10%)."""
@@ -77,7 +89,76 @@ def _pack_all(model: nn.Module) -> int:
     return count
 
 
-LINEAR_BACKENDS: dict[str, Callable[[nn.Module], int]] = {"torch": lambda model: 0, "onednn": _pack_all}
+GEMV_MAX_ROWS = 4
+"""Most rows :class:`GemvLinear` sends to the GEMV kernel; more go to oneDNN (``bench/gemv.py``)."""
+
+
+class GemvLinear(nn.Module):
+    """``y = x @ W.T + b`` on CPU float32: the GEMV kernel for few rows, oneDNN (or
+    ``F.linear`` without it) for more.
+
+    Args:
+        weight: ``[out_features, in_features]`` CPU float32; a contiguous ``nn.Parameter`` is
+            kept as is (shared, e.g. with tied embeddings), anything else is copied.
+        bias: ``[out_features]`` float32 or None.
+        max_rows: most rows (product of the leading dimensions) sent to the GEMV kernel.
+        packed: also keep a oneDNN-prepacked copy for more than ``max_rows`` rows (as fast
+            as :class:`PackedLinear` there, for twice the weight memory); else oneDNN runs on
+            the plain weight (measured 5-40% slower than prepacked for 8-256 rows).
+
+    Raises:
+        ValueError: not a CPU float32 weight.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 max_rows: int = GEMV_MAX_ROWS, packed: bool = False) -> None:
+        super().__init__()
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+            raise ValueError(f"GemvLinear needs a 2-D CPU float32 weight, got {weight.device} {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+        if not (isinstance(weight, nn.Parameter) and weight.is_contiguous()):
+            weight = nn.Parameter(weight.detach().contiguous().clone(), requires_grad=False)
+        self.weight = weight
+        self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
+        self.out_features, self.in_features = weight.shape
+        self.max_rows = max_rows
+        self._kernel = load_cpu_kernel("gemv")
+        self._onednn = onednn_available()
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+                             if packed and self._onednn else None, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., in_features]`` float32 -> ``[..., out_features]`` float32."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self._kernel is not None and x2.shape[0] <= self.max_rows:
+            y = self._kernel.linear_f32(x2, self.weight, self.bias)
+        elif self._onednn:
+            w = self.weight if self.packed_weight is None else self.packed_weight
+            y = torch.ops.mkldnn._linear_pointwise(x2, w, self.bias, "none", [], "")
+        else:
+            y = nn.functional.linear(x2, self.weight, self.bias)
+        return y.reshape(*lead, self.out_features)
+
+
+def _gemv_all(model: nn.Module, packed: bool = False) -> int:
+    """Every ``nn.Linear`` becomes a :class:`GemvLinear` on its own weight; a model with tied
+    embeddings gets an LM head sharing the embedding's weight (no copy of the plain weight)."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, GemvLinear(child.weight, child.bias, packed=packed))
+                count += 1
+    if getattr(model, "lm_head", False) is None:
+        model.lm_head = GemvLinear(model.model.embed_tokens.weight, packed=packed)
+        count += 1
+    return count
+
+
+LINEAR_BACKENDS: dict[str, Callable[[nn.Module], int]] = {
+    "torch": lambda model: 0, "onednn": _pack_all, "gemv": _gemv_all,
+    "gemv_packed": lambda model: _gemv_all(model, packed=True)}
 """Name -> function that converts a loaded model in place and returns the layers converted."""
 
 

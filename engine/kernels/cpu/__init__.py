@@ -2,4 +2,14 @@
 
 Each kernel has a plain-torch fallback that its caller uses when the extension is not built
 (no compiler on the machine): the extension is a speed-up, never a requirement.
+
+* ``gemv`` (``load("gemv")``): ``linear_f32(x [M, K] f32, weight [N, K] f32 contiguous,
+  bias [N] f32 | None) -> [M, N] f32``, the batch-1..4 decode matmul of the ``"gemv"`` linear
+  backend (:class:`engine.model.linear.GemvLinear`).
+* ``quant_gemv`` (``load("quant_gemv")``): weight-only quantized matmuls, dequantized in
+  registers: ``linear_int8(x, qweight [N, K] int8, scale [N] f32, bias | None)`` and GGUF Q4_1
+  ``linear_q4_1(x, qs [N, K/32, 16] uint8, d [N, K/32] f32, m [N, K/32] f32, bias | None)``,
+  both ``-> [M, N] f32``; a bad argument raises ``RuntimeError`` naming it.
+
+``bench/gemv.py`` measures them against ``F.linear`` and oneDNN at decode row counts.
 """

@@ -1,0 +1,87 @@
+"""A process' own Prometheus ``/metrics`` endpoint: prometheus-client's WSGI server on a thread.
+
+Every worker serves one on its host (any free port, plain HTTP, open: the address is
+registered in Redis for service discovery). Every router serves one too, on a private port
+of its own (the shared public HTTP port reaches a random router when several share it:
+:mod:`router.server`); the router's asks for an API key when the cluster has keys and serves
+HTTPS with the public certificate when the cluster has one, like its public HTTP port.
+
+The body is prometheus-client's text format 0.0.4 whatever the scraper asks for: its
+OpenMetrics output rewrites the ``:`` of our names to ``_``, which would split a dashboard's
+series between processes.
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+import tempfile
+import threading
+from collections.abc import Callable
+from wsgiref.simple_server import make_server
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
+
+from common.grpc_metadata import bearer_token
+
+
+def _tls_context(cert_pem: bytes, key_pem: bytes) -> ssl.SSLContext:
+    """A server TLS context of ``cert_pem`` / ``key_pem`` (read through 0600 temporary files,
+    removed at once: :mod:`ssl` loads certificates from files only)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    paths = []
+    try:
+        for data in (cert_pem, key_pem):
+            fd, path = tempfile.mkstemp(prefix="pdcluster-tls-", suffix=".pem")
+            paths.append(path)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        ctx.load_cert_chain(paths[0], paths[1])
+    finally:
+        for path in paths:
+            os.unlink(path)
+    return ctx
+
+
+class MetricsHttpServer:
+    """``GET /metrics`` of ``registry`` on ``host`` (any free port).
+
+    Args:
+        registry: the collectors to expose.
+        host: where to listen.
+        accepts_api_key: ``(key or None) -> bool``; when given, a request without an accepted
+            ``Authorization: Bearer KEY`` gets 401. ``None``: open.
+        tls: ``(certificate PEM, key PEM)`` to serve HTTPS with; ``None``: plain HTTP.
+    """
+
+    def __init__(self, registry: CollectorRegistry, host: str,
+                 accepts_api_key: Callable[[str | None], bool] | None = None,
+                 tls: tuple[bytes, bytes] | None = None) -> None:
+        self.host = host
+
+        def app(environ, start_response):
+            if environ.get("PATH_INFO") != "/metrics":
+                start_response("404 Not Found", [("Content-Type", "text/plain")])
+                return [b"not found; metrics are at /metrics\n"]
+            if accepts_api_key is not None and not accepts_api_key(bearer_token(environ.get("HTTP_AUTHORIZATION"))):
+                start_response("401 Unauthorized", [("Content-Type", "text/plain")])
+                return [b"missing or invalid API key: send 'Authorization: Bearer KEY'\n"]
+            start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST)])
+            return [generate_latest(registry)]
+
+        self._http = make_server(host, 0, app, ThreadingWSGIServer, handler_class=_SilentHandler)
+        if tls is not None:
+            self._http.socket = _tls_context(*tls).wrap_socket(self._http.socket, server_side=True)
+        self.port = self._http.server_address[1]
+        self._thread = threading.Thread(target=self._http.serve_forever, name="metrics-http", daemon=True)
+
+    def start(self) -> str:
+        """Serve on a daemon thread; returns ``host:port``."""
+        self._thread.start()
+        return f"{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._http.shutdown()
+        self._http.server_close()
