@@ -239,13 +239,18 @@ def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
                         "overload burst at once")
     p.add_argument("--timeout-s", type=float, default=300, help="seconds to wait for the cluster to be ready")
     p.add_argument("--cluster", default="default", help="cluster name (registry namespace)")
+    _add_weights(p)
+    p.add_argument("--device", default="auto", help="torch device (auto, cuda, cpu)")
+    _add_state_dir(p)
+    p.set_defaults(func=_deploy("cmd_up"))
+
+
+def _add_weights(p: argparse.ArgumentParser) -> None:
+    """``up``'s flags for how the model's weights are held: ``--dtype`` and ``--quantization``."""
     p.add_argument("--dtype", default="auto", help="model dtype (auto, float16, bfloat16, float32)")
     p.add_argument("--quantization", default=QUANTIZATIONS[0], choices=QUANTIZATIONS,
                    help="serve the decoder's projection weights quantized: int8 (per output channel) or q4 "
                         "(llama.cpp Q4_1; a GGUF's own blocks where it stores them so); none = float (default)")
-    p.add_argument("--device", default="auto", help="torch device (auto, cuda, cpu)")
-    _add_state_dir(p)
-    p.set_defaults(func=_deploy("cmd_up"))
 
 
 def _add_scale(sub: argparse._SubParsersAction) -> None:

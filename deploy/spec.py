@@ -210,8 +210,7 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
                           heartbeat_s=args.heartbeat_s, cache=cache, scheduler=sched, kv=kv,
                           prefill_cache=prefill_cache, log=log, security=security.for_workers(),
                           max_queued_requests=args.max_queued_requests, cpu_nice=args.worker_nice,
-                          prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
-                          quantization=args.quantization)
+                          prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, quantization=args.quantization)
     router = RouterConfig(model=args.model, model_path=str(folder), redis_url=redis_url, cluster=args.cluster,
                           host=args.host, port=args.port, max_model_len=args.max_model_len, block_size=args.block_size,
                           policy=args.router_policy, view_period_s=args.heartbeat_s / 4,
