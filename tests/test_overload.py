@@ -6,8 +6,9 @@
   median: not queued behind them), an HTTP request meanwhile gets 429 with ``Retry-After``; the
   accepted ones complete and nothing is left held anywhere. (The issue asks for 100 ms; a refusal
   costs the router's request path ~20 us, but the router's gRPC server, in Python, gets through
-  the whole burst in ~0.15-0.4 s on a 2-core machine whose cores the three workers compute on,
-  so the refusals come back 0.15-0.4 s after their send);
+  the whole burst in ~0.1-0.3 s on a quiet 2-core machine whose cores the three workers compute
+  on: refusals come back a median 90-200 ms after their send, the slowest 130-300 ms, once 780 ms);
+* the workers run ``--worker-nice`` (10) steps below the router;
 * a decode worker holds at most max_num_seqs + max_queued_requests reservations and refuses the
   next one at once;
 * a storm of invalid, client-cancelled and client-timed-out requests trips no breaker and both
@@ -144,7 +145,7 @@ def test_overload_is_refused_early(cluster):
     refusal_ms = sorted(r[2] * 1000 for r in refused)
     accepted_ms = sorted(r[2] * 1000 for r in ok)
     # Refused at once, never queued behind the accepted ones' work. On a 2-core machine shared with
-    # three workers the router's gRPC handling of the whole burst takes ~0.15-0.4 s (see the module doc).
+    # three workers the router's gRPC handling of the whole burst takes ~0.1-0.3 s (see the module doc).
     assert refusal_ms[-1] < REFUSAL_BOUND_MS and refusal_ms[-1] < accepted_ms[len(accepted_ms) // 2], (
         f"refusals p50 {refusal_ms[len(refusal_ms) // 2]:.0f} ms, max {refusal_ms[-1]:.0f} ms; "
         f"accepted p50 {accepted_ms[len(accepted_ms) // 2]:.0f} ms")
