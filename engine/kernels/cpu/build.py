@@ -1,18 +1,20 @@
 """Build and load the C++ CPU kernels in ``csrc/`` as torch extensions.
 
 ``python -m engine.kernels.cpu.build`` (run by ``scripts/install.sh``) compiles every
-``csrc/<name>.cpp`` once per machine into ``_build/<name>/`` next to this file (never outside
-the package), with ``-O3 -march=native`` (the kernels use the build machine's vector
-instructions: build where they run) and OpenMP, so ``at::parallel_for`` splits work over
-torch's intra-op threads (``torch.set_num_threads``). :func:`load` imports a built
-extension; when it is missing or stale it builds it first (torch's ``cpp_extension.load``
-rebuilds only when a source changed), and when no compiler is available it logs one warning
-and returns ``None``: the caller falls back to its plain-torch path.
+``csrc/<name>.cpp`` (with the shared headers ``csrc/*.h``) once per machine into
+``_build/<name>/`` next to this file (never outside the package), with ``-O3 -march=native``
+(the kernels use the build machine's vector instructions: build where they run) and OpenMP, so
+``at::parallel_for`` splits work over torch's intra-op threads (``torch.set_num_threads``).
+:func:`load` imports a built extension; when it is missing or stale it builds it first (torch's
+``cpp_extension.load`` rebuilds when the source or the flags changed; a digest of the headers is
+one of the flags), and when no compiler is available it logs one warning and returns ``None``:
+the caller falls back to its plain-torch path.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -50,11 +52,21 @@ def load(name: str) -> ModuleType | None:
         from torch.utils import cpp_extension
         _ninja_on_path()
         return cpp_extension.load(name=f"pdcluster_{name}", sources=[str(source)], build_directory=str(build_dir),
-                                  extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=False)
+                                  extra_cflags=[*CFLAGS, f"-DPDC_HEADERS={_headers_digest()}"],
+                                  extra_ldflags=list(LDFLAGS), verbose=False)
     except Exception as e:  # no compiler, no ninja, a compile error: fall back to torch
         log.warning("CPU kernel %s is not available (%s: %s); using the plain-torch path",
                     name, type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return None
+
+
+def _headers_digest() -> str:
+    """A digest of the shared headers (``csrc/*.h``). torch rebuilds an extension when its source or
+    its flags change, not its headers: the digest, passed as a flag, makes a header change count."""
+    h = hashlib.sha256()
+    for header in sorted(CSRC.glob("*.h")):
+        h.update(header.name.encode() + b"\0" + header.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _ninja_on_path() -> None:

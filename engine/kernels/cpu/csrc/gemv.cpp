@@ -16,26 +16,11 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PDC_AVX2 1
-#endif
-#if defined(PDC_AVX2) && defined(__AVX512F__)
-#define PDC_AVX512 1
-#endif
+#include "simd.h"
 
 namespace {
 
 constexpr int64_t NT = 1;  // weight rows per register tile (1 measured fastest: one sequential stream)
-
-#ifdef PDC_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
 
 // out[m * ldo + j] = dot(x[m], w[j]) for m < MT, j < NT (or j < 1 when ONE).
 template <int MT, int NR>

@@ -18,10 +18,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PA_AVX2 1
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -41,14 +38,7 @@ struct State {  // one work item's running softmax state and scratch, per query 
   }
 };
 
-#ifdef PA_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
+#ifdef PDC_AVX2
 // exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-5 polynomial; ~2 ulp).
 inline __m256 exp256(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
@@ -164,7 +154,7 @@ void fold_tile(State& st, const Layout& L, int64_t row0, const float* k, const f
 // Ask for the rows of kv heads [h0, h0 + nh) of the first n tokens of the block at base (K and V)
 // while the current block is folded.
 void prefetch_tile(const Layout& L, const float* kc, const float* vc, int64_t base, int64_t n, int64_t h0, int64_t nh) {
-#ifdef PA_AVX2
+#ifdef PDC_AVX2
   const char* k = reinterpret_cast<const char*>(kc + base + h0 * L.head_dim);
   const char* v = reinterpret_cast<const char*>(vc + base + h0 * L.head_dim);
   const int64_t row = nh * L.head_dim * 4, stride = L.token_stride * 4;
@@ -245,7 +235,7 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                   int64_t heads_per_item) {
   check_inputs(q, k_cache, v_cache, block_tables, seq_lens);
   const int64_t kh = k_cache.size(2), d = k_cache.size(3), bs = k_cache.size(1);
-#ifdef PA_AVX2
+#ifdef PDC_AVX2
   TORCH_CHECK_VALUE(d % 8 == 0, "head_dim must be a multiple of 8, got ", d);
 #endif
   check_tables(block_tables, seq_lens, bs, k_cache.size(0));

@@ -21,24 +21,9 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PDC_AVX2 1
-#endif
-#if defined(PDC_AVX2) && defined(__AVX512F__)
-#define PDC_AVX512 1  // 16 lanes per instruction: half the widen/convert/FMA work per weight
-#endif
+#include "simd.h"
 
 namespace {
-
-#ifdef PDC_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
 
 int64_t grain_for(int64_t row_bytes, int64_t rows_per_task) {
   // >= ~32 KiB of weights per task: small matrices do not pay for a thread fork
