@@ -14,7 +14,7 @@ Measured in one run, at each thread count (``torch.set_num_threads``):
 
 Per (threads, rows, variant): ms per pass (wall; at 1 thread also the calling thread's CPU
 time, which a busy machine's time slicing does not inflate), GB/s of the weight bytes the variant streams
-(float32 4 B, int8 1 B + a scale per row, Q4_1 0.75 B per weight), its ratio to the copy
+(float32 4 B, int8 1 B + a 4-byte scale per 64, Q4_1 0.75 B per weight), its ratio to the copy
 bandwidth, speed-up over ``F.linear`` and the max abs difference from ``F.linear`` (fp32
 variants). The 1-minute load average is recorded per thread count: the machine is shared.
 
@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from engine.kernels.cpu import quant_ops
 from engine.kernels.cpu.build import load
 
 import _common
@@ -81,8 +82,8 @@ def make_weights(layers: int) -> dict:
     out["bytes"]["fp32"] = sum(w.numel() * 4 for w in f32)
     if _common_onednn():
         out["packed"] = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in f32]
-    out["int8"] = [_quant_int8(w) for w in f32]
-    out["q4_1"] = [_quant_q4_1(w) for w in f32]
+    out["int8"] = [quant_ops.quantize_int8(w) for w in f32]
+    out["q4_1"] = [quant_ops.quantize_q4_1(w) for w in f32]
     out["bytes"]["int8"] = sum(q.numel() + s.numel() * 4 for q, s in out["int8"])
     out["bytes"]["q4_1"] = sum(qs.numel() + d.numel() * 8 for qs, d, _ in out["q4_1"])
     return out
@@ -91,21 +92,6 @@ def make_weights(layers: int) -> dict:
 def _common_onednn() -> bool:
     from engine.model.linear import onednn_available
     return onednn_available()
-
-
-def _quant_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = w.abs().amax(1).clamp_min(1e-8) / 127
-    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous(), scale.contiguous()
-
-
-def _quant_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    n, k = w.shape
-    b = w.reshape(n, k // 32, 32)
-    lo, hi = b.amin(2), b.amax(2)
-    d = ((hi - lo) / 15).clamp_min(1e-8)
-    q = ((b - lo[..., None]) / d[..., None]).round().clamp(0, 15).to(torch.uint8)
-    qs = (q[..., :16] | (q[..., 16:] << 4)).contiguous()
-    return qs, d.contiguous(), lo.contiguous()
 
 
 def variants(w: dict, rows: int, quant: bool) -> dict:

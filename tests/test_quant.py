@@ -55,12 +55,13 @@ def test_q4_1_quantize_matches_llama_cpp_reference():
 def test_round_trips_within_half_a_step():
     torch.manual_seed(1)
     w = torch.randn(40, 96) * 0.05
-    q, s = quant_ops.quantize_int8(w, clip_ratios=(1.0,))  # plain absmax
-    assert q.dtype == torch.int8 and int(q.abs().max()) == 127
-    assert ((quant_ops.dequantize_int8(q, s) - w).abs() <= s[:, None] / 2 + 1e-7).all()
-    q2, s2 = quant_ops.quantize_int8(w)  # the scale search never does worse per row than absmax
-    err = lambda q, s: (quant_ops.dequantize_int8(q, s) - w).square().sum(dim=1)  # noqa: E731
-    assert (err(q2, s2) <= err(q, s) + 1e-9).all() and (s2 <= s).all()
+    for group, groups in ((32, 3), (64, 1), (1000, 1)):  # 64 does not divide 96: one scale per row
+        q, s = quant_ops.quantize_int8(w, group)
+        assert q.dtype == torch.int8 and s.shape == (40, groups) and int(q.abs().max()) == 127
+        step = s.repeat_interleave(96 // groups, dim=1)
+        assert ((quant_ops.dequantize_int8(q, s) - w).abs() <= step / 2 + 1e-7).all()
+        assert torch.equal(q.abs().reshape(40, groups, -1).amax(dim=2), torch.full((40, groups), 127, dtype=torch.int8))
+    assert quant_ops.quantize_int8(torch.randn(3, 576))[1].shape == (3, 576 // quant_ops.INT8_GROUP_SIZE)
     qs, d, m = quant_ops.quantize_q4_1(w)
     back = quant_ops.dequantize_q4_1(qs, d, m)
     step = d.repeat_interleave(32, dim=1)
@@ -93,6 +94,8 @@ def test_bad_shapes_are_refused():
         quant_ops.quantize_q4_1(torch.zeros(4, 40))
     with pytest.raises(ValueError, match="2-D"):
         quant_ops.quantize_int8(torch.zeros(4))
+    with pytest.raises(ValueError, match="group_size must be >= 1"):
+        quant_ops.quantize_int8(torch.zeros(4, 64), group_size=0)
     with pytest.raises(ValueError, match="uint8"):
         quant_ops.q4_1_from_gguf(torch.zeros(2, 21, dtype=torch.uint8))
 
@@ -146,7 +149,8 @@ def test_engine_generates_with_quantized_weights(method, source, model_config, t
     cls = Int8Linear if method == "int8" else Q4Linear
     assert all(isinstance(getattr(layer.self_attn, a), cls) for a in PROJECTIONS["self_attn"])
     assert all(isinstance(getattr(layer.mlp, a), cls) for a in PROJECTIONS["mlp"])
-    assert type(model.lm_head) is not cls and model.model.embed_tokens.weight.dtype == torch.float32
+    assert (type(model.lm_head) is cls) == (method == "int8")  # int8 quantizes the LM head too
+    assert model.model.embed_tokens.weight.dtype == torch.float32
     ours = _greedy(model, model_config, tokenizer(PROMPT)["input_ids"], STEPS)
     assert len(ours) == STEPS and ours[0] == fp32_tokens[0]
     if method == "q4":  # the GGUF's own blocks: the very weights the float model was dequantized to
