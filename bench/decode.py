@@ -48,6 +48,7 @@ import _decode_report
 import torch
 from _decode_vllm import VllmError, VllmPeer
 
+from engine.config import QUANTIZATIONS
 from engine.model.linear import dense_weights
 
 import _common
@@ -70,6 +71,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--no-hf", action="store_true", help="skip HF generate")
     p.add_argument("--linear-backend", default=None,
                    help="our engine's linear backend (engine.model.linear.LINEAR_BACKENDS; default: the engine's)")
+    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                   help="our engine's weights; HF and vLLM stay float32")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vLLM's CPU build")
     p.add_argument("--rounds", type=int, default=None,
                    help="runs of each engine per point, interleaved in rotating order; the best run "
@@ -105,17 +108,21 @@ def _new_tokens(args, ctx: int) -> int:
 
 
 def _weights(model, cfg) -> dict:
-    """Weights read by a step, by name (a packed copy of tied embeddings counted once)."""
+    """Weights read by a step, by name: the decoder's and the LM head's (the token embedding is a
+    row lookup, read whole only where it is the tied LM head itself)."""
     w = dense_weights(model)
-    if cfg.tie_word_embeddings:
-        w.pop("lm_head.weight", None)
+    if "lm_head.weight" in w:  # an LM head of its own (untied, or a packed / quantized copy)
+        w.pop("model.embed_tokens.weight", None)
     return w
 
 
 def model_stats(model, cfg) -> dict:
-    """Bytes of the weights, weights in matmuls, KV bytes and attention flops per context token."""
+    """Bytes of the weights (as stored: quantized ones at their size), weights in matmuls, KV bytes
+    and attention flops per context token."""
     weights = _weights(model, cfg)
-    weight_bytes = sum(p.numel() * p.element_size() for p in weights.values())
+    # bytes as stored: a packed or quantized layer's own count (int8: 1 B per weight + its scales)
+    stored = {f"{n}.weight": m.weight_nbytes for n, m in model.named_modules() if hasattr(m, "weight_nbytes")}
+    weight_bytes = sum(stored.get(n, p.numel() * p.element_size()) for n, p in weights.items())
     num_params = sum(p.numel() for p in weights.values() if p.dim() == 2)
     return {"weight_bytes": weight_bytes, "matmul_params": num_params,
             "kv_bytes_per_token": cfg.kv_bytes_per_token(4),
@@ -237,15 +244,16 @@ def run(args) -> dict:
 
     from common.model_config import ModelConfig
     from engine.model import load_model
-    from engine.model_loader import resolve_model
+    from engine.model_loader import resolve_model_source
 
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     load_start = _common.load_avg_1m()
-    model_dir = resolve_model(args.model)
+    model_dir, gguf = resolve_model_source(args.model)
     cfg = ModelConfig.from_hf_folder(model_dir, name=args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = load_model(cfg, torch.device("cpu"), torch.float32, linear_backend=args.linear_backend)
+    model = load_model(cfg, torch.device("cpu"), torch.float32, linear_backend=args.linear_backend,
+                       quantization=args.quantization, gguf_path=gguf)
     hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     stats = model_stats(model, cfg)
     log(f"machine rates, load {load_start:.2f}")
@@ -257,7 +265,8 @@ def run(args) -> dict:
     res = {
         "benchmark": "decode", "complete": False, "quick": args.quick, "model": args.model,
         "model_dir": str(model_dir), "dtype": "float32", "device": "cpu", "cpu": _common.cpu_name(),
-        "cpu_count": os.cpu_count(), "linear_backend": args.linear_backend or "default", "torch": torch.__version__,
+        "cpu_count": os.cpu_count(), "linear_backend": args.linear_backend or "default",
+        "quantization": args.quantization, "torch": torch.__version__,
         "transformers": transformers.__version__,
         "vllm": peer.info["vllm"] if peer else None, "block_size": BLOCK_SIZE, "rounds": args.rounds,
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -318,6 +327,7 @@ def main(argv=None) -> int:
         res = json.loads(args.render.read_text())
         for p in res["points"]:
             p["ours"].update(stream_overhead(p["ours"], p["batch_size"]))
+        res["targets"] = _decode_report.targets(res)  # as the report declares them now
         if args.notes:
             res["analysis"] = args.notes.read_text()
         log(f"rendered {save(res, args.render.parent, args.render.stem)}.md")
