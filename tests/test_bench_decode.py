@@ -60,7 +60,9 @@ def test_one_point_through_the_decode_scheduler(model, model_config, tokenizer):
            "thread_budget": {"ours": "2", "hf": "2", "vllm": None}, "points": [rec | {"batch_size": 1}],
            "vllm_start_error": None, "profiles": [], **stats}
     res["targets"] = _decode_report.targets(res)
-    assert [t["target"] for t in res["targets"]] == ["batch 1: ours / bandwidth floor"]
+    targets = {t["target"]: t for t in res["targets"]}  # batch 1 at context 32: the two batch-1 targets
+    assert list(targets) == ["batch 1: ours / bandwidth floor", "batch 1: ours / vLLM"]
+    assert targets["batch 1: ours / vLLM"]["met"] is None  # no vLLM in this run
     md = _decode_report.markdown(res)
     assert "| 1 | 32 | 4 |" in md and "## Step overhead (ours)" in md and "* batch 1, context 32: ours" in md
 
