@@ -249,8 +249,8 @@ def _add_weights(p: argparse.ArgumentParser) -> None:
     """``up``'s flags for how the model's weights are held: ``--dtype`` and ``--quantization``."""
     p.add_argument("--dtype", default="auto", help="model dtype (auto, float16, bfloat16, float32)")
     p.add_argument("--quantization", default=QUANTIZATIONS[0], choices=QUANTIZATIONS,
-                   help="serve the decoder's projection weights quantized: int8 (per output channel) or q4 "
-                        "(llama.cpp Q4_1; a GGUF's own blocks where it stores them so); none = float (default)")
+                   help="serve the decoder's projection weights quantized: int8 (one scale per 64 weights, the LM head "
+                        "too) or q4 (llama.cpp Q4_1; a GGUF's own blocks where it stores them so); none = float (default)")
 
 
 def _add_scale(sub: argparse._SubParsersAction) -> None:

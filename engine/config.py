@@ -83,7 +83,7 @@ class SchedulerConfig:
 
 QUANTIZATIONS = ("none", "int8", "q4")
 """``--quantization`` choices: ``none`` serves the float weights (the default, token-exact vs HF);
-``int8`` quantizes the decoder projections per output channel; ``q4`` serves them as llama.cpp Q4_1
+``int8`` quantizes the decoder projections and the LM head (one scale per 64 weights); ``q4`` serves the projections as llama.cpp Q4_1
 blocks (a GGUF's own where it stores them so). Implemented by :data:`engine.model.quant.QUANT_BACKENDS`."""
 
 

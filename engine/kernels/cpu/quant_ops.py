@@ -1,4 +1,4 @@
-"""Weight-only quantized linear layers: int8 per output channel and GGUF's Q4_1.
+"""Weight-only quantized linear layers: int8 with a scale per group of weights, and GGUF's Q4_1.
 
 Two weight formats, both multiplied with float32 activations:
 
