@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 #: (name, batch size, context or None for every context, record key, minimum): issue #14's targets
 #: on the 2-core CPU (batch 1 at the memory limit, long-context batches against vLLM's CPU build),
 #: and the earlier batch-32 ones.
@@ -40,6 +42,31 @@ def _x(x) -> str:
 
 def _pm(rec: dict) -> str:
     return "—" if not rec else f"{rec['tpot_ms']:.1f} / {rec['tpot_ms_mean']:.1f}"
+
+
+def _llamacpp(r: dict) -> list[str]:
+    """The llama.cpp peer's section (nothing when it was not asked for)."""
+    info = r.get("llamacpp_info")
+    if info is None and not r.get("llamacpp_start_error"):
+        return []
+    out = ["", "## llama.cpp peer", ""]
+    if info is None:
+        return out + [f"llama.cpp did not start: `{r['llamacpp_start_error'][:800]}`"]
+    out += [f"`llama-server` with `-t {info['threads']} -tb {info['threads']} --parallel {info['parallel']}` on "
+            f"`{Path(info['gguf']).name}`: llama.cpp computes with the file's quantized weights; our engine "
+            f"ran `--quantization {r.get('quantization', 'none')}`. Its TPOT is the median over the batch of "
+            "each request's `predicted_ms / predicted_n` (an upper bound above batch 1: see "
+            "`bench/_decode_llamacpp.py`).", "",
+            "| batch | context | ours tok/s | llama.cpp tok/s | llama.cpp TPOT ms | ours / llama.cpp | same greedy tokens |",
+            "|---:|---:|---:|---:|---:|---:|---|"]
+    for p in r["points"]:
+        lc, agree = p.get("llamacpp") or {}, p.get("greedy_agreement_llamacpp") or {}
+        same = f"{agree['identical_seqs']}/{agree['num_seqs']}" if agree else "—"
+        out.append(f"| {p['batch_size']} | {p['context_len']} | {p['tokens_per_s']:.1f} | "
+                   f"{_f(lc.get('tokens_per_s'), '.1f')} | {_f(lc.get('tpot_ms'), '.1f')} | "
+                   f"{_x(p.get('ratio_llamacpp'))} | {same} |")
+        out += [f"* error at batch {p['batch_size']}: `{e[:400]}`" for e in p.get("llamacpp_errors") or []]
+    return out
 
 
 def markdown(r: dict) -> str:
@@ -112,6 +139,7 @@ def markdown(r: dict) -> str:
     for p in r["points"]:
         for e in p.get("vllm_errors") or []:
             out += ["", f"vLLM error at batch {p['batch_size']} x context {p['context_len']}: `{e[:600]}`"]
+    out += _llamacpp(r)
     out += [
         "",
         "## Step overhead (ours)",

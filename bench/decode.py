@@ -46,6 +46,7 @@ import _decode_hf
 import _decode_ours
 import _decode_report
 import torch
+from _decode_llamacpp import LlamaCppError, LlamaCppPeer
 from _decode_vllm import VllmError, VllmPeer
 
 from engine.config import QUANTIZATIONS
@@ -74,6 +75,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                    help="our engine's weights; HF and vLLM stay float32")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vLLM's CPU build")
+    p.add_argument("--llamacpp-server", default=None,
+                   help="a llama-server binary: llama.cpp as a peer on the model's own GGUF (bench/_decode_llamacpp.py)")
     p.add_argument("--rounds", type=int, default=None,
                    help="runs of each engine per point, interleaved in rotating order; the best run "
                         "counts (default 2, 1 with --quick)")
@@ -129,22 +132,26 @@ def model_stats(model, cfg) -> dict:
             "attn_flops_per_ctx_token": 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim}
 
 
-def _run_engine(engine: str, model, cfg, hf, peer, prompts, prefilled, new_tokens) -> dict:
+PEERS = ("vllm", "llamacpp")
+"""Peer engines, each a process of its own with ``run_point(batch, context, new_tokens, prompts)``."""
+
+
+def _run_engine(engine: str, model, cfg, hf, peers, prompts, prefilled, new_tokens) -> dict:
     if engine == "ours":
         return _decode_ours.measure_decode(model, cfg, prompts, prefilled, new_tokens, BLOCK_SIZE)
     if engine == "hf":
         return _decode_hf.measure_hf(hf, prompts, prefilled, new_tokens)
     try:
-        return peer.run_point(len(prompts), len(prompts[0]), new_tokens, prompts)
-    except (VllmError, OSError) as e:
+        return peers[engine].run_point(len(prompts), len(prompts[0]), new_tokens, prompts)
+    except (VllmError, LlamaCppError, OSError) as e:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def run_point(model, cfg, hf, tokenizer, prompts, prefilled, new_tokens, stats, peer=None,
+def run_point(model, cfg, hf, tokenizer, prompts, prefilled, new_tokens, stats, peers=None,
               rounds: int = 1, no_hf: bool = False, copy_bytes: int = 512 << 20, gemm_n: int = 2048) -> dict:
     """Measure one (batch, context) point: the machine now (copy bandwidth of ``copy_bytes``,
     one-row linear rate, GEMM rate at ``gemm_n``, ``F.linear`` vs oneDNN at this batch), then
-    ``rounds`` runs of each engine (ours, HF unless ``no_hf``, vLLM when ``peer``) interleaved
+    ``rounds`` runs of each engine (ours, HF unless ``no_hf``, each of ``peers``) interleaved
     in rotating order; each engine's best run (lowest p50 TPOT) gives its numbers."""
     b, ctx = len(prompts), len(prompts[0])
     mats = [p for p in _weights(model, cfg).values() if p.dim() == 2]
@@ -153,14 +160,15 @@ def run_point(model, cfg, hf, tokenizer, prompts, prefilled, new_tokens, stats, 
     gemm = _common.gemm_GFLOPs(gemm_n, reps=3)
     variants = _common.linear_variants(mats, b)
     load = _common.load_avg_1m()
-    engines = ["ours"] + ([] if no_hf else ["hf"]) + ([] if peer is None else ["vllm"])
+    peers = peers or {}
+    engines = ["ours"] + ([] if no_hf else ["hf"]) + list(peers)
     runs: dict[str, list[dict]] = {e: [] for e in engines}
     for r in range(rounds):
         for e in engines[r % len(engines):] + engines[:r % len(engines)]:
-            runs[e].append(_run_engine(e, model, cfg, hf, peer, prompts, prefilled, new_tokens))
+            runs[e].append(_run_engine(e, model, cfg, hf, peers, prompts, prefilled, new_tokens))
     best = {e: min((x for x in rs if "error" not in x), key=lambda x: x["tpot_ms"], default=None)
             for e, rs in runs.items()}
-    ours, hf_res, vllm_res = best["ours"], best.get("hf"), best.get("vllm")
+    ours, hf_res = best["ours"], best.get("hf")
     stream = _decode_ours.stream_costs(tokenizer, prompts, ours.pop("events"))
     for x in runs["ours"]:
         x.pop("events", None)
@@ -177,17 +185,19 @@ def run_point(model, cfg, hf, tokenizer, prompts, prefilled, new_tokens, stats, 
         "ratio_linear_floor": linear_floor_ms / ours["tpot_ms"],
         "ratio_roofline": floors["roofline_floor_ms"] / ours["tpot_ms"],
         "ratio_hf": tps / hf_res["tokens_per_s"] if hf_res else None,
-        "ratio_vllm": tps / vllm_res["tokens_per_s"] if vllm_res else None,
         "load_avg_1m": load, "load_avg_1m_after": _common.load_avg_1m(), "copy_GBps_at_point": bw,
         "linear_GBps_at_point": gemv, "gemm_GFLOPs_at_point": gemm, "linear_variants_at_point": variants,
         "linear_floor_ms": linear_floor_ms,
         "bandwidth_floor_tokens_per_s": b / floors["bandwidth_floor_ms"] * 1e3, **floors,
         "rounds_tpot_ms": {e: [x.get("tpot_ms") for x in rs] for e, rs in runs.items()},
-        "ours": strip(ours) | stream, "hf": strip(hf_res), "vllm": strip(vllm_res),
-        "vllm_errors": [x["error"] for x in runs.get("vllm", []) if "error" in x],
+        "ours": strip(ours) | stream, "hf": strip(hf_res),
         "greedy_agreement_hf": _common.greedy_agreement(ours["token_ids"], hf_res and hf_res["token_ids"]),
-        "greedy_agreement_vllm": _common.greedy_agreement(ours["token_ids"], vllm_res and vllm_res["token_ids"]),
     }
+    for name in PEERS:
+        res = best.get(name)
+        rec |= {name: strip(res), f"ratio_{name}": tps / res["tokens_per_s"] if res else None,
+                f"{name}_errors": [x["error"] for x in runs.get(name, []) if "error" in x],
+                f"greedy_agreement_{name}": _common.greedy_agreement(ours["token_ids"], res and res["token_ids"])}
     rec["ours"].update(stream_overhead(rec["ours"], b))
     return rec
 
@@ -211,6 +221,21 @@ def _start_vllm(args, model_dir) -> tuple[VllmPeer | None, str | None]:
         return VllmPeer(args.vllm_python, str(model_dir), 2048, log_path), None
     except VllmError as e:
         log(f"vLLM failed: {e}")
+        return None, str(e)
+
+
+def _start_llamacpp(args, gguf) -> tuple[LlamaCppPeer | None, str | None]:
+    if not args.llamacpp_server:
+        return None, None
+    if gguf is None:
+        return None, f"{args.model} has no GGUF file for llama.cpp"
+    log_path = Path(tempfile.mkdtemp(prefix="decode-llamacpp-")) / "llama-server.log"
+    log(f"starting llama-server on {gguf.name}; its log: {log_path}")
+    longest = max(args.contexts) + max(args.new_tokens, args.new_tokens_long or 0) + 16
+    try:
+        return LlamaCppPeer(args.llamacpp_server, gguf, args.threads, max(args.batches), longest, log_path), None
+    except LlamaCppError as e:
+        log(f"llama.cpp failed: {e}")
         return None, str(e)
 
 
@@ -262,6 +287,8 @@ def run(args) -> dict:
     log(f"copy {bw:.1f} GB/s, GEMM {gemm:.1f} GFLOP/s, one-row linear {gemv:.1f} GB/s")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     peer, vllm_start_error = _start_vllm(args, model_dir)
+    llama, llamacpp_start_error = _start_llamacpp(args, gguf)
+    peers = {name: p for name, p in (("vllm", peer), ("llamacpp", llama)) if p is not None}
     res = {
         "benchmark": "decode", "complete": False, "quick": args.quick, "model": args.model,
         "model_dir": str(model_dir), "dtype": "float32", "device": "cpu", "cpu": _common.cpu_name(),
@@ -272,11 +299,13 @@ def run(args) -> dict:
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "thread_budget": {"ours": f"{args.threads} torch intra-op threads (one process)",
                           "hf": f"{args.threads} torch intra-op threads (same process)",
-                          "vllm": VLLM_BUDGET if args.vllm_python else None},
+                          "vllm": VLLM_BUDGET if args.vllm_python else None,
+                          "llamacpp": f"-t {args.threads} -tb {args.threads}" if args.llamacpp_server else None},
         "machine": {"copy_GBps": bw, "copy_bytes": 512 << 20, "gemm_GFLOPs": gemm, "gemm_n": 2048,
                     "linear_GBps": gemv},
         **stats, "load_avg_1m_start": load_start, "load_avg_1m_end": None,
         "points": [], "vllm_start_error": vllm_start_error, "vllm_info": peer.info if peer else None,
+        "llamacpp_start_error": llamacpp_start_error, "llamacpp_info": llama.info if llama else None,
         "profiles": [], "duration_s": None,
     }
 
@@ -286,16 +315,16 @@ def run(args) -> dict:
         save(res, args.out_dir, args.name)
 
     try:
-        _sweep(args, res, checkpoint, model, cfg, hf, tokenizer, stats, peer)
+        _sweep(args, res, checkpoint, model, cfg, hf, tokenizer, stats, peers)
     finally:
-        if peer is not None:
-            peer.close()
+        for p in peers.values():
+            p.close()
     res["complete"] = True
     checkpoint()
     return res
 
 
-def _sweep(args, res: dict, checkpoint, model, cfg, hf, tokenizer, stats: dict, peer) -> None:
+def _sweep(args, res: dict, checkpoint, model, cfg, hf, tokenizer, stats: dict, peers: dict) -> None:
     """Every (context, batch) point, in order, saving after each."""
     for ctx in args.contexts:
         prompts = _common.sonnet_prompts(tokenizer, max(args.batches), ctx)
@@ -307,13 +336,14 @@ def _sweep(args, res: dict, checkpoint, model, cfg, hf, tokenizer, stats: dict, 
         for b in args.batches:
             nt = _new_tokens(args, ctx)
             log(f"point batch {b} context {ctx} new {nt}, load {_common.load_avg_1m():.2f}")
-            rec = run_point(model, cfg, hf, tokenizer, prompts[:b], prefilled[:b], nt, stats, peer,
+            rec = run_point(model, cfg, hf, tokenizer, prompts[:b], prefilled[:b], nt, stats, peers,
                             args.rounds, args.no_hf)
             res["points"].append(rec)
             checkpoint()
             log(f"  ours {rec['tokens_per_s']:.1f} tok/s ({rec['tpot_ms']:.1f} ms), "
                 f"floor x{rec['ratio_bandwidth_floor']:.2f}, HF x{rec['ratio_hf'] or float('nan'):.2f}, "
-                f"vLLM x{rec['ratio_vllm'] or float('nan'):.2f}; rounds {rec['rounds_tpot_ms']}")
+                f"vLLM x{rec['ratio_vllm'] or float('nan'):.2f}, llama.cpp x{rec['ratio_llamacpp'] or float('nan'):.2f}; "
+                f"rounds {rec['rounds_tpot_ms']}")
         if args.profile_steps:
             log("profiling")
             res["profiles"] += _profiles(args, model, cfg, hf, prompts, prefilled)

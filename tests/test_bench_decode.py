@@ -31,7 +31,7 @@ def test_one_point_through_the_decode_scheduler(model, model_config, tokenizer):
     assert len(prompts) == 2 and all(len(p) == 32 for p in prompts) and prompts[0] != prompts[1]
     prefilled = _decode_ours.prefill_kv(model, model_config, prompts, decode.BLOCK_SIZE)
     stats = decode.model_stats(model, model_config)
-    rec = decode.run_point(model, model_config, None, tokenizer, prompts, prefilled, 4, stats, peer=None,
+    rec = decode.run_point(model, model_config, None, tokenizer, prompts, prefilled, 4, stats, peers=None,
                            rounds=2, no_hf=True, copy_bytes=8 << 20, gemm_n=128)
     assert (rec["batch_size"], rec["context_len"], rec["new_tokens"]) == (2, 32, 4)
     assert rec["ratio_hf"] is None and rec["ratio_vllm"] is None and rec["hf"] is None
