@@ -12,7 +12,9 @@ decode time also holds the steps in which other slots still prefilled, so TPOT i
 there.
 
 llama.cpp computes with the GGUF's own quantized weights (SmolLM2's bundled file is Q4_1): compare
-it with our ``--quantization q4``, which serves the same blocks. It is a benchmark peer only:
+it with our ``--quantization q4``, which serves the same blocks. Its CPU kernels also round the
+activations to 8 bits (ggml's Q8_1 blocks) before each dot product, so its greedy tokens drift
+from ours after a few tokens (the report's last column). It is a benchmark peer only:
 built outside the repository (``bench/README.md``), never a pdcluster dependency.
 """
 
