@@ -45,6 +45,11 @@ def write_results(res: dict, out_dir: Path, name: str, markdown: Callable[[dict]
     return stem, text
 
 
+def fmt(x, spec: str = ".2f") -> str:
+    """``x`` formatted with ``spec``, or an em dash for None (a value a run did not measure)."""
+    return "—" if x is None else format(x, spec)
+
+
 def load_avg_1m() -> float:
     """The machine's 1-minute load average (runnable + running tasks)."""
     return os.getloadavg()[0]

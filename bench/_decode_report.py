@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from _common import fmt as _f
+
 #: (name, batch size, context or None for every context, record key, minimum): issue #14's targets
 #: on the 2-core CPU (batch 1 at the memory limit, long-context batches against vLLM's CPU build),
 #: and the earlier batch-32 ones.
@@ -30,10 +32,6 @@ def targets(res: dict) -> list[dict]:
                          "met": None if v is None else v >= minimum,
                          "shortfall": None if v is None or v >= minimum else 1 - v / minimum})
     return rows
-
-
-def _f(x, fmt: str = ".2f", none: str = "—") -> str:
-    return none if x is None else format(x, fmt)
 
 
 def _x(x) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from _common import fmt as _f
+
 #: the issue's targets: gRPC >= 60 % of raw loopback TCP (GB/s) at every prompt of a full run
 #: (1k and 8k tokens), >= 40 % in a ``--quick`` run; torch_dist stays >= 60 %; a 1k-token
 #: prompt's gRPC transfer <= 10 % of its prefill time.
@@ -42,10 +44,6 @@ def targets(res: dict) -> list[dict]:
                          "shortfall": None if v <= MAX_RATIO_PREFILL else v / MAX_RATIO_PREFILL - 1,
                          "value_at_roofline": p.get("ratio_prefill_time_at_roofline")})
     return rows
-
-
-def _f(x, fmt: str = ".2f") -> str:
-    return "—" if x is None else format(x, fmt)
 
 
 def _stages(res: dict) -> list[str]:

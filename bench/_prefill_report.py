@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-
-def _f(x, fmt: str = ".2f") -> str:
-    return "—" if x is None else format(x, fmt)
+from _common import fmt as _f
 
 
 def _cat(profile: dict, prefix: str) -> dict:

@@ -42,6 +42,7 @@ use_loopback_ray()  # before anything imports ray: the local cluster stays on lo
 
 import torch  # noqa: E402
 from _common import cpu_name, load_avg_1m, logger, sonnet_prompts, write_results  # noqa: E402
+from _common import fmt as _f  # noqa: E402
 
 log = logger("overhead")
 BLOCK_SIZE = 16
@@ -144,10 +145,6 @@ def steady_rate(times: list[list[float]]) -> dict:
             "steady_window_s": max(0.0, end - start)}
 
 
-def _f(x, fmt: str = ".1f") -> str:
-    return "—" if x is None else format(x, fmt)
-
-
 def markdown(res: dict) -> str:
     e, c, t = res["engine"], res["cluster"], res["targets"]
     return "\n".join([
@@ -163,7 +160,7 @@ def markdown(res: dict) -> str:
         f"(mean {c['itl_ms_mean']:.1f}, p99 {c['itl_ms_p99']:.1f}) | {t['itl_over_tpot']:.3f} | <= 1.1 | "
         f"{'yes' if t['itl_over_tpot'] <= 1.1 else 'no'} |",
         f"| {res['batch']} streams, all decoding: output tokens/s | {e['tokens_per_s_batch']:.1f} | "
-        f"{_f(c['tokens_per_s_steady'])} ({c['steady_window_s']:.1f} s window) | {_f(t['steady_rate_ratio'], '.3f')} | "
+        f"{_f(c['tokens_per_s_steady'], '.1f')} ({c['steady_window_s']:.1f} s window) | {_f(t['steady_rate_ratio'], '.3f')} | "
         f">= 0.9 | {'—' if t['steady_rate_ratio'] is None else 'yes' if t['steady_rate_ratio'] >= 0.9 else 'no'} |",
         f"| {res['batch']} streams, first token to last (with the prefill ramp): output tokens/s | "
         f"{e['tokens_per_s_batch']:.1f} | {c['tokens_per_s_batch']:.1f} | {t['rate_ratio']:.3f} | | |",
