@@ -40,6 +40,16 @@ def _bias(linear: nn.Linear) -> torch.Tensor | None:
     return None if linear.bias is None else linear.bias.detach().float().clone()
 
 
+def _rows(fn: Callable[..., torch.Tensor], x: torch.Tensor, in_features: int, out_features: int,
+          *weights: torch.Tensor | None) -> torch.Tensor:
+    """``fn(rows, *weights)`` over ``x``'s rows: ``[..., in_features]`` -> ``[..., out_features]``.
+    The engine's token-major ``[tokens, in_features]`` goes straight in (the reshapes cost ~2 us of
+    a batch-1 call's ~8)."""
+    if x.dim() == 2:
+        return fn(x, *weights)
+    return fn(x.reshape(-1, in_features), *weights).reshape(*x.shape[:-1], out_features)
+
+
 class Int8Linear(nn.Module):
     """``y = x @ W.T + bias`` with int8 weights, ``W[n, k] = qweight[n, k] * scale[n, k // G]`` (one
     scale per group of ``G`` input weights: :data:`~engine.kernels.cpu.quant_ops.INT8_GROUP_SIZE`).
@@ -58,10 +68,15 @@ class Int8Linear(nn.Module):
         self.weight_nbytes = qweight.numel() + scale.numel() * 4
 
     @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
+        """Quantize ``weight`` (``[out_features, in_features]``,
+        :func:`~engine.kernels.cpu.quant_ops.quantize_int8`)."""
+        return cls(*quant_ops.quantize_int8(weight), bias)
+
+    @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
-        """Quantize ``linear``'s weight (:func:`~engine.kernels.cpu.quant_ops.quantize_int8`)."""
-        q, s = quant_ops.quantize_int8(linear.weight)
-        return cls(q, s, _bias(linear))
+        """Quantize ``linear``'s weight; its bias stays float."""
+        return cls.from_weight(linear.weight, _bias(linear))
 
     def dense_weight(self) -> torch.Tensor:
         """The dequantized ``[out_features, in_features]`` float32 weight."""
@@ -69,11 +84,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` -> ``[..., out_features]`` (``x``'s dtype)."""
-        if x.dim() == 2:  # the engine's token-major rows: no reshapes (~2 us of 8 per call at batch 1)
-            return quant_ops.linear_int8(x, self.qweight, self.scale, self.bias)
-        lead = x.shape[:-1]
-        y = quant_ops.linear_int8(x.reshape(-1, self.in_features), self.qweight, self.scale, self.bias)
-        return y.reshape(*lead, self.out_features)
+        return _rows(quant_ops.linear_int8, x, self.in_features, self.out_features, self.qweight, self.scale,
+                     self.bias)
 
 
 class Q4Linear(nn.Module):
@@ -103,9 +115,8 @@ class Q4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` -> ``[..., out_features]`` (``x``'s dtype)."""
-        lead = x.shape[:-1]
-        y = quant_ops.linear_q4_1(x.reshape(-1, self.in_features), self.qs, self.d, self.m, self.bias)
-        return y.reshape(*lead, self.out_features)
+        return _rows(quant_ops.linear_q4_1, x, self.in_features, self.out_features, self.qs, self.d, self.m,
+                     self.bias)
 
 
 def _projections(model: nn.Module):
@@ -126,9 +137,9 @@ def _quantize_int8(model: nn.Module, q4_blocks: Mapping[str, Q4Blocks] | None = 
         count += 1
     # the LM head too (a quantized copy when tied: the embedding lookup stays float): at batch 1 it is
     # a fifth of SmolLM2's float32 weights and would be half of what an int8 step streams
-    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    q, s = quant_ops.quantize_int8(head)
-    model.lm_head = Int8Linear(q, s, None if model.lm_head is None else _bias(model.lm_head))
+    tied = model.lm_head is None
+    model.lm_head = Int8Linear.from_weight(model.model.embed_tokens.weight) if tied \
+        else Int8Linear.from_linear(model.lm_head)
     return count + 1
 
 

@@ -103,7 +103,7 @@ def quantize_int8(weight: torch.Tensor, group_size: int = INT8_GROUP_SIZE) -> tu
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     n, k = weight.shape
-    g = int8_group_size(k, min(group_size, k))
+    g = int8_group_size(k, group_size)  # k itself when group_size does not divide it (or exceeds it)
     w = weight.detach().float().reshape(n, k // g, g)
     scale = w.abs().amax(dim=2) / 127.0
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
