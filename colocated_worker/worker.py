@@ -87,9 +87,7 @@ def local_route(worker_id: str, decode: DecodeScheduler, fallback: Route) -> Rou
 def create_colocated_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -> WorkerHost:
     """Build (not start) a colocated worker; its KV sender and receiver (for other workers'
     requests) come from the transport registry by ``cfg.kv``."""
-    model_cfg, runner = build_runner(cfg.model, cfg.cache, device=cfg.device, dtype=cfg.dtype,
-                                     num_threads=cfg.num_threads, model_cache_dir=cfg.model_cache_dir, tp=cfg.tp,
-                                     quantization=cfg.quantization)
+    model_cfg, runner = build_runner(cfg.model, cfg.cache, **cfg.runner_options())
     wake = threading.Event()
     metrics = WorkerMetrics(cfg, lambda: loop.load())
     decode = DecodeScheduler(runner, cfg.cache, cfg.scheduler, model_cfg.eos_token_ids, wake=wake,

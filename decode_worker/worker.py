@@ -21,9 +21,7 @@ def create_decode_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") ->
     Its KV receiver is the one ``cfg.kv`` names in the transport registry, attached to a
     gRPC server (port and thread pool) of its own.
     """
-    model_cfg, runner = build_runner(cfg.model, cfg.cache, device=cfg.device, dtype=cfg.dtype,
-                                     num_threads=cfg.num_threads, model_cache_dir=cfg.model_cache_dir, tp=cfg.tp,
-                                     quantization=cfg.quantization)
+    model_cfg, runner = build_runner(cfg.model, cfg.cache, **cfg.runner_options())
     metrics = WorkerMetrics(cfg, lambda: sched.load())
     sched = DecodeScheduler(runner, cfg.cache, cfg.scheduler, model_cfg.eos_token_ids, on_step=metrics.on_step)
     sink = DecodeKvSink(sched, on_write=metrics.kv_received)

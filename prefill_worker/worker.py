@@ -29,9 +29,7 @@ def _model_id(name: str, cfg: WorkerConfig) -> str:
 def create_prefill_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -> WorkerHost:
     """Build (not start) a prefill worker; its KV sender comes from the transport registry by ``cfg.kv``
     and sends the cluster secret of ``cfg.security``."""
-    model_cfg, runner = build_runner(cfg.model, cfg.cache, device=cfg.device, dtype=cfg.dtype,
-                                     num_threads=cfg.num_threads, model_cache_dir=cfg.model_cache_dir, tp=cfg.tp,
-                                     quantization=cfg.quantization)
+    model_cfg, runner = build_runner(cfg.model, cfg.cache, **cfg.runner_options())
     metrics = WorkerMetrics(cfg, lambda: sched.load())
     sched = PrefillScheduler(runner, cfg.cache, cfg.scheduler, model_id=_model_id(model_cfg.name, cfg),
                              layerwise=cfg.kv.layerwise, on_step=metrics.on_step)

@@ -102,6 +102,13 @@ class WorkerConfig:
         if self.quantization != QUANTIZATIONS[0] and tps:
             raise ConfigError(f"quantization {self.quantization!r} needs tensor parallelism off, got {tps}")
 
+    def runner_options(self) -> dict:
+        """The keyword arguments of :func:`engine.builder.build_runner` (after ``model`` and
+        ``cache``) this worker's model is loaded with: where, in what dtype and quantization, on
+        how many threads and tensor-parallel ranks."""
+        return {"device": self.device, "dtype": self.dtype, "num_threads": self.num_threads,
+                "model_cache_dir": self.model_cache_dir, "tp": self.tp, "quantization": self.quantization}
+
     def for_role(self, role: str, worker_id: str, **changes) -> "WorkerConfig":
         """This template as the config of one worker: ``role`` and ``worker_id`` set,
         ``prefill_cache`` applied to a prefill worker, other fields from ``changes``.

@@ -189,3 +189,14 @@ def test_build_runner_refuses_quantized_tensor_parallel():
     with pytest.raises(ConfigError, match="not supported with tp=2"):
         build_runner(DEFAULT_MODEL, CacheConfig(num_blocks=4), tp=2, quantization="q4")
 
+
+
+def test_workers_load_their_model_with_every_option_of_the_config():
+    """``WorkerConfig.runner_options`` names every keyword of ``build_runner`` (a new one cannot be
+    left out of the three workers), quantization included."""
+    import inspect
+
+    from engine.builder import build_runner
+    cfg = WorkerConfig(role="decode", worker_id="w", model="m", redis_url="redis://x:1", quantization="int8")
+    kw = {n for n, p in inspect.signature(build_runner).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    assert set(cfg.runner_options()) == kw and cfg.runner_options()["quantization"] == "int8"
