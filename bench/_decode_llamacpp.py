@@ -68,11 +68,12 @@ class LlamaCppPeer:
             [server, "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "--parallel", str(max_batch),
              "-c", str(max_batch * max_seq_len), "--host", "127.0.0.1", "--port", str(self.port), "--no-webui"],
             stdout=self._log, stderr=subprocess.STDOUT)
-        self.info = {"server": server, "gguf": str(gguf), "threads": threads, "parallel": max_batch,
+        self.info = {"server": server, "gguf": Path(gguf).name, "threads": threads, "parallel": max_batch,
                      "ctx_per_slot": max_seq_len, "log": str(log_path)}
         deadline = time.monotonic() + start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self._log.close()
                 raise LlamaCppError(f"llama-server exited with {self.proc.returncode}; its log: {log_path}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:

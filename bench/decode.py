@@ -110,7 +110,7 @@ def _new_tokens(args, ctx: int) -> int:
     return args.new_tokens_long if (ctx >= 1024 and args.new_tokens_long) else args.new_tokens
 
 
-def _weights(model, cfg) -> dict:
+def _weights(model) -> dict:
     """Weights read by a step, by name: the decoder's and the LM head's (the token embedding is a
     row lookup, read whole only where it is the tied LM head itself)."""
     w = dense_weights(model)
@@ -122,7 +122,7 @@ def _weights(model, cfg) -> dict:
 def model_stats(model, cfg) -> dict:
     """Bytes of the weights (as stored: quantized ones at their size), weights in matmuls, KV bytes
     and attention flops per context token."""
-    weights = _weights(model, cfg)
+    weights = _weights(model)
     # bytes as stored: a packed or quantized layer's own count (int8: 1 B per weight + its scales)
     stored = {f"{n}.weight": m.weight_nbytes for n, m in model.named_modules() if hasattr(m, "weight_nbytes")}
     weight_bytes = sum(stored.get(n, p.numel() * p.element_size()) for n, p in weights.items())
@@ -154,7 +154,7 @@ def run_point(model, cfg, hf, tokenizer, prompts, prefilled, new_tokens, stats, 
     ``rounds`` runs of each engine (ours, HF unless ``no_hf``, each of ``peers``) interleaved
     in rotating order; each engine's best run (lowest p50 TPOT) gives its numbers."""
     b, ctx = len(prompts), len(prompts[0])
-    mats = [p for p in _weights(model, cfg).values() if p.dim() == 2]
+    mats = [p for p in _weights(model).values() if p.dim() == 2]
     bw = _common.copy_bandwidth_GBps(copy_bytes)
     gemv = _common.linear_stream_GBps(mats)
     gemm = _common.gemm_GFLOPs(gemm_n, reps=3)
@@ -283,12 +283,12 @@ def run(args) -> dict:
     stats = model_stats(model, cfg)
     log(f"machine rates, load {load_start:.2f}")
     bw, gemm = _common.copy_bandwidth_GBps(), _common.gemm_GFLOPs()
-    gemv = _common.linear_stream_GBps([p for p in _weights(model, cfg).values() if p.dim() == 2])
+    gemv = _common.linear_stream_GBps([p for p in _weights(model).values() if p.dim() == 2])
     log(f"copy {bw:.1f} GB/s, GEMM {gemm:.1f} GFLOP/s, one-row linear {gemv:.1f} GB/s")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     peer, vllm_start_error = _start_vllm(args, model_dir)
     llama, llamacpp_start_error = _start_llamacpp(args, gguf)
-    peers = {name: p for name, p in (("vllm", peer), ("llamacpp", llama)) if p is not None}
+    peers = {name: p for name, p in zip(PEERS, (peer, llama)) if p is not None}
     res = {
         "benchmark": "decode", "complete": False, "quick": args.quick, "model": args.model,
         "model_dir": str(model_dir), "dtype": "float32", "device": "cpu", "cpu": _common.cpu_name(),
