@@ -41,6 +41,7 @@ import torch
 
 from engine.kernels.cpu import quant_ops
 from engine.kernels.cpu.build import load
+from engine.model.quant import Int8Linear, Q4Linear
 
 import _common
 
@@ -84,8 +85,8 @@ def make_weights(layers: int) -> dict:
         out["packed"] = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in f32]
     out["int8"] = [quant_ops.quantize_int8(w) for w in f32]
     out["q4_1"] = [quant_ops.quantize_q4_1(w) for w in f32]
-    out["bytes"]["int8"] = sum(q.numel() + s.numel() * 4 for q, s in out["int8"])
-    out["bytes"]["q4_1"] = sum(qs.numel() + d.numel() * 8 for qs, d, _ in out["q4_1"])
+    out["bytes"]["int8"] = sum(Int8Linear(*w, None).weight_nbytes for w in out["int8"])
+    out["bytes"]["q4_1"] = sum(Q4Linear(*w, None).weight_nbytes for w in out["q4_1"])
     return out
 
 
