@@ -67,10 +67,20 @@ def worker_loads(state: dict) -> list[worker_pb2.WorkerLoad]:
 
 
 def assert_no_leak(state: dict, timeout_s: float = 2.0) -> None:
-    """Every worker's KV pool is back at its baseline (all blocks free, nothing running)."""
+    """Every worker's KV pool is back at its baseline (all blocks free, nothing running)
+    within ``timeout_s`` seconds; a registered worker that cannot be reached (killed, its
+    record not yet expired) is waited for within the same time."""
     deadline = time.monotonic() + timeout_s
     while True:
-        loads = worker_loads(state)
+        try:
+            loads = worker_loads(state)
+        except grpc.RpcError as e:
+            # a worker killed just before (a chaos test) stays registered until its heartbeat
+            # TTL runs out: wait for the registry to drop it, up to the same deadline
+            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+            continue
         held = {w.worker_id: (w.num_total_blocks - w.num_free_blocks, w.num_running) for w in loads
                 if w.num_free_blocks != w.num_total_blocks or w.num_running}
         if not held:
