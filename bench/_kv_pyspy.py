@@ -30,7 +30,7 @@ RULES = (
      lambda f, p, t: any(k in t for k in (".wait(", "accept(", "sys.stdin", "readline", "work_queue.get",
                                           "recv_into(")) or f.startswith("Condition.wait")),
     ("gather (index_select of the blocks into the reused buffer)",
-     lambda f, p, t: f.startswith(("gather_blocks", "_index", "_out_view"))),
+     lambda f, p, t: f.startswith(("gather_blocks", "block_index", "_out_view", "frame_kv_chunk"))),
     ("CRC32C", lambda f, p, t: f.startswith("crc32c") or "crc32" in t),
     ("framing: the copy into the message (frame_bytes)", lambda f, p, t: f.startswith(("frame_bytes", "_varint"))),
     ("splitting the message (parse_frame)", lambda f, p, t: f.startswith(("parse_frame", "_read_varint", "_skip"))),

@@ -108,7 +108,12 @@ def check_kv_cache(kv_cache: "torch.Tensor | HeadShards") -> None:
         raise ValueError(f"kv_cache must have a floating dtype, got {kv_cache.dtype}")
 
 
-def _index(block_ids: Sequence[int] | torch.Tensor, num_blocks: int, device: torch.device) -> torch.Tensor:
+def block_index(block_ids: Sequence[int] | torch.Tensor, num_blocks: int, device: torch.device) -> torch.Tensor:
+    """``block_ids`` as an int64 ``[n]`` tensor on ``device``.
+
+    Raises:
+        ValueError: no ids, or an id outside ``[0, num_blocks)``.
+    """
     idx = torch.as_tensor(block_ids, dtype=torch.long).reshape(-1)
     if idx.numel() == 0:
         raise ValueError("block_ids must not be empty")
@@ -118,7 +123,8 @@ def _index(block_ids: Sequence[int] | torch.Tensor, num_blocks: int, device: tor
     return idx.to(device)
 
 
-def _check_layers(kv_cache: torch.Tensor, layer_start: int, layer_end: int) -> None:
+def check_layers(kv_cache: torch.Tensor, layer_start: int, layer_end: int) -> None:
+    """Raises ValueError unless ``[layer_start, layer_end)`` is a non-empty range of ``kv_cache``'s layers."""
     if not 0 <= layer_start < layer_end <= kv_cache.shape[0]:
         raise ValueError(
             f"layer range [{layer_start}, {layer_end}) outside [0, {kv_cache.shape[0]})"
@@ -158,8 +164,8 @@ def gather_blocks(
         return torch.cat([gather_blocks(t, layer_start, layer_end, block_ids).to(kv_cache.device)
                           for t, _, _ in kv_cache.owners()], dim=4)
     check_kv_cache(kv_cache)
-    _check_layers(kv_cache, layer_start, layer_end)
-    idx = _index(block_ids, kv_cache.shape[2], kv_cache.device)
+    check_layers(kv_cache, layer_start, layer_end)
+    idx = block_index(block_ids, kv_cache.shape[2], kv_cache.device)
     part = kv_cache[layer_start:layer_end]
     shape = (part.shape[0], 2, idx.numel(), *part.shape[3:])
     target = None if out is None else _out_view(out, kv_cache, shape)
@@ -215,8 +221,8 @@ def scatter_blocks(
         synchronize_shards(kv_cache)
         return
     check_kv_cache(kv_cache)
-    _check_layers(kv_cache, layer_start, layer_end)
-    idx = _index(block_ids, kv_cache.shape[2], kv_cache.device)
+    check_layers(kv_cache, layer_start, layer_end)
+    idx = block_index(block_ids, kv_cache.shape[2], kv_cache.device)
     want = (layer_end - layer_start, 2, idx.numel(), *kv_cache.shape[3:])
     if tuple(blocks.shape) != want:
         raise ValueError(f"blocks shape {tuple(blocks.shape)} != expected {want}")

@@ -38,6 +38,12 @@ def _native_extend() -> Any:
 _EXTEND = _native_extend()
 
 
+def crc32c_extend_address() -> int | None:
+    """The address of the C function ``uint32_t crc32c_extend(uint32_t crc, const uint8_t *data, size_t n)``
+    that :func:`crc32c` calls (for C++ code checksumming as it copies), or ``None`` without it."""
+    return None if _EXTEND is None else ctypes.cast(_EXTEND, ctypes.c_void_p).value
+
+
 def _address(buf: Any) -> tuple[int, int]:
     """``(address, nbytes)`` of a C-contiguous buffer (bytes, bytearray, memoryview, numpy array)."""
     arr = np.frombuffer(buf, dtype=np.uint8)  # a view; read-only buffers are fine

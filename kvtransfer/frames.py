@@ -70,7 +70,14 @@ def frame_bytes(frame: KvFrame | kv_pb2.KvChunk | bytes) -> bytes:
         return frame.SerializeToString()
     header, payload = frame.header, frame.payload
     n = payload.nbytes if isinstance(payload, memoryview) else len(payload)
-    return b"".join((_HEADER_TAG, _varint(len(header)), header, _PAYLOAD_TAG, _varint(n), payload))
+    return b"".join((frame_prefix(header, n)[0], payload))
+
+
+def frame_prefix(header: bytes, payload_nbytes: int) -> tuple[bytes, int]:
+    """The wire bytes of a frame up to its payload (the header field, then the payload field's tag
+    and length for ``payload_nbytes`` bytes), and the offset in them where ``header`` ends."""
+    head = _HEADER_TAG + _varint(len(header)) + header
+    return head + _PAYLOAD_TAG + _varint(payload_nbytes), len(head)
 
 
 def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:

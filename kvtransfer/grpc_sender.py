@@ -60,14 +60,19 @@ class InlineData:
 
 
 class _InlineStream:
-    """One transfer's chunks framed with their tensor: gathered into one buffer reused for every
-    chunk (its pages stay mapped) and copied from it into the message, the one copy of the payload."""
+    """One transfer's chunks framed with their tensor: gathered straight into the message, checksummed
+    on the way (:mod:`kvtransfer.onepass`); where that cannot run, gathered into one buffer reused for
+    every chunk (its pages stay mapped) and copied from it into the message."""
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
 
     def encode(self, job: SendJob, i: int) -> tuple[bytes, int]:
-        """See :meth:`OutboundData.encode`: the chunk's wire bytes (:func:`kvtransfer.frames.frame_bytes`)."""
+        """See :meth:`OutboundData.encode`: the chunk's wire bytes (:func:`kvtransfer.frames.frame_bytes`),
+        in one pass from the cache where the fused kernel runs (:mod:`kvtransfer.onepass`)."""
+        framed = job.frame(i)
+        if framed is not None:
+            return framed
         if self._buffer is None:
             self._buffer = torch.empty(job.max_chunk_numel(), dtype=job.kv_cache.dtype, device=job.kv_cache.device)
         tensor = job.gather(i, out=self._buffer)

@@ -28,6 +28,7 @@ from kvtransfer.blocks import check_kv_cache, gather_blocks
 from kvtransfer.chunking import ChunkSpec, plan_chunks
 from kvtransfer.errors import KvTransferError
 from kvtransfer.frames import KvFrame
+from kvtransfer.onepass import frame_kv_chunk
 from kvtransfer.progress import LayerProgress
 from kvtransfer.reblock import check_same_tokens, dest_block_range
 from kvtransfer.states import TransferState, TransferStateTable
@@ -76,11 +77,20 @@ class SendJob:
         return gather_blocks(self.kv_cache, spec.layer_start, spec.layer_end,
                              self.src[spec.block_start:spec.block_end], out=out)
 
+    def frame(self, i: int) -> tuple[bytes, int] | None:
+        """Chunk ``i``'s wire bytes gathered, checksummed and framed in one pass, and its payload
+        bytes; ``None`` where that cannot run (see :func:`~kvtransfer.onepass.frame_kv_chunk`)."""
+        spec = self.plan[i]
+        framed = frame_kv_chunk(self.meta(i), self.kv_cache, self.src[spec.block_start:spec.block_end])
+        return None if framed is None else (framed, self._numel(spec) * self.kv_cache.element_size())
+
     def max_chunk_numel(self) -> int:
         """Elements of the largest chunk's tensor (to size a reusable gather buffer)."""
+        return max(self._numel(c) for c in self.plan)
+
+    def _numel(self, c: ChunkSpec) -> int:
         shape = self.kv_cache.shape  # [L, 2, num_blocks, block_size, H, D] (a tensor or its HeadShards)
-        per_block = 2 * shape[3] * shape[4] * shape[5]
-        return max((c.layer_end - c.layer_start) * (c.block_end - c.block_start) * per_block for c in self.plan)
+        return (c.layer_end - c.layer_start) * (c.block_end - c.block_start) * 2 * shape[3] * shape[4] * shape[5]
 
 
 def plan_job(

@@ -39,18 +39,17 @@ instruction) of the payload bytes.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-import numpy as np
 import torch
 
 from kvtransfer.checksum import crc32c
 from kvtransfer.errors import KvIntegrityError
 from kvtransfer.frames import KvFrame
+from kvtransfer.payload import nbytes_of, tensor_from_payload, tensor_payload
 from pdcluster.v1 import kv_pb2
 
 WIRE_VERSION = 2
@@ -116,59 +115,11 @@ class KvChunkMeta:
     token_start: int = 0
 
 
-def tensor_payload(tensor: torch.Tensor) -> memoryview:
-    """The C-order bytes of ``tensor`` (any floating dtype, bf16 included, any device) as a 1-d byte view.
-
-    No copy for a contiguous CPU tensor (the view keeps it alive); else one copy, to CPU
-    and/or to contiguous.
-    """
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
-    numel = 1
-    for n in shape:
-        numel *= n
-    return numel * dtype.itemsize
-
-
-def tensor_from_payload(payload: bytes | memoryview, dtype: torch.dtype, shape: Sequence[int], *,
-                        copy: bool = True) -> torch.Tensor:
-    """A CPU tensor of ``shape`` and ``dtype`` over ``payload``'s bytes (:func:`tensor_payload` inverted).
-
-    Args:
-        copy: True: a new, writable tensor that owns its memory (one copy). False: a view
-            of ``payload`` (no copy; it keeps ``payload`` alive) that must only be read:
-            writing into it would change the (immutable) received message.
-
-    Raises:
-        KvIntegrityError: the payload's size does not match ``shape`` and ``dtype``.
-    """
-    n = payload.nbytes if isinstance(payload, memoryview) else len(payload)
-    want = _nbytes(dtype, shape)
-    if want != n:
-        raise KvIntegrityError(f"payload is {n} bytes, shape {list(shape)} of {dtype} needs {want}")
-    if want == 0:
-        return torch.empty(tuple(shape), dtype=dtype)
-    if copy:
-        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    else:  # a ctypes view of the same address: torch.frombuffer warns on read-only buffers
-        arr = np.frombuffer(payload, dtype=np.uint8)
-        view = (ctypes.c_ubyte * want).from_address(arr.ctypes.data)
-        view.owner = arr  # the view keeps the message alive as long as the tensor lives
-        flat = torch.frombuffer(view, dtype=torch.uint8)
-    return flat.view(dtype).reshape(tuple(shape))
-
-
-def _kv_header(meta: KvChunkMeta, tensor: torch.Tensor, checksum: int) -> dict[str, Any]:
+def _kv_header(meta: KvChunkMeta, dtype: torch.dtype, shape: Sequence[int], checksum: int) -> dict[str, Any]:
     want = (meta.layer_end - meta.layer_start, 2)
-    if (tensor.dim() != 6 or tuple(tensor.shape[:2]) != want or tensor.shape[3] != meta.block_size
-            or min(tensor.shape) < 1):
+    if len(shape) != 6 or tuple(shape[:2]) != want or shape[3] != meta.block_size or min(shape) < 1:
         raise ValueError(
-            f"tensor shape {tuple(tensor.shape)} does not match ({want[0]}, 2, n, {meta.block_size}, "
+            f"tensor shape {tuple(shape)} does not match ({want[0]}, 2, n, {meta.block_size}, "
             "num_kv_heads, head_dim)"
         )
     if not meta.block_ids or meta.token_start < 0 or meta.token_start % meta.block_size:
@@ -187,10 +138,26 @@ def _kv_header(meta: KvChunkMeta, tensor: torch.Tensor, checksum: int) -> dict[s
         "block_ids": [int(b) for b in meta.block_ids],
         "block_size": int(meta.block_size),
         "token_start": int(meta.token_start),
-        "dtype": dtype_name(tensor.dtype),
-        "shape": [int(n) for n in tensor.shape],
-        "checksum": checksum,
+        "dtype": dtype_name(dtype),
+        "shape": [int(n) for n in shape],
+        "checksum": checksum,  # last: kv_header_template's placeholder ends the header
     }
+
+
+_CHECKSUM_SLOT = b"\xce\xff\xff\xff\xff"  # msgpack uint32 0xffffffff: 4 big-endian bytes after the marker
+
+
+def kv_header_template(meta: KvChunkMeta, dtype: torch.dtype, shape: Sequence[int]) -> bytes:
+    """The msgpack header of a ``"kv"`` chunk whose checksum is filled in later: its last 4 bytes
+    are the ``checksum`` value, a msgpack uint32 (big-endian), to be overwritten with the payload's
+    CRC32C (a valid, if not the shortest, encoding of any 32-bit value).
+
+    Raises:
+        ValueError: as :func:`encode_kv_chunk`, for a tensor of ``dtype`` and ``shape``.
+    """
+    raw = msgpack.packb(_kv_header(meta, dtype, shape, 0xFFFFFFFF))
+    assert raw.endswith(_CHECKSUM_SLOT), "checksum must be the header's last key"
+    return raw
 
 
 def encode_kv_chunk(meta: KvChunkMeta, tensor: torch.Tensor) -> KvFrame:
@@ -212,8 +179,8 @@ def encode_kv_chunk(meta: KvChunkMeta, tensor: torch.Tensor) -> KvFrame:
             ids, or a ``token_start`` that is not a multiple of ``block_size``.
     """
     payload = tensor_payload(tensor)
-    header = _kv_header(meta, tensor, crc32c(payload))
-    return KvFrame(msgpack.packb(header), payload)
+    header = kv_header_template(meta, tensor.dtype, tensor.shape)  # the one encoding both sender paths write
+    return KvFrame(header[:-4] + crc32c(payload).to_bytes(4, "big"), payload)
 
 
 def encode_dist_kv_chunk(meta: KvChunkMeta, tensor: torch.Tensor, dist: dict[str, Any]) -> KvFrame:
@@ -228,7 +195,7 @@ def encode_dist_kv_chunk(meta: KvChunkMeta, tensor: torch.Tensor, dist: dict[str
     Raises:
         ValueError: as :func:`encode_kv_chunk`.
     """
-    header = _kv_header(meta, tensor, crc32c(tensor))
+    header = _kv_header(meta, tensor.dtype, tensor.shape, crc32c(tensor))
     header["data"] = DATA_DIST
     header["dist"] = dict(dist)
     return KvFrame(msgpack.packb(header))
@@ -388,7 +355,7 @@ def decode_chunk(chunk: KvFrame | kv_pb2.KvChunk, *, copy: bool = True) -> tuple
         if size:
             raise KvIntegrityError(f"dist chunk carries a {size}-byte payload", header)
         return header, None
-    want = _nbytes(dtype, header["shape"])
+    want = nbytes_of(dtype, header["shape"])
     if want != size:
         raise KvIntegrityError(f"payload is {size} bytes, shape {header['shape']} of {dtype} needs {want}", header)
     crc = crc32c(payload)

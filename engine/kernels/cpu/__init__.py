@@ -11,5 +11,9 @@ Each kernel has a plain-torch fallback that its caller uses when the extension i
   ``linear_q4_1(x, qs [N, K/32, 16] uint8, d [N, K/32] f32, m [N, K/32] f32, bias | None)``,
   both ``-> [M, N] f32``; a bad argument raises ``RuntimeError`` naming it.
 
+* ``block_copy`` (``load("block_copy")``): KV block-row copies that take the bytes' CRC32C on the
+  way, one pass over memory: ``gather_framed`` (rows into a new ``bytes`` after a prefix, the CRC
+  written into it) and ``scatter_crc``; used by :mod:`kvtransfer.onepass`.
+
 ``bench/gemv.py`` measures them against ``F.linear`` and oneDNN at decode row counts.
 """

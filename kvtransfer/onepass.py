@@ -1,0 +1,107 @@
+"""KV blocks to wire bytes and back in one pass over memory: copy and CRC32C fused.
+
+The plain path of a ``"kv"`` chunk streams its bytes several times on each side: the sender
+gathers the blocks into a buffer (:func:`~kvtransfer.blocks.gather_blocks`), checksums it
+(:func:`~kvtransfer.checksum.crc32c`) and copies it into the framed message
+(:func:`~kvtransfer.frames.frame_bytes`); the receiver checksums the payload and then copies it
+into the reserved blocks. The C++ kernel ``block_copy`` (:mod:`engine.kernels.cpu.build`) does
+each side in one pass: every block row is copied and checksummed while it is in cache, by
+google-crc32c's own ``crc32c_extend`` (its address from :func:`crc32c_extend_address`), with
+the GIL released throughout.
+
+* :func:`frame_kv_chunk` (sender): the chunk's wire bytes, the gathered rows written straight
+  into the one ``bytes`` object gRPC sends, after a header whose ``checksum`` is filled in
+  (:func:`~kvtransfer.wire.kv_header_template`). The bytes equal
+  ``frame_bytes(encode_kv_chunk(meta, gather_blocks(...)))``.
+* :func:`scatter_rows_checked` (receiver): :func:`~kvtransfer.blocks.copy_rows` that returns
+  the source's CRC32C.
+
+Both return ``None`` where the fused kernel cannot run (no compiler at install, google-crc32c
+without its C library, a cache off the CPU, in head shards or not contiguous): the caller
+takes the plain path, which produces the same bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+
+from engine.kernels.cpu.build import load
+from kvtransfer.blocks import block_index, check_kv_cache, check_layers
+from kvtransfer.checksum import crc32c_extend_address
+from kvtransfer.frames import frame_prefix
+from kvtransfer.wire import KvChunkMeta, kv_header_template
+
+
+@functools.cache
+def _kernel() -> tuple[ModuleType, int] | None:
+    address = crc32c_extend_address()
+    if address is None:
+        return None
+    module = load("block_copy")
+    return None if module is None else (module, address)
+
+
+def available() -> bool:
+    """Whether the fused kernel runs in this process (else both functions return ``None``)."""
+    return _kernel() is not None
+
+
+def frame_kv_chunk(meta: KvChunkMeta, kv_cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor) -> bytes | None:
+    """The wire bytes of the ``"kv"`` chunk of ``meta`` over the blocks ``block_ids`` of ``kv_cache``.
+
+    Args:
+        meta: the chunk's addressing (its layers ``[meta.layer_start, meta.layer_end)``).
+        kv_cache: the sender's ``[L, 2, num_blocks, block_size, H, D]`` paged cache (floating dtype).
+        block_ids: the source blocks, in payload order.
+
+    Returns:
+        ``frame_bytes(encode_kv_chunk(meta, gather_blocks(kv_cache, ...)))``, byte for byte: header and payload
+        (``(layers) * 2 * n * block_size * H * D`` elements) with the payload's CRC32C; or ``None``
+        where the fused kernel cannot run on this cache (module docstring).
+
+    Raises:
+        ValueError: bad cache layout, layer range, block id, or ``meta`` (as :func:`encode_kv_chunk`).
+    """
+    kernel = _kernel()
+    if kernel is None or not isinstance(kv_cache, torch.Tensor) or kv_cache.device.type != "cpu":
+        return None
+    check_kv_cache(kv_cache)
+    check_layers(kv_cache, meta.layer_start, meta.layer_end)
+    part = kv_cache[meta.layer_start:meta.layer_end]
+    if not part.is_contiguous():
+        return None
+    idx = block_index(block_ids, kv_cache.shape[2], kv_cache.device)
+    shape = (part.shape[0], 2, idx.numel(), *part.shape[3:])
+    header = kv_header_template(meta, kv_cache.dtype, shape)
+    rows = part.view(part.shape[0] * 2, part.shape[2], -1).view(torch.uint8)
+    prefix, header_end = frame_prefix(header, rows.shape[0] * idx.numel() * rows.shape[2])
+    module, crc_extend = kernel
+    return module.gather_framed(prefix, rows, idx, crc_extend, header_end - 4)
+
+
+def scatter_rows_checked(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> int | None:
+    """``dst[:, index] = src`` in one pass that also checksums ``src``.
+
+    Args:
+        dst: ``[planes, rows, row_len]`` with contiguous rows, on the CPU (modified).
+        index: ``[n]`` int64 row ids of ``dst`` on the CPU.
+        src: ``[planes, n, row_len]`` contiguous, ``dst``'s dtype.
+
+    Returns:
+        The CRC32C of ``src``'s bytes, or ``None`` (nothing copied) where the kernel cannot run
+        on these tensors.
+
+    Raises:
+        RuntimeError: a row id outside ``dst`` or ``src`` of the wrong size (from the kernel).
+    """
+    kernel = _kernel()
+    if (kernel is None or dst.device.type != "cpu" or src.device.type != "cpu" or dst.stride(-1) != 1
+            or not src.is_contiguous() or src.dtype != dst.dtype or index.device.type != "cpu"):
+        return None
+    module, crc_extend = kernel
+    return module.scatter_crc(dst.view(torch.uint8), index.contiguous(), src.reshape(-1).view(torch.uint8),
+                              crc_extend)
