@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -223,6 +224,15 @@ class _ReceiverPair:
         self.backend = "gloo"
 
 
+@dataclass(frozen=True, slots=True)
+class PostedRecv:
+    """A receive :meth:`ReceiverPairs.post` started: the tensor it fills and its pending work."""
+
+    buf: torch.Tensor
+    work: Any
+    backend: str
+
+
 class ReceiverPairs:
     """A receiver's pair groups (rank 1), joined on first sight of a pair id; at most ``max_pairs`` kept.
 
@@ -234,8 +244,11 @@ class ReceiverPairs:
         self._lock = threading.Lock()
         self._pairs: OrderedDict[str, _ReceiverPair] = OrderedDict()
 
-    def receive(self, header: dict[str, Any]) -> torch.Tensor:
+    def receive(self, header: dict[str, Any], posted: "PostedRecv | None" = None) -> torch.Tensor:
         """Receive the tensor a decoded ``"data": "dist"`` header announces, and verify it.
+
+        Args:
+            posted: the receive :meth:`post` started for this header, if any (else it starts now).
 
         Returns:
             The tensor, of the header's shape and dtype: on CPU (gloo) or the
@@ -244,6 +257,19 @@ class ReceiverPairs:
         Raises:
             KvDataPlaneError: joining the pair or receiving failed or timed out.
             KvIntegrityError: shape, dtype or CRC32C differ from the header.
+        """
+        posted = posted if posted is not None else self.post(header)
+        d = header["dist"]
+        _wait(posted.work, posted.backend, d["timeout_s"], f"pair {d['pair']}: recv of tag {d['tag']}")
+        verify_tensor(header, posted.buf)
+        return posted.buf
+
+    def post(self, header: dict[str, Any]) -> "PostedRecv":
+        """Start receiving the tensor a decoded ``"data": "dist"`` header announces (joining its pair
+        group on first sight), without waiting for it: several receives of one pair may be posted.
+
+        Raises:
+            KvDataPlaneError: joining the pair or posting the receive failed.
         """
         d = header["dist"]
         pair = self._get(d["pair"])
@@ -262,12 +288,9 @@ class ReceiverPairs:
             device = torch.device("cuda", torch.cuda.current_device()) if pair.backend == "nccl" else "cpu"
             buf = torch.empty(header["shape"], dtype=dtype_from_name(header["dtype"]), device=device)
             try:
-                work = pair.group.recv([buf], 0, d["tag"])
+                return PostedRecv(buf, pair.group.recv([buf], 0, d["tag"]), pair.backend)
             except RuntimeError as exc:
                 raise KvDataPlaneError(f"pair {d['pair']}: recv failed: {exc}") from None
-            _wait(work, pair.backend, d["timeout_s"], f"pair {d['pair']}: recv of tag {d['tag']}")
-        verify_tensor(header, buf)
-        return buf
 
     def drop(self, pair_id: str) -> None:
         """Forget a pair (closing its connections once unreferenced); unknown ids are ignored."""

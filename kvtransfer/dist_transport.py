@@ -26,14 +26,16 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import grpc
 import torch
 
-from kvtransfer.dist_pairs import ReceiverPairs, SenderPair, SenderPairs, backend_for
+from kvtransfer.dist_pairs import PostedRecv, ReceiverPairs, SenderPair, SenderPairs, backend_for
 from kvtransfer.frames import KvFrame
+from kvtransfer.errors import KvDataPlaneError
 from kvtransfer.grpc_receiver import InboundData, KvTransferServicer, add_kv_transfer_servicer
 from kvtransfer.grpc_sender import GrpcKvSender
 from kvtransfer.registry import ChannelFactory, check_options, register_transport
@@ -107,11 +109,15 @@ class PairSendPlane:
 
 
 class _PairStream:
-    """Receiving data plane of one stream: remembers the pair its headers name, to drop it on failure."""
+    """Receiving data plane of one stream: posts each chunk's receive as soon as its header arrives
+    (so the sender's send of it completes while earlier chunks are still being written), and
+    remembers the pair its headers name, to drop it on failure."""
 
     def __init__(self, pairs: ReceiverPairs) -> None:
         self._pairs = pairs
         self._pair: str | None = None
+        self._lock = threading.Lock()
+        self._posted: dict[int, PostedRecv | KvDataPlaneError] = {}  # by tag; prepare's thread adds
 
     def note(self, header: dict[str, Any]) -> None:
         if header.get("data") == DATA_DIST and isinstance(header.get("dist"), dict):
@@ -119,10 +125,26 @@ class _PairStream:
             if isinstance(pair, str):
                 self._pair = pair
 
+    def prepare(self, header: dict[str, Any]) -> None:
+        if header.get("data") != DATA_DIST:
+            return
+        try:
+            posted: PostedRecv | KvDataPlaneError = self._pairs.post(header)
+        except KvDataPlaneError as exc:  # raised by tensor() for this chunk
+            posted = exc
+        with self._lock:
+            self._posted[header["dist"]["tag"]] = posted
+
     def tensor(self, header: dict[str, Any]) -> torch.Tensor:
-        return self._pairs.receive(header)
+        with self._lock:
+            posted = self._posted.pop(header["dist"]["tag"], None)
+        if isinstance(posted, KvDataPlaneError):
+            raise posted
+        return self._pairs.receive(header, posted)
 
     def drop(self) -> None:
+        with self._lock:
+            self._posted.clear()
         if self._pair is not None:
             self._pairs.drop(self._pair)
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
@@ -42,6 +43,11 @@ class InboundData(Protocol):
 
     def note(self, header: dict[str, Any]) -> None:
         """Every header of the stream that parsed, also of a chunk that then failed verification."""
+
+    def prepare(self, header: dict[str, Any]) -> None:
+        """A verified header of the admitted transfer, as soon as its message arrived (on the stream's
+        read-ahead thread, before :meth:`note` and :meth:`tensor` see it on the handler's): a data plane
+        may start receiving the chunk's tensor now. Must not raise (:meth:`tensor` reports failures)."""
 
     def tensor(self, header: dict[str, Any]) -> torch.Tensor:
         """The tensor of a verified ``"kv"`` chunk whose message carries none (an empty payload).
@@ -74,6 +80,9 @@ class InlineReceive:
 
     def note(self, header: dict[str, Any]) -> None:
         """Nothing to note."""
+
+    def prepare(self, header: dict[str, Any]) -> None:
+        """Nothing to prepare."""
 
     def tensor(self, header: dict[str, Any]) -> torch.Tensor:
         """Always raises :class:`KvIntegrityError`: this receiver takes no tensor outside the message."""
@@ -122,13 +131,14 @@ class KvTransferServicer(KvReceiver):
     def PushKv(self, request_iterator: Iterator[KvFrame], context: grpc.ServicerContext) -> kv_pb2.KvAck:
         """Handle one transfer stream; see the class docstring for the ack contract.
 
-        A reader thread takes the next message from gRPC (its copy out of gRPC's buffers)
-        while this one verifies and writes the current one.
+        A reader thread takes the next message from gRPC (its copy out of gRPC's buffers) and
+        verifies it (:func:`~kvtransfer.wire.decode_chunk`: header, CRC32C) while this one writes
+        the current one.
         """
         stream = _InboundStream(self._sink, self._states, self._data.open_stream())
-        with _ReadAhead(request_iterator) as frames:
+        with _ReadAhead(request_iterator, stream.decode) as chunks:
             try:
-                for chunk in frames:
+                for chunk in chunks:
                     ack = stream.on_chunk(chunk)
                     if ack is not None:
                         return ack
@@ -160,13 +170,15 @@ def add_kv_transfer_servicer(
 
 
 class _ReadAhead:
-    """Iterates a request iterator one message ahead on a thread of its own (a context manager:
-    leaving it lets the thread end); an exception of the iterator is raised in the consumer."""
+    """Iterates a request iterator one message ahead on a thread of its own, each message mapped
+    through ``decode`` there (a context manager: leaving it lets the thread end); an exception of
+    the iterator is raised in the consumer."""
 
     _END = object()
 
-    def __init__(self, requests: Iterator[KvFrame]) -> None:
+    def __init__(self, requests: Iterator[KvFrame], decode: Callable[[KvFrame], object]) -> None:
         self._requests = requests
+        self._decode = decode
         self._ready: queue.Queue = queue.Queue(maxsize=1)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._read, daemon=True, name="kv-read-ahead")
@@ -182,7 +194,7 @@ class _ReadAhead:
         item: object = self._END
         try:
             for frame in self._requests:
-                if not self._put(frame):
+                if not self._put(self._decode(frame)):
                     return
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             item = exc
@@ -197,7 +209,7 @@ class _ReadAhead:
                 continue
         return False
 
-    def _frames(self) -> Iterator[KvFrame]:
+    def _frames(self) -> Iterator[Any]:
         while True:
             item = self._ready.get()
             if item is self._END:
@@ -205,6 +217,16 @@ class _ReadAhead:
             if isinstance(item, Exception):
                 raise item
             yield item
+
+
+@dataclass(frozen=True, slots=True)
+class _Decoded:
+    """One message as :meth:`_InboundStream.decode` left it: ``header`` (``None`` when it did not
+    parse) and ``tensor`` (``None`` for ``"done"`` and tensor-less chunks), or the ``error``."""
+
+    header: dict[str, Any] | None
+    tensor: torch.Tensor | None
+    error: KvIntegrityError | None
 
 
 class _InboundStream:
@@ -220,16 +242,27 @@ class _InboundStream:
         self._bytes = 0
         self._block_size: int | None = None
         self._coverage = TokenCoverage()
+        self._admitted = threading.Event()
 
-    def on_chunk(self, chunk: KvFrame) -> kv_pb2.KvAck | None:
-        """Process one chunk; return the final ack to end the stream, ``None`` to read on."""
+    def decode(self, frame: KvFrame) -> _Decoded:
+        """Parse and verify one message (on the read-ahead thread); once the transfer is admitted,
+        let the data plane start on the chunk's tensor (:meth:`InboundData.prepare`)."""
         try:
-            header, tensor = decode_chunk(chunk, copy=False)
+            header, tensor = decode_chunk(frame, copy=False)
         except KvIntegrityError as exc:
-            if exc.header is not None:
-                self._data.note(exc.header)
-            if self.transfer_id is None and exc.header is not None and not self._admit(exc.header):
-                return self._stale(exc.header)
+            return _Decoded(exc.header, None, exc)
+        if self._admitted.is_set():
+            self._data.prepare(header)
+        return _Decoded(header, tensor, None)
+
+    def on_chunk(self, chunk: _Decoded) -> kv_pb2.KvAck | None:
+        """Process one decoded chunk; return the final ack to end the stream, ``None`` to read on."""
+        header, tensor, exc = chunk.header, chunk.tensor, chunk.error
+        if exc is not None:
+            if header is not None:
+                self._data.note(header)
+            if self.transfer_id is None and header is not None and not self._admit(header):
+                return self._stale(header)
             return self.fail(f"corrupt: {exc}")
         self._data.note(header)
         if self.transfer_id is None:
@@ -275,6 +308,7 @@ class _InboundStream:
         if admitted:
             self.transfer_id, self.generation = tid, gen
             self._states.set(tid, TransferState.TRANSFERRING)
+            self._admitted.set()
         return admitted
 
     def _on_kv(self, header: dict[str, Any], tensor: torch.Tensor, nbytes: int) -> kv_pb2.KvAck | None:

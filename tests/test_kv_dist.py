@@ -177,6 +177,9 @@ class _NeverJoins:
     def note(self, header) -> None:
         pass
 
+    def prepare(self, header) -> None:
+        pass
+
     def tensor(self, header):
         self.release.wait(30)
         raise KvDataPlaneError("never joined")
