@@ -55,9 +55,9 @@ class _PairData:
         self._pending: collections.deque[tuple[torch.Tensor, int]] = collections.deque()
 
     def encode(self, job: SendJob, i: int) -> tuple[KvFrame, int]:
-        tensor = job.gather(i)  # a tensor of its own: it leaves after its header, while the next is gathered
+        tensor, crc = job.gather_checked(i)  # its own tensor: it leaves after its header while the next is gathered
         tag = self._pair.next_tag()
-        chunk = encode_dist_kv_chunk(job.meta(i), tensor, self._pair.header_fields(tag))
+        chunk = encode_dist_kv_chunk(job.meta(i), tensor, self._pair.header_fields(tag), checksum=crc)
         self._pending.append((tensor, tag))
         return chunk, tensor.numel() * tensor.element_size()
 

@@ -13,6 +13,8 @@ the GIL released throughout.
   into the one ``bytes`` object gRPC sends, after a header whose ``checksum`` is filled in
   (:func:`~kvtransfer.wire.kv_header_template`). The bytes equal
   ``frame_bytes(encode_kv_chunk(meta, gather_blocks(...)))``.
+* :func:`gather_checked` (a sender whose tensor travels outside the message, ``torch_dist``): the
+  gathered tensor and its CRC32C.
 * :func:`scatter_rows_checked` (receiver): :func:`~kvtransfer.blocks.copy_rows` that returns
   the source's CRC32C.
 
@@ -81,6 +83,32 @@ def frame_kv_chunk(meta: KvChunkMeta, kv_cache: torch.Tensor, block_ids: Sequenc
     prefix, header_end = frame_prefix(header, rows.shape[0] * idx.numel() * rows.shape[2])
     module, crc_extend = kernel
     return module.gather_framed(prefix, rows, idx, crc_extend, header_end - 4)
+
+
+def gather_checked(kv_cache: torch.Tensor, layer_start: int, layer_end: int,
+                   block_ids: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """:func:`~kvtransfer.blocks.gather_blocks` into a new tensor and that tensor's CRC32C, in one pass.
+
+    Returns:
+        ``([layer_end - layer_start, 2, n, block_size, H, D] tensor of the cache's dtype, CRC32C)``,
+        or ``None`` where the fused kernel cannot run on this cache (module docstring).
+
+    Raises:
+        ValueError: bad cache layout, layer range or block id.
+    """
+    kernel = _kernel()
+    if kernel is None or not isinstance(kv_cache, torch.Tensor) or kv_cache.device.type != "cpu":
+        return None
+    check_kv_cache(kv_cache)
+    check_layers(kv_cache, layer_start, layer_end)
+    part = kv_cache[layer_start:layer_end]
+    if not part.is_contiguous():
+        return None
+    idx = block_index(block_ids, kv_cache.shape[2], kv_cache.device)
+    out = torch.empty((part.shape[0], 2, idx.numel(), *part.shape[3:]), dtype=kv_cache.dtype)
+    rows = part.view(part.shape[0] * 2, part.shape[2], -1).view(torch.uint8)
+    module, crc_extend = kernel
+    return out, module.gather_crc(rows, idx, out.view(-1).view(torch.uint8), crc_extend)
 
 
 def scatter_rows_checked(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> int | None:

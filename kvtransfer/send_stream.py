@@ -28,7 +28,7 @@ from kvtransfer.blocks import check_kv_cache, gather_blocks
 from kvtransfer.chunking import ChunkSpec, plan_chunks
 from kvtransfer.errors import KvTransferError
 from kvtransfer.frames import KvFrame
-from kvtransfer.onepass import frame_kv_chunk
+from kvtransfer.onepass import frame_kv_chunk, gather_checked
 from kvtransfer.progress import LayerProgress
 from kvtransfer.reblock import check_same_tokens, dest_block_range
 from kvtransfer.states import TransferState, TransferStateTable
@@ -83,6 +83,13 @@ class SendJob:
         spec = self.plan[i]
         framed = frame_kv_chunk(self.meta(i), self.kv_cache, self.src[spec.block_start:spec.block_end])
         return None if framed is None else (framed, self._numel(spec) * self.kv_cache.element_size())
+
+    def gather_checked(self, i: int) -> tuple[torch.Tensor, int | None]:
+        """Chunk ``i``'s source blocks as a new tensor (:meth:`gather`) and their CRC32C, taken in the same
+        pass where the fused kernel runs (:func:`~kvtransfer.onepass.gather_checked`), else ``None``."""
+        spec = self.plan[i]
+        got = gather_checked(self.kv_cache, spec.layer_start, spec.layer_end, self.src[spec.block_start:spec.block_end])
+        return (self.gather(i), None) if got is None else got
 
     def max_chunk_numel(self) -> int:
         """Elements of the largest chunk's tensor (to size a reusable gather buffer)."""

@@ -183,7 +183,8 @@ def encode_kv_chunk(meta: KvChunkMeta, tensor: torch.Tensor) -> KvFrame:
     return KvFrame(header[:-4] + crc32c(payload).to_bytes(4, "big"), payload)
 
 
-def encode_dist_kv_chunk(meta: KvChunkMeta, tensor: torch.Tensor, dist: dict[str, Any]) -> KvFrame:
+def encode_dist_kv_chunk(meta: KvChunkMeta, tensor: torch.Tensor, dist: dict[str, Any],
+                         checksum: int | None = None) -> KvFrame:
     """Build a ``"kv"`` chunk whose tensor travels over a pair group (``"data": "dist"``, empty payload).
 
     Args:
@@ -191,11 +192,12 @@ def encode_dist_kv_chunk(meta: KvChunkMeta, tensor: torch.Tensor, dist: dict[str
         tensor: as for :func:`encode_kv_chunk`; its CRC32C goes into the header.
         dist: the ``"dist"`` map (``pair``, ``store``, ``backend``, ``tag``,
             ``timeout_s``; see the module docstring).
+        checksum: ``tensor``'s CRC32C when the caller took it already (as it gathered), else computed.
 
     Raises:
         ValueError: as :func:`encode_kv_chunk`.
     """
-    header = _kv_header(meta, tensor.dtype, tensor.shape, crc32c(tensor))
+    header = _kv_header(meta, tensor.dtype, tensor.shape, crc32c(tensor) if checksum is None else checksum)
     header["data"] = DATA_DIST
     header["dist"] = dict(dist)
     return KvFrame(msgpack.packb(header))

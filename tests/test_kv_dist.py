@@ -207,3 +207,48 @@ def test_sender_times_out_when_receiver_never_joins() -> None:
         pairs.release.set()
         s.close()
         server.stop(0)
+
+
+class _RecordingPairs:
+    """ReceiverPairs stand-in: records posts and receives (a unit test of _PairStream alone)."""
+
+    def __init__(self, fail_post: bool = False) -> None:
+        self.fail_post, self.posts, self.received, self.dropped = fail_post, [], [], []
+
+    def post(self, header):
+        if self.fail_post:
+            raise KvDataPlaneError("cannot reach the sender's store")
+        self.posts.append(header["dist"]["tag"])
+        return f"posted-{header['dist']['tag']}"
+
+    def receive(self, header, posted=None):
+        self.received.append((header["dist"]["tag"], posted))
+        return torch.zeros(1)
+
+    def drop(self, pair_id) -> None:
+        self.dropped.append(pair_id)
+
+
+def test_a_chunks_receive_is_posted_when_its_header_arrives_and_used_when_it_is_handled() -> None:
+    from kvtransfer.dist_transport import _PairStream
+
+    def header(tag: int) -> dict:
+        return {"data": "dist", "dist": {"pair": "p1", "tag": tag}}
+
+    pairs = _RecordingPairs()
+    stream = _PairStream(pairs)
+    stream.prepare(header(1))
+    stream.prepare(header(2))
+    stream.prepare({"kind": "done"})  # no tensor: nothing posted
+    assert pairs.posts == [1, 2]
+    stream.tensor(header(1))
+    stream.tensor(header(3))  # never prepared (the transfer's first chunk): received on demand
+    assert pairs.received == [(1, "posted-1"), (3, None)]
+    stream.note(header(2))
+    stream.drop()
+    assert pairs.dropped == ["p1"]
+
+    failing = _PairStream(_RecordingPairs(fail_post=True))
+    failing.prepare(header(5))  # must not raise on the read-ahead thread
+    with pytest.raises(KvDataPlaneError, match="cannot reach"):
+        failing.tensor(header(5))

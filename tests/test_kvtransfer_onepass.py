@@ -98,3 +98,15 @@ def test_kernel_argument_checks_name_the_argument() -> None:
     with pytest.raises(RuntimeError, match="null function address"):
         kernel.scatter_crc(rows, torch.tensor([1]), torch.zeros(32, dtype=torch.uint8), 0)
     assert msgpack.unpackb(b"\xce\x00\x00\x00\x05") == 5  # the slot's encoding is plain msgpack
+
+
+def test_fused_gather_returns_the_blocks_and_their_checksum() -> None:
+    from kvtransfer.onepass import gather_checked
+
+    kv = _cache(torch.bfloat16)
+    tensor, crc = gather_checked(kv, 1, 4, [7, 2])
+    assert torch.equal(tensor, gather_blocks(kv, 1, 4, [7, 2])) and crc == crc32c(tensor)
+    assert gather_checked(kv.transpose(0, 1).contiguous().transpose(0, 1), 1, 4, [7]) is None
+    with pytest.raises(RuntimeError, match="out must be a contiguous CPU uint8 tensor of 64 bytes"):
+        load("block_copy").gather_crc(torch.zeros(2, 4, 16, dtype=torch.uint8), torch.tensor([1, 2]),
+                                      torch.zeros(63, dtype=torch.uint8), crc32c_extend_address())

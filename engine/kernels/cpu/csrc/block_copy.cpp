@@ -14,7 +14,8 @@
 // gather_framed: rows[:, index] (bytes) appended to a prefix, into one new Python `bytes` object
 // (what gRPC Python sends), with the payload's CRC32C written big-endian into the prefix at
 // crc_pos (the 4 bytes of a msgpack uint32 placeholder). scatter_crc: the inverse copy, from a
-// contiguous source into rows[:, index], returning the source's CRC32C.
+// contiguous source into rows[:, index], returning the source's CRC32C. gather_crc: rows[:, index]
+// into a given contiguous tensor, returning its CRC32C (a tensor sent outside the message).
 #include <torch/extension.h>
 #include <Python.h>
 
@@ -46,6 +47,22 @@ void check_rows(const torch::Tensor& rows, const torch::Tensor& index) {
                 rows.size(1), ")");
 }
 
+// dst <- rows[:, index] (planes * n rows of row_bytes, in that order), returning their CRC32C
+uint32_t gather_rows(const torch::Tensor& rows, const torch::Tensor& index, uint8_t* dst, CrcExtend extend) {
+  const uint8_t* base = rows.data_ptr<uint8_t>();
+  const int64_t* idx = index.data_ptr<int64_t>();
+  const int64_t planes = rows.size(0), n = index.numel(), row_bytes = rows.size(2);
+  const int64_t s0 = rows.stride(0), s1 = rows.stride(1);
+  uint32_t crc = 0;
+  py::gil_scoped_release nogil;  // dst is the caller's alone until it returns
+  for (int64_t i = 0; i < planes; ++i)
+    for (int64_t j = 0; j < n; ++j, dst += row_bytes) {
+      std::memcpy(dst, base + i * s0 + idx[j] * s1, row_bytes);
+      crc = extend(crc, dst, row_bytes);  // the row just written, from cache
+    }
+  return crc;
+}
+
 }  // namespace
 
 py::object gather_framed(py::bytes prefix, torch::Tensor rows, torch::Tensor index, int64_t crc_extend,
@@ -57,28 +74,25 @@ py::object gather_framed(py::bytes prefix, torch::Tensor rows, torch::Tensor ind
   if (PyBytes_AsStringAndSize(prefix.ptr(), &head, &head_len) != 0) throw py::error_already_set();
   TORCH_CHECK(crc_pos >= 0 && crc_pos + 4 <= head_len, "crc_pos ", crc_pos, " leaves no 4 bytes in a ",
               head_len, "-byte prefix");
-  const int64_t planes = rows.size(0), n = index.numel(), row_bytes = rows.size(2);
-  const int64_t payload = planes * n * row_bytes;
+  const int64_t payload = rows.size(0) * index.numel() * rows.size(2);
   PyObject* out = PyBytes_FromStringAndSize(nullptr, head_len + payload);  // uninitialized: filled below
   if (out == nullptr) throw py::error_already_set();
   auto result = py::reinterpret_steal<py::object>(out);
   uint8_t* dst = reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(out));
   std::memcpy(dst, head, head_len);
-  const uint8_t* base = rows.data_ptr<uint8_t>();
-  const int64_t* idx = index.data_ptr<int64_t>();
-  const int64_t s0 = rows.stride(0), s1 = rows.stride(1);
-  uint32_t crc = 0;
-  {
-    py::gil_scoped_release nogil;  // `out` is ours alone until returned
-    uint8_t* p = dst + head_len;
-    for (int64_t i = 0; i < planes; ++i)
-      for (int64_t j = 0; j < n; ++j, p += row_bytes) {
-        std::memcpy(p, base + i * s0 + idx[j] * s1, row_bytes);
-        crc = extend(crc, p, row_bytes);  // the row just written, from cache
-      }
-  }
+  const uint32_t crc = gather_rows(rows, index, dst + head_len, extend);
   for (int b = 0; b < 4; ++b) dst[crc_pos + b] = static_cast<uint8_t>(crc >> (24 - 8 * b));
   return result;
+}
+
+int64_t gather_crc(torch::Tensor rows, torch::Tensor index, torch::Tensor out, int64_t crc_extend) {
+  check_rows(rows, index);
+  const int64_t bytes = rows.size(0) * index.numel() * rows.size(2);
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == torch::kUInt8 && out.is_contiguous() &&
+                  out.numel() == bytes,
+              "out must be a contiguous CPU uint8 tensor of ", bytes, " bytes, got ", out.scalar_type(), " ",
+              out.sizes());
+  return gather_rows(rows, index, out.data_ptr<uint8_t>(), crc_function(crc_extend));
 }
 
 int64_t scatter_crc(torch::Tensor rows, torch::Tensor index, torch::Tensor src, int64_t crc_extend) {
@@ -111,6 +125,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "prefix + bytes of rows[:, index] as one new bytes object, the payload's CRC32C written big-endian at "
         "crc_pos",
         py::arg("prefix"), py::arg("rows"), py::arg("index"), py::arg("crc_extend"), py::arg("crc_pos"));
+  m.def("gather_crc", &gather_crc, "out = rows[:, index] (contiguous); returns its CRC32C", py::arg("rows"),
+        py::arg("index"), py::arg("out"), py::arg("crc_extend"));
   m.def("scatter_crc", &scatter_crc, "rows[:, index] = src (contiguous); returns src's CRC32C", py::arg("rows"),
         py::arg("index"), py::arg("src"), py::arg("crc_extend"));
 }
