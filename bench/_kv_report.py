@@ -10,7 +10,8 @@ from _common import fmt as _f
 MIN_RATIO_RAW, MIN_RATIO_RAW_QUICK, MIN_RATIO_RAW_DIST = 0.6, 0.4, 0.6
 MAX_RATIO_PREFILL, PREFILL_TARGET_TOKENS = 0.10, 1024
 
-SENDER_STAGES = (("gather", "gather (`index_select` of the blocks into a reused buffer in the real path)"),
+SENDER_STAGES = (("onepass", "gather + CRC32C + framing in one pass, straight into the message (`onepass.frame_kv_chunk`)"),
+                 ("gather", "gather (`index_select` of the blocks into a reused buffer in the real path)"),
                  ("crc32c", "CRC32C of the blocks (in place)"),
                  ("header", "msgpack header + the frame around a view of the blocks"),
                  ("frame", "`frame_bytes` (gRPC's request serializer: the one copy of the payload)"))
@@ -57,6 +58,8 @@ def _stages(res: dict) -> list[str]:
                 f"{raw['latency_ms']:.0f} ms):", "", "| side | stage | ms | GB/s |", "|---|---|---:|---:|"]
         for side, names in (("sender", SENDER_STAGES), ("receiver", RECEIVER_STAGES)):
             for key, label in names:
+                if key not in st[side]:  # the sender's one-pass stage, or the plain path's stages
+                    continue
                 ms = st[side][key]
                 out.append(f"| {side} | {label} | {ms:.1f} | {_f(nb / ms / 1e6 if ms > 0.05 else None)} |")
             out.append(f"| {side} | **sum** | **{sum(st[side].values()):.1f}** | |")
@@ -69,7 +72,7 @@ def _stages(res: dict) -> list[str]:
                     "buffers) are new allocations each chunk, kept on mapped pages by the process's malloc settings "
                     "(`kvtransfer/memory.py`; without them every message faults fresh pages in, at the first rate)."]
         stages = sorted(((st[side][k], f"{side}: {label}") for side, names in (("sender", SENDER_STAGES),
-                         ("receiver", RECEIVER_STAGES)) for k, label in names), reverse=True)[:3]
+                         ("receiver", RECEIVER_STAGES)) for k, label in names if k in st[side]), reverse=True)[:3]
         out += ["", "Largest stages here: " + "; ".join(f"{label} ({ms:.0f} ms)" for ms, label in stages) + "."]
     return out
 
@@ -112,7 +115,8 @@ def _why(r: dict) -> list[str]:
                      f"path {grpc_['latency_ms'] - floor['latency_ms']:.0f} ms")
         line += (f". That work, serially: the sender's {snd:.0f} ms (gather, CRC32C, framing), the receiver's "
                  f"{rcv:.0f} ms (split, CRC32C, the write into the blocks), each overlapped with gRPC's own work (a "
-                 "producer thread, a read-ahead thread)")
+                 "producer thread; a read-ahead thread that also splits and checks each message while the "
+                 "previous one is written)")
         if floor and grpc_['latency_ms'] - floor['latency_ms'] > max(snd, rcv):
             line += (f"; the path is {grpc_['latency_ms'] - floor['latency_ms'] - max(snd, rcv):.0f} ms slower than "
                      "the floor plus the larger of the two, time its threads spend waiting for the GIL (gRPC "
@@ -123,18 +127,18 @@ def _why(r: dict) -> list[str]:
     if dist:
         out.append("* torch_dist misses its target at " + ", ".join(f"{t['prompt_tokens']} tokens ({t['value']:.2f}x)"
                                                                for t in dist)
-                   + ": the receiver posts the gloo recv of a chunk's tensor only when it handles that chunk's "
-                   "header (after writing the previous chunk), so the tensor's bytes wait in the socket until then "
-                   "and the sender's send with them: the chunks' transfers hardly overlap each other or the writes. "
-                   "Wire v2 made its CRC32C and gather cheaper; its gloo part is unchanged.")
+                   + ": each chunk's tensor goes over gloo after its header went over gRPC, and the receiver "
+                   "posts its recv when the header arrives (on the read-ahead thread), checks its CRC32C and "
+                   "writes it on the handler's; gloo's TCP pair adds its own copies to the sender's one-pass "
+                   "gather and the receiver's check and write.")
     pr = r.get("py_spy")
     if pr:
         for side in ("sender", "receiver"):
             cats = "; ".join(f"{c['category']} {c['share_of_busy']:.0%}" for c in pr[side]["categories"][:4])
             out.append(f"* During real transfers the {side}'s busy samples go to: {cats}.")
     out.append("* Raw TCP copies each byte twice (into the kernel, out of it) between buffers that stay mapped. The "
-               "gRPC path copies it four times on the sender (the gather, the framed message, gRPC's own buffer, "
-               "the kernel) and four times on the receiver (the kernel, gRPC's slices, gRPC Python's one `bytes` of "
+               "gRPC path copies it three times on the sender (the one-pass gather into the message, gRPC's own "
+               "buffer, the kernel) and four times on the receiver (the kernel, gRPC's slices, gRPC Python's one `bytes` of "
                "the message, the write into the blocks) and checksums it on both sides; gRPC Python accepts and "
                "hands over only `bytes`, so two of those copies per side are gRPC's own.")
     return out

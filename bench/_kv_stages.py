@@ -1,10 +1,12 @@
 """The gRPC KV path's own CPU work, stage by stage, for ``bench/kvtransfer.py``: the same
 chunks ``GrpcKvSender`` sends, each stage run serially on this thread and timed on its own.
 
-Sender: ``gather`` (``gather_blocks`` into one reused buffer, as the sender does), ``crc32c`` (of the gathered blocks, in place),
-``header`` (``encode_kv_chunk`` minus its CRC32C: the msgpack header and the frame around a
-view of the blocks), ``frame`` (``frame_bytes``: gRPC's request serializer, the one copy of
-the payload into the message). Receiver: ``parse`` (``parse_frame``: gRPC's request
+Sender: ``onepass`` (``kvtransfer.onepass.frame_kv_chunk``: the blocks gathered straight into
+the message and checksummed on the way, the sender's real path where the C++ kernel is built);
+without the kernel, the plain path: ``gather`` (``gather_blocks`` into one reused buffer),
+``crc32c`` (of the gathered blocks, in place), ``header`` (``encode_kv_chunk`` minus its CRC32C:
+the msgpack header and the frame around a view of the blocks), ``frame`` (``frame_bytes``:
+gRPC's request serializer, the copy of the payload into the message). Receiver: ``parse`` (``parse_frame``: gRPC's request
 deserializer, a view into the message), ``crc32c`` (in place), ``decode_rest``
 (``decode_chunk`` minus its CRC32C: header checks, the read-only tensor view), ``write``
 (``TransferTable.write``: ``index_copy_`` from the view into the reserved blocks).
@@ -24,7 +26,7 @@ import torch
 from _kv_measure import chunk_plan, payload_view
 
 from decode_worker.transfers import TransferTable
-from kvtransfer import gather_blocks
+from kvtransfer import gather_blocks, onepass
 from kvtransfer.checksum import crc32c
 from kvtransfer.frames import frame_bytes, parse_frame
 from kvtransfer.wire import decode_chunk, encode_kv_chunk
@@ -55,13 +57,18 @@ def _once(kv_cache: torch.Tensor, src_ids: list[int], layers_per_chunk: int, max
     per_block = 2 * kv_cache[0, 0, 0].numel()
     buffer = torch.empty(max((m.layer_end - m.layer_start) * len(ids) * per_block for m, ids in plan),
                          dtype=kv_cache.dtype)
+    fused = onepass.available()
     for meta, ids in plan:  # buffers freed as soon as the real path drops them
-        blocks = _timed(snd, "gather", gather_blocks, kv_cache, meta.layer_start, meta.layer_end, ids, buffer)
-        _timed(snd, "crc32c", crc32c, blocks)
-        frame = _timed(snd, "encode_total", encode_kv_chunk, meta, blocks)
-        wire = _timed(snd, "frame", frame_bytes, frame)
-        total += blocks.numel() * blocks.element_size()
-        del frame, blocks
+        if fused:
+            wire = _timed(snd, "onepass", onepass.frame_kv_chunk, meta, kv_cache, ids)
+            total += (meta.layer_end - meta.layer_start) * len(ids) * per_block * kv_cache.element_size()
+        else:
+            blocks = _timed(snd, "gather", gather_blocks, kv_cache, meta.layer_start, meta.layer_end, ids, buffer)
+            _timed(snd, "crc32c", crc32c, blocks)
+            frame = _timed(snd, "encode_total", encode_kv_chunk, meta, blocks)
+            wire = _timed(snd, "frame", frame_bytes, frame)
+            total += blocks.numel() * blocks.element_size()
+            del frame, blocks
         torch.set_num_threads(receiver_threads)
         got = _timed(rcv, "parse", parse_frame, wire)
         _timed(rcv, "crc32c", crc32c, got.payload)
@@ -78,7 +85,8 @@ def _once(kv_cache: torch.Tensor, src_ids: list[int], layers_per_chunk: int, max
     for a in range(0, total, step):  # chunk-sized plain copies: into fresh memory, into a reused buffer
         _timed(base, "fresh_copy", _copy_to_fresh_pages, view[a:a + step])
         _timed(base, "reused_copy", buf.__setitem__, slice(a, a + step), view[a:a + step])
-    snd["header"] = max(0.0, snd.pop("encode_total") - snd["crc32c"])
+    if "encode_total" in snd:
+        snd["header"] = max(0.0, snd.pop("encode_total") - snd["crc32c"])
     rcv["decode_rest"] = max(0.0, rcv.pop("decode_total") - rcv["crc32c"])
     return snd, rcv, base, total, len(plan)
 
