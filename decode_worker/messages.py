@@ -34,7 +34,11 @@ class KvFailedMsg:
 
 @dataclass(frozen=True)
 class AbortMsg:
+    """End ``request_id``; with ``transfer_id``, only while it is that reservation (a
+    ``Reserve`` stream that ended aborts its own reservation, never a later one of the same id)."""
+
     request_id: str
+    transfer_id: str | None = None
 
 
 @dataclass(frozen=True)

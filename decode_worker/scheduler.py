@@ -88,8 +88,7 @@ class DecodeScheduler:
                  eos_token_ids: tuple[int, ...], wake: threading.Event | None = None,
                  on_step: StepObserver | None = None) -> None:
         self.runner, self.on_step = runner, on_step
-        self.sched = sched
-        self.eos = eos_token_ids
+        self.sched, self.eos = sched, eos_token_ids
         self.kv = DecodeKvManager(cache, sched.watermark)
         self.kv_failure = make_kv_failure_policy(sched.kv_failure_policy)
         self.transfers = TransferTable(HeadShards.of(runner.kv_parts))  # every tensor-parallel rank's heads
@@ -111,8 +110,9 @@ class DecodeScheduler:
     def submit_reserve(self, request: Request, stream: queue.Queue[DecodeEventT]) -> None:
         self._inbox.put(ReserveMsg(request, stream))
 
-    def submit_abort(self, request_id: str) -> None:
-        self._inbox.put(AbortMsg(request_id))
+    def submit_abort(self, request_id: str, transfer_id: str | None = None) -> None:
+        """End ``request_id`` (no-op if unknown); with ``transfer_id``, only if it is that reservation."""
+        self._inbox.put(AbortMsg(request_id, transfer_id))
 
     def kv_complete(self, transfer_id: str, generation: int, first_token_id: int,
                     first_logprobs: TokenLogprobs | None) -> None:
@@ -179,7 +179,7 @@ class DecodeScheduler:
         elif isinstance(msg, KvFailedMsg):
             self._on_kv_failed(msg)
         elif isinstance(msg, AbortMsg):
-            self._on_abort(msg.request_id)
+            self._on_abort(msg.request_id, msg.transfer_id)
         elif isinstance(msg, FailTransferMsg):
             self._on_fail_transfer(msg)
 
@@ -228,8 +228,9 @@ class DecodeScheduler:
         else:
             self._ready.append(req.request_id)
 
-    def _on_abort(self, request_id: str) -> None:
-        if request_id not in self._requests:
+    def _on_abort(self, request_id: str, transfer_id: str | None) -> None:
+        req = self._requests.get(request_id)
+        if req is None or transfer_id not in (None, req.transfer_id):
             return
         self._emit(request_id, Tokens([], [], "abort"))
         self._release(request_id)
@@ -384,8 +385,7 @@ class DecodeScheduler:
         if req is None:
             return
         if req.status == RequestStatus.TRANSFERRING:
-            # Close the transfer under its lock so no late chunk can write into
-            # blocks that go back to the pool now.
+            # closed under the table's lock: no late chunk writes into blocks going back now
             self.transfers.close(req.transfer_id, None)
         self.kv.free(req)
         for lst in (self._pending, self._ready, self._running, self._preempted, self._recomputing):

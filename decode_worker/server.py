@@ -99,11 +99,11 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         events: queue.Queue = queue.Queue()
-        rid, t0 = req.request_id, time.monotonic()
+        t0 = time.monotonic()
         log.debug("reserve: %d prompt tokens, %d earlier output tokens, max_tokens %d", len(req.prompt_token_ids),
                   len(req.output_token_ids), req.params.max_tokens)
-        context.add_callback(lambda: self.scheduler.submit_abort(rid))
-        self.scheduler.submit_reserve(req, events)
+        if not self._queue_reserve(req, events, context):
+            return
         while True:
             try:
                 ev = events.get(timeout=0.5)
@@ -124,6 +124,28 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             elif isinstance(ev, Failed):
                 log.info("request failed: %s", ev.message)
                 context.abort(ev.code, ev.message)
+
+    def _queue_reserve(self, req, events: queue.Queue, context) -> bool:
+        """Queue ``req``'s reservation so that the end of its ``Reserve`` call, whenever it
+        comes, aborts it: the call's termination callback queues an abort of this
+        reservation (its transfer id), which must reach the scheduler after the reservation.
+        Returns False when the caller cancelled the call meanwhile (nothing left to stream):
+
+        * before the callback was registered (a terminated call runs no callback it is
+          given afterwards): nothing is queued;
+        * between registering it and queueing the reservation: the callback's abort went
+          first (a no-op there), so one more abort follows the reservation.
+        """
+        rid, transfer_id = req.request_id, req.transfer_id
+        if not context.add_callback(lambda: self.scheduler.submit_abort(rid, transfer_id)):
+            log.info("reserve of %s cancelled by the caller before it was queued: nothing reserved", rid)
+            return False
+        self.scheduler.submit_reserve(req, events)
+        if context.is_active():
+            return True
+        log.info("reserve of %s cancelled by the caller while it was queued: aborting it", rid)
+        self.scheduler.submit_abort(rid, transfer_id)
+        return False
 
     @staticmethod
     def _delta(ev: Tokens, logprobs: int) -> worker_pb2.TokenDelta:

@@ -60,7 +60,10 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             log.debug("prefill: %d prompt tokens, KV to %s", len(req.prompt_token_ids), request.destination.worker_id)
             send, external = self.route(request, req)
             fut = self.scheduler.submit(req, send, external)
-            context.add_callback(lambda: None if fut.done() else self.scheduler.submit_abort(req.request_id))
+            abort = lambda: None if fut.done() else self.scheduler.submit_abort(req.request_id)  # noqa: E731
+            if not context.add_callback(abort):  # cancelled before: a terminated call runs no callback
+                log.info("prefill of %s cancelled by the caller before it was queued: aborting it", req.request_id)
+                abort()
             try:
                 res = fut.result()
             except PrefillError as e:

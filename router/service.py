@@ -10,6 +10,8 @@ field) is refused with INVALID_ARGUMENT naming the field.
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 from google.protobuf import message_factory
 
@@ -17,6 +19,8 @@ from pdcluster.v1 import router_pb2, router_pb2_grpc
 from router.core import RequestRouter, RouterError
 from router.decoding import Unparsable, parse_or_refusal
 from serving.rpc import RETRY_AFTER_METADATA
+
+log = logging.getLogger(__name__)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -34,7 +38,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def Generate(self, request, context):
         try:
             active = self.core.start(request)
-            context.add_callback(active.cancel)  # client cancelled or disconnected
+            if not context.add_callback(active.cancel):  # client cancelled or disconnected
+                log.info("request %s cancelled by the client before it was placed", active.request_id)
+                active.discard()  # a terminated call runs no callback it is given afterwards
+                return
             yield from active.responses()
         except RouterError as e:
             if e.retry_after_ms is not None:
