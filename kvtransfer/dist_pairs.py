@@ -117,13 +117,14 @@ class SenderPair:
         self._tag = (self._tag + 1) % _TAG_LIMIT
         return self._tag
 
-    def send(self, tensor: torch.Tensor, tag: int, deadline: float, stopped) -> None:
-        """Send ``tensor`` to rank 1 and wait until it left, by ``deadline`` (monotonic seconds).
+    def start_send(self, tensor: torch.Tensor, tag: int, deadline: float, stopped) -> Any:
+        """Start sending ``tensor`` to rank 1 (the group formed by ``deadline``, monotonic seconds) and
+        return its pending work for :meth:`wait_sent`; ``tensor`` must stay alive and unchanged until then.
 
         ``stopped()`` is polled while the group is still forming.
 
         Raises:
-            KvDataPlaneError: the group did not form, the send failed, or the deadline passed.
+            KvDataPlaneError: the group did not form, the send failed to start, or the deadline passed.
         """
         while True:
             left = deadline - time.monotonic()
@@ -135,9 +136,16 @@ class SenderPair:
             except concurrent.futures.TimeoutError:
                 continue
         try:
-            work = group.send([tensor], 1, tag)
+            return group.send([tensor], 1, tag)
         except RuntimeError as exc:
             raise KvDataPlaneError(f"pair {self.pair_id}: send failed: {exc}") from None
+
+    def wait_sent(self, work: Any, tag: int, deadline: float) -> None:
+        """Wait until the send :meth:`start_send` started for ``tag`` left, by ``deadline``.
+
+        Raises:
+            KvDataPlaneError: the send failed or the deadline passed.
+        """
         _wait(work, self.backend, deadline - time.monotonic(), f"pair {self.pair_id}: send of tag {tag}")
 
 

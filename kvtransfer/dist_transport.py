@@ -47,12 +47,20 @@ NAME = "torch_dist"
 _OPTIONS = ("max_pairs_per_endpoint",)
 
 
+SENDS_IN_FLIGHT = 2
+"""Tensors of one transfer a sender has on the wire at once: the next header goes out while earlier
+tensors are still moving, so the receiver posts their receives early (with one, sender and receiver
+went in lockstep: each chunk's header waited for the previous tensor to arrive)."""
+
+
 class _PairData:
-    """Data plane of one transfer over one pair group: header out, then the tensor."""
+    """Data plane of one transfer over one pair group: header out, then the tensor, with up to
+    :data:`SENDS_IN_FLIGHT` tensors moving at once."""
 
     def __init__(self, pair: SenderPair) -> None:
         self._pair = pair
         self._pending: collections.deque[tuple[torch.Tensor, int]] = collections.deque()
+        self._in_flight: collections.deque[tuple[torch.Tensor, int, Any]] = collections.deque()
 
     def encode(self, job: SendJob, i: int) -> tuple[KvFrame, int]:
         tensor, crc = job.gather_checked(i)  # its own tensor: it leaves after its header while the next is gathered
@@ -62,10 +70,18 @@ class _PairData:
         return chunk, tensor.numel() * tensor.element_size()
 
     def after_yield(self, job: SendJob, ctl: StreamControl) -> None:
-        if not self._pending:
-            return
-        tensor, tag = self._pending.popleft()
-        self._pair.send(tensor, tag, job.deadline, ctl.is_stopped)
+        if self._pending:
+            tensor, tag = self._pending.popleft()
+            self._in_flight.append((tensor, tag, self._pair.start_send(tensor, tag, job.deadline, ctl.is_stopped)))
+        while len(self._in_flight) >= SENDS_IN_FLIGHT:  # returns with the newest send still moving
+            _, tag, work = self._in_flight.popleft()
+            self._pair.wait_sent(work, tag, job.deadline)
+
+    def flush(self, deadline: float) -> None:
+        """Wait for the sends still moving (the stream ended: acknowledged, they have left)."""
+        while self._in_flight:
+            _, tag, work = self._in_flight.popleft()
+            self._pair.wait_sent(work, tag, deadline)
 
 
 class PairSendPlane:
@@ -98,7 +114,9 @@ class PairSendPlane:
         pair = self._pairs.acquire(endpoint, backend_for(job.kv_cache.device), self._timeout_s, job.deadline)
         ok = False
         try:
-            yield _PairData(pair)
+            data = _PairData(pair)
+            yield data
+            data.flush(job.deadline)
             ok = True
         finally:
             self._pairs.release(pair, endpoint, ok)

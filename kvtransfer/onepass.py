@@ -1,13 +1,14 @@
 """KV blocks to wire bytes and back in one pass over memory: copy and CRC32C fused.
 
-The plain path of a ``"kv"`` chunk streams its bytes several times on each side: the sender
-gathers the blocks into a buffer (:func:`~kvtransfer.blocks.gather_blocks`), checksums it
+The plain path of a ``"kv"`` chunk streams its bytes three times on the sender: it gathers the
+blocks into a buffer (:func:`~kvtransfer.blocks.gather_blocks`), checksums it
 (:func:`~kvtransfer.checksum.crc32c`) and copies it into the framed message
-(:func:`~kvtransfer.frames.frame_bytes`); the receiver checksums the payload and then copies it
-into the reserved blocks. The C++ kernel ``block_copy`` (:mod:`engine.kernels.cpu.build`) does
-each side in one pass: every block row is copied and checksummed while it is in cache, by
-google-crc32c's own ``crc32c_extend`` (its address from :func:`crc32c_extend_address`), with
-the GIL released throughout.
+(:func:`~kvtransfer.frames.frame_bytes`, holding the GIL). The C++ kernel ``block_copy``
+(:mod:`engine.kernels.cpu.build`) does it in one pass: every block row is copied straight to its
+place and checksummed while it is in cache, by google-crc32c's own ``crc32c_extend`` (its
+address from :func:`~kvtransfer.checksum.crc32c_extend_address`), with the GIL released
+throughout. (The receiver keeps checking before it writes: it checks each message on its
+read-ahead thread while the previous one is written, :mod:`kvtransfer.grpc_receiver`.)
 
 * :func:`frame_kv_chunk` (sender): the chunk's wire bytes, the gathered rows written straight
   into the one ``bytes`` object gRPC sends, after a header whose ``checksum`` is filled in
@@ -15,8 +16,6 @@ the GIL released throughout.
   ``frame_bytes(encode_kv_chunk(meta, gather_blocks(...)))``.
 * :func:`gather_checked` (a sender whose tensor travels outside the message, ``torch_dist``): the
   gathered tensor and its CRC32C.
-* :func:`scatter_rows_checked` (receiver): :func:`~kvtransfer.blocks.copy_rows` that returns
-  the source's CRC32C.
 
 Both return ``None`` where the fused kernel cannot run (no compiler at install, google-crc32c
 without its C library, a cache off the CPU, in head shards or not contiguous): the caller
@@ -109,27 +108,3 @@ def gather_checked(kv_cache: torch.Tensor, layer_start: int, layer_end: int,
     rows = part.view(part.shape[0] * 2, part.shape[2], -1).view(torch.uint8)
     module, crc_extend = kernel
     return out, module.gather_crc(rows, idx, out.view(-1).view(torch.uint8), crc_extend)
-
-
-def scatter_rows_checked(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> int | None:
-    """``dst[:, index] = src`` in one pass that also checksums ``src``.
-
-    Args:
-        dst: ``[planes, rows, row_len]`` with contiguous rows, on the CPU (modified).
-        index: ``[n]`` int64 row ids of ``dst`` on the CPU.
-        src: ``[planes, n, row_len]`` contiguous, ``dst``'s dtype.
-
-    Returns:
-        The CRC32C of ``src``'s bytes, or ``None`` (nothing copied) where the kernel cannot run
-        on these tensors.
-
-    Raises:
-        RuntimeError: a row id outside ``dst`` or ``src`` of the wrong size (from the kernel).
-    """
-    kernel = _kernel()
-    if (kernel is None or dst.device.type != "cpu" or src.device.type != "cpu" or dst.stride(-1) != 1
-            or not src.is_contiguous() or src.dtype != dst.dtype or index.device.type != "cpu"):
-        return None
-    module, crc_extend = kernel
-    return module.scatter_crc(dst.view(torch.uint8), index.contiguous(), src.reshape(-1).view(torch.uint8),
-                              crc_extend)

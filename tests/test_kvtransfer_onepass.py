@@ -1,6 +1,6 @@
 """The one-pass KV copies (kvtransfer/onepass.py, the C++ kernel ``block_copy``): the sender's fused
-gather + CRC32C + framing writes exactly the bytes of the plain path, and the receiver's fused
-scatter returns the CRC32C of exactly what it wrote; where the kernel cannot run both say so
+gather + CRC32C + framing writes exactly the bytes of the plain path, and the torch_dist sender's
+fused gather returns the blocks and their CRC32C; where the kernel cannot run both say so
 (``None``) and the plain path is taken. Argument checks of the kernel raise, naming the argument.
 
 Skipped, with the reason, where the extension cannot be built (no compiler).
@@ -14,10 +14,10 @@ import torch
 
 from engine.kernels.cpu.build import load
 from kvtransfer import KvChunkMeta, decode_chunk, encode_kv_chunk, gather_blocks
-from kvtransfer.blocks import HeadShards, copy_rows
+from kvtransfer.blocks import HeadShards
 from kvtransfer.checksum import crc32c, crc32c_extend_address
 from kvtransfer.frames import frame_bytes, parse_frame
-from kvtransfer.onepass import available, frame_kv_chunk, scatter_rows_checked
+from kvtransfer.onepass import available, frame_kv_chunk
 
 pytestmark = pytest.mark.skipif(not available(), reason="the block_copy C++ extension could not be built here")
 
@@ -71,19 +71,6 @@ def test_bad_chunk_arguments_raise_like_the_plain_path() -> None:
         frame_kv_chunk(KvChunkMeta("r", "t", 0, 0, 1, [0], 4, 3), kv, [0])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_scatter_writes_what_copy_rows_writes_and_returns_its_checksum(dtype) -> None:
-    kv = _cache(dtype)
-    rows = kv[1:4].view(6, 9, -1)
-    index = torch.tensor([5, 0, 7])
-    src = torch.randn(6, 3, rows.shape[2], generator=torch.Generator().manual_seed(1)).to(dtype)
-    ref = kv.clone()
-    copy_rows(ref[1:4].view(6, 9, -1), index, src)
-    assert scatter_rows_checked(rows, index, src) == crc32c(src)
-    assert torch.equal(kv, ref)
-    assert scatter_rows_checked(rows, index, src.transpose(0, 1)) is None  # not contiguous: not copied
-
-
 def test_kernel_argument_checks_name_the_argument() -> None:
     kernel, crc = load("block_copy"), crc32c_extend_address()
     rows = torch.zeros(2, 4, 16, dtype=torch.uint8)
@@ -93,10 +80,8 @@ def test_kernel_argument_checks_name_the_argument() -> None:
         kernel.gather_framed(b"\x00" * 8, rows, torch.tensor([0]), crc, 6)
     with pytest.raises(RuntimeError, match="rows must be a CPU uint8"):
         kernel.gather_framed(b"", rows.float(), torch.tensor([0]), crc, 0)
-    with pytest.raises(RuntimeError, match="src must be a contiguous CPU uint8 tensor of 32 bytes"):
-        kernel.scatter_crc(rows, torch.tensor([1]), torch.zeros(31, dtype=torch.uint8), crc)
     with pytest.raises(RuntimeError, match="null function address"):
-        kernel.scatter_crc(rows, torch.tensor([1]), torch.zeros(32, dtype=torch.uint8), 0)
+        kernel.gather_crc(rows, torch.tensor([1]), torch.zeros(32, dtype=torch.uint8), 0)
     assert msgpack.unpackb(b"\xce\x00\x00\x00\x05") == 5  # the slot's encoding is plain msgpack
 
 

@@ -13,7 +13,7 @@ Each kernel has a plain-torch fallback that its caller uses when the extension i
 
 * ``block_copy`` (``load("block_copy")``): KV block-row copies that take the bytes' CRC32C on the
   way, one pass over memory: ``gather_framed`` (rows into a new ``bytes`` after a prefix, the CRC
-  written into it) and ``scatter_crc``; used by :mod:`kvtransfer.onepass`.
+  written into it) and ``gather_crc`` (into a tensor, returning the CRC); used by :mod:`kvtransfer.onepass`.
 
 ``bench/gemv.py`` measures them against ``F.linear`` and oneDNN at decode row counts.
 """

@@ -1,7 +1,7 @@
 // Copies of whole KV-cache block rows that take the bytes' CRC32C on the way (one pass over memory).
 //
 // A KV transfer moves a chunk of block rows (one row = one block of one layer's K or V: block_size x
-// heads x head_dim elements, 12 KiB for SmolLM2 in float32) between the paged cache and a wire
+// heads x head_dim elements, 12 KiB for SmolLM2 in float32) from the paged cache into a wire
 // message, and checksums the bytes with CRC32C. Done as separate passes (gather into a buffer,
 // CRC32C over it, copy it into the message) each pass streams the whole chunk from memory; here
 // each row is copied and then checksummed while it is still in L1/L2, so memory is streamed once.
@@ -13,9 +13,8 @@
 //
 // gather_framed: rows[:, index] (bytes) appended to a prefix, into one new Python `bytes` object
 // (what gRPC Python sends), with the payload's CRC32C written big-endian into the prefix at
-// crc_pos (the 4 bytes of a msgpack uint32 placeholder). scatter_crc: the inverse copy, from a
-// contiguous source into rows[:, index], returning the source's CRC32C. gather_crc: rows[:, index]
-// into a given contiguous tensor, returning its CRC32C (a tensor sent outside the message).
+// crc_pos (the 4 bytes of a msgpack uint32 placeholder). gather_crc: rows[:, index] into a given
+// contiguous tensor, returning its CRC32C (a tensor sent outside the message).
 #include <torch/extension.h>
 #include <Python.h>
 
@@ -95,30 +94,6 @@ int64_t gather_crc(torch::Tensor rows, torch::Tensor index, torch::Tensor out, i
   return gather_rows(rows, index, out.data_ptr<uint8_t>(), crc_function(crc_extend));
 }
 
-int64_t scatter_crc(torch::Tensor rows, torch::Tensor index, torch::Tensor src, int64_t crc_extend) {
-  check_rows(rows, index);
-  const CrcExtend extend = crc_function(crc_extend);
-  const int64_t planes = rows.size(0), n = index.numel(), row_bytes = rows.size(2);
-  TORCH_CHECK(src.device().is_cpu() && src.scalar_type() == torch::kUInt8 && src.is_contiguous() &&
-                  src.numel() == planes * n * row_bytes,
-              "src must be a contiguous CPU uint8 tensor of ", planes * n * row_bytes, " bytes, got ",
-              src.scalar_type(), " ", src.sizes());
-  uint8_t* base = rows.data_ptr<uint8_t>();
-  const uint8_t* p = src.data_ptr<uint8_t>();
-  const int64_t* idx = index.data_ptr<int64_t>();
-  const int64_t s0 = rows.stride(0), s1 = rows.stride(1);
-  uint32_t crc = 0;
-  {
-    py::gil_scoped_release nogil;
-    for (int64_t i = 0; i < planes; ++i)
-      for (int64_t j = 0; j < n; ++j, p += row_bytes) {
-        crc = extend(crc, p, row_bytes);  // the row read once from memory, then copied from cache
-        std::memcpy(base + i * s0 + idx[j] * s1, p, row_bytes);
-      }
-  }
-  return crc;
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "KV block row copies with the CRC32C taken on the way (one pass over memory)";
   m.def("gather_framed", &gather_framed,
@@ -127,6 +102,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("prefix"), py::arg("rows"), py::arg("index"), py::arg("crc_extend"), py::arg("crc_pos"));
   m.def("gather_crc", &gather_crc, "out = rows[:, index] (contiguous); returns its CRC32C", py::arg("rows"),
         py::arg("index"), py::arg("out"), py::arg("crc_extend"));
-  m.def("scatter_crc", &scatter_crc, "rows[:, index] = src (contiguous); returns src's CRC32C", py::arg("rows"),
-        py::arg("index"), py::arg("src"), py::arg("crc_extend"));
 }
