@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -51,46 +52,21 @@ def available() -> bool:
     return _kernel() is not None
 
 
-def frame_kv_chunk(meta: KvChunkMeta, kv_cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor) -> bytes | None:
-    """The wire bytes of the ``"kv"`` chunk of ``meta`` over the blocks ``block_ids`` of ``kv_cache``.
+@dataclass(frozen=True, slots=True)
+class _Rows:
+    """The kernel's view of one chunk's source: the block rows ``[layers * 2, num_blocks, row bytes]``
+    (uint8) of the layer range, the block ids and the gathered tensor's shape."""
 
-    Args:
-        meta: the chunk's addressing (its layers ``[meta.layer_start, meta.layer_end)``).
-        kv_cache: the sender's ``[L, 2, num_blocks, block_size, H, D]`` paged cache (floating dtype).
-        block_ids: the source blocks, in payload order.
-
-    Returns:
-        ``frame_bytes(encode_kv_chunk(meta, gather_blocks(kv_cache, ...)))``, byte for byte: header and payload
-        (``(layers) * 2 * n * block_size * H * D`` elements) with the payload's CRC32C; or ``None``
-        where the fused kernel cannot run on this cache (module docstring).
-
-    Raises:
-        ValueError: bad cache layout, layer range, block id, or ``meta`` (as :func:`encode_kv_chunk`).
-    """
-    kernel = _kernel()
-    if kernel is None or not isinstance(kv_cache, torch.Tensor) or kv_cache.device.type != "cpu":
-        return None
-    check_kv_cache(kv_cache)
-    check_layers(kv_cache, meta.layer_start, meta.layer_end)
-    part = kv_cache[meta.layer_start:meta.layer_end]
-    if not part.is_contiguous():
-        return None
-    idx = block_index(block_ids, kv_cache.shape[2], kv_cache.device)
-    shape = (part.shape[0], 2, idx.numel(), *part.shape[3:])
-    header = kv_header_template(meta, kv_cache.dtype, shape)
-    rows = part.view(part.shape[0] * 2, part.shape[2], -1).view(torch.uint8)
-    prefix, header_end = frame_prefix(header, rows.shape[0] * idx.numel() * rows.shape[2])
-    module, crc_extend = kernel
-    return module.gather_framed(prefix, rows, idx, crc_extend, header_end - 4)
+    module: ModuleType
+    crc_extend: int
+    rows: torch.Tensor
+    index: torch.Tensor
+    shape: tuple[int, ...]
 
 
-def gather_checked(kv_cache: torch.Tensor, layer_start: int, layer_end: int,
-                   block_ids: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """:func:`~kvtransfer.blocks.gather_blocks` into a new tensor and that tensor's CRC32C, in one pass.
-
-    Returns:
-        ``([layer_end - layer_start, 2, n, block_size, H, D] tensor of the cache's dtype, CRC32C)``,
-        or ``None`` where the fused kernel cannot run on this cache (module docstring).
+def _rows(kv_cache: torch.Tensor, layer_start: int, layer_end: int,
+          block_ids: Sequence[int] | torch.Tensor) -> _Rows | None:
+    """The chunk's rows, or ``None`` where the kernel cannot read this cache (module docstring).
 
     Raises:
         ValueError: bad cache layout, layer range or block id.
@@ -104,7 +80,47 @@ def gather_checked(kv_cache: torch.Tensor, layer_start: int, layer_end: int,
     if not part.is_contiguous():
         return None
     idx = block_index(block_ids, kv_cache.shape[2], kv_cache.device)
-    out = torch.empty((part.shape[0], 2, idx.numel(), *part.shape[3:]), dtype=kv_cache.dtype)
     rows = part.view(part.shape[0] * 2, part.shape[2], -1).view(torch.uint8)
-    module, crc_extend = kernel
-    return out, module.gather_crc(rows, idx, out.view(-1).view(torch.uint8), crc_extend)
+    return _Rows(*kernel, rows, idx, (part.shape[0], 2, idx.numel(), *part.shape[3:]))
+
+
+def frame_kv_chunk(meta: KvChunkMeta, kv_cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor) -> bytes | None:
+    """The wire bytes of the ``"kv"`` chunk of ``meta`` over the blocks ``block_ids`` of ``kv_cache``.
+
+    Args:
+        meta: the chunk's addressing (its layers ``[meta.layer_start, meta.layer_end)``).
+        kv_cache: the sender's ``[L, 2, num_blocks, block_size, H, D]`` paged cache (floating dtype).
+        block_ids: the source blocks, in payload order.
+
+    Returns:
+        ``frame_bytes(encode_kv_chunk(meta, gather_blocks(kv_cache, ...)))``, byte for byte: header and
+        payload (``layers * 2 * n * block_size * H * D`` elements) with the payload's CRC32C; or ``None``
+        where the fused kernel cannot run on this cache (module docstring).
+
+    Raises:
+        ValueError: bad cache layout, layer range, block id, or ``meta`` (as :func:`encode_kv_chunk`).
+    """
+    src = _rows(kv_cache, meta.layer_start, meta.layer_end, block_ids)
+    if src is None:
+        return None
+    header = kv_header_template(meta, kv_cache.dtype, src.shape)
+    prefix, header_end = frame_prefix(header, src.rows.shape[0] * src.index.numel() * src.rows.shape[2])
+    return src.module.gather_framed(prefix, src.rows, src.index, src.crc_extend, header_end - 4)
+
+
+def gather_checked(kv_cache: torch.Tensor, layer_start: int, layer_end: int,
+                   block_ids: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """:func:`~kvtransfer.blocks.gather_blocks` into a new tensor and that tensor's CRC32C, in one pass.
+
+    Returns:
+        ``([layer_end - layer_start, 2, n, block_size, H, D] tensor of the cache's dtype, CRC32C)``,
+        or ``None`` where the fused kernel cannot run on this cache (module docstring).
+
+    Raises:
+        ValueError: bad cache layout, layer range or block id.
+    """
+    src = _rows(kv_cache, layer_start, layer_end, block_ids)
+    if src is None:
+        return None
+    out = torch.empty(src.shape, dtype=kv_cache.dtype)
+    return out, src.module.gather_crc(src.rows, src.index, out.view(-1).view(torch.uint8), src.crc_extend)
