@@ -328,12 +328,17 @@ def write_sampling(msg: Any, values: Mapping[str, Any]) -> None:
     """Set ``msg``'s fields from ``{name: value}``; ``None`` values stay unset.
 
     Raises:
-        TypeError: a name is not a declared parameter, or a value has the wrong type.
-        ValueError: a value does not fit its protobuf field (e.g. a negative seed).
+        TypeError: a name is not a declared parameter, or a value has the wrong type (the
+            message starts with the parameter's name).
+        ValueError: a value does not fit its protobuf field, e.g. a negative seed (the message
+            starts with the parameter's name).
     """
     params = {p.name: p for p in SAMPLING_PARAMS}
     unknown = sorted(set(values) - set(params))
     if unknown:
         raise TypeError(f"unknown sampling parameter(s): {', '.join(unknown)}")
     for name, value in values.items():
-        params[name].write(msg, value)
+        try:
+            params[name].write(msg, value)
+        except (TypeError, ValueError) as exc:  # protobuf's own message does not say which field
+            raise type(exc)(f"{name}={value!r} does not fit the field: {exc}") from None

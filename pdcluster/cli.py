@@ -161,7 +161,8 @@ def _stream_print(client: PdclusterClient, prompt, params: dict) -> GenerationRe
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Run ``pdcluster generate``; returns 0, or 1 on a gRPC error (printed to stderr)."""
+    """Run ``pdcluster generate``; returns 0, 1 on a gRPC error, or 2 on a value the client library
+    refuses before sending (e.g. a negative ``--max-tokens``); errors are one line on stderr."""
     prompt: object = args.prompt
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system is not None else []
@@ -181,6 +182,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         details = exc.details() if hasattr(exc, "details") else str(exc)
         print(f"error: {code.name if code else 'UNKNOWN'}: {details}", file=sys.stderr)
         return 1
+    except (TypeError, ValueError) as exc:  # refused by the client library before sending
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

@@ -53,6 +53,13 @@ def test_generate_without_router(capsys, dead_address):
     _one_error_line(capsys, cli.main(["generate", "--address", dead_address, "hi"]), "UNAVAILABLE")
 
 
+def test_generate_with_a_value_the_client_refuses(capsys, dead_address):
+    # refused before any call: one line naming the parameter, exit status 2 (no traceback)
+    rc = cli.main(["generate", "--address", dead_address, "--max-tokens", "-1", "hi"])
+    _one_error_line(capsys, rc, "max_tokens=-1 does not fit the field")
+    assert rc == 2
+
+
 def test_top_without_router(capsys, dead_address):
     rc = cli.main(["top", "--address", dead_address, "--iterations", "1"])
     _one_error_line(capsys, rc, f"cannot reach the router's HTTP server at http://{dead_address}")

@@ -23,6 +23,7 @@ from common.sampling_params import (
     Target,
     sampling_param,
     sampling_params,
+    write_sampling,
 )
 from engine.request import RequestParams
 from engine.sampling import SamplingOptions, make_generator
@@ -229,3 +230,12 @@ def test_every_float_range_refuses_nan():
     for p in SAMPLING_PARAMS:
         if p.type is float and p.range is not None:
             assert not p.range.contains(math.nan), p.name
+
+
+def test_a_value_protobuf_refuses_is_reported_with_its_parameters_name() -> None:
+    from pdcluster.v1 import common_pb2
+
+    with pytest.raises(ValueError, match=r"^max_tokens=-1 does not fit the field"):
+        write_sampling(common_pb2.SamplingParams(), {"max_tokens": -1})
+    with pytest.raises(TypeError, match=r"^temperature='hot' does not fit the field"):
+        write_sampling(common_pb2.SamplingParams(), {"temperature": "hot"})
