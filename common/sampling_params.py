@@ -341,4 +341,5 @@ def write_sampling(msg: Any, values: Mapping[str, Any]) -> None:
         try:
             params[name].write(msg, value)
         except (TypeError, ValueError) as exc:  # protobuf's own message does not say which field
-            raise type(exc)(f"{name}={value!r} does not fit the field: {exc}") from None
+            cls = TypeError if isinstance(exc, TypeError) else ValueError  # (UnicodeEncodeError takes 5 args)
+            raise cls(f"{name}: {value!r} does not fit the field: {exc}") from None

@@ -106,7 +106,7 @@ class RequestValidator:
             return min(value, max_model_len - prompt_len)
         if prompt_len + value > max_model_len:
             raise InvalidRequest(
-                f"prompt ({prompt_len} tokens) + sampling.{p.name} ({value}) = {prompt_len + value} "
+                f"sampling.{p.name} ({value}) + prompt ({prompt_len} tokens) = {prompt_len + value} "
                 f"exceeds max_model_len {max_model_len}")
         return value
 

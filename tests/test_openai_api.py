@@ -165,6 +165,17 @@ BAD_BODIES = [
     ("completions", '"prompt": [1, 49152]', "prompt"),
     ("completions", f'"prompt": "{"x" * 100_000}"', "prompt"),
     ("chat/completions", '"messages": [{"role": "robot", "content": "hi"}]', "messages"),
+    # strict JSON types (lax parsing would read true as 1 and "0.5" as 0.5)
+    ("completions", '"max_tokens": true', "max_tokens"),
+    ("completions", '"temperature": "0.5"', "temperature"),
+    ("completions", '"stream": "yes"', "stream"),
+    ("completions", '"prompt": {"a": 1}', "prompt"),  # fits none of its forms: named without union tags
+    ("completions", '"stop_token_ids": [1, false]', "stop_token_ids[1]"),
+    ("completions", '"max_tokens": 100000000', "max_tokens"),
+    ("chat/completions", '"messages": [{"role": "user", "content": null}]', "messages[0].content"),
+    ("chat/completions", '"messages": [{"role": "user"}]', "messages[0].content"),
+    ("chat/completions", '"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 100000000',
+     "max_completion_tokens"),
     ("chat/completions", '"messages": [' + ", ".join(['{"role": "user", "content": "x"}'] * 257) + "]",
      "messages"),
 ]
@@ -182,6 +193,23 @@ def test_bad_values_are_400_naming_the_field(base_url, path, fields, param):
         urllib.request.urlopen(req, timeout=30)
     error = json.loads(info.value.read())["error"]
     assert info.value.code == 400 and error["param"] == param, error
+
+
+def test_unreadable_bodies_are_400_saying_why(base_url):
+    def post(data: bytes, headers: dict, method: str = "POST") -> tuple[int, dict]:
+        req = urllib.request.Request(f"{base_url}/v1/chat/completions", data=data, headers=headers, method=method)
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=30)
+        return info.value.code, json.loads(info.value.read())["error"]
+
+    status, error = post(f'{{"model": "{MODEL}",'.encode(), {"content-type": "application/json"})
+    assert status == 400 and error["code"] == "invalid_json" and error["param"] is None, error
+    assert error["message"].startswith("the request body is not valid JSON at character"), error
+    status, error = post(b"model=x", {"content-type": "application/x-www-form-urlencoded"})
+    assert status == 400 and "Content-Type: application/json (got application/x-www-form-urlencoded)" in \
+        error["message"], error
+    status, error = post(None, {}, method="GET")
+    assert status == 405 and error["type"] == "invalid_request_error" and error["code"] == "method_not_allowed"
 
 
 def test_chat_errors(oai):

@@ -236,4 +236,4 @@ def test_http_error_bodies_render_lone_surrogates(http):
     status, answer = _post(http, b'{"model": "\\ud800", "prompt": "a"}')
     assert status == 404 and "'\\ud800'" in answer["error"]["message"]
     status, answer = _post(http, b'{"model": "m", "prompt": "a", "logit_bias": {"\\ud800": "x"}}')
-    assert status == 400 and answer["error"]["param"].startswith("logit_bias.")
+    assert status == 400 and answer["error"]["param"].startswith('logit_bias["'), answer  # the key, quoted

@@ -129,7 +129,7 @@ def test_range_bounds_and_words(rng, inside, outside, text):
     (dict(logit_bias={1000: 1.0}), "sampling.logit_bias: token id 1000 >= vocab_size 1000"),
     (dict(logit_bias={3: -101.0}), "sampling.logit_bias[3] must be in [-100, 100], got -101.0"),
     (dict(logit_bias={3: NAN}), "sampling.logit_bias[3] must be in [-100, 100], got nan"),
-    (dict(max_tokens=62), "prompt (3 tokens) + sampling.max_tokens (62) = 65 exceeds max_model_len 64"),
+    (dict(max_tokens=62), "sampling.max_tokens (62) + prompt (3 tokens) = 65 exceeds max_model_len 64"),
 ])
 def test_router_refuses_out_of_range(kwargs, message):
     with pytest.raises(InvalidRequest, match=f"^{re.escape(message)}$"):
@@ -235,7 +235,7 @@ def test_every_float_range_refuses_nan():
 def test_a_value_protobuf_refuses_is_reported_with_its_parameters_name() -> None:
     from pdcluster.v1 import common_pb2
 
-    with pytest.raises(ValueError, match=r"^max_tokens=-1 does not fit the field"):
+    with pytest.raises(ValueError, match=r"^max_tokens: -1 does not fit the field"):
         write_sampling(common_pb2.SamplingParams(), {"max_tokens": -1})
-    with pytest.raises(TypeError, match=r"^temperature='hot' does not fit the field"):
+    with pytest.raises(TypeError, match=r"^temperature: 'hot' does not fit the field"):
         write_sampling(common_pb2.SamplingParams(), {"temperature": "hot"})

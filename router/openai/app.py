@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException
 from router.core import ActiveRequest, RequestRouter, RouterError
 from router.limits import DEFAULT_MAX_REQUEST_BYTES
 from router.openai.auth import RequireApiKey
-from router.openai.errors import error_response, router_error_response
+from router.openai.errors import error_response, request_aliases, router_error_response, validation_error_response
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.openai.requests import OpenAIRequestError, SubRequest, chat_requests, completion_requests
 from router.openai.responses import ResponseBuilder, totals
@@ -92,9 +92,7 @@ def build_app(state: FrontDoorState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid request body')}", param=param)
+        return validation_error_response(list(exc.errors()), request.headers.get("content-type"))
 
     @app.get("/health")
     async def health():
@@ -136,7 +134,7 @@ async def _generate(state: FrontDoorState, body, kind: str, expand):
     except OpenAIRequestError as e:
         return error_response(e.status, e.message, param=e.param, code=e.code)
     except RouterError as e:
-        return router_error_response(e)
+        return router_error_response(e, aliases=request_aliases(body))
     with request_scope(base):
         log.info("%s request: %d sub-request(s), stream=%s, user=%r", kind, len(subs), body.stream, body.user)
     builder = ResponseBuilder(kind, base, state.model_name, state.tokenizer, logprobs=bool(subs[0].top_logprobs
@@ -148,7 +146,7 @@ async def _generate(state: FrontDoorState, body, kind: str, expand):
     choices: dict[int, list] = {}
     async for index, item in events:
         if isinstance(item, RouterError):
-            return router_error_response(item)
+            return router_error_response(item, aliases=request_aliases(body))
         choices.setdefault(index, []).append(item)
     return builder.whole(choices, subs[0].top_logprobs, body.n)
 

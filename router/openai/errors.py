@@ -27,8 +27,13 @@ _HTTP = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "invalid_request_error", 429: "rate_limit_error", 499: "invalid_request_error"}
+          404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 499: "invalid_request_error"}
+_CODES = {400: "invalid_argument", 401: "unauthenticated", 403: "permission_denied", 404: "not_found",
+          405: "method_not_allowed", 413: "request_too_large", 429: "resource_exhausted", 499: "cancelled",
+          500: "internal", 503: "unavailable", 504: "deadline_exceeded"}
 _PARAM = re.compile(r"^(?:sampling\.)?([a-z_]+)(?:\[[^\]]*\])?[ :.]")
+_UNION_TAG = re.compile(r"^(?:str|int|float|bool|dict|list|none|[a-z-]+\[.*\])$")  # pydantic's member tags
 
 
 def http_status(code: grpc.StatusCode) -> int:
@@ -37,8 +42,49 @@ def http_status(code: grpc.StatusCode) -> int:
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error body; ``code`` defaults to the status's gRPC-style name (``invalid_argument``,
+    ``not_found``, ...), the same names router errors carry."""
     return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param,
-                      "code": code if code is not None else status}}
+                      "code": code if code is not None else _CODES.get(status, str(status))}}
+
+
+def request_field(loc: tuple) -> str | None:
+    """The request field a pydantic error location names, as a client wrote it:
+    ``("body", "messages", 0, "content")`` -> ``messages[0].content``; a union member's tag
+    (``("body", "prompt", "list[int]", 0)``) ends the path, it is no field of the request; a map
+    key is quoted (``logit_bias["5"]``)."""
+    out = ""
+    for part in loc[1:]:
+        if isinstance(part, int):  # a list index
+            out += f"[{part}]"
+        elif _UNION_TAG.match(part):
+            break
+        elif part.isidentifier():
+            out += f".{part}" if out else part
+        else:  # a map key, such as a token id of logit_bias
+            out += f"[{json.dumps(part)}]"
+    return out or None
+
+
+def validation_error_response(errors: list[dict], content_type: str | None) -> Response:
+    """The 400 answer to a body FastAPI could not read into the request model: invalid JSON, a body
+    that is no JSON object (naming the content type it came with), or the first field that does
+    not fit, named as the client wrote it; a value that fits none of a field's forms lists them."""
+    first = errors[0] if errors else {}
+    loc = tuple(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        where = f" at character {loc[1]}" if len(loc) > 1 else ""
+        return error_response(400, f"the request body is not valid JSON{where}: "
+                                   f"{first.get('ctx', {}).get('error', first.get('msg'))}", code="invalid_json")
+    field = request_field(loc)
+    if field is None:
+        if "json" not in (content_type or ""):
+            return error_response(400, "the request body must be a JSON object sent with Content-Type: "
+                                       f"application/json (got {content_type or 'no Content-Type'})")
+        return error_response(400, f"body: {first.get('msg', 'invalid request body')}")
+    same = list(dict.fromkeys(e.get("msg", "") for e in errors if request_field(tuple(e.get("loc", ()))) == field))
+    message = same[0] if len(same) == 1 else "fits none of its forms (" + "; ".join(same) + ")"
+    return error_response(400, f"{field}: {message}", param=field)
 
 
 def json_response(body: dict, status: int) -> Response:
@@ -52,11 +98,24 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return json_response(error_body(status, message, param, code), status)
 
 
-def router_error_response(e: RouterError, body_only: bool = False):
-    """The response (or with ``body_only`` the body) of a :class:`RouterError`."""
+def request_aliases(body) -> dict[str, str]:
+    """The router's parameter names a chat request sent under OpenAI's other names: ``max_tokens``
+    as ``max_completion_tokens``, the number of top ``logprobs`` as ``top_logprobs``."""
+    aliases = {}
+    if getattr(body, "max_completion_tokens", None) is not None:
+        aliases["max_tokens"] = "max_completion_tokens"
+    if getattr(body, "top_logprobs", None) is not None:
+        aliases["logprobs"] = "top_logprobs"
+    return aliases
+
+
+def router_error_response(e: RouterError, body_only: bool = False, aliases: dict[str, str] | None = None):
+    """The response (or with ``body_only`` the body) of a :class:`RouterError`; ``param`` is the field
+    its message names, under the name the request used (``aliases``: :func:`request_aliases`)."""
     status = http_status(e.code)
     match = _PARAM.match(e.message) if status == 400 else None
-    body = error_body(status, e.message, param=match.group(1) if match else None, code=e.code.name.lower())
+    param = match.group(1) if match else None
+    body = error_body(status, e.message, param=(aliases or {}).get(param, param), code=e.code.name.lower())
     if body_only:
         return body
     response = json_response(body, status)

@@ -5,6 +5,8 @@ those named like a declared sampling parameter (:mod:`common.sampling_params`) a
 unknown fields are ignored, as OpenAI's servers do. Ranges are checked by the router's validator (the same checks as the
 gRPC API, :mod:`router.validation`), so both front doors refuse the same requests with the
 same messages; the models only check shapes (types, one of ``prompt`` forms, content parts).
+Types are strict, as in OpenAI's JSON schema: ``true`` is not an integer or a number (pydantic's
+lax mode would read it as 1), ``"0.5"`` is not a number; an integer is a number.
 
 Sources: OpenAI API reference (``/v1/completions``, ``/v1/chat/completions``), vLLM's
 ``vllm/entrypoints/openai/protocol.py`` for the extra sampling fields (``top_k``, ``min_p``,
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 
 class _Body(BaseModel):
@@ -27,28 +29,28 @@ class _Extensible(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Sampling(_Extensible):
     """Fields both endpoints share (OpenAI names; vLLM's extras)."""
 
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    seed: StrictInt | None = None
     stop: Union[str, list[str], None] = None
-    stop_token_ids: list[int] | None = None
-    n: int = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    ignore_eos: bool = False
-    stream: bool = False
+    stop_token_ids: list[StrictInt] | None = None
+    n: StrictInt = 1
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
+    ignore_eos: StrictBool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
 
@@ -57,9 +59,9 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a token-id list
     or a list of token-id lists; ``logprobs`` is the number of top logprobs per token."""
 
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: int | None = None
-    echo: bool = False
+    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
 
 
 class TextPart(_Body):
@@ -81,6 +83,6 @@ class ChatCompletionRequest(_Sampling):
     ``max_completion_tokens`` is the newer name of ``max_tokens``."""
 
     messages: list[ChatMessageIn] = Field(default_factory=list)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None

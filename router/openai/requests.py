@@ -51,13 +51,16 @@ def chat_text(request: ChatCompletionRequest) -> list[common_pb2.ChatMessage]:
     """The chat messages with text content (a string, or text parts joined by newlines).
 
     Raises:
-        OpenAIRequestError: a content part whose type is not ``text`` (named with its index),
-            or a role or content that is not valid Unicode (a lone surrogate).
+        OpenAIRequestError: a message without content, a content part whose type is not ``text``
+            (named with its index), or a role or content that is not valid Unicode (a lone surrogate).
     """
     out = []
     for i, m in enumerate(request.messages):
         _check_utf8(m.role, f"messages[{i}].role", "messages")
         content = m.content
+        if content is None:  # OpenAI allows it only beside tool calls, which this server does not take
+            raise OpenAIRequestError(f"messages[{i}].content: a {m.role!r} message needs content (a string or "
+                                     "a list of text parts)", param=f"messages[{i}].content")
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
@@ -67,8 +70,8 @@ def chat_text(request: ChatCompletionRequest) -> list[common_pb2.ChatMessage]:
                         f"(only 'text' parts are served)", param=f"messages[{i}].content")
                 texts.append(part["text"])
             content = "\n".join(texts)
-        _check_utf8(content or "", f"messages[{i}].content", "messages")
-        out.append(common_pb2.ChatMessage(role=m.role, content=content or ""))
+        _check_utf8(content, f"messages[{i}].content", "messages")
+        out.append(common_pb2.ChatMessage(role=m.role, content=content))
     return out
 
 
@@ -107,7 +110,7 @@ def _sampling(body, logprobs: int, max_tokens: int | None) -> common_pb2.Samplin
         try:
             write_sampling(s, {name: value})
         except (TypeError, ValueError) as e:
-            raise OpenAIRequestError(f"{name}: {e}", param=name) from None
+            raise OpenAIRequestError(str(e), param=name) from None  # the message starts with the name
     return s
 
 
