@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import math
 import operator
+import reprlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -341,5 +342,6 @@ def write_sampling(msg: Any, values: Mapping[str, Any]) -> None:
         try:
             params[name].write(msg, value)
         except (TypeError, ValueError) as exc:  # protobuf's own message does not say which field
-            cls = TypeError if isinstance(exc, TypeError) else ValueError  # (UnicodeEncodeError takes 5 args)
-            raise cls(f"{name}: {value!r} does not fit the field: {exc}") from None
+            # not type(exc): a subclass such as UnicodeEncodeError (a lone surrogate) takes other arguments
+            kind = TypeError if isinstance(exc, TypeError) else ValueError
+            raise kind(f"{name}: {reprlib.repr(value)} does not fit the field: {exc}") from None

@@ -239,3 +239,6 @@ def test_a_value_protobuf_refuses_is_reported_with_its_parameters_name() -> None
         write_sampling(common_pb2.SamplingParams(), {"max_tokens": -1})
     with pytest.raises(TypeError, match=r"^temperature: 'hot' does not fit the field"):
         write_sampling(common_pb2.SamplingParams(), {"temperature": "hot"})
+    # a ValueError subclass with other constructor arguments (UnicodeEncodeError), and a long value shortened
+    with pytest.raises(ValueError, match=r"^stop: \['\\ud800', .*\.\.\.\] does not fit the field: .*surrogates"):
+        write_sampling(common_pb2.SamplingParams(), {"stop": ["\ud800"] * 10_000})

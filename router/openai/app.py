@@ -11,7 +11,8 @@ on its own thread and its messages reach the event loop through a queue. With ``
 first sample runs alone until its first token (its prefill is done and its full blocks are in
 the prefill worker's prefix cache), then the others start and reuse them. Streams are SSE
 (sse-starlette) ending with ``data: [DONE]``; a client that disconnects cancels every
-sub-request on both workers. Errors use OpenAI's body ``{"error": {message, type, param, code}}``;
+sub-request on both workers, and so does one that disconnects before a non-streamed answer (the
+router checks every ``DISCONNECT_POLL_S`` seconds). Errors use OpenAI's body ``{"error": {message, type, param, code}}``;
 a body over ``max_request_bytes`` is refused with 413 before it is parsed (Starlette's body limit).
 """
 
@@ -43,6 +44,8 @@ from router.openai.responses import ResponseBuilder, totals
 from serving.logs import request_scope
 
 FIRST_SAMPLE_WAIT_S = 600.0
+DISCONNECT_POLL_S = 0.25
+"""How often (seconds) a non-streamed request checks whether its client is still connected."""
 log = logging.getLogger(__name__)
 
 
@@ -114,17 +117,17 @@ def build_app(state: FrontDoorState) -> FastAPI:
                                             "max_model_len": state.max_model_len}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        return await _generate(state, body, "completion", completion_requests)
+    async def completions(body: CompletionRequest, request: Request):
+        return await _generate(state, body, "completion", completion_requests, request)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest):
-        return await _generate(state, body, "chat", chat_requests)
+    async def chat(body: ChatCompletionRequest, request: Request):
+        return await _generate(state, body, "chat", chat_requests, request)
 
     return app
 
 
-async def _generate(state: FrontDoorState, body, kind: str, expand):
+async def _generate(state: FrontDoorState, body, kind: str, expand, request: Request):
     if body.model != state.model_name:
         return error_response(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
                               param="model", code="model_not_found")
@@ -143,12 +146,36 @@ async def _generate(state: FrontDoorState, body, kind: str, expand):
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventSourceResponse(_sse(events, builder, subs, body.n, include_usage), ping=15)
-    choices: dict[int, list] = {}
-    async for index, item in events:
-        if isinstance(item, RouterError):
-            return router_error_response(item, aliases=request_aliases(body))
-        choices.setdefault(index, []).append(item)
-    return builder.whole(choices, subs[0].top_logprobs, body.n)
+    return await _whole(events, builder, request, subs[0].top_logprobs, body.n, request_aliases(body))
+
+
+async def _whole(events, builder: ResponseBuilder, request: Request, top_logprobs: int, n: int,
+                 aliases: dict[str, str]):
+    """The non-streamed answer once every sub-request finished. A client that disconnects
+    first (checked every :data:`DISCONNECT_POLL_S` seconds) cancels them all on both workers,
+    as a stream's does, instead of leaving them to run to ``max_tokens`` for nobody."""
+
+    async def collect():
+        choices: dict[int, list] = {}
+        async for index, item in events:
+            if isinstance(item, RouterError):
+                return router_error_response(item, aliases=aliases)
+            choices.setdefault(index, []).append(item)
+        return builder.whole(choices, top_logprobs, n)
+
+    task = asyncio.ensure_future(collect())
+    try:
+        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():
+                with request_scope(builder.id):
+                    log.info("client disconnected before the answer: cancelling the request")
+                return error_response(499, "the client closed the request")
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()  # raises CancelledError inside _pump, whose finally cancels the sub-requests
+            await asyncio.gather(task, return_exceptions=True)
+        await events.aclose()
 
 
 def _start_all(core: RequestRouter, subs: list[SubRequest]) -> list[ActiveRequest]:
