@@ -202,7 +202,8 @@ def _post(http, body: bytes, path: str = "/v1/completions"):
 
 def test_http_bodies_over_max_request_bytes_are_413(http):
     body = b'{"model": "m", "prompt": "' + b"a" * 2000 + b'"}'
-    assert _post(http, body)[0] == 413  # Content-Length over the limit: refused before it is read
+    status, answer = _post(http, body)  # Content-Length over the limit: refused before it is read
+    assert status == 413 and answer["error"]["code"] == "request_too_large", answer  # OpenAI's error shape
 
     def chunks():
         yield from (body[i:i + 100] for i in range(0, len(body), 100))
@@ -237,3 +238,29 @@ def test_http_error_bodies_render_lone_surrogates(http):
     assert status == 404 and "'\\ud800'" in answer["error"]["message"]
     status, answer = _post(http, b'{"model": "m", "prompt": "a", "logit_bias": {"\\ud800": "x"}}')
     assert status == 400 and answer["error"]["param"].startswith('logit_bias["'), answer  # the key, quoted
+
+
+@pytest.mark.parametrize(("fields", "path", "param"), [
+    ('"prompt": "a", "echo": true', "/v1/completions", "echo"),
+    ('"prompt": "a", "suffix": "b"', "/v1/completions", "suffix"),
+    ('"prompt": "a", "best_of": 3', "/v1/completions", "best_of"),
+    ('"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]',
+     "/v1/chat/completions", "tools"),
+    ('"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"', "/v1/chat/completions",
+     "tool_choice"),
+    ('"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}',
+     "/v1/chat/completions", "response_format"),
+])
+def test_http_refuses_openai_fields_it_does_not_serve(http, fields, path, param):
+    status, answer = _post(http, f'{{"model": "m", {fields}}}'.encode(), path)
+    assert status == 400 and answer["error"]["param"] == param, answer
+    assert answer["error"]["code"] == "unsupported_parameter", answer
+
+
+def test_neutral_values_of_unserved_openai_fields_pass():
+    from router.openai.protocol import ChatCompletionRequest, CompletionRequest
+    from router.openai.requests import refuse_unsupported
+
+    refuse_unsupported(CompletionRequest(model="m", prompt="a", echo=False, best_of=1, suffix=None))
+    refuse_unsupported(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                             tool_choice="none", tools=[], response_format={"type": "text"}))

@@ -12,8 +12,10 @@ first sample runs alone until its first token (its prefill is done and its full 
 the prefill worker's prefix cache), then the others start and reuse them. Streams are SSE
 (sse-starlette) ending with ``data: [DONE]``; a client that disconnects cancels every
 sub-request on both workers, and so does one that disconnects before a non-streamed answer (the
-router checks every ``DISCONNECT_POLL_S`` seconds). Errors use OpenAI's body ``{"error": {message, type, param, code}}``;
-a body over ``max_request_bytes`` is refused with 413 before it is parsed (Starlette's body limit).
+router checks every ``DISCONNECT_POLL_S`` seconds). Errors use OpenAI's body
+``{"error": {message, type, param, code}}``; a body over ``max_request_bytes`` is refused with 413
+before it is parsed (by its ``Content-Length``, :class:`DeclaredSizeLimit`, else by FastAPI's
+body limit as it arrives).
 """
 
 from __future__ import annotations
@@ -79,16 +81,37 @@ class FrontDoorState:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
-def build_app(state: FrontDoorState) -> FastAPI:
-    """The FastAPI application of the router's HTTP port."""
+def _too_large(limit: int):
+    return error_response(413, f"the request body is larger than max_request_bytes ({limit} bytes)",
+                          code="request_too_large")
+
+
+class DeclaredSizeLimit:
+    """The outermost ASGI layer: a request whose ``Content-Length`` exceeds ``limit`` bytes gets the
+    413 in OpenAI's error shape before anything reads it (FastAPI's own limit, which still counts
+    the bytes of a body sent without a length, answers this case in plain text)."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            length = dict(scope.get("headers", ())).get(b"content-length", b"")
+            if length.isdigit() and int(length) > self.limit:
+                await _too_large(self.limit)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(state: FrontDoorState) -> DeclaredSizeLimit:
+    """The ASGI application of the router's HTTP port: the FastAPI app behind :class:`DeclaredSizeLimit`."""
     app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None, max_body_size=state.max_request_bytes)
     app.add_middleware(RequireApiKey, accepts=state.accepts_api_key)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException):
         if exc.status_code == 413:
-            return error_response(413, f"the request body is larger than max_request_bytes "
-                                       f"({state.max_request_bytes} bytes)", code="request_too_large")
+            return _too_large(state.max_request_bytes)
         response = error_response(exc.status_code, str(exc.detail))
         response.headers.update(exc.headers or {})
         return response
@@ -124,7 +147,7 @@ def build_app(state: FrontDoorState) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request):
         return await _generate(state, body, "chat", chat_requests, request)
 
-    return app
+    return DeclaredSizeLimit(app, state.max_request_bytes)
 
 
 async def _generate(state: FrontDoorState, body, kind: str, expand, request: Request):

@@ -2,9 +2,11 @@
 
 OpenAI's own fields are declared; other fields are kept aside (``extra="allow"``) and only
 those named like a declared sampling parameter (:mod:`common.sampling_params`) are read, so
-unknown fields are ignored, as OpenAI's servers do. Ranges are checked by the router's validator (the same checks as the
-gRPC API, :mod:`router.validation`), so both front doors refuse the same requests with the
-same messages; the models only check shapes (types, one of ``prompt`` forms, content parts).
+unknown fields are ignored, as OpenAI's servers do (OpenAI fields this server does not serve
+are refused when asked for: :func:`router.openai.requests.refuse_unsupported`). Ranges are
+checked by the router's validator (the same checks as the gRPC API, :mod:`router.validation`),
+so both front doors refuse the same requests with the same messages; the models only check
+shapes (types, one of ``prompt`` forms, content parts).
 Types are strict, as in OpenAI's JSON schema: ``true`` is not an integer or a number (pydantic's
 lax mode would read it as 1), ``"0.5"`` is not a number; an integer is a number.
 

@@ -12,6 +12,10 @@ validator then checks them exactly as for the gRPC API); the differences are:
 * ``n`` > 1: sample ``i`` gets ``seed + i`` when a seed is given, so the samples differ;
   ``n`` <= :data:`router.limits.MAX_N`, and prompts x ``n`` <= :data:`router.limits.MAX_CHOICES`.
 
+OpenAI fields this server does not serve (``echo``, ``suffix``, ``best_of``, tools and functions,
+a JSON ``response_format``) are refused with 400 when a request asks for them
+(:func:`refuse_unsupported`); fields nobody declared are ignored.
+
 A string JSON allows but protobuf does not (a lone surrogate, ``"\\ud800"``) and a token id
 that does not fit the wire's ``uint32`` are refused here with 400, naming the field.
 """
@@ -73,6 +77,34 @@ def chat_text(request: ChatCompletionRequest) -> list[common_pb2.ChatMessage]:
         _check_utf8(content, f"messages[{i}].content", "messages")
         out.append(common_pb2.ChatMessage(role=m.role, content=content))
     return out
+
+
+_UNSUPPORTED = (  # (field, the values that ask for nothing, why another value is refused)
+    ("echo", (None, False), "echo (the prompt returned with the completion) is not supported"),
+    ("suffix", (None, ""), "suffix (text insertion) is not supported"),
+    ("best_of", (None, 1), "best_of is not supported; use n"),
+    ("tools", (None, []), "tool calling is not supported by this server"),
+    ("tool_choice", (None, "none"), "tool calling is not supported by this server"),
+    ("functions", (None, []), "function calling is not supported by this server"),
+    ("function_call", (None, "none"), "function calling is not supported by this server"),
+    ("response_format", (None, {"type": "text"}), "only response_format {\"type\": \"text\"} is served "
+                                                  "(no JSON mode or schema)"),
+)
+
+
+def refuse_unsupported(body) -> None:
+    """Refuse an OpenAI field this server knows but does not serve, when the request asks for it
+    (``echo: true``, ``tools``, a JSON ``response_format``, ...): ignoring it would answer a
+    different question. Fields nobody declared are ignored, as OpenAI's servers do.
+
+    Raises:
+        OpenAIRequestError: 400 naming the first such field.
+    """
+    extra = body.model_extra or {}
+    for name, neutral, why in _UNSUPPORTED:
+        value = getattr(body, name) if name in type(body).model_fields else extra.get(name)
+        if value not in neutral:
+            raise OpenAIRequestError(f"{name}: {why}", param=name, code="unsupported_parameter")
 
 
 def _check_utf8(text: str, what: str, param: str) -> None:
@@ -141,6 +173,7 @@ def completion_requests(body: CompletionRequest) -> tuple[str, list[SubRequest]]
         OpenAIRequestError: an empty prompt list, a token id out of range, a string that is
             not valid Unicode, ``n`` or ``logprobs`` out of shape.
     """
+    refuse_unsupported(body)
     prompt = body.prompt
     if not prompt:
         raise OpenAIRequestError("prompt must not be empty", param="prompt")
@@ -170,6 +203,7 @@ def chat_requests(body: ChatCompletionRequest) -> tuple[str, list[SubRequest]]:
     Raises:
         OpenAIRequestError: a non-text content part, ``n`` or ``top_logprobs`` out of shape.
     """
+    refuse_unsupported(body)
     messages = router_pb2.MessageList(messages=chat_text(body))
     top = body.top_logprobs or 0
     if top < 0:
