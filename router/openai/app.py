@@ -10,9 +10,10 @@ A request becomes one :class:`router.core.ActiveRequest` per prompt x ``n``; eac
 on its own thread and its messages reach the event loop through a queue. With ``n`` > 1 the
 first sample runs alone until its first token (its prefill is done and its full blocks are in
 the prefill worker's prefix cache), then the others start and reuse them. Streams are SSE
-(sse-starlette) ending with ``data: [DONE]``; a client that disconnects cancels every
-sub-request on both workers, and so does one that disconnects before a non-streamed answer (the
-router checks every ``DISCONNECT_POLL_S`` seconds). Errors use OpenAI's body
+(sse-starlette) ending with ``data: [DONE]``, started once the first message is in (a request
+that fails before it gets its HTTP status, not a 200 with an error event); a client that
+disconnects cancels every sub-request on both workers, before its first message or its
+non-streamed answer too (the router checks every ``DISCONNECT_POLL_S`` seconds). Errors use OpenAI's body
 ``{"error": {message, type, param, code}}``; a body over ``max_request_bytes`` is refused with 413
 before it is parsed (by its ``Content-Length``, :class:`DeclaredSizeLimit`, else by FastAPI's
 body limit as it arrives).
@@ -168,15 +169,36 @@ async def _generate(state: FrontDoorState, body, kind: str, expand, request: Req
     events = _pump(subs, actives)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventSourceResponse(_sse(events, builder, subs, body.n, include_usage), ping=15)
+        return await _stream(events, builder, request, subs, body.n, include_usage, request_aliases(body))
     return await _whole(events, builder, request, subs[0].top_logprobs, body.n, request_aliases(body))
+
+
+_GONE = object()
+
+
+async def _unless_gone(awaitable, request: Request, builder: ResponseBuilder):
+    """``await awaitable``, unless the client disconnects first (checked every
+    :data:`DISCONNECT_POLL_S` seconds): then it is cancelled (in ``_pump`` that cancels every
+    sub-request on both workers) and :data:`_GONE` is returned."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():
+                with request_scope(builder.id):
+                    log.info("client disconnected before the answer: cancelling the request")
+                return _GONE
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 async def _whole(events, builder: ResponseBuilder, request: Request, top_logprobs: int, n: int,
                  aliases: dict[str, str]):
     """The non-streamed answer once every sub-request finished. A client that disconnects
-    first (checked every :data:`DISCONNECT_POLL_S` seconds) cancels them all on both workers,
-    as a stream's does, instead of leaving them to run to ``max_tokens`` for nobody."""
+    first cancels them all on both workers, as a stream's does, instead of leaving them to run
+    to ``max_tokens`` for nobody."""
 
     async def collect():
         choices: dict[int, list] = {}
@@ -186,19 +208,35 @@ async def _whole(events, builder: ResponseBuilder, request: Request, top_logprob
             choices.setdefault(index, []).append(item)
         return builder.whole(choices, top_logprobs, n)
 
-    task = asyncio.ensure_future(collect())
     try:
-        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
-            if await request.is_disconnected():
-                with request_scope(builder.id):
-                    log.info("client disconnected before the answer: cancelling the request")
-                return error_response(499, "the client closed the request")
-        return task.result()
+        answer = await _unless_gone(collect(), request, builder)
+        return error_response(499, "the client closed the request") if answer is _GONE else answer
     finally:
-        if not task.done():
-            task.cancel()  # raises CancelledError inside _pump, whose finally cancels the sub-requests
-            await asyncio.gather(task, return_exceptions=True)
         await events.aclose()
+
+
+async def _stream(events, builder: ResponseBuilder, request: Request, subs: list[SubRequest], n: int,
+                  include_usage: bool, aliases: dict[str, str]):
+    """The SSE answer, started once the first message is in: a request that fails before it (no
+    live worker, refused on placement) gets its HTTP status (503, 429, ...) rather than a 200
+    whose stream carries the error; a later failure ends the stream with an error event."""
+    first = await _unless_gone(anext(events, None), request, builder)
+    if first is _GONE or (first is not None and isinstance(first[1], RouterError)):
+        await events.aclose()
+        if first is _GONE:
+            return error_response(499, "the client closed the request")
+        return router_error_response(first[1], aliases=aliases)
+
+    async def chained():
+        try:
+            if first is not None:
+                yield first
+            async for item in events:
+                yield item
+        finally:
+            await events.aclose()
+
+    return EventSourceResponse(_sse(chained(), builder, subs, n, include_usage), ping=15)
 
 
 def _start_all(core: RequestRouter, subs: list[SubRequest]) -> list[ActiveRequest]:
