@@ -341,6 +341,8 @@ def write_sampling(msg: Any, values: Mapping[str, Any]) -> None:
     for name, value in values.items():
         try:
             params[name].write(msg, value)
+            if isinstance(value, float) and math.isfinite(value) and math.isinf(getattr(msg, name)):
+                raise ValueError("outside the range of a float32")  # protobuf stored it as inf
         except (TypeError, ValueError) as exc:  # protobuf's own message does not say which field
             # not type(exc): a subclass such as UnicodeEncodeError (a lone surrogate) takes other arguments
             kind = TypeError if isinstance(exc, TypeError) else ValueError

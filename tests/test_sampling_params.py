@@ -242,3 +242,6 @@ def test_a_value_protobuf_refuses_is_reported_with_its_parameters_name() -> None
     # a ValueError subclass with other constructor arguments (UnicodeEncodeError), and a long value shortened
     with pytest.raises(ValueError, match=r"^stop: \['\\ud800', .*\.\.\.\] does not fit the field: .*surrogates"):
         write_sampling(common_pb2.SamplingParams(), {"stop": ["\ud800"] * 10_000})
+    with pytest.raises(ValueError, match=r"^temperature: 1e\+308 does not fit the field: outside the range of a float32"
+                       ):  # protobuf would store inf, refused as "got inf"
+        write_sampling(common_pb2.SamplingParams(), {"temperature": 1e308})
