@@ -48,16 +48,26 @@ between runs. The bench never kills or waits for anything but its own runs.
   Each run also records ``cluster_cpu_cores``: the cluster's CPU use over the run (cores, out of
   ``os.cpu_count()``), a first clue when a target is missed (CPU-bound or not);
 * ``disagg_vs_colocated.md`` / ``.png``: the same as tables and plots (error bars: 95 % CI);
-* ``runs/<workload>/<mode>/rate_<r>/rep_<i>/``: each run's summary.json, requests.jsonl, report.md.
+* ``runs/<workload>/<mode>/rate_<r>/rep_<i>/``: each run's summary.json, requests.jsonl, report.md,
+  and row.json (the recorded row with the settings it ran with).
+
+**Resuming.** The full sweep takes about 5 hours alone on the 2-core machine. ``--resume`` keeps
+every run already recorded under ``--results-dir`` with the same settings (``row.json``; a run
+whose settings differ in any way, e.g. another ``--num-requests`` or cluster layout, runs again)
+and runs only the rest, so the sweep can be spread over several quiet sessions; each kept run
+carries ``"resumed": true`` and its own load-gate reading. Interrupt a session between runs
+(Ctrl-C) and start the same command with ``--resume`` in the next one.
 
 Usage (from the repository root; the full default sweep takes hours on 2 cores)::
 
     python bench/disagg_vs_colocated.py --rates 0.2,0.4,0.6,0.8,1.0 --stop-below-attainment 0.9
+    python bench/disagg_vs_colocated.py --rates 0.2,0.4,0.6,0.8,1.0 --stop-below-attainment 0.9 --resume
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -111,6 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to finish a run after sending")
     p.add_argument("--results-dir", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true",
+                   help="keep every run an earlier invocation recorded under --results-dir with the same settings "
+                        "(its runs/.../row.json) instead of running it again: the sweep can span several sessions")
     args = p.parse_args(argv)
     return _check(p, args)
 
@@ -156,10 +169,34 @@ def _ms(v: float | None) -> str:
     return "–" if v is None else f"{v:.0f} ms"
 
 
+def run_settings(args, workload: str, mode: str, rate: float, rep: int) -> dict:
+    """Everything a recorded run depends on: ``--resume`` keeps a run only if these are equal."""
+    return {"workload": workload, "mode": mode, "rate": rate, "rep": rep, "seed": args.seed + rep,
+            "num_requests": args.num_requests, "skip": args.skip, "max_input_tokens": args.clips[workload],
+            "max_output_tokens": args.max_output_tokens, "slo": args.slo, "run_duration": args.run_duration,
+            "cluster_args": dc.CLUSTER_ARGS, "up_args": dc.MODES[mode]}
+
+
+def recorded_run(out: Path, settings: dict) -> dict | None:
+    """The row of a run recorded in ``out`` with exactly ``settings``, else ``None``."""
+    try:
+        saved = json.loads((out / "row.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return saved.get("row") if saved.get("settings") == json.loads(json.dumps(settings)) else None
+
+
 def measure_point(state: dict, args, workload: str, mode: str, rate: float, baseline: float) -> dict:
-    """``--repetitions`` gated runs at one rate; returns ``{"rate", "runs", "skipped_runs", "stats"}``."""
+    """``--repetitions`` gated runs at one rate (with ``--resume``, runs recorded earlier with the same
+    settings are kept, not run again); returns ``{"rate", "runs", "skipped_runs", "stats"}``."""
     point: dict = {"rate": rate, "runs": [], "skipped_runs": []}
     for rep in range(args.repetitions):
+        out = args.results_dir / "runs" / workload / mode / f"rate_{rate:g}" / f"rep_{rep}"
+        settings = run_settings(args, workload, mode, rate, rep)
+        if args.resume and (row := recorded_run(out, settings)) is not None:
+            log(f"[{workload}/{mode}] rate {rate:g} rep {rep}: kept from an earlier invocation ({out})")
+            point["runs"].append(row | {"resumed": True})
+            continue
         gate = ds.wait_for_load(lambda: os.getloadavg()[0], time.sleep, time.monotonic, max_load=args.max_load,
                                 idle_baseline=baseline, wait_s=args.load_wait_s, poll_s=args.load_poll_s)
         tag = f"[{workload}/{mode}] rate {rate:g} rep {rep}: load {gate['load_1m']:.2f} (gate {gate['gate_value']:.2f})"
@@ -167,7 +204,6 @@ def measure_point(state: dict, args, workload: str, mode: str, rate: float, base
             log(f"{tag} > {args.max_load:g} after {gate['waited_s']:.0f} s: not recorded")
             point["skipped_runs"].append({"rep": rep, **gate})
             continue
-        out = args.results_dir / "runs" / workload / mode / f"rate_{rate:g}" / f"rep_{rep}"
         cpu0, t0 = dc.cluster_cpu_s(state), time.monotonic()
         summary = dc.replay(state, workload_config(args, workload, rate, args.num_requests, args.seed + rep), args, out)
         args.model = summary["model"]
@@ -175,6 +211,8 @@ def measure_point(state: dict, args, workload: str, mode: str, rate: float, base
                                                / max(time.monotonic() - t0, 1e-9)}
         log(f"{tag}: attainment {row['slo_attainment']:.2f}, goodput {row['goodput']:.3f} req/s, "
             f"ITL p99 {_ms(row['itl_p99_ms'])}, TTFT p99 {_ms(row['ttft_p99_ms'])}")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "row.json").write_text(json.dumps({"settings": settings, "row": row}, indent=1))
         point["runs"].append(row)
     point["stats"] = ds.aggregate_point(point["runs"])
     return point

@@ -190,3 +190,42 @@ def test_sweep_stops_with_colocated_and_disaggregated_follows(tmp_path, monkeypa
     assert res["modes"]["colocated"]["idle_baseline"] == {"cores": 0.2, "measured": False}
     md = (tmp_path / "disagg_vs_colocated.md").read_text()
     assert "rep 0: 9.00" in md and "**met**" in md
+
+
+def test_resume_keeps_runs_recorded_with_the_same_settings(tmp_path, monkeypatch):
+    """``--resume``: a second invocation runs only what the first did not record, and a run recorded
+    with other settings (here another --num-requests) is run again."""
+    import contextlib
+
+    import _disagg_cluster as dc
+    import disagg_vs_colocated as bench
+
+    calls = []
+
+    @contextlib.contextmanager
+    def fake_cluster(mode):
+        yield {"mode": mode, "router_address": "x", "ray_head_pid": None}, ""
+
+    def fake_replay(state, workload, args, out):
+        if out is not None:
+            calls.append((state["mode"], workload.rate, workload.num_requests))
+        return {"model": "m", "sent": 4, "completed": 4, "failed": 0, "duration_s": 4.0, "request_throughput": 1.0,
+                "output_throughput": 16.0, "slo_attainment": 1.0, "goodput": workload.rate,
+                "ttft_ms": {"p50": 10.0, "p99": 20.0}, "itl_ms": {"p99": 30.0}, "tpot_ms": {"mean": 5.0, "p99": 6.0}}
+
+    monkeypatch.setattr(dc, "cluster", fake_cluster)
+    monkeypatch.setattr(dc, "replay", fake_replay)
+    monkeypatch.setattr(bench.os, "getloadavg", lambda: (0.1, 0.0, 0.0))
+    common = ["--workloads", "code", "--modes", "colocated", "--repetitions", "2", "--warmup-requests", "0",
+              "--idle-baseline", "0", "--results-dir", str(tmp_path)]
+    assert bench.main([*common, "--rates", "1", "--num-requests", "4"]) == 0
+    assert calls == [("colocated", 1.0, 4)] * 2
+    calls.clear()
+    assert bench.main([*common, "--rates", "1,2", "--num-requests", "4", "--resume"]) == 0
+    assert calls == [("colocated", 2.0, 4)] * 2  # rate 1 kept from the first invocation
+    res = json.loads((tmp_path / "disagg_vs_colocated.json").read_text())
+    points = res["workloads"]["code"]["modes"]["colocated"]["points"]
+    assert [len(p["runs"]) for p in points] == [2, 2] and all(r.get("resumed") for r in points[0]["runs"])
+    calls.clear()
+    assert bench.main([*common, "--rates", "1", "--num-requests", "3", "--resume"]) == 0
+    assert calls == [("colocated", 1.0, 3)] * 2  # other settings: run again
