@@ -45,9 +45,10 @@ class InboundData(Protocol):
         """Every header of the stream that parsed, also of a chunk that then failed verification."""
 
     def prepare(self, header: dict[str, Any]) -> None:
-        """A verified header of the admitted transfer, as soon as its message arrived (on the stream's
-        read-ahead thread, before :meth:`note` and :meth:`tensor` see it on the handler's): a data plane
-        may start receiving the chunk's tensor now. Must not raise (:meth:`tensor` reports failures)."""
+        """A verified header, once the stream's first chunk was admitted, as soon as its message arrived
+        (on the stream's read-ahead thread, before :meth:`note` and :meth:`tensor` see it on the
+        handler's): a data plane may start receiving the chunk's tensor now (a header of another transfer
+        then fails the stream, which calls :meth:`drop`). Must not raise (:meth:`tensor` reports failures)."""
 
     def tensor(self, header: dict[str, Any]) -> torch.Tensor:
         """The tensor of a verified ``"kv"`` chunk whose message carries none (an empty payload).
