@@ -55,8 +55,9 @@ between runs. The bench never kills or waits for anything but its own runs.
 every run already recorded under ``--results-dir`` with the same settings (``row.json``; a run
 whose settings differ in any way, e.g. another ``--num-requests`` or cluster layout, runs again)
 and runs only the rest, so the sweep can be spread over several quiet sessions; each kept run
-carries ``"resumed": true`` and its own load-gate reading. Interrupt a session between runs
-(Ctrl-C) and start the same command with ``--resume`` in the next one.
+carries ``"resumed": true`` and its own load-gate reading. Stop a session between runs with
+SIGTERM (a run in progress does not answer Ctrl-C), bring its cluster down with ``pdcluster down
+--state-dir /tmp/bench-<mode>-*``, and start the same command with ``--resume`` in the next one.
 
 Usage (from the repository root; the full default sweep takes hours on 2 cores)::
 
