@@ -73,13 +73,15 @@ class _PairData:
         if self._pending:
             tensor, tag = self._pending.popleft()
             self._in_flight.append((tensor, tag, self._pair.start_send(tensor, tag, job.deadline, ctl.is_stopped)))
-        while len(self._in_flight) >= SENDS_IN_FLIGHT:  # returns with the newest send still moving
-            _, tag, work = self._in_flight.popleft()
-            self._pair.wait_sent(work, tag, job.deadline)
+        self._wait_until(SENDS_IN_FLIGHT - 1, job.deadline)  # returns with the newest send still moving
 
     def flush(self, deadline: float) -> None:
         """Wait for the sends still moving (the stream ended: acknowledged, they have left)."""
-        while self._in_flight:
+        self._wait_until(0, deadline)
+
+    def _wait_until(self, moving: int, deadline: float) -> None:
+        """Wait for the oldest sends until at most ``moving`` are still on the wire."""
+        while len(self._in_flight) > moving:
             _, tag, work = self._in_flight.popleft()
             self._pair.wait_sent(work, tag, deadline)
 

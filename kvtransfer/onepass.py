@@ -1,4 +1,4 @@
-"""KV blocks to wire bytes and back in one pass over memory: copy and CRC32C fused.
+"""KV blocks to a sender's wire bytes (or tensor) in one pass over memory: copy and CRC32C fused.
 
 The plain path of a ``"kv"`` chunk streams its bytes three times on the sender: it gathers the
 blocks into a buffer (:func:`~kvtransfer.blocks.gather_blocks`), checksums it

@@ -74,26 +74,29 @@ class SendJob:
         """Chunk ``i``'s source blocks ``[layers, 2, n, block_size, H, D]``: a new tensor, or a view of
         ``out`` (see :func:`~kvtransfer.blocks.gather_blocks`)."""
         spec = self.plan[i]
-        return gather_blocks(self.kv_cache, spec.layer_start, spec.layer_end,
-                             self.src[spec.block_start:spec.block_end], out=out)
+        return gather_blocks(self.kv_cache, spec.layer_start, spec.layer_end, self._src(spec), out=out)
 
     def frame(self, i: int) -> tuple[bytes, int] | None:
         """Chunk ``i``'s wire bytes gathered, checksummed and framed in one pass, and its payload
         bytes; ``None`` where that cannot run (see :func:`~kvtransfer.onepass.frame_kv_chunk`)."""
         spec = self.plan[i]
-        framed = frame_kv_chunk(self.meta(i), self.kv_cache, self.src[spec.block_start:spec.block_end])
+        framed = frame_kv_chunk(self.meta(i), self.kv_cache, self._src(spec))
         return None if framed is None else (framed, self._numel(spec) * self.kv_cache.element_size())
 
     def gather_checked(self, i: int) -> tuple[torch.Tensor, int | None]:
         """Chunk ``i``'s source blocks as a new tensor (:meth:`gather`) and their CRC32C, taken in the same
         pass where the fused kernel runs (:func:`~kvtransfer.onepass.gather_checked`), else ``None``."""
         spec = self.plan[i]
-        got = gather_checked(self.kv_cache, spec.layer_start, spec.layer_end, self.src[spec.block_start:spec.block_end])
+        got = gather_checked(self.kv_cache, spec.layer_start, spec.layer_end, self._src(spec))
         return (self.gather(i), None) if got is None else got
 
     def max_chunk_numel(self) -> int:
         """Elements of the largest chunk's tensor (to size a reusable gather buffer)."""
         return max(self._numel(c) for c in self.plan)
+
+    def _src(self, c: ChunkSpec) -> list[int]:
+        """The source block ids of chunk ``c``, in payload order."""
+        return self.src[c.block_start:c.block_end]
 
     def _numel(self, c: ChunkSpec) -> int:
         shape = self.kv_cache.shape  # [L, 2, num_blocks, block_size, H, D] (a tensor or its HeadShards)

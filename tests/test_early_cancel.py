@@ -61,14 +61,18 @@ class _Late:
         self.entered.set()
         _wait_cancelled(context)
 
+    def _late_stream(self, handler, request, context):
+        """``handler``'s response stream, started once the caller cancelled; sets ``finished`` after it."""
+        self._begin(context)
+        try:
+            yield from handler(request, context)
+        finally:
+            self.finished.set()
+
 
 class _LateDecode(_Late, DecodeWorkerServicer):
     def Reserve(self, request, context):
-        self._begin(context)
-        try:
-            yield from super().Reserve(request, context)
-        finally:
-            self.finished.set()
+        return self._late_stream(super().Reserve, request, context)
 
 
 class _CancelOnQueue:
@@ -218,11 +222,7 @@ class _FakeActive:
 
 class _LateRouter(_Late, RouterServicer):
     def Generate(self, request, context):
-        self._begin(context)
-        try:
-            yield from super().Generate(request, context)
-        finally:
-            self.finished.set()
+        return self._late_stream(super().Generate, request, context)
 
 
 def test_generate_cancelled_before_its_handler_registered_is_never_placed():

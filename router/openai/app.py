@@ -162,6 +162,7 @@ async def _generate(state: FrontDoorState, body, kind: str, expand, request: Req
         return error_response(e.status, e.message, param=e.param, code=e.code)
     except RouterError as e:
         return router_error_response(e, aliases=request_aliases(body))
+    aliases = request_aliases(body)
     with request_scope(base):
         log.info("%s request: %d sub-request(s), stream=%s, user=%r", kind, len(subs), body.stream, body.user)
     builder = ResponseBuilder(kind, base, state.model_name, state.tokenizer, logprobs=bool(subs[0].top_logprobs
@@ -169,11 +170,15 @@ async def _generate(state: FrontDoorState, body, kind: str, expand, request: Req
     events = _pump(subs, actives)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _stream(events, builder, request, subs, body.n, include_usage, request_aliases(body))
-    return await _whole(events, builder, request, subs[0].top_logprobs, body.n, request_aliases(body))
+        return await _stream(events, builder, request, subs, body.n, include_usage, aliases)
+    return await _whole(events, builder, request, subs[0].top_logprobs, body.n, aliases)
 
 
 _GONE = object()
+
+
+def _client_closed():
+    return error_response(499, "the client closed the request")
 
 
 async def _unless_gone(awaitable, request: Request, builder: ResponseBuilder):
@@ -210,7 +215,7 @@ async def _whole(events, builder: ResponseBuilder, request: Request, top_logprob
 
     try:
         answer = await _unless_gone(collect(), request, builder)
-        return error_response(499, "the client closed the request") if answer is _GONE else answer
+        return _client_closed() if answer is _GONE else answer
     finally:
         await events.aclose()
 
@@ -224,7 +229,7 @@ async def _stream(events, builder: ResponseBuilder, request: Request, subs: list
     if first is _GONE or (first is not None and isinstance(first[1], RouterError)):
         await events.aclose()
         if first is _GONE:
-            return error_response(499, "the client closed the request")
+            return _client_closed()
         return router_error_response(first[1], aliases=aliases)
 
     async def chained():

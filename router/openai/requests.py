@@ -92,6 +92,11 @@ _UNSUPPORTED = (  # (field, the values that ask for nothing, why another value i
 )
 
 
+def _field(body, name: str):
+    """``body``'s value of ``name``: a declared field, else one of the extra fields it carries (``None`` if absent)."""
+    return getattr(body, name) if name in type(body).model_fields else (body.model_extra or {}).get(name)
+
+
 def refuse_unsupported(body) -> None:
     """Refuse an OpenAI field this server knows but does not serve, when the request asks for it
     (``echo: true``, ``tools``, a JSON ``response_format``, ...): ignoring it would answer a
@@ -100,10 +105,8 @@ def refuse_unsupported(body) -> None:
     Raises:
         OpenAIRequestError: 400 naming the first such field.
     """
-    extra = body.model_extra or {}
     for name, neutral, why in _UNSUPPORTED:
-        value = getattr(body, name) if name in type(body).model_fields else extra.get(name)
-        if value not in neutral:
+        if _field(body, name) not in neutral:
             raise OpenAIRequestError(f"{name}: {why}", param=name, code="unsupported_parameter")
 
 
@@ -124,9 +127,7 @@ def _sampling(body, logprobs: int, max_tokens: int | None) -> common_pb2.Samplin
     Raises:
         OpenAIRequestError: a value that does not fit its field (naming it).
     """
-    extra = body.model_extra or {}
-    values = {p.name: getattr(body, p.name) if p.name in type(body).model_fields else extra.get(p.name)
-              for p in sampling_params() if p.name not in _OPENAI_SHAPED}
+    values = {p.name: _field(body, p.name) for p in sampling_params() if p.name not in _OPENAI_SHAPED}
     bias = {}
     for key, value in (body.logit_bias or {}).items():
         try:
