@@ -18,7 +18,9 @@ A refusal is :class:`Refused`: RESOURCE_EXHAUSTED with a retry-after hint in mil
 (gRPC trailing metadata ``retry-after-ms``; HTTP 429 with ``Retry-After``). The hint for a full
 queue is the time one seat takes to free on average (Little's law: the mean time requests spend
 in the router / the seats; 1 s before anything was measured); for the SLO, how far the
-prediction is over it. Each refusal counts in ``num_requests_rejected{reason}`` and logs one line.
+prediction is over it. Each refusal counts in ``num_requests_rejected{reason}`` and logs one line
+with its request id and cause, at most one a second per reason (:class:`serving.logs.ThrottledLog`:
+the others of a burst are counted in one line after it).
 
 With several routers the shares are exact only while the kernel spreads the load evenly over
 them (SO_REUSEPORT hashes connections, not requests): one router may refuse while another has
@@ -36,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.load import LoadTracker, PrefillRates
+from serving.logs import ThrottledLog
 from serving.metrics import ProcessMetrics
 from serving.registry import WorkerInfo
 from serving.rpc import DEFAULT_MAX_QUEUED_REQUESTS
@@ -113,6 +116,7 @@ class Admission:
         self._routers = routers
         self._lock = threading.Lock()
         self._mean_stay_s: float | None = None
+        self._logs = {reason: ThrottledLog(log, f"requests refused ({reason})") for reason in (QUEUE_FULL, TTFT_SLO)}
 
     def seats(self) -> int:
         """Requests the live decode workers run at once (the sum of their ``max_num_seqs``)."""
@@ -172,5 +176,6 @@ class Admission:
     def _refuse(self, reason: str, request_id: str, hint_ms: float, message: str) -> Refused:
         hint = int(min(MAX_RETRY_AFTER_MS, max(MIN_RETRY_AFTER_MS, math.ceil(hint_ms))))
         self._metrics.inc("num_requests_rejected", reason=reason)
-        log.info("request %s refused (%s, retry after %d ms): %s", request_id or "-", reason, hint, message)
+        self._logs[reason].info(request_id, "request %s refused (%s, retry after %d ms): %s", request_id or "-", reason,
+                                hint, message)
         return Refused(reason, message, hint)

@@ -1,6 +1,6 @@
 """Request migration: which worker failures a request survives, and whom they are blamed on.
 
-When a worker call of a request fails (:meth:`router.core.ActiveRequest._relay`),
+When a worker call of a request fails (:meth:`router.active.ActiveRequest._relay`),
 :func:`classify` turns the decode stream's status and the prefill call's status (if
 that call failed) into a :class:`WorkerFailure`:
 

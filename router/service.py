@@ -1,6 +1,6 @@
 """The ``Router`` gRPC service: the gRPC front door over :mod:`router.core`'s request path.
 
-``Generate`` streams the core's responses; a :class:`router.core.RouterError` becomes the
+``Generate`` streams the core's responses; a :class:`router.errors.RouterError` becomes the
 call's status (code and message unchanged, a retry-after hint as ``retry-after-ms`` trailing
 metadata); a client that cancels or disconnects cancels the request on both workers.
 :func:`add_router_service` registers the service with deserializers that never fail
@@ -16,7 +16,8 @@ import grpc
 from google.protobuf import message_factory
 
 from pdcluster.v1 import router_pb2, router_pb2_grpc
-from router.core import RequestRouter, RouterError
+from router.core import RequestRouter
+from router.errors import RouterError
 from router.decoding import Unparsable, parse_or_refusal
 from serving.rpc import RETRY_AFTER_METADATA
 

@@ -15,6 +15,7 @@ import contextvars
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,6 +57,55 @@ def request_scope(request_id: str) -> Iterator[None]:
         yield
     finally:
         _request_id.reset(token)
+
+
+class ThrottledLog:
+    """One kind of event logged one line at a time, at most one line per ``period_s``: under a
+    storm (a burst of refusals) the first event is logged whole, the ones after it within the
+    period are counted, and one line at the period's end says how many were left out (with the
+    last one's request id). (Writing every line of a 500-request burst took the router's GIL and
+    its log pipe for longer than refusing the requests did.)
+
+    Args:
+        logger: where the lines go (INFO).
+        what: names the events in the summary line (e.g. ``"requests refused (queue_full)"``).
+        period_s: at most one line per this many seconds, plus one summary (seconds, > 0).
+
+    Raises:
+        ValueError: a non-positive ``period_s``.
+    """
+
+    def __init__(self, logger: logging.Logger, what: str, period_s: float = 1.0) -> None:
+        if not period_s > 0:
+            raise ValueError(f"period_s must be positive, got {period_s}")
+        self._log, self._what, self._period_s = logger, what, period_s
+        self._lock = threading.Lock()
+        self._quiet_until = float("-inf")
+        self._left_out = 0
+        self._last_id = ""
+
+    def info(self, request_id: str, msg: str, *args) -> None:
+        """Log ``msg % args`` for request ``request_id``, or count it while the period's line is out."""
+        now = time.monotonic()
+        with self._lock:
+            if now < self._quiet_until:
+                self._left_out += 1
+                self._last_id = request_id
+                if self._left_out == 1:  # report the period's leftovers once it is over
+                    timer = threading.Timer(self._quiet_until - now, self._summarize)
+                    timer.daemon = True
+                    timer.start()
+                return
+            self._quiet_until = now + self._period_s
+        self._log.info(msg, *args, extra={"request_id": request_id})
+
+    def _summarize(self) -> None:
+        with self._lock:
+            left_out, last_id, self._left_out = self._left_out, self._last_id, 0
+            self._quiet_until = time.monotonic() + self._period_s
+        if left_out:
+            self._log.info("%d more %s in the last %.1f s, not logged one by one (the last one's id on this line)",
+                           left_out, self._what, self._period_s, extra={"request_id": last_id})
 
 
 def request_id_from_metadata(context) -> str:

@@ -7,6 +7,8 @@ body), the configs' validation and ``pdcluster up``'s flags."""
 from __future__ import annotations
 
 import argparse
+import threading
+import time
 import types
 
 import grpc
@@ -19,7 +21,8 @@ from pdcluster.client import build_request
 from pdcluster.v1 import router_pb2, router_pb2_grpc
 from router.admission import Admission, AdmissionConfig
 from router.breaker import BreakerConfig
-from router.core import RequestRouter, RouterError
+from router.core import RequestRouter
+from router.errors import RouterError
 from router.load import LoadTracker, PrefillRates
 from router.openai.app import FrontDoorState, build_app
 from router.service import RouterServicer, add_router_service
@@ -116,6 +119,46 @@ def test_the_router_refuses_before_validating_and_holds_nothing():
     admitted[0].discard()  # one leaves: one more fits
     core.start(router_pb2.GenerateRequest(request_id="r9", text="x"))
     assert _rejected(metrics, "queue_full") == 1
+
+
+class _BlockingValidator(_Validator):
+    """Holds request "slow" inside its start (tokenizing) until ``release`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.inside, self.release = threading.Event(), threading.Event()
+
+    def prepare(self, request):
+        if request.request_id == "slow":
+            self.inside.set()
+            assert self.release.wait(10)
+        return super().prepare(request)
+
+
+def test_a_request_being_validated_holds_its_seat_and_refusals_do_not_wait_for_it():
+    """While an admitted request is being validated (tokenized), the one that fills the router
+    is refused at once, not after it; a start that fails frees its seat."""
+    adm, metrics = _admission(AdmissionConfig(max_queued_requests=1))  # capacity 9
+    validator = _BlockingValidator()
+    core = RequestRouter(validator, None, None, LoadTracker(), metrics, None, adm)
+    admitted = [core.start(router_pb2.GenerateRequest(request_id=f"r{i}", text="x")) for i in range(8)]
+    slow = threading.Thread(target=core.start, args=(router_pb2.GenerateRequest(request_id="slow", text="x"),))
+    slow.start()
+    try:
+        assert validator.inside.wait(10)
+        t0 = time.monotonic()
+        with pytest.raises(RouterError) as exc:
+            core.start(router_pb2.GenerateRequest(request_id="r9", text="x"))
+        assert time.monotonic() - t0 < 1.0 and exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "8 requests admitted" not in exc.value.message and "9 requests admitted" in exc.value.message
+    finally:
+        validator.release.set()
+        slow.join(10)
+    assert len(core._table) == 9 and core._starting == 0
+    with pytest.raises(RouterError) as dup:  # a start that fails gives its seat back
+        admitted[0].discard()
+        core.start(router_pb2.GenerateRequest(request_id="slow", text="x"))
+    assert dup.value.code == grpc.StatusCode.ALREADY_EXISTS and core._starting == 0 and len(core._table) == 8
 
 
 class _RefusingCore:

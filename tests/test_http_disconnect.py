@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from pdcluster.v1 import common_pb2, router_pb2
-from router.core import RouterError
+from router.errors import RouterError
 from router.http import HttpServer
 from router.openai.app import FrontDoorState, build_app
 

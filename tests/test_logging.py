@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import time
 
 import pytest
 
@@ -17,7 +18,7 @@ from engine.model_loader import resolve_model
 from pdcluster.client import PdclusterClient
 from prefill_worker.worker import create_prefill_worker
 from router.server import RouterConfig, RouterServer
-from serving.logs import LogConfig, configure_logging, request_scope
+from serving.logs import LogConfig, ThrottledLog, configure_logging, request_scope
 from serving.worker_config import WorkerConfig
 
 MODEL = "smollm2-135m-instruct"
@@ -73,7 +74,31 @@ def test_request_id_on_router_prefill_and_decode_lines(tmp_path, captured):
         redis.stop()
     lines = _lines(captured)
     about = {d["logger"] for d in lines if d.get("request_id") == "trace-me-1"}
-    assert {"router.core", "prefill_worker.server", "decode_worker.server"} <= about, about
+    assert {"router.active", "prefill_worker.server", "decode_worker.server"} <= about, about
     steps = [d["msg"] for d in lines if d["logger"] == "engine.step"]
     assert any(m.startswith("prefill step: 1 seqs, ") and m.endswith(" ms") for m in steps), steps
     assert any(m.startswith("decode step: batch 1, ") for m in steps), steps
+
+
+def test_a_storm_is_logged_as_its_first_line_and_one_count(caplog):
+    """ThrottledLog: the first event whole, the rest of the period as one line with their count
+    and the last one's id; after a quiet period the next event is logged whole again."""
+    throttled = ThrottledLog(logging.getLogger("storm"), "requests refused (queue_full)", period_s=0.2)
+    with caplog.at_level(logging.INFO, logger="storm"):
+        for i in range(50):
+            throttled.info(f"r{i}", "request %s refused", f"r{i}")
+        deadline = time.monotonic() + 5
+        while len(caplog.records) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.45)  # past the summary's own quiet period
+        throttled.info("late", "request %s refused", "late")
+    lines = [(r.getMessage(), r.request_id) for r in caplog.records]
+    assert lines == [("request r0 refused", "r0"),
+                     ("49 more requests refused (queue_full) in the last 0.2 s, not logged one by one "
+                      "(the last one's id on this line)", "r49"),
+                     ("request late refused", "late")], lines
+
+
+def test_throttled_log_period_is_validated():
+    with pytest.raises(ValueError, match="period_s"):
+        ThrottledLog(logging.getLogger("x"), "events", period_s=0)

@@ -23,7 +23,8 @@ import pytest
 from deploy.cli import register
 from deploy.spec import spec_from_args
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
-from router.core import RequestRouter, RouterError
+from router.core import RequestRouter
+from router.errors import RouterError
 from router.limits import Limits
 from router.load import LoadTracker
 from router.migration import Side, classify

@@ -18,7 +18,7 @@ from jinja2.exceptions import TemplateError
 
 from pdcluster.client import build_request
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc
-from router.core import RouterError
+from router.errors import RouterError
 from router.decoding import bad_utf8_field, parse_or_refusal
 from router.limits import CHAT_ROLES, MAX_CHAT_MESSAGES, MAX_CHOICES, MAX_REQUEST_ID_CHARS, Limits
 from router.openai.app import FrontDoorState, build_app

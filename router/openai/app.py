@@ -6,7 +6,7 @@ Prometheus metrics) and ``GET /v1/prometheus/targets`` (Prometheus HTTP service 
 every process' ``/metrics``). With API keys, every route but ``/health`` needs one
 (:mod:`router.openai.auth`).
 
-A request becomes one :class:`router.core.ActiveRequest` per prompt x ``n``; each is relayed
+A request becomes one :class:`router.active.ActiveRequest` per prompt x ``n``; each is relayed
 on its own thread and its messages reach the event loop through a queue. With ``n`` > 1 the
 first sample runs alone until its first token (its prefill is done and its full blocks are in
 the prefill worker's prefix cache), then the others start and reuse them. Streams are SSE
@@ -37,7 +37,9 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from router.core import ActiveRequest, RequestRouter, RouterError
+from router.active import ActiveRequest
+from router.core import RequestRouter
+from router.errors import RouterError
 from router.limits import DEFAULT_MAX_REQUEST_BYTES
 from router.openai.auth import RequireApiKey
 from router.openai.errors import error_response, request_aliases, router_error_response, validation_error_response

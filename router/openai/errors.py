@@ -18,7 +18,7 @@ import re
 import grpc
 from fastapi.responses import Response
 
-from router.core import RouterError
+from router.errors import RouterError
 
 _HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.ALREADY_EXISTS: 400,
