@@ -72,7 +72,8 @@ class RouterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The served model: name, max_model_len, vocab size, EOS token ids, KV block size.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -75,13 +75,16 @@ class DecodeWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Abort a request by id: its Reserve stream ends with FINISH_REASON_ABORT and
+        its KV blocks return to the pool.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetLoad(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The worker's load now (free / total KV blocks, running and waiting requests).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -281,13 +284,16 @@ class PrefillWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Abort a request by id: its Prefill call ends with CANCELLED and its KV
+        blocks return to the pool.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetLoad(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The worker's load now (free / total KV blocks, running and waiting requests).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
