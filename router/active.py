@@ -29,11 +29,11 @@ from router.output import OutputAssembler
 from router.policy import NoWorkerError, RequestContext
 from router.stats import RequestStats
 from router.validation import PreparedRequest
+from serving.logs import REQUEST_ID_METADATA, request_scope
+from serving.rpc import retry_after_ms
 
 if TYPE_CHECKING:
     from router.core import RequestRouter
-from serving.logs import REQUEST_ID_METADATA, request_scope
-from serving.rpc import retry_after_ms
 
 log = logging.getLogger(__name__)
 

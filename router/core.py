@@ -77,8 +77,6 @@ class RequestRouter:
         admission: the admission step (``None``: every valid request is admitted).
         max_migrations: how often one request may resume elsewhere after a worker failed
             it (:mod:`router.migration`; 0: never, the worker's status ends it).
-        lane: the start lane admitted requests start in (default: :class:`router.start_lane.StartLane`'s
-            defaults).
 
     Raises:
         ValueError: ``max_migrations`` outside ``[0, router.migration.MAX_MIGRATIONS_LIMIT]``.
@@ -86,7 +84,7 @@ class RequestRouter:
 
     def __init__(self, validator: RequestValidator, tokenizer, placer: Placer, load: LoadTracker,
                  metrics: ProcessMetrics, stubs: StubCache, admission: Admission | None = None,
-                 max_migrations: int = DEFAULT_MAX_MIGRATIONS, lane: StartLane | None = None) -> None:
+                 max_migrations: int = DEFAULT_MAX_MIGRATIONS) -> None:
         check_max_migrations(max_migrations)
         self.max_migrations = max_migrations
         self.validator = validator
@@ -101,7 +99,7 @@ class RequestRouter:
         self._table: dict[str, RequestHandle] = {}
         self._since: dict[str, float] = {}
         self._starting = 0  # admitted requests holding a seat, not yet registered
-        self.lane = lane or StartLane()
+        self.lane = StartLane()  # placements wait for bursts of arrivals to be refused first
 
     def start(self, request: router_pb2.GenerateRequest) -> ActiveRequest:
         """Admit, validate and register ``request``; nothing is allocated yet. A full router
