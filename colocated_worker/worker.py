@@ -27,7 +27,8 @@ from kvtransfer.blocks import HeadShards
 from kvtransfer.progress import LayerProgress
 from kvtransfer.registry import attach_receiver, create_sender
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
-from prefill_worker.scheduler import ExternalBlocks, PrefillScheduler
+from prefill_worker.contracts import ExternalBlocks
+from prefill_worker.scheduler import PrefillScheduler
 from prefill_worker.server import PrefillWorkerServicer, Route, remote_route
 from serving.convert import logprobs_from_dict
 from serving.security import internal_channel

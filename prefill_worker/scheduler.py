@@ -22,6 +22,10 @@ first token leaves right after sampling (DistServe / Mooncake-style overlap).
 
 Thread model: gRPC handlers call ``submit_*``; sender threads report back through
 the inbox; only :meth:`step` (the loop thread) changes state or touches the pool.
+The loop also reads its inbox between two layers of a step (the model's per-layer
+hook): a transfer acknowledged while a long prefill step runs is answered and its
+blocks freed then, not a whole step later (the router's final token of that request
+waits for this answer); mail about the requests of the running step waits for its end.
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
 
 import grpc
 
@@ -45,35 +48,10 @@ from engine.request import Request, RequestStatus
 from engine.step import ScheduledSeq, StepPlan, TokenLogprobs
 from engine.step_stats import StepObserver, execute_timed
 from kvtransfer.progress import LayerProgress
+from prefill_worker.contracts import ExternalBlocks, PrefillError, PrefillResult, SendFn
 from serving.convert import logprobs_to_dict
 
 log = logging.getLogger(__name__)
-
-
-class PrefillError(RuntimeError):
-    """A prefill that ended without a delivered KV; ``code`` is the gRPC status to return."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    first_token_id: int
-    first_logprobs: TokenLogprobs | None
-    kv_bytes_sent: int
-    prefill_s: float
-    transfer_s: float  # exposed transfer time: from the end of compute to the ack (seconds)
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    transfer_total_s: float = 0.0  # whole send, start to ack (seconds); > transfer_s when streamed
-    queue_s: float = 0.0  # arrival -> its first prefill step began (seconds)
-
-
-# send_fn(request, progress) -> KV payload bytes sent; blocking; raises on failure. The
-# first token and its logprobs (serving.convert.logprobs_to_dict form) come from
-# progress.wait_finished(); layers become readable as progress reports them.
-SendFn = Callable[[Request, LayerProgress], int]
 
 
 @dataclass(frozen=True)
@@ -82,17 +60,6 @@ class _Add:
     send: SendFn
     future: Future
     external: "ExternalBlocks | None" = None
-
-
-@dataclass(frozen=True)
-class ExternalBlocks:
-    """Blocks owned by another scheduler on the same pool (a colocated worker's decode
-    side): the prompt's KV is written straight into them, nothing is allocated or freed
-    here, and ``still_valid()`` (called on the loop thread before every step) says
-    whether the owner still holds them for this request."""
-
-    block_ids: list[int]
-    still_valid: Callable[[], bool]
 
 
 @dataclass(frozen=True)
@@ -156,6 +123,7 @@ class PrefillScheduler:
         self._inbox = Inbox(wake)
         self._entries: dict[str, _Entry] = {}
         self._queue: deque[str] = deque()  # not fully prefilled, FIFO
+        self._deferred: list[object] = []  # mail held back by _drain_mid_step, handled first next round
         self._senders = ThreadPoolExecutor(sender_threads, thread_name_prefix="kv-send")
         self.num_finished = 0
         self.num_failed_transfers = 0
@@ -198,13 +166,29 @@ class PrefillScheduler:
         return bool(self._queue) and self._prefill_step(block)
 
     def _drain_inbox(self, block: bool) -> None:
-        for msg in self._inbox.drain(block=block):
-            if isinstance(msg, _Add):
-                self._on_add(msg)
-            elif isinstance(msg, _Abort):
-                self._on_abort(msg.request_id)
-            elif isinstance(msg, _SendDone):
-                self._on_send_done(msg)
+        msgs, self._deferred = self._deferred + self._inbox.drain(block=block and not self._deferred), []
+        for msg in msgs:
+            self._handle(msg)
+
+    def _handle(self, msg: object) -> None:
+        if isinstance(msg, _Add):
+            self._on_add(msg)
+        elif isinstance(msg, _Abort):
+            self._on_abort(msg.request_id)
+        elif isinstance(msg, _SendDone):
+            self._on_send_done(msg)
+
+    def _drain_mid_step(self, in_step: set[str]) -> None:
+        """Between two layers of a step (loop thread): handle the mail about requests
+        outside the step now, so a transfer acknowledged during a long prefill step is
+        answered (and its blocks freed) within a layer's time instead of after the step;
+        mail about the step's own requests waits, in order, for the step's end."""
+        for msg in self._inbox.drain(block=False):
+            rid = msg.request.request_id if isinstance(msg, _Add) else msg.request_id
+            if rid in in_step:
+                self._deferred.append(msg)
+            else:
+                self._handle(msg)
 
     def _on_add(self, msg: _Add) -> None:
         rid = msg.request.request_id
@@ -290,11 +274,12 @@ class PrefillScheduler:
             self._drain_inbox(block=block)  # out of blocks: wait for a transfer to finish
             return False
         streams = self._start_streams(seqs) if self.layerwise else {}
-        hook = None
-        if streams:
-            def hook(layer: int) -> None:
-                for progress in streams.values():
-                    progress.layer_done(layer)
+        in_step = {s.request_id for s in seqs}
+
+        def hook(layer: int) -> None:
+            for progress in streams.values():
+                progress.layer_done(layer)
+            self._drain_mid_step(in_step)
         try:
             out, stats = execute_timed(self.runner, StepPlan(seqs, on_layer_done=hook), "prefill", self.on_step)
         except Exception as e:  # noqa: BLE001 - fail this batch, keep serving everyone else

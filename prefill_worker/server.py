@@ -12,7 +12,8 @@ from engine.request import Request
 from kvtransfer import KvSender
 from kvtransfer.progress import LayerProgress
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
-from prefill_worker.scheduler import ExternalBlocks, PrefillError, PrefillScheduler, SendFn
+from prefill_worker.contracts import ExternalBlocks, PrefillError, SendFn
+from prefill_worker.scheduler import PrefillScheduler
 from serving.convert import request_from_proto
 from serving.logs import request_id_from_metadata, request_scope
 from serving.worker_metrics import WorkerMetrics

@@ -30,7 +30,7 @@ import pytest
 from decode_worker.events import Tokens
 from decode_worker.server import DecodeWorkerServicer
 from pdcluster.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from prefill_worker.scheduler import PrefillError
+from prefill_worker.contracts import PrefillError
 from prefill_worker.server import PrefillWorkerServicer
 from router.service import RouterServicer
 from serving.security import Plane, SecurityConfig, bind, internal_channel, make_server

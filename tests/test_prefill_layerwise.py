@@ -19,7 +19,7 @@ from engine.block_pool import blocks_needed
 from engine.sampling import SamplingOptions
 from engine.step import ScheduledSeq, StepPlan
 from kvtransfer.errors import KvTransferError
-from prefill_worker.scheduler import PrefillError
+from prefill_worker.contracts import PrefillError
 
 from sched_helpers import BS, _no_leak, _prefill_sched, _pump, _req, _runner, model, text_ids  # noqa: F401 - fixtures
 

@@ -8,6 +8,8 @@ Shared helpers and the ``model`` / ``text_ids`` fixtures: ``sched_helpers.py``.
 from __future__ import annotations
 
 import threading
+import time
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -18,7 +20,7 @@ from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling import SamplingOptions
 from engine.step import ScheduledSeq, StepPlan
-from prefill_worker.scheduler import PrefillError, PrefillResult
+from prefill_worker.contracts import PrefillError, PrefillResult
 
 from sched_helpers import BS, _no_leak, _prefill_sched, _pump, _req, _runner, model, text_ids  # noqa: F401 - fixtures
 
@@ -35,6 +37,7 @@ class FakeSend:
         self.calls: list[tuple[str, list[int], int]] = []
         self.kv: dict[str, torch.Tensor] = {}
         self.entered = threading.Event()
+        self.returned = threading.Event()  # set once a call returned (or raised)
 
     def bytes_for(self, blocks: list[int]) -> int:
         per_block = self.runner.kv_cache[:, :, 0].numel() * self.runner.kv_cache.element_size()
@@ -46,11 +49,14 @@ class FakeSend:
         self.calls.append((request.request_id, blocks, first_token))
         self.kv[request.request_id] = self.runner.kv_cache[:, :, blocks].clone()
         self.entered.set()
-        if self.gate is not None:
-            assert self.gate.wait(10), "test never opened the gate"
-        if self.error is not None:
-            raise self.error
-        return self.bytes_for(blocks)
+        try:
+            if self.gate is not None:
+                assert self.gate.wait(10), "test never opened the gate"
+            if self.error is not None:
+                raise self.error
+            return self.bytes_for(blocks)
+        finally:
+            self.returned.set()
 
 
 class PlanRecorder:
@@ -289,4 +295,46 @@ def test_prefill_rejects_oversized_and_duplicate(prefill_env, text_ids):
     _pump(sched, ok.done)
     assert ok.result().first_token_id == slow.calls[0][2]
     assert send.calls == []
+    _no_leak(sched)
+
+
+def test_prefill_answers_a_transfer_acknowledged_during_another_step(prefill_env, text_ids):
+    """A transfer that ends while another prompt's step runs is answered between two
+    layers of that step, its blocks free at once (not a whole step later: the router's
+    final token waits for this answer); mail about the running step's own request (an
+    abort) waits for the step's end and is then handled in order."""
+    runner, sched = prefill_env()
+    gate = threading.Event()
+    send = FakeSend(runner, gate=gate)
+    fa = sched.submit(_req("a", text_ids[:40]), send)  # 3 blocks
+    sched.step()
+    assert send.entered.wait(10) and not fa.done()
+    fb = sched.submit(_req("b", text_ids[:30]), FakeSend(runner))  # 2 blocks
+    execute, seen = runner.execute, {}
+
+    def run(plan: StepPlan):
+        def on_layer(layer: int) -> None:
+            if layer == 0:
+                gate.set()  # a's decode side acknowledges now
+                deadline = time.monotonic() + 10
+                while not send.returned.is_set() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(0.05)  # its sender thread posts the news
+                sched.submit_abort("b")  # about the step's own request: waits for the step's end
+            plan.on_layer_done(layer)
+            if fa.done() and "a" not in seen:
+                seen["a"] = (layer, sched.pool.num_free)
+            seen["b_alive"] = sched.has_request("b")
+        return execute(replace(plan, on_layer_done=on_layer))
+
+    runner.execute = run
+    sched.step()
+    assert "a" in seen, "a was not answered mid-step"
+    layer, free = seen["a"]
+    assert layer == 0 and free == sched.pool.num_usable - 2  # only b's blocks are held
+    assert fa.result(0).kv_bytes_sent > 0 and seen["b_alive"]
+    _pump(sched, fb.done)
+    with pytest.raises(PrefillError) as e:
+        fb.result(0)
+    assert e.value.code == grpc.StatusCode.CANCELLED
     _no_leak(sched)
