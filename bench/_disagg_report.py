@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from _disagg_stats import GAPS
+
 LABELS = (("goodput", "goodput (req/s)", 1.0, "{:.3f}"), ("slo_attainment", "SLO attainment (%)", 100.0, "{:.0f}"),
           ("itl_p99_ms", "ITL p99 (ms)", 1.0, "{:.0f}"), ("ttft_p99_ms", "TTFT p99 (ms)", 1.0, "{:.0f}"))
 """(metric, column title, scale, format) of the compared metrics."""
@@ -32,8 +34,13 @@ def _mode_table(name: str, mode: dict, entry: dict, result: dict) -> list[str]:
     if entry.get("skipped"):
         return lines + [f"**Not run:** {entry['skipped']}", ""]
     base = entry.get("idle_baseline", {})
-    lines += [f"Warm-up: {entry.get('warmup')}. Idle cluster baseline: {base.get('cores', 0):.2f} cores "
-              f"({'measured' if base.get('measured') else 'given'}).", "",
+    if entry.get("report_only"):
+        lines += ["Built from recorded runs (`--report-only`): the session that recorded a run had warmed its "
+                  "cluster up and measured its idle baseline first; the load before each run is below.", ""]
+    else:
+        lines += [f"Warm-up: {entry.get('warmup')}. Idle cluster baseline: {base.get('cores', 0):.2f} cores "
+                  f"({'measured' if base.get('measured') else 'given'}).", ""]
+    lines += [
               "| rate (req/s) | recorded / reps | " + " | ".join(t for _, t, _, _ in LABELS)
               + " | 1-min load before each run | cluster CPU (cores) per run | skipped runs (load seen) |",
               "|" + "---|" * (5 + len(LABELS))]
@@ -48,6 +55,20 @@ def _mode_table(name: str, mode: dict, entry: dict, result: dict) -> list[str]:
     lines += ["", f"DistServe goodput (highest rate whose mean SLO attainment, and every lower rate's, is ≥ "
                   f"{100 * target:.0f} %): **{_rate(mode['distserve_goodput'])}**", ""]
     return lines
+
+
+def _gap_table(w: dict) -> list[str]:
+    """Per mode and rate, the p99 of the inter-token gaps by position (first / middle / last)."""
+    lines = ["| mode | rate (req/s) | ITL p99 (ms) | first gap p99 (ms) | middle gaps p99 (ms) | last gap p99 (ms) |",
+             "|---|---|---|---|---|---|"]
+    for mode, m in w["modes"].items():
+        for p in m["points"]:
+            cells = " | ".join(_ci(p["stats"][k], 1.0, "{:.0f}") if k in p["stats"] else "–"
+                               for k in ("itl_p99_ms", *GAPS))
+            lines.append(f"| {mode} | {p['rate']:g} | {cells} |")
+    return ["Where the ITL p99 comes from: the p99 of the gaps by their position in a stream (first: first "
+            "token to second, in disaggregated mode the KV transfer and the decode worker's admission; last: "
+            "the final gap; middle: the others), mean ± 95 % CI over the repetitions.", "", *lines, ""]
 
 
 def _targets(t: dict) -> list[str]:
@@ -82,6 +103,7 @@ def markdown(result: dict) -> str:
         lines += [f"## Workload: {name} (`{w['trace']}`, inputs clipped to {w['max_input_tokens']} tokens)", ""]
         for mode, m in w["modes"].items():
             lines += _mode_table(mode, m, result["modes"][mode], result)
+        lines += [f"### ITL by position ({name})", ""] + _gap_table(w)
         lines += [f"### Targets ({name})", ""] + _targets(w["targets"])
     lines += ["Goodput columns: vLLM's per-run goodput = completed requests meeting every SLO / run duration. "
               "DistServe's goodput = the highest request rate whose SLO attainment stays above the target.", ""]

@@ -2,6 +2,7 @@
 
 * :func:`mean_ci`: mean and Student-t 95 % confidence interval over repetitions;
 * :func:`aggregate_point`: those for every compared metric of one (workload, mode, rate);
+* :func:`itl_by_gap`: where in the streams the p99 inter-token latency comes from;
 * :func:`gate_value` / :func:`wait_for_load`: the load gate before a measured run;
 * :func:`distserve_goodput` / :func:`should_stop` / :func:`targets`: the sweep's decisions.
 
@@ -13,9 +14,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-from loadtest.metrics import max_rate_meeting
+from loadtest.metrics import latency_stats_ms, max_rate_meeting
 
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
         2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
@@ -27,6 +28,10 @@ quantile, which tends to 1.960)."""
 COMPARED = ("goodput", "slo_attainment", "itl_p99_ms", "ttft_p99_ms")
 """Per-run metrics given with mean and 95 % CI: vLLM goodput (req/s), SLO attainment
 (fraction), p99 inter-token latency and p99 time to first token (ms)."""
+
+GAPS = ("first_gap_p99_ms", "middle_gap_p99_ms", "last_gap_p99_ms")
+"""Per-run p99 of the inter-token gaps by position in a stream (ms; :func:`itl_by_gap`),
+given with mean and 95 % CI next to :data:`COMPARED` (a diagnostic, not a target)."""
 
 ITL_RATIO_TARGET = 0.5
 """Target: disaggregated p99 ITL <= this times colocated's at the comparison rate."""
@@ -62,9 +67,35 @@ def mean_ci(values: Sequence[float | None]) -> dict:
 
 
 def aggregate_point(runs: Sequence[dict]) -> dict:
-    """``{metric: mean_ci(...)}`` for every metric of :data:`COMPARED` over the recorded runs
-    of one point (a run whose p99 is missing, no request completed, counts as missing)."""
-    return {key: mean_ci([r.get(key) for r in runs]) for key in COMPARED}
+    """``{metric: mean_ci(...)}`` for every metric of :data:`COMPARED` and :data:`GAPS` over the
+    recorded runs of one point (a run whose p99 is missing, no request completed, counts as missing)."""
+    return {key: mean_ci([r.get(key) for r in runs]) for key in COMPARED + GAPS}
+
+
+def itl_by_gap(token_times_s: Iterable[Sequence[float]]) -> dict:
+    """p99 of the inter-token gaps of one run's completed streams, by position (ms).
+
+    Args:
+        token_times_s: per stream, the times its tokens arrived (seconds, ascending).
+
+    Returns:
+        ``{"first_gap_p99_ms", "middle_gap_p99_ms", "last_gap_p99_ms"}``: ``first`` is the gap
+        from the first token to the second (in disaggregated mode the KV transfer and the decode
+        worker's admission), ``last`` the final gap of a stream of >= 3 tokens, ``middle`` the
+        others; None where no stream has such a gap. A pooled ITL p99 dominated by one position
+        points at its cause (e.g. a final token held back) rather than at decode steps.
+    """
+    first: list[float] = []
+    middle: list[float] = []
+    last: list[float] = []
+    for times in token_times_s:
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        if gaps:
+            first.append(gaps[0])
+        if len(gaps) >= 2:
+            last.append(gaps[-1])
+            middle += gaps[1:-1]
+    return {key: latency_stats_ms(v)["p99"] for key, v in zip(GAPS, (first, middle, last))}
 
 
 def gate_value(load_1m: float, idle_baseline: float) -> float:

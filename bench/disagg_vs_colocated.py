@@ -58,6 +58,8 @@ and runs only the rest, so the sweep can be spread over several quiet sessions; 
 carries ``"resumed": true`` and its own load-gate reading. Stop a session between runs with
 SIGTERM (a run in progress does not answer Ctrl-C), bring its cluster down with ``pdcluster down
 --state-dir /tmp/bench-<mode>-*``, and start the same command with ``--resume`` in the next one.
+``--report-only`` builds the outputs from the recorded runs alone (no cluster is brought up):
+the way to write the final result once the last session recorded the last run.
 
 Usage (from the repository root; the full default sweep takes hours on 2 cores)::
 
@@ -125,6 +127,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true",
                    help="keep every run an earlier invocation recorded under --results-dir with the same settings "
                         "(its runs/.../row.json) instead of running it again: the sweep can span several sessions")
+    p.add_argument("--report-only", action="store_true",
+                   help="bring no cluster up and run nothing: build the JSON, markdown and plot from the runs recorded "
+                        "under --results-dir with these settings (as --resume would keep them)")
     args = p.parse_args(argv)
     return _check(p, args)
 
@@ -187,16 +192,21 @@ def recorded_run(out: Path, settings: dict) -> dict | None:
     return saved.get("row") if saved.get("settings") == json.loads(json.dumps(settings)) else None
 
 
-def measure_point(state: dict, args, workload: str, mode: str, rate: float, baseline: float) -> dict:
+def measure_point(state: dict | None, args, workload: str, mode: str, rate: float, baseline: float) -> dict:
     """``--repetitions`` gated runs at one rate (with ``--resume``, runs recorded earlier with the same
-    settings are kept, not run again); returns ``{"rate", "runs", "skipped_runs", "stats"}``."""
+    settings are kept, not run again; with ``--report-only`` only those, ``state`` None); returns
+    ``{"rate", "runs", "skipped_runs", "stats"}``."""
     point: dict = {"rate": rate, "runs": [], "skipped_runs": []}
     for rep in range(args.repetitions):
         out = args.results_dir / "runs" / workload / mode / f"rate_{rate:g}" / f"rep_{rep}"
         settings = run_settings(args, workload, mode, rate, rep)
-        if args.resume and (row := recorded_run(out, settings)) is not None:
+        if (args.resume or args.report_only) and (row := recorded_run(out, settings)) is not None:
             log(f"[{workload}/{mode}] rate {rate:g} rep {rep}: kept from an earlier invocation ({out})")
-            point["runs"].append(row | {"resumed": True})
+            point["runs"].append(row | run_gaps(out) | {"resumed": True})
+            args.model = getattr(args, "model", None) or recorded_model(out)
+            continue
+        if args.report_only:
+            log(f"[{workload}/{mode}] rate {rate:g} rep {rep}: not recorded ({out})")
             continue
         gate = ds.wait_for_load(lambda: os.getloadavg()[0], time.sleep, time.monotonic, max_load=args.max_load,
                                 idle_baseline=baseline, wait_s=args.load_wait_s, poll_s=args.load_poll_s)
@@ -209,7 +219,7 @@ def measure_point(state: dict, args, workload: str, mode: str, rate: float, base
         summary = dc.replay(state, workload_config(args, workload, rate, args.num_requests, args.seed + rep), args, out)
         args.model = summary["model"]
         row = dc.row_of(summary, rep, gate) | {"cluster_cpu_cores": (dc.cluster_cpu_s(state) - cpu0)
-                                               / max(time.monotonic() - t0, 1e-9)}
+                                               / max(time.monotonic() - t0, 1e-9)} | run_gaps(out)
         log(f"{tag}: attainment {row['slo_attainment']:.2f}, goodput {row['goodput']:.3f} req/s, "
             f"ITL p99 {_ms(row['itl_p99_ms'])}, TTFT p99 {_ms(row['ttft_p99_ms'])}")
         out.mkdir(parents=True, exist_ok=True)
@@ -217,6 +227,25 @@ def measure_point(state: dict, args, workload: str, mode: str, rate: float, base
         point["runs"].append(row)
     point["stats"] = ds.aggregate_point(point["runs"])
     return point
+
+
+def run_gaps(out: Path) -> dict:
+    """:func:`_disagg_stats.itl_by_gap` of the run recorded in ``out`` (its ``requests.jsonl``,
+    completed requests); ``{}`` when the file is missing."""
+    try:
+        lines = (out / "requests.jsonl").read_text().splitlines()
+    except OSError:
+        return {}
+    records = [json.loads(line) for line in lines if line.strip()]
+    return ds.itl_by_gap(r["token_times_s"] for r in records if r.get("ok"))
+
+
+def recorded_model(out: Path) -> str | None:
+    """The model a recorded run served (its ``summary.json``); None when unreadable."""
+    try:
+        return json.loads((out / "summary.json").read_text()).get("model")
+    except (OSError, ValueError):
+        return None
 
 
 def warm_up(state: dict, args) -> dict:
@@ -244,14 +273,27 @@ def run_mode(mode: str, args, rates_by_workload: dict) -> dict:
         else:
             entry["idle_baseline"] = {"cores": args.idle_baseline, "measured": False}
         log(f"[{mode}] idle baseline: {entry['idle_baseline']}")
-        for workload in args.workloads:
-            for rate in rates_by_workload[workload]:
-                point = measure_point(state, args, workload, mode, rate, entry["idle_baseline"]["cores"])
-                entry["workloads"][workload].append(point)
-                if mode == "colocated" and ds.should_stop(point, args.stop_below_attainment):
-                    log(f"[{workload}/colocated] mean attainment below {args.stop_below_attainment}: stop at {rate:g}")
-                    break
+        sweep(entry, mode, args, rates_by_workload, state, entry["idle_baseline"]["cores"])
     return entry
+
+
+def report_mode(mode: str, args, rates_by_workload: dict) -> dict:
+    """:func:`run_mode` for ``--report-only``: the points from recorded runs, no cluster."""
+    entry: dict = {"up_args": dc.MODES[mode], "report_only": True, "workloads": {w: [] for w in args.workloads}}
+    sweep(entry, mode, args, rates_by_workload, None, 0.0)
+    return entry
+
+
+def sweep(entry: dict, mode: str, args, rates_by_workload: dict, state: dict | None, baseline: float) -> None:
+    """Measure (or, with ``--report-only``, collect) every point of ``mode`` into ``entry``; colocated
+    stops raising the rate after the first rate whose mean attainment is below ``--stop-below-attainment``."""
+    for workload in args.workloads:
+        for rate in rates_by_workload[workload]:
+            point = measure_point(state, args, workload, mode, rate, baseline)
+            entry["workloads"][workload].append(point)
+            if mode == "colocated" and ds.should_stop(point, args.stop_below_attainment):
+                log(f"[{workload}/colocated] mean attainment below {args.stop_below_attainment}: stop at {rate:g}")
+                break
 
 
 def build_result(args, modes: dict, started: str) -> dict:
@@ -287,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in dc.MODES:  # colocated first
         if mode not in args.modes:
             continue
-        modes[mode] = run_mode(mode, args, rates)
+        modes[mode] = (report_mode if args.report_only else run_mode)(mode, args, rates)
         if mode == "colocated" and not modes[mode].get("skipped"):
             rates = {w: [p["rate"] for p in modes[mode]["workloads"][w]] for w in args.workloads}
     result = build_result(args, modes, started)

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,8 +96,19 @@ def test_aggregate_point():
     runs = [{"goodput": 1.0, "slo_attainment": 1.0, "itl_p99_ms": 100.0, "ttft_p99_ms": None},
             {"goodput": 3.0, "slo_attainment": 0.5, "itl_p99_ms": 300.0, "ttft_p99_ms": 50.0}]
     agg = ds.aggregate_point(runs)
-    assert set(agg) == set(ds.COMPARED) and agg["goodput"]["mean"] == 2.0 and agg["ttft_p99_ms"]["n"] == 1
+    assert set(agg) == set(ds.COMPARED + ds.GAPS) and agg["goodput"]["mean"] == 2.0 and agg["ttft_p99_ms"]["n"] == 1
+    assert agg["last_gap_p99_ms"]["n"] == 0 and agg["last_gap_p99_ms"]["mean"] is None  # runs recorded before the gaps
     assert agg["slo_attainment"]["ci95_half"] == pytest.approx(12.706 * math.sqrt(0.125) / math.sqrt(2))
+
+
+def test_itl_by_gap_splits_first_middle_and_last():
+    # streams: 4 tokens (gaps 0.1, 0.2, 0.9), 2 tokens (gap 0.3), 1 token (no gap)
+    got = ds.itl_by_gap([[0.0, 0.1, 0.3, 1.2], [5.0, 5.3], [7.0]])
+    assert got["first_gap_p99_ms"] == pytest.approx(np.percentile([100.0, 300.0], 99))
+    assert got["middle_gap_p99_ms"] == pytest.approx(200.0)
+    assert got["last_gap_p99_ms"] == pytest.approx(900.0)
+    assert ds.itl_by_gap([[1.0], [2.0, 2.5]]) == {"first_gap_p99_ms": pytest.approx(500.0),
+                                                  "middle_gap_p99_ms": None, "last_gap_p99_ms": None}
 
 
 def test_smoke_end_to_end(tmp_path):
@@ -120,7 +132,8 @@ def test_smoke_end_to_end(tmp_path):
         assert run["sent"] == 4 and run["completed"] + run["failed"] <= 4 and run["load_1m_before"] >= 0
         assert 0 < run["cluster_cpu_cores"] <= os.cpu_count() + 0.5
     assert {run["rep"] for run in point["runs"]} == {0, 1}
-    assert set(point["stats"]) == set(ds.COMPARED) and point["stats"]["goodput"]["n"] == 2
+    assert set(point["stats"]) == set(ds.COMPARED + ds.GAPS) and point["stats"]["goodput"]["n"] == 2
+    assert all(run["middle_gap_p99_ms"] is None or run["middle_gap_p99_ms"] > 0 for run in point["runs"])
     assert w["targets"]["goodput"]["met"] is None  # disaggregated not run
     assert (tmp_path / "runs" / "conversation" / "colocated" / "rate_1" / "rep_1" / "summary.json").is_file()
     _assert_group_gone(mode["ray_head_pid"])
@@ -227,5 +240,18 @@ def test_resume_keeps_runs_recorded_with_the_same_settings(tmp_path, monkeypatch
     points = res["workloads"]["code"]["modes"]["colocated"]["points"]
     assert [len(p["runs"]) for p in points] == [2, 2] and all(r.get("resumed") for r in points[0]["runs"])
     calls.clear()
+    run_dir = tmp_path / "runs" / "code" / "colocated" / "rate_2" / "rep_1"
+    (run_dir / "requests.jsonl").write_text("\n".join(json.dumps(r) for r in (
+        {"ok": True, "token_times_s": [0.0, 0.1, 0.2, 2.2]}, {"ok": False, "token_times_s": [0.0, 9.0]})) + "\n")
+    monkeypatch.setattr(dc, "cluster", None)  # --report-only brings nothing up
+    assert bench.main([*common, "--rates", "1,2,4", "--num-requests", "4", "--report-only"]) == 0
+    assert calls == []
+    res = json.loads((tmp_path / "disagg_vs_colocated.json").read_text())
+    points = res["workloads"]["code"]["modes"]["colocated"]["points"]
+    assert [(p["rate"], len(p["runs"])) for p in points] == [(1.0, 2), (2.0, 2), (4.0, 0)]
+    assert res["modes"]["colocated"]["report_only"] and res["model"] is None
+    assert points[1]["runs"][1]["last_gap_p99_ms"] == pytest.approx(2000.0)  # from its requests.jsonl, ok only
+    assert "Built from recorded runs" in (tmp_path / "disagg_vs_colocated.md").read_text()
+    monkeypatch.setattr(dc, "cluster", fake_cluster)
     assert bench.main([*common, "--rates", "1", "--num-requests", "3", "--resume"]) == 0
     assert calls == [("colocated", 1.0, 3)] * 2  # other settings: run again
