@@ -179,6 +179,12 @@ def _add_placement(p: argparse.ArgumentParser) -> None:
                    help="fraction of a GPU per worker where the cluster has GPUs, in (0, 1] (default 1); e.g. 0.5 "
                         "puts a prefill and a decode worker on one GPU (they share its memory; not with TP > 1 "
                         "or --kv-transport torch_dist)")
+    p.add_argument("--prefill-threads", type=int, default=None, metavar="N",
+                   help="torch threads of each prefill worker (default: its CPU share); threads only, the reserved "
+                        "CPUs stay: e.g. 2 on a 2-core 1P+1D cluster lets a burst of prefills use the decode "
+                        "worker's idle core")
+    p.add_argument("--decode-threads", type=int, default=None, metavar="N",
+                   help="torch threads of each decode worker (default: its CPU share)")
     p.add_argument("--placement-timeout-s", type=float, default=120,
                    help="seconds to wait for Ray to find the workers' resources before failing")
 

@@ -170,7 +170,7 @@ def start_workers(cluster: str, template: WorkerConfig, shape: WorkerShape, plac
         RuntimeError: a worker failed to start (the started ones are killed again and
             the placement group removed).
     """
-    cfgs = [template.for_role(role, wid, num_threads=shape.threads, device=shape.device) for role, wid in new]
+    cfgs = [worker_config(template, shape, placement, role, wid) for role, wid in new]
     bundles = [shape.bundle(cfg.role, placement, cfg.tp) for cfg in cfgs]
     pg = reserve(bundles, placement.ray_strategy, pg_name, placement.timeout_s)
     actors, infos = [], []
@@ -187,6 +187,13 @@ def start_workers(cluster: str, template: WorkerConfig, shape: WorkerShape, plac
     for info, s in zip(infos, started):
         info.update(s)
     return infos
+
+
+def worker_config(template: WorkerConfig, shape: WorkerShape, placement: PlacementConfig, role: str,
+                  worker_id: str) -> WorkerConfig:
+    """The config of one ``role`` worker: the template's, with the shape's device and the
+    role's threads (:meth:`deploy.placement.PlacementConfig.threads`)."""
+    return template.for_role(role, worker_id, num_threads=placement.threads(role, shape), device=shape.device)
 
 
 def create_worker_actor(cluster: str, cfg: WorkerConfig, shape: WorkerShape, pg, bundle_index: int):
@@ -209,7 +216,7 @@ def recreate_worker(state: dict, entry: dict) -> None:
     """
     template = worker_config_from_dict(state["worker_template"])
     shape = WorkerShape(**state["shape"])
-    cfg = template.for_role(entry["role"], entry["worker_id"], num_threads=shape.threads, device=shape.device)
+    cfg = worker_config(template, shape, PlacementConfig(**state["placement"]), entry["role"], entry["worker_id"])
     pg = ray.util.get_placement_group(entry["placement_group"])
     create_worker_actor(state["cluster"], cfg, shape, pg, entry["bundle_index"])
 

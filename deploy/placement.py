@@ -53,11 +53,16 @@ class PlacementConfig:
             on one GPU (e.g. 0.5: a prefill and a decode worker share one); they then share
             its memory (each takes its ``--kv-cache-gb`` plus the weights).
         timeout_s: seconds to wait for Ray to reserve the bundles.
+        prefill_threads / decode_threads: torch intra-op threads of each prefill / decode
+            worker (``None``: its CPU share, :attr:`WorkerShape.threads`). A phase's own
+            parallelism, as DistServe chooses per phase: e.g. on 2 cores a prefill worker on
+            2 threads takes the core the decode worker leaves idle during a burst of long
+            prompts. Threads only: the bundles (reserved CPUs) stay as they are.
 
     Raises:
-        ValueError: unknown strategy, non-positive ``worker_cpus`` / ``timeout_s``,
-            ``worker_gpus`` outside (0, 1], or a pinning resource named like a built-in
-            one (``CPU``, ``GPU``...).
+        ValueError: unknown strategy, non-positive ``worker_cpus`` / ``timeout_s`` /
+            ``prefill_threads`` / ``decode_threads``, ``worker_gpus`` outside (0, 1], or a
+            pinning resource named like a built-in one (``CPU``, ``GPU``...).
     """
 
     strategy: str = "pack"
@@ -67,8 +72,14 @@ class PlacementConfig:
     worker_cpus: float | None = None
     timeout_s: float = 120.0
     worker_gpus: float | None = None
+    prefill_threads: int | None = None
+    decode_threads: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("prefill_threads", "decode_threads"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"placement strategy must be one of {sorted(STRATEGIES)}, got {self.strategy!r}")
         if self.worker_cpus is not None and self.worker_cpus <= 0:
@@ -84,6 +95,12 @@ class PlacementConfig:
     @property
     def ray_strategy(self) -> str:
         return STRATEGIES[self.strategy]
+
+    def threads(self, role: str, shape: "WorkerShape") -> int:
+        """Torch intra-op threads of a ``role`` worker of ``shape``: its role's override, else
+        the shape's share."""
+        override = {"prefill": self.prefill_threads, "decode": self.decode_threads}.get(role)
+        return override if override is not None else shape.threads
 
     def pin(self, role: str) -> str | None:
         """The custom resource pinning ``role``'s workers, or ``None``."""

@@ -222,7 +222,8 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
                           reuse_port=args.routers > 1)
     placement = PlacementConfig(strategy=args.placement, prefill_resource=args.prefill_resource,
                                 decode_resource=args.decode_resource, worker_cpus=args.worker_cpus,
-                                worker_gpus=args.worker_gpus, timeout_s=args.placement_timeout_s)
+                                worker_gpus=args.worker_gpus, timeout_s=args.placement_timeout_s,
+                                prefill_threads=args.prefill_threads, decode_threads=args.decode_threads)
     counts = (0, 0, args.workers) if args.colocated else (args.prefill, args.decode, 0)
     return ClusterSpec(counts[0], counts[1], worker, router, placement, num_colocated=counts[2],
                        timeout_s=args.timeout_s, num_routers=args.routers)

@@ -178,3 +178,32 @@ def test_worker_gpus_lets_workers_share_a_gpu():
     assert spec("--worker-gpus", "0.5").placement.worker_gpus == 0.5
     with pytest.raises(ConfigError, match="--worker-gpus 0.5 .* torch_dist"):
         spec("--worker-gpus", "0.5", "--kv-transport", "torch_dist")
+
+
+def test_role_threads_override_the_cpu_share():
+    """``--prefill-threads`` / ``--decode-threads``: a role's torch threads, bundles unchanged;
+    a replacement worker (built from the saved state) gets the same."""
+    from dataclasses import asdict
+
+    from deploy.cluster import worker_config
+    from deploy.placement import PlacementConfig, decide_shape
+    from deploy.spec import spec_from_args
+
+    def spec(*flags):
+        return spec_from_args(build_parser().parse_args(["up", "--local", *flags]), "redis://127.0.0.1:1")
+
+    s = spec("--prefill-threads", "2")
+    shape = decide_shape({"CPU": 2.0}, 2, "cpu", None)
+    assert shape.threads == 1
+    threads = {role: worker_config(s.worker, shape, s.placement, role, f"{role}-0").num_threads
+               for role in ("prefill", "decode", "colocated")}
+    assert threads == {"prefill": 2, "decode": 1, "colocated": 1}
+    assert shape.bundle("prefill", s.placement) == shape.bundle("decode", s.placement) == {"CPU": 0.5}
+    saved = PlacementConfig(**asdict(s.placement))  # what recreate_worker rebuilds from the state
+    assert saved.threads("prefill", shape) == 2 and saved.threads("decode", shape) == 1
+    assert spec("--decode-threads", "3").placement.threads("decode", shape) == 3
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="prefill_threads must be an integer >= 1"):
+            PlacementConfig(prefill_threads=bad)
+    assert PlacementConfig(**{k: v for k, v in asdict(PlacementConfig()).items()
+                              if k not in ("prefill_threads", "decode_threads")}).threads("prefill", shape) == 1
