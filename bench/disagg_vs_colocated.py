@@ -59,7 +59,8 @@ carries ``"resumed": true`` and its own load-gate reading. Stop a session betwee
 SIGTERM (a run in progress does not answer Ctrl-C), bring its cluster down with ``pdcluster down
 --state-dir /tmp/bench-<mode>-*``, and start the same command with ``--resume`` in the next one.
 ``--report-only`` builds the outputs from the recorded runs alone (no cluster is brought up):
-the way to write the final result once the last session recorded the last run.
+the way to write the final result once the last session recorded the last run. A rate with no
+recorded run of a workload is left out of that workload (the rates are shared by the workloads).
 
 Usage (from the repository root; the full default sweep takes hours on 2 cores)::
 
@@ -290,6 +291,8 @@ def sweep(entry: dict, mode: str, args, rates_by_workload: dict, state: dict | N
     for workload in args.workloads:
         for rate in rates_by_workload[workload]:
             point = measure_point(state, args, workload, mode, rate, baseline)
+            if args.report_only and not point["runs"]:
+                continue  # a rate this workload was never run at (the rates are shared by the workloads)
             entry["workloads"][workload].append(point)
             if mode == "colocated" and ds.should_stop(point, args.stop_below_attainment):
                 log(f"[{workload}/colocated] mean attainment below {args.stop_below_attainment}: stop at {rate:g}")
