@@ -220,10 +220,18 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
                                                                        ttft_slo_ms=args.ttft_slo_ms),
                           breaker=BreakerConfig(failures=args.breaker_failures, cooldown_s=args.breaker_cooldown_s),
                           reuse_port=args.routers > 1)
-    placement = PlacementConfig(strategy=args.placement, prefill_resource=args.prefill_resource,
-                                decode_resource=args.decode_resource, worker_cpus=args.worker_cpus,
-                                worker_gpus=args.worker_gpus, timeout_s=args.placement_timeout_s,
-                                prefill_threads=args.prefill_threads, decode_threads=args.decode_threads)
     counts = (0, 0, args.workers) if args.colocated else (args.prefill, args.decode, 0)
-    return ClusterSpec(counts[0], counts[1], worker, router, placement, num_colocated=counts[2],
+    return ClusterSpec(counts[0], counts[1], worker, router, placement_from_args(args), num_colocated=counts[2],
                        timeout_s=args.timeout_s, num_routers=args.routers)
+
+
+def placement_from_args(args) -> PlacementConfig:
+    """The :class:`deploy.placement.PlacementConfig` of ``pdcluster up``'s placement flags.
+
+    Raises:
+        ValueError: a flag out of range (see :class:`~deploy.placement.PlacementConfig`).
+    """
+    return PlacementConfig(strategy=args.placement, prefill_resource=args.prefill_resource,
+                           decode_resource=args.decode_resource, worker_cpus=args.worker_cpus,
+                           worker_gpus=args.worker_gpus, timeout_s=args.placement_timeout_s,
+                           prefill_threads=args.prefill_threads, decode_threads=args.decode_threads)
