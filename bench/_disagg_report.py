@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from _disagg_profile import COLUMNS, mean_profile
 from _disagg_stats import GAPS
 
 LABELS = (("goodput", "goodput (req/s)", 1.0, "{:.3f}"), ("slo_attainment", "SLO attainment (%)", 100.0, "{:.0f}"),
@@ -71,6 +72,24 @@ def _gap_table(w: dict) -> list[str]:
             "the final gap; middle: the others), mean ± 95 % CI over the repetitions.", "", *lines, ""]
 
 
+def _profile_table(w: dict) -> list[str]:
+    """Per mode and rate with profiled runs, the mean over them of :mod:`_disagg_profile`'s keys."""
+    lines = ["| mode | rate (req/s) | profiled runs | " + " | ".join(t for _, t, _ in COLUMNS) + " |",
+             "|" + "---|" * (3 + len(COLUMNS))]
+    for mode, m in w["modes"].items():
+        for p in m["points"]:
+            runs = [r for r in p["runs"] if r.get("profile")]
+            if runs:
+                prof = mean_profile(runs)
+                cells = " | ".join("–" if prof[k] is None else f.format(prof[k]) for k, _, f in COLUMNS)
+                lines.append(f"| {mode} | {p['rate']:g} | {len(runs)} | {cells} |")
+    if len(lines) == 2:
+        return []
+    return ["Where the time goes: the cluster's own histograms (router and workers' `/metrics`) read "
+            "before and after each run, mean over the profiled runs (`bench/_disagg_profile.py` defines "
+            "each column; busy = summed step wall time / run wall time).", "", *lines, ""]
+
+
 def _targets(t: dict) -> list[str]:
     itl, gp = t["itl"], t["goodput"]
     ratio = "–" if itl["ratio"] is None else f"{itl['ratio']:.2f}"
@@ -81,8 +100,8 @@ def _targets(t: dict) -> list[str]:
              f"| DistServe goodput ≥ colocated | {_rate(gp['disagg'])} | {_rate(gp['colocated'])} | – "
              f"| {_met(gp['met'])} |", ""]
     if itl["met"] is False or gp["met"] is False:
-        lines += ["A target is missed: the analysis must say why, with a profile of both modes at the "
-                  "comparison rate (not produced by this script).", ""]
+        lines += ["A target is missed: the analysis (bench/results/README.md) says why, from the profile "
+                  "table above.", ""]
     return lines
 
 
@@ -104,6 +123,8 @@ def markdown(result: dict) -> str:
         for mode, m in w["modes"].items():
             lines += _mode_table(mode, m, result["modes"][mode], result)
         lines += [f"### ITL by position ({name})", ""] + _gap_table(w)
+        if profile := _profile_table(w):
+            lines += [f"### Profile ({name})", ""] + profile
         lines += [f"### Targets ({name})", ""] + _targets(w["targets"])
     lines += ["Goodput columns: vLLM's per-run goodput = completed requests meeting every SLO / run duration. "
               "DistServe's goodput = the highest request rate whose SLO attainment stays above the target.", ""]

@@ -46,8 +46,12 @@ between runs. The bench never kills or waits for anything but its own runs.
   where colocated first drops below the attainment target, else its highest rate;
   disaggregated DistServe goodput >= colocated's) with met / missed;
   Each run also records ``cluster_cpu_cores``: the cluster's CPU use over the run (cores, out of
-  ``os.cpu_count()``), a first clue when a target is missed (CPU-bound or not);
-* ``disagg_vs_colocated.md`` / ``.png``: the same as tables and plots (error bars: 95 % CI);
+  ``os.cpu_count()``), a first clue when a target is missed (CPU-bound or not), and ``profile``:
+  where its time went, from the cluster's own histograms read before and after it
+  (:mod:`_disagg_profile`: TTFT, prefill queue and step times, prefill tokens/s, busy fractions,
+  decode step and batch, KV transfer);
+* ``disagg_vs_colocated.md`` / ``.png``: the same as tables and plots (error bars: 95 % CI), with
+  a profile table per workload (mean of the runs' profiles);
 * ``runs/<workload>/<mode>/rate_<r>/rep_<i>/``: each run's summary.json, requests.jsonl, report.md,
   and row.json (the recorded row with the settings it ran with).
 
@@ -87,6 +91,7 @@ from deploy.ray_env import use_loopback_ray  # noqa: E402
 use_loopback_ray()  # before anything imports ray: the local clusters stay on loopback
 
 import _disagg_cluster as dc  # noqa: E402
+import _disagg_profile as dp  # noqa: E402
 import _disagg_report  # noqa: E402
 import _disagg_stats as ds  # noqa: E402
 from _common import logger, write_results  # noqa: E402
@@ -216,11 +221,11 @@ def measure_point(state: dict | None, args, workload: str, mode: str, rate: floa
             log(f"{tag} > {args.max_load:g} after {gate['waited_s']:.0f} s: not recorded")
             point["skipped_runs"].append({"rep": rep, **gate})
             continue
-        cpu0, t0 = dc.cluster_cpu_s(state), time.monotonic()
+        cpu0, t0, prof0 = dc.cluster_cpu_s(state), time.monotonic(), dp.snapshot(state)
         summary = dc.replay(state, workload_config(args, workload, rate, args.num_requests, args.seed + rep), args, out)
-        args.model = summary["model"]
-        row = dc.row_of(summary, rep, gate) | {"cluster_cpu_cores": (dc.cluster_cpu_s(state) - cpu0)
-                                               / max(time.monotonic() - t0, 1e-9)} | run_gaps(out)
+        args.model, wall = summary["model"], max(time.monotonic() - t0, 1e-9)
+        row = dc.row_of(summary, rep, gate) | {"cluster_cpu_cores": (dc.cluster_cpu_s(state) - cpu0) / wall,
+                                               "profile": dp.profile(prof0, dp.snapshot(state), wall)} | run_gaps(out)
         log(f"{tag}: attainment {row['slo_attainment']:.2f}, goodput {row['goodput']:.3f} req/s, "
             f"ITL p99 {_ms(row['itl_p99_ms'])}, TTFT p99 {_ms(row['ttft_p99_ms'])}")
         out.mkdir(parents=True, exist_ok=True)

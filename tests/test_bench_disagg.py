@@ -101,6 +101,27 @@ def test_aggregate_point():
     assert agg["slo_attainment"]["ci95_half"] == pytest.approx(12.706 * math.sqrt(0.125) / math.sqrt(2))
 
 
+def test_profile_is_the_difference_of_two_readings():
+    import _disagg_profile as dp
+
+    before = {"router": {"time_to_first_token_seconds_sum": 1.0, "time_to_first_token_seconds_count": 2},
+              "workers": {"prefill_step_seconds_sum": 2.0, "prefill_step_seconds_count": 4,
+                          "prefill_batch_tokens_sum": 1000, "prefill_batch_tokens_count": 4}}
+    after = {"router": {"time_to_first_token_seconds_sum": 4.0, "time_to_first_token_seconds_count": 6},
+             "workers": {"prefill_step_seconds_sum": 6.0, "prefill_step_seconds_count": 8,
+                         "prefill_batch_tokens_sum": 3000, "prefill_batch_tokens_count": 8,
+                         "decode_time_seconds_sum": 1.5, "decode_time_seconds_count": 50}}
+    prof = dp.profile(before, after, wall_s=8.0)
+    assert prof["ttft_mean_ms"] == pytest.approx(750.0)  # 3 s over 4 requests
+    assert prof["prefill_step_mean_ms"] == pytest.approx(1000.0) and prof["prefill_step_tokens_mean"] == 500
+    assert prof["prefill_tokens_per_s"] == pytest.approx(500.0) and prof["prefill_busy"] == pytest.approx(0.5)
+    assert prof["decode_step_mean_ms"] == pytest.approx(30.0) and prof["decode_busy"] == pytest.approx(1.5 / 8)
+    assert prof["kv_transfer_mean_ms"] is None and prof["prefill_queue_mean_ms"] is None
+    assert dp.profile(None, after, 8.0) == {}
+    runs = [{"profile": prof}, {"profile": {}}, {"profile": prof | {"ttft_mean_ms": 250.0}}]
+    assert dp.mean_profile(runs)["ttft_mean_ms"] == pytest.approx(500.0)
+
+
 def test_itl_by_gap_splits_first_middle_and_last():
     # streams: 4 tokens (gaps 0.1, 0.2, 0.9), 2 tokens (gap 0.3), 1 token (no gap)
     got = ds.itl_by_gap([[0.0, 0.1, 0.3, 1.2], [5.0, 5.3], [7.0]])
@@ -120,7 +141,8 @@ def test_smoke_end_to_end(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "disagg_vs_colocated.json").read_text())
-    assert (tmp_path / "disagg_vs_colocated.md").is_file() and (tmp_path / "disagg_vs_colocated.png").is_file()
+    assert (tmp_path / "disagg_vs_colocated.png").is_file()
+    assert "### Profile (conversation)" in (tmp_path / "disagg_vs_colocated.md").read_text()
     assert res["config"]["repetitions"] == 2 and res["config"]["num_requests"] == 4
     mode = res["modes"]["colocated"]
     assert "skipped" not in mode and mode["warmup"]["requests"] == 2 and mode["idle_baseline"]["measured"]
@@ -131,6 +153,9 @@ def test_smoke_end_to_end(tmp_path):
     for run in point["runs"]:
         assert run["sent"] == 4 and run["completed"] + run["failed"] <= 4 and run["load_1m_before"] >= 0
         assert 0 < run["cluster_cpu_cores"] <= os.cpu_count() + 0.5
+        prof = run["profile"]  # read from the cluster's own /metrics: both phases of the colocated workers
+        assert prof["ttft_mean_ms"] > 0 and prof["prefill_step_mean_ms"] > 0 and prof["prefill_tokens_per_s"] > 0
+        assert 0 < prof["prefill_busy"] < 2.5 and 0 < prof["decode_busy"] < 2.5 and prof["decode_batch_mean"] >= 1
     assert {run["rep"] for run in point["runs"]} == {0, 1}
     assert set(point["stats"]) == set(ds.COMPARED + ds.GAPS) and point["stats"]["goodput"]["n"] == 2
     assert all(run["middle_gap_p99_ms"] is None or run["middle_gap_p99_ms"] > 0 for run in point["runs"])
