@@ -90,6 +90,31 @@ def _profile_table(w: dict) -> list[str]:
             "each column; busy = summed step wall time / run wall time).", "", *lines, ""]
 
 
+def _scale_table(w: dict, cfg: dict) -> list[str]:
+    """Per SLO scale, each mode's DistServe goodput with every objective of the SLO times the scale."""
+    modes = [m for m in w["modes"] if w["modes"][m].get("goodput_by_slo_scale")]
+    if not modes or not cfg.get("slo_scales"):
+        return []
+    lines = ["| SLO scale | SLO | " + " | ".join(f"{m} goodput" for m in modes) + " |", "|" + "---|" * (2 + len(modes))]
+    slo = [part.partition("=") for part in cfg["slo"].split(",") if part]
+    for sc in cfg["slo_scales"]:
+        scaled = ", ".join(f"{k}={_scaled(v, sc)}" for k, _, v in slo)
+        cells = []
+        for m in modes:
+            g = w["modes"][m]["goodput_by_slo_scale"].get(f"{sc:g}", {})
+            cells.append(("≥ " if g.get("at_highest") else "") + _rate(g.get("goodput")))
+        lines.append(f"| {sc:g} | {scaled} | " + " | ".join(cells) + " |")
+    return [f"DistServe goodput with every objective of the SLO ({cfg['slo']}) times a scale (DistServe's SLO-scale "
+            "axis), recomputed from the recorded requests of the same runs; ≥: the highest rate measured (the "
+            "sweep stopped there at scale 1). The targets are judged at scale 1.", "", *lines, ""]
+
+
+def _scaled(text: str, scale: float) -> str:
+    from loadtest.metrics import parse_duration_s
+
+    return f"{1e3 * scale * parse_duration_s(text):g}ms"
+
+
 def _targets(t: dict) -> list[str]:
     itl, gp = t["itl"], t["goodput"]
     ratio = "–" if itl["ratio"] is None else f"{itl['ratio']:.2f}"
@@ -125,6 +150,8 @@ def markdown(result: dict) -> str:
         lines += [f"### ITL by position ({name})", ""] + _gap_table(w)
         if profile := _profile_table(w):
             lines += [f"### Profile ({name})", ""] + profile
+        if scales := _scale_table(w, cfg):
+            lines += [f"### SLO scale ({name})", ""] + scales
         lines += [f"### Targets ({name})", ""] + _targets(w["targets"])
     lines += ["Goodput columns: vLLM's per-run goodput = completed requests meeting every SLO / run duration. "
               "DistServe's goodput = the highest request rate whose SLO attainment stays above the target.", ""]

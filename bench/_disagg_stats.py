@@ -4,7 +4,10 @@
 * :func:`aggregate_point`: those for every compared metric of one (workload, mode, rate);
 * :func:`itl_by_gap`: where in the streams the p99 inter-token latency comes from;
 * :func:`gate_value` / :func:`wait_for_load`: the load gate before a measured run;
-* :func:`distserve_goodput` / :func:`should_stop` / :func:`targets`: the sweep's decisions.
+* :func:`distserve_goodput` / :func:`should_stop` / :func:`targets`: the sweep's decisions;
+* :func:`attainment_by_scale` / :func:`goodput_by_scale`: attainment and DistServe goodput with
+  every objective of the SLO scaled (DistServe's "SLO scale" axis, Zhong et al., OSDI 2024, §6),
+  recomputed from a run's per-request records.
 
 Units are in the names (``_ms`` milliseconds, ``_s`` seconds); rates and goodputs are req/s,
 attainments fractions in [0, 1], loads the kernel's 1-minute load average (runnable tasks).
@@ -180,3 +183,41 @@ def targets(disagg: Sequence[dict], colocated: Sequence[dict], target: float) ->
     measured = any(p["runs"] for p in disagg) and any(p["runs"] for p in colocated)
     met = (gd or 0.0) >= (gc or 0.0) if measured else None
     return {"itl": itl, "goodput": {"disagg": gd, "colocated": gc, "met": met}}
+
+
+def attainment_by_scale(records: Sequence[dict], limits_s: dict[str, float], scales: Sequence[float]) -> dict:
+    """SLO attainment of one run with every objective multiplied by each scale.
+
+    Args:
+        records: the run's per-request records (``requests.jsonl``: every sent request, with
+            ``ok`` and ``ttft_s`` / ``tpot_s`` / ``e2e_s`` in seconds, a missing value meeting
+            any objective, as ``loadtest.metrics.SLO.met_by`` counts it).
+        limits_s: objective -> limit (seconds), e.g. ``{"ttft_s": 2.0, "tpot_s": 0.2}``.
+        scales: the multipliers.
+
+    Returns:
+        ``{f"{scale:g}": fraction of the records meeting every scaled objective}`` (0.0 with no
+        record).
+    """
+    def meets(r: dict, scale: float) -> bool:
+        return bool(r.get("ok")) and all(r.get(k) is None or r[k] <= scale * lim for k, lim in limits_s.items())
+
+    return {f"{sc:g}": (sum(meets(r, sc) for r in records) / len(records) if records else 0.0) for sc in scales}
+
+
+def goodput_by_scale(points: Sequence[dict], scales: Sequence[float], target: float) -> dict:
+    """Per SLO scale, DistServe goodput (:func:`distserve_goodput`'s rule on the mean over a point's
+    runs of their ``attainment_by_slo_scale``) and ``at_highest``: it is the highest rate measured,
+    so the true goodput may be higher (the sweep stopped there at scale 1).
+
+    Returns:
+        ``{f"{scale:g}": {"goodput": req/s or None, "at_highest": bool}}``.
+    """
+    out = {}
+    for sc in (f"{s:g}" for s in scales):
+        done = [(p["rate"], [r["attainment_by_slo_scale"][sc] for r in p["runs"]
+                             if sc in r.get("attainment_by_slo_scale", {})]) for p in points]
+        done = [(rate, sum(a) / len(a)) for rate, a in done if a]
+        best = max_rate_meeting([r for r, _ in done], [a for _, a in done], target) if done else None
+        out[sc] = {"goodput": best, "at_highest": best is not None and best == max(r for r, _ in done)}
+    return out

@@ -119,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-input-tokens", default="conversation=128,code=384", help="input clip per workload")
     p.add_argument("--max-output-tokens", type=int, default=16)
     p.add_argument("--slo", default="ttft=2s,tpot=200ms", help="SLOs of attainment and goodput")
+    p.add_argument("--slo-scales", default="0.25,0.5,1,2",
+                   help="also report attainment and DistServe goodput with every --slo objective times each of these")
     p.add_argument("--attainment-target", type=float, default=0.9, help="DistServe goodput target")
     p.add_argument("--warmup-requests", type=int, default=10, help="unrecorded requests after each mode's up")
     p.add_argument("--max-load", type=float, default=1.0, help="load gate (1-min load minus the idle baseline)")
@@ -149,6 +151,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Nam
         args.rates = sorted(float(r) for r in _split(args.rates))
         clips = {k.strip(): int(v) for k, v in (kv.split("=") for kv in _split(args.max_input_tokens))}
         args.slo_obj = parse_slo(args.slo)
+        args.slo_scales = sorted(float(x) for x in _split(args.slo_scales))
     except ValueError as exc:
         p.error(f"bad --rates, --max-input-tokens or --slo: {exc}")
     args.modes, args.workloads = _split(args.modes), _split(args.workloads)
@@ -166,6 +169,8 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Nam
     if args.num_requests / min(args.rates) > args.run_duration:
         p.error(f"--num-requests {args.num_requests} at {min(args.rates):g} req/s need about "
                 f"{args.num_requests / min(args.rates):.0f} s of sending > --run-duration {args.run_duration:g}")
+    if not args.slo_scales or min(args.slo_scales) <= 0:
+        p.error("--slo-scales: give at least one scale, each > 0")
     if not 0 < args.attainment_target <= 1:
         p.error("--attainment-target must be in (0, 1]")
     return args
@@ -208,7 +213,7 @@ def measure_point(state: dict | None, args, workload: str, mode: str, rate: floa
         settings = run_settings(args, workload, mode, rate, rep)
         if (args.resume or args.report_only) and (row := recorded_run(out, settings)) is not None:
             log(f"[{workload}/{mode}] rate {rate:g} rep {rep}: kept from an earlier invocation ({out})")
-            point["runs"].append(row | run_gaps(out) | {"resumed": True})
+            point["runs"].append(row | from_records(out, args) | {"resumed": True})
             args.model = getattr(args, "model", None) or recorded_model(out)
             continue
         if args.report_only:
@@ -225,7 +230,7 @@ def measure_point(state: dict | None, args, workload: str, mode: str, rate: floa
         summary = dc.replay(state, workload_config(args, workload, rate, args.num_requests, args.seed + rep), args, out)
         args.model, wall = summary["model"], max(time.monotonic() - t0, 1e-9)
         row = dc.row_of(summary, rep, gate) | {"cluster_cpu_cores": (dc.cluster_cpu_s(state) - cpu0) / wall,
-                                               "profile": dp.profile(prof0, dp.snapshot(state), wall)} | run_gaps(out)
+                                               "profile": dp.profile(prof0, dp.snapshot(state), wall)} | from_records(out, args)
         log(f"{tag}: attainment {row['slo_attainment']:.2f}, goodput {row['goodput']:.3f} req/s, "
             f"ITL p99 {_ms(row['itl_p99_ms'])}, TTFT p99 {_ms(row['ttft_p99_ms'])}")
         out.mkdir(parents=True, exist_ok=True)
@@ -235,15 +240,19 @@ def measure_point(state: dict | None, args, workload: str, mode: str, rate: floa
     return point
 
 
-def run_gaps(out: Path) -> dict:
-    """:func:`_disagg_stats.itl_by_gap` of the run recorded in ``out`` (its ``requests.jsonl``,
-    completed requests); ``{}`` when the file is missing."""
+def from_records(out: Path, args) -> dict:
+    """What the run recorded in ``out`` gives from its per-request records (``requests.jsonl``):
+    :func:`_disagg_stats.itl_by_gap` of its completed requests and ``attainment_by_slo_scale``
+    (:func:`_disagg_stats.attainment_by_scale` at ``--slo-scales``); ``{}`` when the file is missing."""
     try:
         lines = (out / "requests.jsonl").read_text().splitlines()
     except OSError:
         return {}
     records = [json.loads(line) for line in lines if line.strip()]
-    return ds.itl_by_gap(r["token_times_s"] for r in records if r.get("ok"))
+    limits = {k: v for k, v in (("ttft_s", args.slo_obj.ttft_s), ("tpot_s", args.slo_obj.tpot_s),
+                                ("e2e_s", args.slo_obj.e2e_s)) if v is not None}
+    return ds.itl_by_gap(r["token_times_s"] for r in records if r.get("ok")) | {
+        "attainment_by_slo_scale": ds.attainment_by_scale(records, limits, args.slo_scales)}
 
 
 def recorded_model(out: Path) -> str | None:
@@ -309,7 +318,9 @@ def build_result(args, modes: dict, started: str) -> dict:
     workloads = {}
     for w in args.workloads:
         per_mode = {m: {"points": e["workloads"].get(w, []),
-                        "distserve_goodput": ds.distserve_goodput(e["workloads"].get(w, []), args.attainment_target)}
+                        "distserve_goodput": ds.distserve_goodput(e["workloads"].get(w, []), args.attainment_target),
+                        "goodput_by_slo_scale": ds.goodput_by_scale(e["workloads"].get(w, []), args.slo_scales,
+                                                                    args.attainment_target)}
                     for m, e in modes.items()}
         empty: list = []
         workloads[w] = {"trace": WORKLOADS[w][0], "max_input_tokens": args.clips[w], "modes": per_mode,
@@ -321,7 +332,7 @@ def build_result(args, modes: dict, started: str) -> dict:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "config": {"rates": args.rates, "repetitions": args.repetitions, "num_requests": args.num_requests,
                    "workloads": args.workloads, "skip": args.skip, "max_output_tokens": args.max_output_tokens,
-                   "slo": args.slo, "attainment_target": args.attainment_target,
+                   "slo": args.slo, "slo_scales": args.slo_scales, "attainment_target": args.attainment_target,
                    "stop_below_attainment": args.stop_below_attainment, "warmup_requests": args.warmup_requests,
                    "max_load": args.max_load, "load_wait_s": args.load_wait_s, "cluster_args": dc.CLUSTER_ARGS},
         "modes": {m: {k: v for k, v in e.items() if k != "workloads"} for m, e in modes.items()},

@@ -122,6 +122,20 @@ def test_profile_is_the_difference_of_two_readings():
     assert dp.mean_profile(runs)["ttft_mean_ms"] == pytest.approx(500.0)
 
 
+def test_attainment_and_goodput_by_slo_scale():
+    records = [{"ok": True, "ttft_s": 1.0, "tpot_s": 0.05}, {"ok": True, "ttft_s": 3.0, "tpot_s": 0.05},
+               {"ok": True, "ttft_s": 0.5, "tpot_s": None}, {"ok": False, "ttft_s": 0.1, "tpot_s": 0.01}]
+    att = ds.attainment_by_scale(records, {"ttft_s": 2.0, "tpot_s": 0.2}, [0.25, 1, 2])
+    assert att == {"0.25": 0.25, "1": 0.5, "2": 0.75}  # a limit met on the boundary and a missing TPOT count; a failure never
+    assert ds.attainment_by_scale([], {"ttft_s": 2.0}, [1]) == {"1": 0.0}
+    points = [{"rate": 1.0, "runs": [{"attainment_by_slo_scale": {"0.5": 0.95, "1": 1.0}},
+                                     {"attainment_by_slo_scale": {"0.5": 0.8, "1": 1.0}}]},
+              {"rate": 2.0, "runs": [{"attainment_by_slo_scale": {"0.5": 0.5, "1": 0.95}}, {}]}]
+    assert ds.goodput_by_scale(points, [0.5, 1, 4], 0.9) == {
+        "0.5": {"goodput": None, "at_highest": False},  # mean 0.875 at the lowest rate
+        "1": {"goodput": 2.0, "at_highest": True}, "4": {"goodput": None, "at_highest": False}}
+
+
 def test_itl_by_gap_splits_first_middle_and_last():
     # streams: 4 tokens (gaps 0.1, 0.2, 0.9), 2 tokens (gap 0.3), 1 token (no gap)
     got = ds.itl_by_gap([[0.0, 0.1, 0.3, 1.2], [5.0, 5.3], [7.0]])
@@ -276,6 +290,7 @@ def test_resume_keeps_runs_recorded_with_the_same_settings(tmp_path, monkeypatch
     assert [(p["rate"], len(p["runs"])) for p in points] == [(1.0, 2), (2.0, 2)]  # never run at 4: left out
     assert res["modes"]["colocated"]["report_only"] and res["model"] is None
     assert points[1]["runs"][1]["last_gap_p99_ms"] == pytest.approx(2000.0)  # from its requests.jsonl, ok only
+    assert points[1]["runs"][1]["attainment_by_slo_scale"] == {"0.25": 0.5, "0.5": 0.5, "1": 0.5, "2": 0.5}
     assert "Built from recorded runs" in (tmp_path / "disagg_vs_colocated.md").read_text()
     monkeypatch.setattr(dc, "cluster", fake_cluster)
     assert bench.main([*common, "--rates", "1", "--num-requests", "3", "--resume"]) == 0
