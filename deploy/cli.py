@@ -224,6 +224,10 @@ def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
     p.add_argument("--max-model-len", type=int, default=2048, help="max prompt+output tokens")
     p.add_argument("--max-num-seqs", type=int, default=64, help="max running sequences per worker")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    p.add_argument("--prefill-max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="token budget per step of prefill workers when it differs from --max-num-batched-tokens: a "
+                        "smaller one gives the prompts of a burst their first tokens one after another instead of all "
+                        "at the end of one long step, at no cost in throughput once a step is compute-bound")
     p.add_argument("--prefill-block-size", type=int, default=None,
                    help="KV block size of prefill workers when it differs from --block-size (the decode side re-blocks)")
     p.add_argument("--prefill-tp", type=int, default=1, metavar="N",

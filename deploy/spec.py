@@ -202,13 +202,14 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
     if args.prefill_block_size and args.prefill_block_size != args.block_size:
         pbs = args.prefill_block_size  # same token capacity as the decode side's pool
         prefill_cache = replace(cache, block_size=pbs, num_blocks=max(2, blocks * args.block_size // pbs))
+    prefill_sched = prefill_scheduler(sched, args.prefill_max_num_batched_tokens)
     kv = kv_config_from_args(args, use_cuda)
     log = LogConfig(args.log_format, args.log_level)
     security = security_from_args(args, cluster_secret, internal_ca)
     worker = WorkerConfig(role="prefill", worker_id="template", model=args.model, redis_url=redis_url,
                           cluster=args.cluster, device=args.device, dtype=args.dtype,
                           heartbeat_s=args.heartbeat_s, cache=cache, scheduler=sched, kv=kv,
-                          prefill_cache=prefill_cache, log=log, security=security.for_workers(),
+                          prefill_cache=prefill_cache, prefill_scheduler=prefill_sched, log=log, security=security.for_workers(),
                           max_queued_requests=args.max_queued_requests, cpu_nice=args.worker_nice,
                           prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, quantization=args.quantization)
     router = RouterConfig(model=args.model, model_path=str(folder), redis_url=redis_url, cluster=args.cluster,
@@ -223,6 +224,20 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
     counts = (0, 0, args.workers) if args.colocated else (args.prefill, args.decode, 0)
     return ClusterSpec(counts[0], counts[1], worker, router, placement_from_args(args), num_colocated=counts[2],
                        timeout_s=args.timeout_s, num_routers=args.routers)
+
+
+def prefill_scheduler(sched: SchedulerConfig, budget: int | None) -> SchedulerConfig | None:
+    """Prefill workers' step limits under ``--prefill-max-num-batched-tokens`` ``budget`` (tokens):
+    ``sched`` with that token budget, or ``None`` when it is not given or equals ``sched``'s.
+
+    Raises:
+        ConfigError: ``budget`` < 1.
+    """
+    if budget is None or budget == sched.max_num_batched_tokens:
+        return None
+    if budget < 1:
+        raise ConfigError(f"--prefill-max-num-batched-tokens must be >= 1 (tokens), got {budget}")
+    return replace(sched, max_num_batched_tokens=budget)
 
 
 def placement_from_args(args) -> PlacementConfig:

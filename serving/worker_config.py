@@ -42,6 +42,8 @@ class WorkerConfig:
         kv: how a prefill (or colocated) worker ships KV to decode workers.
         prefill_cache: cache geometry of prefill workers when it differs from
             ``cache`` (e.g. another block size); applied by :meth:`for_role`.
+        prefill_scheduler: step limits of prefill workers when they differ from ``scheduler``
+            (``pdcluster up --prefill-max-num-batched-tokens``); applied by :meth:`for_role`.
         log: log format and level of the worker process.
         tp: tensor-parallel ranks of this worker (processes on its node; rank 0 is this
             worker); ``prefill_tp`` / ``decode_tp`` are the per-role values :meth:`for_role` applies.
@@ -71,6 +73,7 @@ class WorkerConfig:
     model_cache_dir: str | None = None
     kv: KvTransferConfig = field(default_factory=KvTransferConfig)
     prefill_cache: CacheConfig | None = None
+    prefill_scheduler: SchedulerConfig | None = None
     log: LogConfig = field(default_factory=LogConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
@@ -111,15 +114,18 @@ class WorkerConfig:
 
     def for_role(self, role: str, worker_id: str, **changes) -> "WorkerConfig":
         """This template as the config of one worker: ``role`` and ``worker_id`` set,
-        ``prefill_cache`` applied to a prefill worker, other fields from ``changes``.
+        ``prefill_cache`` and ``prefill_scheduler`` applied to a prefill worker, other fields
+        from ``changes``.
 
         Raises:
             ConfigError: invalid role or changed values.
         """
-        cache = self.prefill_cache if role == "prefill" and self.prefill_cache is not None else self.cache
+        prefill = role == "prefill"
+        cache = self.prefill_cache if prefill and self.prefill_cache is not None else self.cache
+        sched = self.prefill_scheduler if prefill and self.prefill_scheduler is not None else self.scheduler
         tp = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role) or self.tp
-        return replace(self, role=role, worker_id=worker_id, cache=cache, prefill_cache=None, tp=tp,
-                       prefill_tp=None, decode_tp=None, **changes)
+        return replace(self, role=role, worker_id=worker_id, cache=cache, prefill_cache=None, scheduler=sched,
+                       prefill_scheduler=None, tp=tp, prefill_tp=None, decode_tp=None, **changes)
 
     @classmethod
     def from_dict(cls, d: dict) -> "WorkerConfig":
@@ -128,8 +134,9 @@ class WorkerConfig:
         Raises:
             TypeError / ConfigError: the dict does not describe a valid config.
         """
-        pc = d.get("prefill_cache")
+        pc, ps = d.get("prefill_cache"), d.get("prefill_scheduler")
         return cls(**{**d, "cache": CacheConfig(**d["cache"]), "scheduler": SchedulerConfig(**d["scheduler"]),
                       "kv": KvTransferConfig(**d.get("kv", {})),
                       "prefill_cache": CacheConfig(**pc) if pc else None,
+                      "prefill_scheduler": SchedulerConfig(**ps) if ps else None,
                       "log": LogConfig(**d.get("log", {})), "security": SecurityConfig(**d.get("security", {}))})

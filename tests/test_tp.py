@@ -11,6 +11,8 @@ written into TP=2 shards (and back) lets the other side decode on exactly.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -165,6 +167,27 @@ def test_tp_flags_reach_each_role_and_size_its_bundle(folders):
         spec("--prefill-tp", "0")
     with pytest.raises(ConfigError, match="colocated"):
         spec("--colocated", "--decode-tp", "2")
+
+
+def test_the_prefill_token_budget_reaches_prefill_workers_only(folders):
+    from deploy.spec import spec_from_args
+    from pdcluster.cli import build_parser
+    from serving.worker_config import WorkerConfig
+
+    def spec(*flags):
+        args = build_parser().parse_args(["up", "--local", "--model", str(folders["llama3-kv2"]), *flags])
+        return spec_from_args(args, "redis://127.0.0.1:1")
+
+    worker = spec("--prefill-max-num-batched-tokens", "512", "--max-num-batched-tokens", "4096").worker
+    budgets = {role: worker.for_role(role, "w").scheduler.max_num_batched_tokens
+               for role in ("prefill", "decode", "colocated")}
+    assert budgets == {"prefill": 512, "decode": 4096, "colocated": 4096}
+    assert worker.for_role("prefill", "w").prefill_scheduler is None
+    # a worker's config travels as a dict (to its Ray actor): the prefill budget survives the trip
+    assert WorkerConfig.from_dict(dataclasses.asdict(worker)).for_role("prefill", "w").scheduler.max_num_batched_tokens == 512
+    assert spec("--prefill-max-num-batched-tokens", "2048").worker.prefill_scheduler is None  # the default budget
+    with pytest.raises(ConfigError, match=r"--prefill-max-num-batched-tokens must be >= 1 \(tokens\), got 0"):
+        spec("--prefill-max-num-batched-tokens", "0")
 
 
 def test_a_dead_rank_fails_the_step_instead_of_hanging(folders):
