@@ -19,16 +19,24 @@ from loadtest.runner import RunConfig
 from loadtest.workload import WorkloadConfig
 from pdcluster.cli import build_parser
 
-DISAGG_ARGS = ["--prefill", "1", "--decode", "1"]
-"""Extra ``pdcluster up`` arguments of the disaggregated mode (2 workers): each worker runs its CPU
-share, 1 torch thread, as each colocated worker does. Measured on conversation at 4 req/s (100
-requests, SLO ttft=2s,tpot=200ms): with ``--prefill-threads 2`` the prefill worker's steps ran at
-510 prompt tokens/s (the engine alone reaches ~810 at 2 threads, ~400 at 1): its 2 threads share
-the cores with the busy decode worker's thread, and every parallel operator's barrier waits for
-the descheduled one; its queue grew (TTFT mean 1.75 s, attainment 0.58). With 1 thread each:
-TTFT mean 0.59 s, TPOT 34 ms (64 ms with 2), attainment 1.00. (On the code workload at 0.2 req/s,
-where the decode worker is mostly idle, 2 prefill threads did better, 0.51 against 0.45
-attainment; both are far below 90 %, and one setting serves both workloads.)"""
+DISAGG_ARGS = ["--prefill", "1", "--decode", "1", "--prefill-max-num-batched-tokens", "512"]
+"""Extra ``pdcluster up`` arguments of the disaggregated mode (2 workers).
+
+Threads: each worker runs its CPU share, 1 torch thread, as each colocated worker does. Measured
+on conversation at 4 req/s (100 requests, SLO ttft=2s,tpot=200ms): with ``--prefill-threads 2``
+the prefill worker's steps ran at 510 prompt tokens/s (the engine alone reaches ~810 at 2
+threads, ~400 at 1): its 2 threads share the cores with the busy decode worker's thread, and every
+parallel operator's barrier waits for the descheduled one; its queue grew (TTFT mean 1.75 s,
+attainment 0.58). With 1 thread each: TTFT mean 0.59 s, TPOT 34 ms (64 ms with 2), attainment
+1.00. (On the code workload at 0.2 req/s, where the decode worker is mostly idle, 2 prefill
+threads did better, 0.51 against 0.45 attainment; both far below 90 %.)
+
+Token budget: the prefill worker's steps stop at 512 tokens (colocated keeps the shared 2048: its
+steps also carry decode). A prefill worker only prefills, and DistServe (Zhong et al., OSDI 2024,
+§4.1) batches prefills only up to the length where a step is compute-bound: every prompt of a
+step gets its first token at the step's end, so a longer step only delays the first prompts of a
+burst. On this CPU at 1 thread a step is compute-bound from 128 tokens on (``bench/results/
+prefill.md``: 407 prompt tokens/s at 128-token steps, 317 at 2048)."""
 
 COLOCATED_ARGS = ["--colocated", "--workers", "2"]
 """Extra ``pdcluster up`` arguments of the colocated mode (2 workers, prefill + decode on each)."""
