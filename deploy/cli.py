@@ -217,6 +217,28 @@ def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
     p.add_argument("--host", default="127.0.0.1", help="router bind host (0.0.0.0: every interface)")
     p.add_argument("--redis-url", default=None, help="existing Redis URL (default: start one)")
     p.add_argument("--redis-port", type=int, default=0, help="port of the Redis `up` starts (0: any free)")
+    _add_engine(p)
+    _add_kv(p)
+    _add_serving(p)
+    _add_admission(p)
+    _add_api_keys(p, env_api_key)
+    _add_tls(p)
+    p.add_argument("--heartbeat-s", type=float, default=1.0, help="registry heartbeat period in seconds")
+    p.add_argument("--worker-nice", type=int, choices=range(20), default=DEFAULT_WORKER_NICE, metavar="N",
+                   help="nice steps the worker processes run below the router, Redis and the controller (0-19; "
+                        f"default {DEFAULT_WORKER_NICE}): on shared cores those answer first, e.g. refuse an "
+                        "overload burst at once")
+    p.add_argument("--timeout-s", type=float, default=300, help="seconds to wait for the cluster to be ready")
+    p.add_argument("--cluster", default="default", help="cluster name (registry namespace)")
+    _add_weights(p)
+    p.add_argument("--device", default="auto", help="torch device (auto, cuda, cpu)")
+    _add_state_dir(p)
+    p.set_defaults(func=_deploy("cmd_up"))
+
+
+def _add_engine(p: argparse.ArgumentParser) -> None:
+    """``up``'s flags for the workers' engines: KV cache geometry, step limits, tensor parallelism
+    and the prefix cache."""
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     p.add_argument("--num-kv-blocks", type=int, default=0,
                    help="KV blocks per worker; 0 = derive from --kv-cache-gb")
@@ -237,22 +259,6 @@ def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
                         "re-shards heads)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="disable the prefill workers' prefix cache")
-    _add_kv(p)
-    _add_serving(p)
-    _add_admission(p)
-    _add_api_keys(p, env_api_key)
-    _add_tls(p)
-    p.add_argument("--heartbeat-s", type=float, default=1.0, help="registry heartbeat period in seconds")
-    p.add_argument("--worker-nice", type=int, choices=range(20), default=DEFAULT_WORKER_NICE, metavar="N",
-                   help="nice steps the worker processes run below the router, Redis and the controller (0-19; "
-                        f"default {DEFAULT_WORKER_NICE}): on shared cores those answer first, e.g. refuse an "
-                        "overload burst at once")
-    p.add_argument("--timeout-s", type=float, default=300, help="seconds to wait for the cluster to be ready")
-    p.add_argument("--cluster", default="default", help="cluster name (registry namespace)")
-    _add_weights(p)
-    p.add_argument("--device", default="auto", help="torch device (auto, cuda, cpu)")
-    _add_state_dir(p)
-    p.set_defaults(func=_deploy("cmd_up"))
 
 
 def _add_weights(p: argparse.ArgumentParser) -> None:
