@@ -19,30 +19,42 @@ from loadtest.runner import RunConfig
 from loadtest.workload import WorkloadConfig
 from pdcluster.cli import build_parser
 
-DISAGG_ARGS = ["--prefill", "1", "--decode", "1", "--prefill-max-num-batched-tokens", "512"]
-"""Extra ``pdcluster up`` arguments of the disaggregated mode (2 workers).
+CONVERSATION_DISAGG_ARGS = ["--prefill", "1", "--decode", "1", "--prefill-max-num-batched-tokens", "512"]
+"""Extra ``pdcluster up`` arguments of the disaggregated mode on the conversation workload: each
+worker on its CPU share (1 torch thread, as each colocated worker), the prefill worker's steps
+stopped at 512 tokens.
 
-Threads: each worker runs its CPU share, 1 torch thread, as each colocated worker does. Measured
-on conversation at 4 req/s (100 requests, SLO ttft=2s,tpot=200ms): with ``--prefill-threads 2``
+Threads, measured at 4 req/s (100 requests, SLO ttft=2s,tpot=200ms): with ``--prefill-threads 2``
 the prefill worker's steps ran at 510 prompt tokens/s (the engine alone reaches ~810 at 2
-threads, ~400 at 1): its 2 threads share the cores with the busy decode worker's thread, and every
-parallel operator's barrier waits for the descheduled one; its queue grew (TTFT mean 1.75 s,
-attainment 0.58). With 1 thread each: TTFT mean 0.59 s, TPOT 34 ms (64 ms with 2), attainment
-1.00. (On the code workload at 0.2 req/s, where the decode worker is mostly idle, 2 prefill
-threads did better, 0.51 against 0.45 attainment; both far below 90 %.)
+threads, ~400-650 at 1): its 2 threads share the cores with the busy decode worker's thread, and
+every parallel operator's barrier waits for the descheduled one; its queue grew (TTFT mean
+1.75 s, attainment 0.58). With 1 thread each: TTFT mean 0.59 s, TPOT 34 ms (64 ms with 2),
+attainment 1.00.
 
-Token budget: the prefill worker's steps stop at 512 tokens (colocated keeps the shared 2048: its
-steps also carry decode). A prefill worker only prefills, and DistServe (Zhong et al., OSDI 2024,
-§4.1) batches prefills only up to the length where a step is compute-bound: every prompt of a
-step gets its first token at the step's end, so a longer step only delays the first prompts of a
-burst. On this CPU at 1 thread a step is compute-bound from 128 tokens on (``bench/results/
-prefill.md``: 407 prompt tokens/s at 128-token steps, 317 at 2048)."""
+Token budget: a prefill worker only prefills, and DistServe (Zhong et al., OSDI 2024, §4.1)
+batches prefills only up to the length where a step is compute-bound: every prompt of a step gets
+its first token at the step's end, so a longer step only delays the first prompts of a burst.
+On this CPU at 1 thread a step is compute-bound from 128 tokens on (``bench/results/prefill.md``:
+407 prompt tokens/s at 128-token steps, 317 at 2048)."""
+
+CODE_DISAGG_ARGS = ["--prefill", "1", "--decode", "1", "--prefill-threads", "2"]
+"""Extra ``pdcluster up`` arguments of the disaggregated mode on the code workload: the prefill
+worker on 2 torch threads, the decode worker on 1. The code trace sends bursts of long prompts
+(up to 384 tokens) and then nothing for minutes, and its 16-token outputs leave the decode worker
+idle 94 % of a run, so the prefill worker's second thread finds a free core. Measured at 0.2
+req/s (SLO attainment; one run each unless noted): 1 thread and a 512-token budget 0.17 (prefill
+at 561 prompt tokens/s, TTFT p99 7.3 s), 1 thread and 2048 tokens 0.45, 2 threads and 2048 tokens
+0.51 (3 runs). As DistServe sizes each phase's parallelism per workload, the modes' arguments are
+per workload: :data:`MODES`."""
 
 COLOCATED_ARGS = ["--colocated", "--workers", "2"]
-"""Extra ``pdcluster up`` arguments of the colocated mode (2 workers, prefill + decode on each)."""
+"""Extra ``pdcluster up`` arguments of the colocated mode (2 workers, prefill + decode on each,
+1 torch thread each), on both workloads."""
 
-MODES = {"colocated": COLOCATED_ARGS, "disaggregated": DISAGG_ARGS}
-"""Mode -> its arguments; colocated runs first (its attainment decides where the sweep stops)."""
+MODES = {"colocated": {"conversation": COLOCATED_ARGS, "code": COLOCATED_ARGS},
+         "disaggregated": {"conversation": CONVERSATION_DISAGG_ARGS, "code": CODE_DISAGG_ARGS}}
+"""Mode -> workload -> its extra ``pdcluster up`` arguments; colocated runs first (its attainment
+decides where the sweep stops). Each (mode, workload) gets its own cluster."""
 
 CLUSTER_ARGS = ["--max-model-len", "512", "--block-size", "16", "--num-kv-blocks", "800", "--heartbeat-s", "0.5"]
 """``pdcluster up`` arguments shared by both modes."""
@@ -64,15 +76,20 @@ def up_args(mode_args: list[str], state_dir: Path):
             err.getvalue().strip().splitlines()[-1]
 
 
+def mode_args(mode: str, workload: str) -> list[str]:
+    """The extra ``pdcluster up`` arguments of ``mode`` on ``workload`` (:data:`MODES`)."""
+    return MODES[mode][workload]
+
+
 @contextlib.contextmanager
-def cluster(mode: str) -> Iterator[tuple[dict | None, str]]:
-    """``with cluster(mode) as (state, reason)``: the mode's local cluster is up inside the
-    block (``state`` is ``pdcluster up``'s state dict) and down after it; ``(None, reason)``
-    when its arguments are rejected or ``up`` fails (nothing is left running)."""
+def cluster(mode: str, workload: str) -> Iterator[tuple[dict | None, str]]:
+    """``with cluster(mode, workload) as (state, reason)``: the mode's local cluster for that
+    workload is up inside the block (``state`` is ``pdcluster up``'s state dict) and down after
+    it; ``(None, reason)`` when its arguments are rejected or ``up`` fails (nothing is left running)."""
     from deploy import local
 
     state_dir = Path(tempfile.mkdtemp(prefix=f"bench-{mode}-"))
-    up, reason = up_args(MODES[mode], state_dir)
+    up, reason = up_args(mode_args(mode, workload), state_dir)
     if up is None:
         yield None, reason
         return

@@ -30,16 +30,17 @@ def _rate(v) -> str:
     return "none" if v is None else f"{v:g} req/s"
 
 
-def _mode_table(name: str, mode: dict, entry: dict, result: dict) -> list[str]:
-    lines = [f"### {name} (`{' '.join(entry['up_args'])}`)", ""]
-    if entry.get("skipped"):
-        return lines + [f"**Not run:** {entry['skipped']}", ""]
-    base = entry.get("idle_baseline", {})
+def _mode_table(name: str, mode: dict, entry: dict, workload: str, result: dict) -> list[str]:
+    lines = [f"### {name} (`{' '.join(entry['up_args'][workload])}`)", ""]
+    cluster = entry.get("clusters", {}).get(workload, {})
+    if cluster.get("skipped"):
+        return lines + [f"**Not run:** {cluster['skipped']}", ""]
+    base = cluster.get("idle_baseline", {})
     if entry.get("report_only"):
         lines += ["Built from recorded runs (`--report-only`): the session that recorded a run had warmed its "
                   "cluster up and measured its idle baseline first; the load before each run is below.", ""]
     else:
-        lines += [f"Warm-up: {entry.get('warmup')}. Idle cluster baseline: {base.get('cores', 0):.2f} cores "
+        lines += [f"Warm-up: {cluster.get('warmup')}. Idle cluster baseline: {base.get('cores', 0):.2f} cores "
                   f"({'measured' if base.get('measured') else 'given'}).", ""]
     lines += [
               "| rate (req/s) | recorded / reps | " + " | ".join(t for _, t, _, _ in LABELS)
@@ -146,7 +147,7 @@ def markdown(result: dict) -> str:
     for name, w in result["workloads"].items():
         lines += [f"## Workload: {name} (`{w['trace']}`, inputs clipped to {w['max_input_tokens']} tokens)", ""]
         for mode, m in w["modes"].items():
-            lines += _mode_table(mode, m, result["modes"][mode], result)
+            lines += _mode_table(mode, m, result["modes"][mode], name, result)
         lines += [f"### ITL by position ({name})", ""] + _gap_table(w)
         if profile := _profile_table(w):
             lines += [f"### Profile ({name})", ""] + profile

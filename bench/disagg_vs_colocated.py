@@ -2,14 +2,16 @@
 on two Azure workloads, with confidence intervals.
 
 Each mode is brought up with ``pdcluster up --local`` (through the CLI's own parser, as
-``tests/cluster_utils.py`` does) with the same model, KV pool and number of workers, so
-both get the same CPU threads. Colocated runs first. Per mode:
+``tests/cluster_utils.py`` does) with the same model, KV pool and number of workers, once per
+workload: the disaggregated mode's per-phase threads and prefill token budget are chosen per
+workload, as DistServe chooses each phase's parallelism (``_disagg_cluster.MODES``, with the
+measurements behind them). Colocated runs first. Per mode and workload:
 
-1. **Warm-up**: once the cluster is up, ``--warmup-requests`` requests of the first workload
+1. **Warm-up**: once the cluster is up, ``--warmup-requests`` requests of the workload
    are replayed at the lowest rate and thrown away (model pages, allocator, gRPC channels).
 2. **Idle baseline**: the idle cluster's own CPU use (cores, over ``--baseline-window-s``):
    every process of the Ray head's session, its Redis and this driver, from ``/proc``.
-3. **Sweep**: per workload (``--workloads``: ``conversation`` = the repository's Azure LLM
+3. **Sweep** of the workload (``--workloads``: ``conversation`` = the repository's Azure LLM
    inference trace 2023 conversation CSV, ``code`` = its code CSV, whose long prompts make
    prefill interfere with decode; both from ``loadtest/data/azure2023``, nothing outside the
    repository is read), per rate (ascending), ``--repetitions`` runs of the same
@@ -38,7 +40,7 @@ between runs. The bench never kills or waits for anything but its own runs.
 
 **Outputs** in ``--results-dir``:
 
-* ``disagg_vs_colocated.json``: config, machine, per mode its warm-up and idle baseline; per
+* ``disagg_vs_colocated.json``: config, machine, per mode its arguments, warm-up and idle baseline per workload; per
   workload and mode the points (rate, every recorded run with the load before it, skipped
   runs, and mean / 95 % CI (Student t over repetitions) of goodput, SLO attainment, p99 ITL
   and p99 TTFT), DistServe goodput (highest rate whose mean attainment >= the target, every
@@ -191,7 +193,7 @@ def run_settings(args, workload: str, mode: str, rate: float, rep: int) -> dict:
     return {"workload": workload, "mode": mode, "rate": rate, "rep": rep, "seed": args.seed + rep,
             "num_requests": args.num_requests, "skip": args.skip, "max_input_tokens": args.clips[workload],
             "max_output_tokens": args.max_output_tokens, "slo": args.slo, "run_duration": args.run_duration,
-            "cluster_args": dc.CLUSTER_ARGS, "up_args": dc.MODES[mode]}
+            "cluster_args": dc.CLUSTER_ARGS, "up_args": dc.mode_args(mode, workload)}
 
 
 def recorded_run(out: Path, settings: dict) -> dict | None:
@@ -263,54 +265,61 @@ def recorded_model(out: Path) -> str | None:
         return None
 
 
-def warm_up(state: dict, args) -> dict:
-    """The unrecorded warm-up replay; ``{"requests", "completed", "duration_s"}``."""
+def warm_up(state: dict, args, workload: str) -> dict:
+    """The unrecorded warm-up replay of ``workload``; ``{"requests", "completed", "duration_s"}``."""
     if args.warmup_requests == 0:
         return {"requests": 0, "completed": 0, "duration_s": 0.0}
-    wl = workload_config(args, args.workloads[0], args.rates[0], args.warmup_requests, args.seed + 1000)
+    wl = workload_config(args, workload, args.rates[0], args.warmup_requests, args.seed + 1000)
     s = dc.replay(state, wl, args, None)
     return {"requests": args.warmup_requests, "completed": s["completed"], "duration_s": s["duration_s"]}
 
 
 def run_mode(mode: str, args, rates_by_workload: dict) -> dict:
-    """Up, warm-up, idle baseline and sweep of one mode; returns ``{"up_args", "skipped"?,
-    "warmup", "idle_baseline", "workloads": {workload: [point, ...]}}``."""
-    entry: dict = {"up_args": dc.MODES[mode], "workloads": {w: [] for w in args.workloads}}
-    with dc.cluster(mode) as (state, reason):
-        if state is None:
-            log(f"[{mode}] skipped: {reason}")
-            return entry | {"skipped": reason}
-        entry["ray_head_pid"] = state.get("ray_head_pid")  # its session is gone after down (smoke test)
-        entry["warmup"] = warm_up(state, args)
-        log(f"[{mode}] warm-up: {entry['warmup']}")
-        if args.idle_baseline is None:
-            entry["idle_baseline"] = dc.idle_cpu_cores(state, args.baseline_window_s) | {"measured": True}
-        else:
-            entry["idle_baseline"] = {"cores": args.idle_baseline, "measured": False}
-        log(f"[{mode}] idle baseline: {entry['idle_baseline']}")
-        sweep(entry, mode, args, rates_by_workload, state, entry["idle_baseline"]["cores"])
+    """Per workload, up (the mode's arguments for it), warm-up, idle baseline and sweep; returns
+    ``{"up_args": {workload: args}, "clusters": {workload: {"skipped"?, "ray_head_pid", "warmup",
+    "idle_baseline"}}, "workloads": {workload: [point, ...]}}``."""
+    entry: dict = {"up_args": {w: dc.mode_args(mode, w) for w in args.workloads}, "clusters": {},
+                   "workloads": {w: [] for w in args.workloads}}
+    for workload in args.workloads:
+        with dc.cluster(mode, workload) as (state, reason):
+            if state is None:
+                log(f"[{workload}/{mode}] skipped: {reason}")
+                entry["clusters"][workload] = {"skipped": reason}
+                continue
+            c = entry["clusters"][workload] = {"ray_head_pid": state.get("ray_head_pid")}  # gone after down (smoke test)
+            c["warmup"] = warm_up(state, args, workload)
+            log(f"[{workload}/{mode}] warm-up: {c['warmup']}")
+            if args.idle_baseline is None:
+                c["idle_baseline"] = dc.idle_cpu_cores(state, args.baseline_window_s) | {"measured": True}
+            else:
+                c["idle_baseline"] = {"cores": args.idle_baseline, "measured": False}
+            log(f"[{workload}/{mode}] idle baseline: {c['idle_baseline']}")
+            sweep(entry, mode, args, workload, rates_by_workload[workload], state, c["idle_baseline"]["cores"])
     return entry
 
 
 def report_mode(mode: str, args, rates_by_workload: dict) -> dict:
     """:func:`run_mode` for ``--report-only``: the points from recorded runs, no cluster."""
-    entry: dict = {"up_args": dc.MODES[mode], "report_only": True, "workloads": {w: [] for w in args.workloads}}
-    sweep(entry, mode, args, rates_by_workload, None, 0.0)
+    entry: dict = {"up_args": {w: dc.mode_args(mode, w) for w in args.workloads}, "report_only": True,
+                   "clusters": {}, "workloads": {w: [] for w in args.workloads}}
+    for workload in args.workloads:
+        sweep(entry, mode, args, workload, rates_by_workload[workload], None, 0.0)
     return entry
 
 
-def sweep(entry: dict, mode: str, args, rates_by_workload: dict, state: dict | None, baseline: float) -> None:
-    """Measure (or, with ``--report-only``, collect) every point of ``mode`` into ``entry``; colocated
-    stops raising the rate after the first rate whose mean attainment is below ``--stop-below-attainment``."""
-    for workload in args.workloads:
-        for rate in rates_by_workload[workload]:
-            point = measure_point(state, args, workload, mode, rate, baseline)
-            if args.report_only and not point["runs"]:
-                continue  # a rate this workload was never run at (the rates are shared by the workloads)
-            entry["workloads"][workload].append(point)
-            if mode == "colocated" and ds.should_stop(point, args.stop_below_attainment):
-                log(f"[{workload}/colocated] mean attainment below {args.stop_below_attainment}: stop at {rate:g}")
-                break
+def sweep(entry: dict, mode: str, args, workload: str, rates: list[float], state: dict | None,
+          baseline: float) -> None:
+    """Measure (or, with ``--report-only``, collect) every point of ``mode`` on ``workload`` into
+    ``entry``; colocated stops raising the rate after the first rate whose mean attainment is below
+    ``--stop-below-attainment``."""
+    for rate in rates:
+        point = measure_point(state, args, workload, mode, rate, baseline)
+        if args.report_only and not point["runs"]:
+            continue  # a rate this workload was never run at (the rates are shared by the workloads)
+        entry["workloads"][workload].append(point)
+        if mode == "colocated" and ds.should_stop(point, args.stop_below_attainment):
+            log(f"[{workload}/colocated] mean attainment below {args.stop_below_attainment}: stop at {rate:g}")
+            break
 
 
 def build_result(args, modes: dict, started: str) -> dict:
@@ -349,8 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         if mode not in args.modes:
             continue
         modes[mode] = (report_mode if args.report_only else run_mode)(mode, args, rates)
-        if mode == "colocated" and not modes[mode].get("skipped"):
-            rates = {w: [p["rate"] for p in modes[mode]["workloads"][w]] for w in args.workloads}
+        if mode == "colocated":  # disaggregated runs colocated's rates (all of them where colocated was not up)
+            rates = {w: [p["rate"] for p in modes[mode]["workloads"][w]] or rates[w] for w in args.workloads}
     result = build_result(args, modes, started)
     stem, _ = write_results(result, args.results_dir, "disagg_vs_colocated", _disagg_report.markdown)
     _disagg_report.write_plot(stem.with_suffix(".png"), result)

@@ -159,8 +159,10 @@ def test_smoke_end_to_end(tmp_path):
     assert "### Profile (conversation)" in (tmp_path / "disagg_vs_colocated.md").read_text()
     assert res["config"]["repetitions"] == 2 and res["config"]["num_requests"] == 4
     mode = res["modes"]["colocated"]
-    assert "skipped" not in mode and mode["warmup"]["requests"] == 2 and mode["idle_baseline"]["measured"]
-    assert mode["idle_baseline"]["cores"] >= 0
+    assert mode["up_args"] == {"conversation": ["--colocated", "--workers", "2"]}
+    cluster = mode["clusters"]["conversation"]
+    assert "skipped" not in cluster and cluster["warmup"]["requests"] == 2 and cluster["idle_baseline"]["measured"]
+    assert cluster["idle_baseline"]["cores"] >= 0
     w = res["workloads"]["conversation"]
     [point] = w["modes"]["colocated"]["points"]
     assert point["rate"] == 1.0 and len(point["runs"]) == 2 and point["skipped_runs"] == []
@@ -175,7 +177,7 @@ def test_smoke_end_to_end(tmp_path):
     assert all(run["middle_gap_p99_ms"] is None or run["middle_gap_p99_ms"] > 0 for run in point["runs"])
     assert w["targets"]["goodput"]["met"] is None  # disaggregated not run
     assert (tmp_path / "runs" / "conversation" / "colocated" / "rate_1" / "rep_1" / "summary.json").is_file()
-    _assert_group_gone(mode["ray_head_pid"])
+    _assert_group_gone(cluster["ray_head_pid"])
 
 
 def _assert_group_gone(pgid: int, timeout_s: float = 20.0) -> None:
@@ -204,7 +206,7 @@ def test_sweep_stops_with_colocated_and_disaggregated_follows(tmp_path, monkeypa
     attainment = {"colocated": {1.0: 1.0, 2.0: 0.5, 4.0: 0.0}, "disaggregated": {1.0: 1.0, 2.0: 0.95}}
 
     @contextlib.contextmanager
-    def fake_cluster(mode):
+    def fake_cluster(mode, workload):
         yield {"mode": mode, "router_address": "x", "ray_head_pid": None}, ""
 
     def fake_replay(state, workload, args, out):
@@ -239,7 +241,7 @@ def test_sweep_stops_with_colocated_and_disaggregated_follows(tmp_path, monkeypa
     t = res["workloads"]["code"]["targets"]
     assert t["itl"]["rate"] == 2.0 and t["itl"]["ratio"] == pytest.approx(0.3) and t["itl"]["met"] is True
     assert t["goodput"]["met"] is True
-    assert res["modes"]["colocated"]["idle_baseline"] == {"cores": 0.2, "measured": False}
+    assert res["modes"]["colocated"]["clusters"]["code"]["idle_baseline"] == {"cores": 0.2, "measured": False}
     md = (tmp_path / "disagg_vs_colocated.md").read_text()
     assert "rep 0: 9.00" in md and "**met**" in md
 
@@ -255,7 +257,7 @@ def test_resume_keeps_runs_recorded_with_the_same_settings(tmp_path, monkeypatch
     calls = []
 
     @contextlib.contextmanager
-    def fake_cluster(mode):
+    def fake_cluster(mode, workload):
         yield {"mode": mode, "router_address": "x", "ray_head_pid": None}, ""
 
     def fake_replay(state, workload, args, out):
@@ -295,3 +297,41 @@ def test_resume_keeps_runs_recorded_with_the_same_settings(tmp_path, monkeypatch
     monkeypatch.setattr(dc, "cluster", fake_cluster)
     assert bench.main([*common, "--rates", "1", "--num-requests", "3", "--resume"]) == 0
     assert calls == [("colocated", 1.0, 3)] * 2  # other settings: run again
+
+
+def test_each_mode_and_workload_gets_its_own_cluster(tmp_path, monkeypatch):
+    """A cluster per (mode, workload), brought up with that workload's arguments and warmed up with
+    that workload; the disaggregated arguments differ per workload (measured: _disagg_cluster)."""
+    import contextlib
+
+    import _disagg_cluster as dc
+    import disagg_vs_colocated as bench
+
+    ups, warm = [], []
+
+    @contextlib.contextmanager
+    def fake_cluster(mode, workload):
+        ups.append((mode, workload, dc.mode_args(mode, workload)))
+        yield {"mode": mode, "router_address": "x", "ray_head_pid": None}, ""
+
+    def fake_replay(state, workload, args, out):
+        if out is None:
+            warm.append((state["mode"], workload.source))
+        return {"model": "m", "sent": 4, "completed": 4, "failed": 0, "duration_s": 4.0, "request_throughput": 1.0,
+                "output_throughput": 16.0, "slo_attainment": 1.0, "goodput": workload.rate,
+                "ttft_ms": {"p50": 10.0, "p99": 20.0}, "itl_ms": {"p99": 30.0}, "tpot_ms": {"mean": 5.0, "p99": 6.0}}
+
+    monkeypatch.setattr(dc, "cluster", fake_cluster)
+    monkeypatch.setattr(dc, "replay", fake_replay)
+    monkeypatch.setattr(bench.os, "getloadavg", lambda: (0.1, 0.0, 0.0))
+    assert bench.main(["--workloads", "conversation,code", "--rates", "1", "--repetitions", "1", "--num-requests", "4",
+                       "--warmup-requests", "2", "--idle-baseline", "0", "--results-dir", str(tmp_path)]) == 0
+    assert [u[:2] for u in ups] == [("colocated", "conversation"), ("colocated", "code"),
+                                    ("disaggregated", "conversation"), ("disaggregated", "code")]
+    assert ups[2][2] != ups[3][2] and "--prefill-threads" in ups[3][2]
+    assert warm == [("colocated", "azure-conv"), ("colocated", "azure-code"),
+                    ("disaggregated", "azure-conv"), ("disaggregated", "azure-code")]
+    res = json.loads((tmp_path / "disagg_vs_colocated.json").read_text())
+    assert res["modes"]["disaggregated"]["up_args"] == {"conversation": ups[2][2], "code": ups[3][2]}
+    md = (tmp_path / "disagg_vs_colocated.md").read_text()
+    assert f"### disaggregated (`{' '.join(ups[3][2])}`)" in md
