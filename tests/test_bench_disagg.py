@@ -193,6 +193,13 @@ def _assert_group_gone(pgid: int, timeout_s: float = 20.0) -> None:
     raise AssertionError(f"Ray head process group {pgid} still alive {timeout_s:.0f} s after the bench ended")
 
 
+def _fake_summary(rate: float, attainment: float = 1.0, itl_p99_ms: float = 30.0) -> dict:
+    """A loadtest summary of 4 requests at ``rate``, as the fake replays of the sweep tests return."""
+    return {"model": "m", "sent": 4, "completed": 4, "failed": 0, "duration_s": 4.0, "request_throughput": 1.0,
+            "output_throughput": 16.0, "slo_attainment": attainment, "goodput": attainment * rate,
+            "ttft_ms": {"p50": 10.0, "p99": 20.0}, "itl_ms": {"p99": itl_p99_ms}, "tpot_ms": {"mean": 5.0, "p99": 6.0}}
+
+
 def test_sweep_stops_with_colocated_and_disaggregated_follows(tmp_path, monkeypatch):
     """The sweep's control flow with fake clusters: colocated stops after the first rate whose
     mean attainment is < 0.9, disaggregated runs exactly colocated's rates, each mode warms
@@ -212,11 +219,7 @@ def test_sweep_stops_with_colocated_and_disaggregated_follows(tmp_path, monkeypa
     def fake_replay(state, workload, args, out):
         calls.append((state["mode"], workload.rate, workload.num_requests, out is not None))
         att = attainment[state["mode"]][workload.rate]
-        return {"model": "m", "sent": 4, "completed": 4, "failed": 0, "duration_s": 4.0, "request_throughput": 1.0,
-                "output_throughput": 16.0, "slo_attainment": att, "goodput": att * workload.rate,
-                "ttft_ms": {"p50": 10.0, "p99": 20.0},
-                "itl_ms": {"p99": 100.0 if state["mode"] == "colocated" else 30.0},
-                "tpot_ms": {"mean": 5.0, "p99": 6.0}}
+        return _fake_summary(workload.rate, att, itl_p99_ms=100.0 if state["mode"] == "colocated" else 30.0)
 
     monkeypatch.setattr(dc, "cluster", fake_cluster)
     monkeypatch.setattr(dc, "replay", fake_replay)
@@ -263,9 +266,7 @@ def test_resume_keeps_runs_recorded_with_the_same_settings(tmp_path, monkeypatch
     def fake_replay(state, workload, args, out):
         if out is not None:
             calls.append((state["mode"], workload.rate, workload.num_requests))
-        return {"model": "m", "sent": 4, "completed": 4, "failed": 0, "duration_s": 4.0, "request_throughput": 1.0,
-                "output_throughput": 16.0, "slo_attainment": 1.0, "goodput": workload.rate,
-                "ttft_ms": {"p50": 10.0, "p99": 20.0}, "itl_ms": {"p99": 30.0}, "tpot_ms": {"mean": 5.0, "p99": 6.0}}
+        return _fake_summary(workload.rate)
 
     monkeypatch.setattr(dc, "cluster", fake_cluster)
     monkeypatch.setattr(dc, "replay", fake_replay)
@@ -317,9 +318,7 @@ def test_each_mode_and_workload_gets_its_own_cluster(tmp_path, monkeypatch):
     def fake_replay(state, workload, args, out):
         if out is None:
             warm.append((state["mode"], workload.source))
-        return {"model": "m", "sent": 4, "completed": 4, "failed": 0, "duration_s": 4.0, "request_throughput": 1.0,
-                "output_throughput": 16.0, "slo_attainment": 1.0, "goodput": workload.rate,
-                "ttft_ms": {"p50": 10.0, "p99": 20.0}, "itl_ms": {"p99": 30.0}, "tpot_ms": {"mean": 5.0, "p99": 6.0}}
+        return _fake_summary(workload.rate)
 
     monkeypatch.setattr(dc, "cluster", fake_cluster)
     monkeypatch.setattr(dc, "replay", fake_replay)
