@@ -232,7 +232,8 @@ def measure_point(state: dict | None, args, workload: str, mode: str, rate: floa
         summary = dc.replay(state, workload_config(args, workload, rate, args.num_requests, args.seed + rep), args, out)
         args.model, wall = summary["model"], max(time.monotonic() - t0, 1e-9)
         row = dc.row_of(summary, rep, gate) | {"cluster_cpu_cores": (dc.cluster_cpu_s(state) - cpu0) / wall,
-                                               "profile": dp.profile(prof0, dp.snapshot(state), wall)} | from_records(out, args)
+                                               "profile": dp.profile(prof0, dp.snapshot(state), wall)}
+        row |= from_records(out, args)
         log(f"{tag}: attainment {row['slo_attainment']:.2f}, goodput {row['goodput']:.3f} req/s, "
             f"ITL p99 {_ms(row['itl_p99_ms'])}, TTFT p99 {_ms(row['ttft_p99_ms'])}")
         out.mkdir(parents=True, exist_ok=True)
@@ -286,7 +287,8 @@ def run_mode(mode: str, args, rates_by_workload: dict) -> dict:
                 log(f"[{workload}/{mode}] skipped: {reason}")
                 entry["clusters"][workload] = {"skipped": reason}
                 continue
-            c = entry["clusters"][workload] = {"ray_head_pid": state.get("ray_head_pid")}  # gone after down (smoke test)
+            # the Ray head's pid: its session is gone after down (the smoke test checks)
+            c = entry["clusters"][workload] = {"ray_head_pid": state.get("ray_head_pid")}
             c["warmup"] = warm_up(state, args, workload)
             log(f"[{workload}/{mode}] warm-up: {c['warmup']}")
             if args.idle_baseline is None:

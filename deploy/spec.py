@@ -209,7 +209,8 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
     worker = WorkerConfig(role="prefill", worker_id="template", model=args.model, redis_url=redis_url,
                           cluster=args.cluster, device=args.device, dtype=args.dtype,
                           heartbeat_s=args.heartbeat_s, cache=cache, scheduler=sched, kv=kv,
-                          prefill_cache=prefill_cache, prefill_scheduler=prefill_sched, log=log, security=security.for_workers(),
+                          prefill_cache=prefill_cache, prefill_scheduler=prefill_sched, log=log,
+                          security=security.for_workers(),
                           max_queued_requests=args.max_queued_requests, cpu_nice=args.worker_nice,
                           prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, quantization=args.quantization)
     router = RouterConfig(model=args.model, model_path=str(folder), redis_url=redis_url, cluster=args.cluster,

@@ -126,7 +126,8 @@ def test_attainment_and_goodput_by_slo_scale():
     records = [{"ok": True, "ttft_s": 1.0, "tpot_s": 0.05}, {"ok": True, "ttft_s": 3.0, "tpot_s": 0.05},
                {"ok": True, "ttft_s": 0.5, "tpot_s": None}, {"ok": False, "ttft_s": 0.1, "tpot_s": 0.01}]
     att = ds.attainment_by_scale(records, {"ttft_s": 2.0, "tpot_s": 0.2}, [0.25, 1, 2])
-    assert att == {"0.25": 0.25, "1": 0.5, "2": 0.75}  # a limit met on the boundary and a missing TPOT count; a failure never
+    # a limit met on the boundary and a missing TPOT count; a failure never does
+    assert att == {"0.25": 0.25, "1": 0.5, "2": 0.75}
     assert ds.attainment_by_scale([], {"ttft_s": 2.0}, [1]) == {"1": 0.0}
     points = [{"rate": 1.0, "runs": [{"attainment_by_slo_scale": {"0.5": 0.95, "1": 1.0}},
                                      {"attainment_by_slo_scale": {"0.5": 0.8, "1": 1.0}}]},

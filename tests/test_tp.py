@@ -184,7 +184,8 @@ def test_the_prefill_token_budget_reaches_prefill_workers_only(folders):
     assert budgets == {"prefill": 512, "decode": 4096, "colocated": 4096}
     assert worker.for_role("prefill", "w").prefill_scheduler is None
     # a worker's config travels as a dict (to its Ray actor): the prefill budget survives the trip
-    assert WorkerConfig.from_dict(dataclasses.asdict(worker)).for_role("prefill", "w").scheduler.max_num_batched_tokens == 512
+    back = WorkerConfig.from_dict(dataclasses.asdict(worker))
+    assert back.for_role("prefill", "w").scheduler.max_num_batched_tokens == 512
     assert spec("--prefill-max-num-batched-tokens", "2048").worker.prefill_scheduler is None  # the default budget
     with pytest.raises(ConfigError, match=r"--prefill-max-num-batched-tokens must be >= 1 \(tokens\), got 0"):
         spec("--prefill-max-num-batched-tokens", "0")
