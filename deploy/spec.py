@@ -188,6 +188,7 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
     for flag, bs in (("--block-size", args.block_size), ("--prefill-block-size", args.prefill_block_size)):
         if bs is not None and (bs <= 0 or bs & (bs - 1)):
             raise ConfigError(f"{flag} must be a power of two, got {bs}")
+    check_step_limits(args)
     folder = resolve_model(args.model)  # dequantize once here, not in every worker
     model_cfg = checked_model(args, folder)
     kv_dtype = "float32" if args.dtype in ("auto", "float32") and not use_cuda else (
@@ -225,6 +226,20 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
     counts = (0, 0, args.workers) if args.colocated else (args.prefill, args.decode, 0)
     return ClusterSpec(counts[0], counts[1], worker, router, placement_from_args(args), num_colocated=counts[2],
                        timeout_s=args.timeout_s, num_routers=args.routers)
+
+
+def check_step_limits(args) -> None:
+    """``up``'s step-limit flags, each named in its error (the engine's ``SchedulerConfig``
+    would name its field).
+
+    Raises:
+        ConfigError: ``--max-num-seqs``, ``--max-num-batched-tokens`` or ``--max-model-len`` < 1.
+    """
+    for flag, value in (("--max-num-seqs", args.max_num_seqs),
+                        ("--max-num-batched-tokens", args.max_num_batched_tokens),
+                        ("--max-model-len", args.max_model_len)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
 
 
 def prefill_scheduler(sched: SchedulerConfig, budget: int | None) -> SchedulerConfig | None:

@@ -189,6 +189,9 @@ def test_the_prefill_token_budget_reaches_prefill_workers_only(folders):
     assert spec("--prefill-max-num-batched-tokens", "2048").worker.prefill_scheduler is None  # the default budget
     with pytest.raises(ConfigError, match=r"--prefill-max-num-batched-tokens must be >= 1 \(tokens\), got 0"):
         spec("--prefill-max-num-batched-tokens", "0")
+    for flag in ("--max-num-batched-tokens", "--max-num-seqs", "--max-model-len"):  # the flag named, not the field
+        with pytest.raises(ConfigError, match=f"^{flag} must be >= 1, got 0$"):
+            spec(flag, "0")
 
 
 def test_a_dead_rank_fails_the_step_instead_of_hanging(folders):
