@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from _disagg_profile import COLUMNS, mean_profile
+from loadtest.metrics import parse_slo
 from _disagg_stats import GAPS
 
 LABELS = (("goodput", "goodput (req/s)", 1.0, "{:.3f}"), ("slo_attainment", "SLO attainment (%)", 100.0, "{:.0f}"),
@@ -97,9 +98,9 @@ def _scale_table(w: dict, cfg: dict) -> list[str]:
     if not modes or not cfg.get("slo_scales"):
         return []
     lines = ["| SLO scale | SLO | " + " | ".join(f"{m} goodput" for m in modes) + " |", "|" + "---|" * (2 + len(modes))]
-    slo = [part.partition("=") for part in cfg["slo"].split(",") if part]
+    slo = parse_slo(cfg["slo"])
     for sc in cfg["slo_scales"]:
-        scaled = ", ".join(f"{k}={_scaled(v, sc)}" for k, _, v in slo)
+        scaled = ", ".join(f"{k.removesuffix('_ms')}={v:g}ms" for k, v in slo.scaled(sc).as_ms().items())
         cells = []
         for m in modes:
             g = w["modes"][m]["goodput_by_slo_scale"].get(f"{sc:g}", {})
@@ -108,12 +109,6 @@ def _scale_table(w: dict, cfg: dict) -> list[str]:
     return [f"DistServe goodput with every objective of the SLO ({cfg['slo']}) times a scale (DistServe's SLO-scale "
             "axis), recomputed from the recorded requests of the same runs; ≥: the highest rate measured (the "
             "sweep stopped there at scale 1). The targets are judged at scale 1.", "", *lines, ""]
-
-
-def _scaled(text: str, scale: float) -> str:
-    from loadtest.metrics import parse_duration_s
-
-    return f"{1e3 * scale * parse_duration_s(text):g}ms"
 
 
 def _targets(t: dict) -> list[str]:

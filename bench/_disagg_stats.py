@@ -19,7 +19,8 @@ import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 
-from loadtest.metrics import latency_stats_ms, max_rate_meeting
+from loadtest.metrics import SLO, latency_stats_ms, max_rate_meeting
+from loadtest.records import RequestRecord
 
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
         2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
@@ -185,24 +186,21 @@ def targets(disagg: Sequence[dict], colocated: Sequence[dict], target: float) ->
     return {"itl": itl, "goodput": {"disagg": gd, "colocated": gc, "met": met}}
 
 
-def attainment_by_scale(records: Sequence[dict], limits_s: dict[str, float], scales: Sequence[float]) -> dict:
-    """SLO attainment of one run with every objective multiplied by each scale.
+def attainment_by_scale(records: Sequence[RequestRecord], slo: SLO, scales: Sequence[float]) -> dict:
+    """SLO attainment of one run with every objective of ``slo`` multiplied by each scale
+    (:meth:`loadtest.metrics.SLO.scaled`, counted by its ``met_by``).
 
     Args:
-        records: the run's per-request records (``requests.jsonl``: every sent request, with
-            ``ok`` and ``ttft_s`` / ``tpot_s`` / ``e2e_s`` in seconds, a missing value meeting
-            any objective, as ``loadtest.metrics.SLO.met_by`` counts it).
-        limits_s: objective -> limit (seconds), e.g. ``{"ttft_s": 2.0, "tpot_s": 0.2}``.
+        records: the run's per-request records (``requests.jsonl``: every sent request).
+        slo: the objectives at scale 1.
         scales: the multipliers.
 
     Returns:
         ``{f"{scale:g}": fraction of the records meeting every scaled objective}`` (0.0 with no
         record).
     """
-    def meets(r: dict, scale: float) -> bool:
-        return bool(r.get("ok")) and all(r.get(k) is None or r[k] <= scale * lim for k, lim in limits_s.items())
-
-    return {f"{sc:g}": (sum(meets(r, sc) for r in records) / len(records) if records else 0.0) for sc in scales}
+    return {f"{sc:g}": (sum(map(slo.scaled(sc).met_by, records)) / len(records) if records else 0.0)
+            for sc in scales}
 
 
 def goodput_by_scale(points: Sequence[dict], scales: Sequence[float], target: float) -> dict:

@@ -99,6 +99,7 @@ import _disagg_stats as ds  # noqa: E402
 from _common import logger, write_results  # noqa: E402
 
 from loadtest.metrics import parse_slo  # noqa: E402
+from loadtest.records import RequestRecord  # noqa: E402
 from loadtest.workload import WorkloadConfig  # noqa: E402
 
 WORKLOADS = {"conversation": ("azure-conv", 128), "code": ("azure-code", 384)}
@@ -251,11 +252,9 @@ def from_records(out: Path, args) -> dict:
         lines = (out / "requests.jsonl").read_text().splitlines()
     except OSError:
         return {}
-    records = [json.loads(line) for line in lines if line.strip()]
-    limits = {k: v for k, v in (("ttft_s", args.slo_obj.ttft_s), ("tpot_s", args.slo_obj.tpot_s),
-                                ("e2e_s", args.slo_obj.e2e_s)) if v is not None}
-    return ds.itl_by_gap(r["token_times_s"] for r in records if r.get("ok")) | {
-        "attainment_by_slo_scale": ds.attainment_by_scale(records, limits, args.slo_scales)}
+    records = [RequestRecord.from_dict(json.loads(line)) for line in lines if line.strip()]
+    return ds.itl_by_gap(r.token_times_s for r in records if r.ok) | {
+        "attainment_by_slo_scale": ds.attainment_by_scale(records, args.slo_obj, args.slo_scales)}
 
 
 def recorded_model(out: Path) -> str | None:

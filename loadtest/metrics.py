@@ -61,6 +61,15 @@ class SLO:
         """The given objectives in milliseconds, e.g. ``{"ttft_ms": 2000.0}``."""
         return {f"{k}_ms": getattr(self, f"{k}_s") * 1e3 for k in SLO_KEYS if getattr(self, f"{k}_s") is not None}
 
+    def scaled(self, factor: float) -> "SLO":
+        """Every given objective times ``factor`` (DistServe's SLO scale; > 0).
+
+        Raises:
+            ValueError: ``factor`` <= 0.
+        """
+        return SLO(**{f"{k}_s": None if getattr(self, f"{k}_s") is None else factor * getattr(self, f"{k}_s")
+                      for k in SLO_KEYS})
+
     def met_by(self, rec: RequestRecord) -> bool:
         """``rec`` completed and meets every given objective."""
         if not rec.ok:

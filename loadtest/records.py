@@ -10,7 +10,7 @@ load tester itself; ``error`` holds it).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 OK = "OK"
 
@@ -68,6 +68,15 @@ class RequestRecord:
         """Every gap between consecutive output tokens (seconds; 0 inside one chunk)."""
         t = self.token_times_s
         return [b - a for a, b in zip(t, t[1:])]
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RequestRecord":
+        """Inverse of :meth:`as_dict` (a line of ``requests.jsonl``); the derived keys are recomputed.
+
+        Raises:
+            TypeError: a field without a default is missing.
+        """
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
     def as_dict(self) -> dict:
         """JSON-ready dict with the derived ``ttft_s``, ``tpot_s``, ``e2e_s`` (``None`` when undefined)."""

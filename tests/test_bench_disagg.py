@@ -123,12 +123,14 @@ def test_profile_is_the_difference_of_two_readings():
 
 
 def test_attainment_and_goodput_by_slo_scale():
-    records = [{"ok": True, "ttft_s": 1.0, "tpot_s": 0.05}, {"ok": True, "ttft_s": 3.0, "tpot_s": 0.05},
-               {"ok": True, "ttft_s": 0.5, "tpot_s": None}, {"ok": False, "ttft_s": 0.1, "tpot_s": 0.01}]
-    att = ds.attainment_by_scale(records, {"ttft_s": 2.0, "tpot_s": 0.2}, [0.25, 1, 2])
+    from loadtest.metrics import SLO
+
+    records = [_record(0, [1.0, 1.0625]), _record(1, [3.0, 3.0625]),  # TTFT 1 s and 3 s, TPOT 62.5 ms
+               _record(2, [0.5]), _record(3, [0.1, 0.11], status="UNAVAILABLE")]  # TTFT 0.5 s, no TPOT; failed
+    att = ds.attainment_by_scale(records, SLO(ttft_s=2.0, tpot_s=0.2), [0.25, 1, 2])
     # a limit met on the boundary and a missing TPOT count; a failure never does
     assert att == {"0.25": 0.25, "1": 0.5, "2": 0.75}
-    assert ds.attainment_by_scale([], {"ttft_s": 2.0}, [1]) == {"1": 0.0}
+    assert ds.attainment_by_scale([], SLO(ttft_s=2.0), [1]) == {"1": 0.0}
     points = [{"rate": 1.0, "runs": [{"attainment_by_slo_scale": {"0.5": 0.95, "1": 1.0}},
                                      {"attainment_by_slo_scale": {"0.5": 0.8, "1": 1.0}}]},
               {"rate": 2.0, "runs": [{"attainment_by_slo_scale": {"0.5": 0.5, "1": 0.95}}, {}]}]
@@ -192,6 +194,14 @@ def _assert_group_gone(pgid: int, timeout_s: float = 20.0) -> None:
             return
         time.sleep(0.5)
     raise AssertionError(f"Ray head process group {pgid} still alive {timeout_s:.0f} s after the bench ended")
+
+
+def _record(index: int, token_times_s: list[float], status: str = "OK"):
+    """A loadtest request record sent at 0 s whose tokens arrived at ``token_times_s``."""
+    from loadtest.records import RequestRecord
+
+    return RequestRecord(index=index, request_id=f"r{index}", scheduled_s=0.0, arrival_s=0.0, input_tokens=8,
+                         expected_output_tokens=len(token_times_s), token_times_s=token_times_s, status=status)
 
 
 def _fake_summary(rate: float, attainment: float = 1.0, itl_p99_ms: float = 30.0) -> dict:
@@ -284,8 +294,9 @@ def test_resume_keeps_runs_recorded_with_the_same_settings(tmp_path, monkeypatch
     assert [len(p["runs"]) for p in points] == [2, 2] and all(r.get("resumed") for r in points[0]["runs"])
     calls.clear()
     run_dir = tmp_path / "runs" / "code" / "colocated" / "rate_2" / "rep_1"
-    (run_dir / "requests.jsonl").write_text("\n".join(json.dumps(r) for r in (
-        {"ok": True, "token_times_s": [0.0, 0.1, 0.2, 2.2]}, {"ok": False, "token_times_s": [0.0, 9.0]})) + "\n")
+    streamed = [k / 1024 for k in range(64)] + [63 / 1024 + 2.0]  # a 2 s last gap; TTFT 0, TPOT 32 ms
+    (run_dir / "requests.jsonl").write_text("\n".join(json.dumps(r.as_dict()) for r in (
+        _record(0, streamed), _record(1, [0.0, 9.0], status="UNAVAILABLE"))) + "\n")
     monkeypatch.setattr(dc, "cluster", None)  # --report-only brings nothing up
     assert bench.main([*common, "--rates", "1,2,4", "--num-requests", "4", "--report-only"]) == 0
     assert calls == []

@@ -106,6 +106,21 @@ def test_latency_stats_percentiles():
     assert st == pytest.approx({"mean": 2500, "p50": 2500, "p90": 3700, "p95": 3850, "p99": 3970})
 
 
+def test_records_round_trip_their_jsonl_form(records):
+    back = [RequestRecord.from_dict(json.loads(json.dumps(r.as_dict()))) for r in records]
+    assert back == records and [b.as_dict() for b in back] == [r.as_dict() for r in records]
+
+
+def test_slo_scaled_multiplies_every_given_objective(records):
+    slo = SLO(ttft_s=2.0, tpot_s=0.2)
+    assert slo.scaled(0.25) == SLO(ttft_s=0.5, tpot_s=0.05) and slo.scaled(1) == slo
+    assert [slo.scaled(2.4).met_by(r) for r in records] == [True, True, True, False]
+    # at 0.25: TPOT over 50 ms (a, c), TTFT over 0.5 s (b), failed (d)
+    assert [slo.scaled(0.25).met_by(r) for r in records] == [False, False, False, False]
+    with pytest.raises(ValueError):
+        slo.scaled(0)
+
+
 def test_parse_slo_and_durations():
     assert parse_duration_s("2s") == 2.0 and parse_duration_s("200ms") == pytest.approx(0.2)
     assert parse_slo("ttft=2s,tpot=200ms") == SLO(ttft_s=2.0, tpot_s=0.2)
