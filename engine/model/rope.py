@@ -16,7 +16,9 @@ from __future__ import annotations
 import math
 
 import torch
+
 from engine.attention import AttentionMetadata
+from engine.kernels.cpu.rope_cache import rope_store_cpu, rope_store_reference, supports
 from engine.model.arch import RopeSpec
 
 
@@ -125,17 +127,23 @@ def _cos_sin(freqs: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Ten
 
 
 class RopeStep:
-    """cos/sin ``[T, 1, D]`` of one step's positions; rotates ``q``/``k`` of every layer."""
+    """cos/sin ``[T, 1, D]`` of one step's positions; rotates ``q``/``k`` of every layer and stores
+    its K/V (:meth:`rotate_and_store`)."""
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
         self.cos, self.sin = cos, sin
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: ``[T, H, D]``, k: ``[T, KH, D]``; returns both rotated, same dtype."""
-        cos, sin = self.cos, self.sin
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                         layer: int, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Rotate ``q`` ``[T, H, D]`` and ``k`` ``[T, KH, D]``, write the rotated K and ``v`` into
+        ``kv_cache[layer]`` (``[num_layers, 2, num_blocks, block_size, KH, D]``) at ``slot_mapping``
+        (``[T]`` int64 flat slots), and return the rotated queries. The C++ kernel
+        (:mod:`engine.kernels.cpu.rope_cache`: one call, bit-identical) where it takes the inputs
+        (CPU float32, ``q`` may then be rotated in place), else the same torch expression.
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        Raises:
+            RuntimeError / IndexError: a slot outside the cache (from the kernel / ``index_copy_``).
+        """
+        if supports(q, kv_cache):
+            return rope_store_cpu(q, k, v, self.cos, self.sin, kv_cache, layer, slot_mapping)
+        return rope_store_reference(q, k, v, self.cos, self.sin, kv_cache, layer, slot_mapping)

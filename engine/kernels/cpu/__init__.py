@@ -11,6 +11,9 @@ Each kernel has a plain-torch fallback that its caller uses when the extension i
   ``linear_q4_1(x, qs [N, K/32, 16] uint8, d [N, K/32] f32, m [N, K/32] f32, bias | None)``,
   both ``-> [M, N] f32``; a bad argument raises ``RuntimeError`` naming it.
 
+* ``rope_cache`` (:mod:`engine.kernels.cpu.rope_cache`): one layer's rotate-half RoPE of q and k
+  and its K/V written into the paged cache at the slot mapping, in one call, bit-identical to the
+  decoder's torch expression (:meth:`engine.model.rope.RopeStep.rotate_and_store`).
 * ``block_copy`` (``load("block_copy")``): KV block-row copies that take the bytes' CRC32C on the
   way, one pass over memory: ``gather_framed`` (rows into a new ``bytes`` after a prefix, the CRC
   written into it) and ``gather_crc`` (into a tensor, returning the CRC); used by :mod:`kvtransfer.onepass`.
