@@ -66,12 +66,18 @@ def _default(name: str):
     return sampling_param(name).default
 
 
+GREEDY_BELOW = 1e-5
+"""A temperature below this is greedy (``SamplingOptions`` stores it as 0): dividing the logits
+by it would overflow float32 to infinities and the softmax to NaN (a temperature of 1e-40 gave
+garbage tokens). vLLM's ``_SAMPLING_EPS`` (``vllm/sampling_params.py``), same value and rule."""
+
+
 @dataclass(frozen=True)
 class SamplingOptions:
     """Per-sequence sampling settings (semantics of ``pdcluster.v1.SamplingParams``).
 
     Attributes:
-        temperature: softmax temperature, ``>= 0``; ``0`` means greedy.
+        temperature: softmax temperature, ``>= 0``; ``0`` (or below :data:`GREEDY_BELOW`) means greedy.
         top_p: nucleus mass in ``(0, 1]``; ``1`` disables.
         top_k: keep the ``k`` most likely tokens; ``0`` disables.
         seed: per-request RNG seed (the caller owns the matching generator,
@@ -110,6 +116,8 @@ class SamplingOptions:
     logit_bias: tuple[tuple[int, float], ...] = _default("logit_bias")
 
     def __post_init__(self) -> None:
+        if 0.0 < self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         pairs = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
         pairs = tuple(sorted((int(t), float(b)) for t, b in pairs))
         if len({t for t, _ in pairs}) != len(pairs):

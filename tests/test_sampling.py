@@ -37,6 +37,21 @@ def test_greedy_is_argmax_with_lowest_id_on_ties():
     assert out.logprobs is None and out.top_ids is None and out.top_logprobs is None
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-40, 1e-30, 9.9e-6])
+def test_temperature_below_greedy_below_is_greedy_and_draws_nothing(temperature):
+    """A positive temperature too small to divide by (the logits would overflow to inf, the softmax
+    to NaN) is greedy, as in vLLM; a seeded row's generator is not advanced."""
+    from engine.sampling import GREEDY_BELOW
+    logits = _logits(4, seed=7) * 100.0
+    opts = SamplingOptions(temperature=temperature, seed=3)
+    assert opts.temperature == 0.0 and temperature < GREEDY_BELOW
+    gens = [make_generator(3) for _ in range(4)]
+    out = Sampler(seed=0).sample(logits, [opts] * 4, gens)
+    assert torch.equal(out.token_ids, logits.argmax(dim=-1))
+    assert all(torch.equal(g.get_state(), make_generator(3).get_state()) for g in gens)
+    assert SamplingOptions(temperature=GREEDY_BELOW).temperature == GREEDY_BELOW  # the bound itself samples
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy():
     logits = _logits(16, seed=1)
     logits[0, 7] = logits[0, 2] = logits[0].max() + 1.0  # tie: lowest id wins
