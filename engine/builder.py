@@ -6,6 +6,7 @@ import torch
 
 from common.model_config import ConfigError, ModelConfig
 from engine.config import CacheConfig, check_quantization
+from engine.kernels.cpu.build import load_all as load_cpu_kernels
 from engine.kv_cache import allocate_kv_cache
 from engine.model import load_model, resolve_device_dtype
 from engine.model_loader import resolve_model_source
@@ -16,8 +17,8 @@ from engine.tp.runner import start_tp_runner
 def build_runner(model: str, cache: CacheConfig, *, device: str = "auto", dtype: str = "auto",
                  num_threads: int = 1, model_cache_dir: str | None = None,
                  tp: int = 1, quantization: str = "none") -> tuple[ModelConfig, ModelRunner]:
-    """Resolve ``model``, load its weights, allocate the KV cache (``cache``), set the
-    torch thread budget.
+    """Load (building where needed) the C++ CPU kernels, resolve ``model``, load its weights,
+    allocate the KV cache (``cache``), set the torch thread budget.
 
     Args:
         model: a model spec accepted by :func:`engine.model_loader.resolve_model`.
@@ -40,6 +41,7 @@ def build_runner(model: str, cache: CacheConfig, *, device: str = "auto", dtype:
         raise ConfigError(f"quantization {quantization!r} is not supported with tp={tp} (tensor-parallel "
                           f"layers are float only); use quantization='none' or tp=1")
     torch.set_num_threads(num_threads)
+    load_cpu_kernels()  # compiled now if this checkout has not built them: not on the first request
     folder, gguf = resolve_model_source(model, model_cache_dir)
     model_cfg = ModelConfig.from_hf_folder(folder, name=model)
     dev, dt = resolve_device_dtype(device, dtype)

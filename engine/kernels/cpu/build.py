@@ -60,6 +60,13 @@ def load(name: str) -> ModuleType | None:
         return None
 
 
+def load_all() -> dict[str, bool]:
+    """Build (where missing or stale) and load every kernel now; whether each is available. A
+    worker calls this before it serves: built lazily, the first request would wait for the
+    compiler (~50 s for all of them on 2 cores)."""
+    return {name: load(name) is not None for name in kernel_names()}
+
+
 def _headers_digest() -> str:
     """A digest of the shared headers (``csrc/*.h``). torch rebuilds an extension when its source or
     its flags change, not its headers: the digest, passed as a flag, makes a header change count."""
@@ -80,8 +87,8 @@ def _ninja_on_path() -> None:
 def main() -> int:
     """Build every kernel; exit status 0 even when some cannot be built (they fall back)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for name in kernel_names():
-        print(f"cpu kernel {name}: {'built' if load(name) is not None else 'NOT built (plain-torch fallback)'}")
+    for name, ok in load_all().items():
+        print(f"cpu kernel {name}: {'built' if ok else 'NOT built (plain-torch fallback)'}")
     return 0
 
 
