@@ -8,7 +8,7 @@ Measured in one run, at each thread count (``torch.set_num_threads``):
     ``bench/decode.py``) and read bandwidth (``torch.sum`` of the same tensor, bytes read);
 (b) one pass of ``rows``-row inputs over every matrix with each variant: ``F.linear`` (MKL),
     oneDNN prepacked (``PackedLinear``'s ops), oneDNN on the plain weight, this project's fp32
-    GEMV kernel (``csrc/gemv.cpp``), int8 and Q4_1 weight-only kernels (``csrc/quant_gemv.cpp``),
+    GEMV kernel (``csrc/gemv.cpp``), its panel GEMM (``csrc/panel_gemm.cpp``), int8 and Q4_1 weight-only kernels (``csrc/quant_gemv.cpp``),
     alternating the variants ``--reps`` times and keeping each one's fastest pass (a shared
     machine only ever slows a pass down).
 
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels.cpu import quant_ops
+from engine.kernels.cpu import panel_gemm, quant_ops
 from engine.kernels.cpu.build import load
 from engine.model.quant import Int8Linear, Q4Linear
 
@@ -48,7 +48,7 @@ import _common
 HIDDEN, INTER, VOCAB, KV_DIM, LAYERS = 576, 1536, 49152, 192, 30
 LAYER_SHAPES = ((HIDDEN, HIDDEN), (KV_DIM, HIDDEN), (KV_DIM, HIDDEN), (HIDDEN, HIDDEN),
                 (INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER))
-FP32_VARIANTS = ("f_linear", "onednn_packed", "onednn_plain", "gemv_f32")
+FP32_VARIANTS = ("f_linear", "onednn_packed", "onednn_plain", "gemv_f32", "panel_f32")
 
 log = _common.logger("gemv")
 
@@ -83,6 +83,8 @@ def make_weights(layers: int) -> dict:
     out["bytes"]["fp32"] = sum(w.numel() * 4 for w in f32)
     if _common_onednn():
         out["packed"] = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in f32]
+    if panel_gemm.available():
+        out["panels"] = [panel_gemm.pack(w) for w in f32]
     out["int8"] = [quant_ops.quantize_int8(w) for w in f32]
     out["q4_1"] = [quant_ops.quantize_q4_1(w) for w in f32]
     out["bytes"]["int8"] = sum(Int8Linear(*w, None).weight_nbytes for w in out["int8"])
@@ -109,6 +111,9 @@ def variants(w: dict, rows: int, quant: bool) -> dict:
                                                 for x, m in zip(xs, w["f32"])])
     if g is not None:
         out["gemv_f32"] = ("fp32", lambda: [g.linear_f32(x, m) for x, m in zip(xs, w["f32"])])
+    if "panels" in w:
+        pg = load(panel_gemm.NAME)
+        out["panel_f32"] = ("fp32", lambda: [pg.linear(x, p, m.shape[0]) for x, p, m in zip(xs, w["panels"], w["f32"])])
     if q is not None and quant:
         out["int8"] = ("int8", lambda: [q.linear_int8(x, a, s) for x, (a, s) in zip(xs, w["int8"])])
         out["q4_1"] = ("q4_1", lambda: [q.linear_q4_1(x, *t) for x, t in zip(xs, w["q4_1"])])
@@ -153,7 +158,7 @@ def run(args) -> dict:
     w = make_weights(args.layers)
     res = {"benchmark": "gemv", "quick": args.quick, "layers": args.layers, "cpu": _common.cpu_name(),
            "torch": torch.__version__, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "weight_bytes": w["bytes"], "kernels_built": {k: load(k) is not None for k in ("gemv", "quant_gemv")},
+           "weight_bytes": w["bytes"], "kernels_built": {k: load(k) is not None for k in ("gemv", "quant_gemv", panel_gemm.NAME)},
            "per_threads": []}
     for threads in args.threads:
         torch.set_num_threads(threads)

@@ -62,8 +62,8 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
 
     ``attention_backend`` names a registered backend; None picks
     :func:`default_attention_backend` for ``device``. ``linear_backend`` names one of
-    :data:`engine.model.linear.LINEAR_BACKENDS` (``"torch"``, ``"onednn"``); None picks
-    :func:`~engine.model.linear.default_linear_backend` (oneDNN-prepacked weights for CPU
+    :data:`engine.model.linear.LINEAR_BACKENDS` (``"torch"``, ``"panel"``, ``"onednn"``, ...); None picks
+    :func:`~engine.model.linear.default_linear_backend` (panel-packed weights for CPU
     float32). A packed model's decoder weights are buffers, no longer parameters.
 
     ``quantization`` (one of :data:`engine.config.QUANTIZATIONS`): ``"none"`` keeps the float

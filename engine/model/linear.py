@@ -1,22 +1,25 @@
-"""Linear-layer backends: plain ``F.linear``, oneDNN-prepacked weights, or this project's GEMV kernel on CPU.
+"""Linear-layer backends on CPU: plain ``F.linear``, oneDNN-prepacked weights, this project's GEMV
+kernel, or its panel GEMM (the CPU float32 default).
 
-``"torch"`` leaves every ``nn.Linear`` as it is. ``"onednn"`` replaces the decoder's
-``nn.Linear`` modules with :class:`PackedLinear`, whose weight was reordered once
-into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) and is
-multiplied with ``torch.ops.mkldnn._linear_pointwise`` — what PyTorch inductor's
-CPU weight prepacking (``freezing``) and vLLM's CPU backend do. Measured on this
-project's 2-core AVX2 machine (float32, SmolLM2-135M shapes): 1.1-2x faster than
-``F.linear`` for 1 to 512 rows, max abs difference ~1e-4 (float rounding order).
+``"torch"`` leaves every ``nn.Linear`` as it is. ``"panel"`` (the default for CPU float32 where
+its C++ kernel is built) replaces the decoder's ``nn.Linear`` modules and the LM head with
+:class:`PanelLinear`: the weight packed once in panels of 32 output features and multiplied by the
+register-blocked GEMM of ``engine/kernels/cpu/csrc/panel_gemm.cpp`` for every row count, one
+weight copy. Measured on this project's 2-core machine (SmolLM2-135M's matrices, 1 thread, one
+run; ``bench/results/gemv.md``): 1.39x oneDNN prepacked at 1 row, 1.31x at 8, 1.18x at 32,
+1.0x at 64-256 and at prefill sizes; as a whole decode step at 2 threads it took 0.83-0.99x
+oneDNN's step time at batch 1, 8 and 32 (``bench/results/decode.md`` has the quiet run).
+``"onednn"`` (the default without the kernel) uses :class:`PackedLinear`, whose weight was
+reordered once into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) and is
+multiplied with ``torch.ops.mkldnn._linear_pointwise`` — what PyTorch inductor's CPU weight
+prepacking (``freezing``) and vLLM's CPU backend do: 1.1-2x faster than ``F.linear`` for 1 to 512
+rows, max abs difference ~1e-4 (float rounding order).
 ``"gemv"`` replaces them with :class:`GemvLinear`: the plain row-major weight, multiplied by
 the C++ GEMV kernel (``engine/kernels/cpu/csrc/gemv.cpp``) for up to :data:`GEMV_MAX_ROWS`
 rows (decode) and by oneDNN on the same plain weight above that (prefill); no second copy of
 the weights, and a tied LM head shares the embedding's tensor. ``"gemv_packed"`` also keeps a
-oneDNN-prepacked copy for more rows (twice the weight memory). Measured with
-``bench/gemv.py`` (SmolLM2-135M's matrices, ``bench/results/gemv.md``, a busy machine): at 1
-row the kernel streams 54 GB/s at 2 threads against oneDNN prepacked's 42 (1.3x; 1.04-1.28x in
-1-thread CPU time over two runs), 1.3x at 2 rows, 1.2x at 4, and loses from 8 rows on; oneDNN
-on the plain weight is 5-40% slower than prepacked for 8-256 rows. The default stays
-``"onednn"``: ``"gemv"`` is slower above 4 rows and ``"gemv_packed"`` doubles the weight memory.
+oneDNN-prepacked copy for more rows (twice the weight memory). The panel GEMM is faster than the
+GEMV at every row count measured (1.06x at 1 row, 2x at 8).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from engine.kernels.cpu import panel_gemm
 from engine.kernels.cpu.build import load as load_cpu_kernel
 
 BATCH_HINT = 32
@@ -74,21 +78,6 @@ class PackedLinear(nn.Module):
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed_weight, self.bias,
                                                "none", [], "")
         return y.reshape(*lead, self.out_features)
-
-
-def _pack_all(model: nn.Module) -> int:
-    """Every ``nn.Linear`` becomes a :class:`PackedLinear`; a model with tied embeddings
-    (``lm_head is None``) also gets a packed LM head holding a copy of the embedding."""
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
-                count += 1
-    if getattr(model, "lm_head", False) is None:
-        model.lm_head = PackedLinear(model.model.embed_tokens.weight)
-        count += 1
-    return count
 
 
 GEMV_MAX_ROWS = 4
@@ -143,31 +132,76 @@ class GemvLinear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
 
-def _gemv_all(model: nn.Module, packed: bool = False) -> int:
-    """Every ``nn.Linear`` becomes a :class:`GemvLinear` on its own weight; a model with tied
-    embeddings gets an LM head sharing the embedding's weight (no copy of the plain weight)."""
+class PanelLinear(nn.Module):
+    """``y = x @ W.T + b`` on CPU float32 with ``W`` packed in panels of 32 output features, by the
+    C++ panel GEMM (:mod:`engine.kernels.cpu.panel_gemm`) for any row count.
+
+    Args:
+        weight: ``[out_features, in_features]`` CPU float32; copied into panels (the original can
+            be dropped).
+        bias: ``[out_features]`` or None.
+
+    Raises:
+        ValueError: not a 2-D CPU float32 weight.
+        RuntimeError: the kernel cannot be built here (check ``panel_gemm.available()``).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if not panel_gemm.available():
+            raise RuntimeError("PanelLinear needs the C++ panel_gemm kernel, which is not built on this machine")
+        self.out_features, self.in_features = weight.shape
+        self.weight_nbytes = weight.numel() * weight.element_size()
+        self.register_buffer("panels", panel_gemm.pack(weight))
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous().clone())
+        self._linear = load_cpu_kernel(panel_gemm.NAME).linear
+
+    def dense_weight(self) -> torch.Tensor:
+        """A plain ``[out_features, in_features]`` float32 copy of the weight."""
+        return panel_gemm.unpack(self.panels, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., in_features]`` float32 -> ``[..., out_features]`` float32."""
+        if x.dim() == 2:
+            return self._linear(x, self.panels, self.out_features, self.bias)
+        y = self._linear(x.reshape(-1, self.in_features), self.panels, self.out_features, self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def _convert_all(model: nn.Module, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> int:
+    """Every ``nn.Linear`` becomes ``make(weight, bias)``; a model with tied embeddings
+    (``lm_head is None``) also gets an LM head made from (a copy of) the embedding."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, GemvLinear(child.weight, child.bias, packed=packed))
+                setattr(parent, name, make(child.weight, child.bias))
                 count += 1
     if getattr(model, "lm_head", False) is None:
-        model.lm_head = GemvLinear(model.model.embed_tokens.weight, packed=packed)
+        model.lm_head = make(model.model.embed_tokens.weight, None)
         count += 1
     return count
 
 
 LINEAR_BACKENDS: dict[str, Callable[[nn.Module], int]] = {
-    "torch": lambda model: 0, "onednn": _pack_all, "gemv": _gemv_all,
-    "gemv_packed": lambda model: _gemv_all(model, packed=True)}
+    "torch": lambda model: 0,
+    "onednn": lambda model: _convert_all(model, PackedLinear),
+    # GemvLinear keeps an nn.Parameter as is: a tied LM head shares the embedding's tensor
+    "gemv": lambda model: _convert_all(model, GemvLinear),
+    "gemv_packed": lambda model: _convert_all(model, lambda w, b: GemvLinear(w, b, packed=True)),
+    "panel": lambda model: _convert_all(model, PanelLinear),
+}
 """Name -> function that converts a loaded model in place and returns the layers converted."""
 
 
 def default_linear_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """``"onednn"`` for CPU float32 when available, else ``"torch"``."""
-    if torch.device(device).type == "cpu" and dtype == torch.float32 and onednn_available():
-        return "onednn"
+    """CPU float32: ``"panel"`` where its C++ kernel is built, else ``"onednn"`` where this torch
+    has it; otherwise ``"torch"``."""
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        if panel_gemm.available():
+            return "panel"
+        if onednn_available():
+            return "onednn"
     return "torch"
 
 
