@@ -343,6 +343,9 @@ def write_sampling(msg: Any, values: Mapping[str, Any]) -> None:
             params[name].write(msg, value)
             if isinstance(value, float) and math.isfinite(value) and math.isinf(getattr(msg, name)):
                 raise ValueError("outside the range of a float32")  # protobuf stored it as inf
+            if (isinstance(value, float) and value != 0.0 and getattr(msg, name) == 0.0
+                    and params[name].problem(0.0) is not None):  # e.g. top_p=1e-300, where 0 is out of range
+                raise ValueError("too small for a float32 (it would be stored as 0)")
         except (TypeError, ValueError) as exc:  # protobuf's own message does not say which field
             # not type(exc): a subclass such as UnicodeEncodeError (a lone surrogate) takes other arguments
             kind = TypeError if isinstance(exc, TypeError) else ValueError

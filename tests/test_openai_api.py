@@ -178,6 +178,11 @@ BAD_BODIES = [
      "max_completion_tokens"),
     ("chat/completions", '"messages": [' + ", ".join(['{"role": "user", "content": "x"}'] * 257) + "]",
      "messages"),
+    ("chat/completions", '"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -5',
+     "max_completion_tokens"),
+    ("chat/completions", '"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]',
+     "messages[0].content"),
+    ("completions", '"top_p": 1e-300', "top_p"),  # rounds to 0 in float32: refused as too small
 ]
 
 
@@ -205,6 +210,11 @@ def test_unreadable_bodies_are_400_saying_why(base_url):
     status, error = post(f'{{"model": "{MODEL}",'.encode(), {"content-type": "application/json"})
     assert status == 400 and error["code"] == "invalid_json" and error["param"] is None, error
     assert error["message"].startswith("the request body is not valid JSON at character"), error
+    for body, reason in ((b'{"model": "\xff"}', "not valid UTF-8"), (b'{"n": ' + b"9" * 5000 + b"}", "digits"),
+                         (b"[" * 100000 + b"]" * 100000, "nested too deeply")):
+        status, error = post(body, {"content-type": "application/json"})
+        assert status == 400 and error["code"] == "invalid_json", error
+        assert error["message"].startswith("the request body is not valid JSON: ") and reason in error["message"]
     status, error = post(b"model=x", {"content-type": "application/x-www-form-urlencoded"})
     assert status == 400 and "Content-Type: application/json (got application/x-www-form-urlencoded)" in \
         error["message"], error

@@ -42,7 +42,8 @@ from router.core import RequestRouter
 from router.errors import RouterError
 from router.limits import DEFAULT_MAX_REQUEST_BYTES
 from router.openai.auth import RequireApiKey
-from router.openai.errors import error_response, request_aliases, router_error_response, validation_error_response
+from router.openai.errors import (UNREADABLE_BODY, error_response, request_aliases, router_error_response,
+                                  unreadable_body_response, validation_error_response)
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.openai.requests import OpenAIRequestError, SubRequest, chat_requests, completion_requests
 from router.openai.responses import ResponseBuilder, totals
@@ -115,6 +116,8 @@ def build_app(state: FrontDoorState) -> DeclaredSizeLimit:
     async def _http_error(request: Request, exc: HTTPException):
         if exc.status_code == 413:
             return _too_large(state.max_request_bytes)
+        if exc.status_code == 400 and exc.detail == UNREADABLE_BODY:
+            return unreadable_body_response(await request.body())
         response = error_response(exc.status_code, str(exc.detail))
         response.headers.update(exc.headers or {})
         return response

@@ -87,6 +87,28 @@ def validation_error_response(errors: list[dict], content_type: str | None) -> R
     return error_response(400, f"{field}: {message}", param=field)
 
 
+UNREADABLE_BODY = "There was an error parsing the body"
+"""FastAPI's ``HTTPException`` detail for a body ``json.loads`` raised on with anything but a
+``JSONDecodeError`` (invalid UTF-8, an integer past Python's digit limit, nesting past the
+recursion limit): :func:`unreadable_body_response` says which."""
+
+
+def unreadable_body_response(body: bytes) -> Response:
+    """The 400 ``invalid_json`` answer to a body FastAPI could not parse for another reason than a
+    JSON syntax error, naming the reason (parsed again here: an error path, bounded by the
+    request size limit)."""
+    try:
+        json.loads(body)
+        reason = "it could not be parsed"
+    except UnicodeDecodeError as e:
+        reason = f"it is not valid UTF-8 (byte {e.start})"
+    except RecursionError:
+        reason = "it is nested too deeply"
+    except ValueError as e:  # e.g. "Exceeds the limit (4300 digits) for integer string conversion"
+        reason = str(e).split(";")[0]
+    return error_response(400, f"the request body is not valid JSON: {reason}", code="invalid_json")
+
+
 def json_response(body: dict, status: int) -> Response:
     """``body`` as JSON with non-ASCII escaped, so a string echoed from a request that
     UTF-8 cannot encode (a lone surrogate from a JSON escape) still renders."""

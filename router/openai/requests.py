@@ -68,10 +68,14 @@ def chat_text(request: ChatCompletionRequest) -> list[common_pb2.ChatMessage]:
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                if part.get("type") != "text":
                     raise OpenAIRequestError(
                         f"messages[{i}].content[{j}]: content part type {part.get('type')!r} is not supported "
                         f"(only 'text' parts are served)", param=f"messages[{i}].content")
+                if not isinstance(part.get("text"), str):
+                    raise OpenAIRequestError(
+                        f"messages[{i}].content[{j}].text: a text part needs a string 'text', got "
+                        f"{type(part.get('text')).__name__}", param=f"messages[{i}].content")
                 texts.append(part["text"])
             content = "\n".join(texts)
         _check_utf8(content, f"messages[{i}].content", "messages")
@@ -135,7 +139,8 @@ def _sampling(body, logprobs: int, max_tokens: int | None) -> common_pb2.Samplin
         except (TypeError, ValueError):
             raise OpenAIRequestError(f"logit_bias: key {key!r} is not a token id", param="logit_bias") from None
     if max_tokens is not None and max_tokens < 1:
-        raise OpenAIRequestError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+        name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+        raise OpenAIRequestError(f"{name} must be >= 1, got {max_tokens}", param=name)
     values.update(max_tokens=max_tokens, logprobs=logprobs, logit_bias=bias,
                   stop=[body.stop] if isinstance(body.stop, str) else body.stop)
     s = common_pb2.SamplingParams()
