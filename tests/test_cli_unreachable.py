@@ -129,3 +129,20 @@ def test_up_flag_refused_by_the_parser(capsys, flags, needle):
     with pytest.raises(SystemExit) as info:
         cli.main(["up", "--local", *flags])
     assert info.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_up_needs_local_or_ray_address(tmp_path, capsys):
+    rc = cli.main(["up", "--state-dir", str(tmp_path)])
+    _one_usage_line(capsys, rc, "pdcluster up: error: give --local (start Ray here) or --ray-address ADDR")
+
+
+def test_up_from_a_state_dir_already_in_use(dead_state, capsys):
+    before = (dead_state / "cluster.json").read_text()
+    rc = cli.main(["up", "--local", "--state-dir", str(dead_state)])
+    _one_error_line(capsys, rc, f"pdcluster down --state-dir {dead_state}")
+    assert rc == 1 and (dead_state / "cluster.json").read_text() == before  # that cluster's state untouched
+
+
+def test_up_without_ray(tmp_path, capsys, dead_address):
+    rc = cli.main(["up", "--ray-address", dead_address, "--state-dir", str(tmp_path)])
+    _one_error_line(capsys, rc, f"cannot reach the cluster's Ray at {dead_address}")
