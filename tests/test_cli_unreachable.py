@@ -71,6 +71,11 @@ def test_top_without_router(capsys, dead_address):
     _one_error_line(capsys, rc, f"cannot reach the router's HTTP server at http://{dead_address}")
 
 
+def test_top_finds_the_router_in_state_dir(dead_state, capsys, dead_address):
+    rc = cli.main(["top", "--state-dir", str(dead_state), "--iterations", "1"])
+    _one_error_line(capsys, rc, f"cannot reach the router's HTTP server at http://{dead_address}")
+
+
 def test_loadtest_without_server(capsys, dead_address):
     rc = cli.main(["loadtest", "--backend", "openai", "--base-url", f"http://{dead_address}", "--workload",
                    "synthetic", "--num-requests", "2", "--no-progress", "--tokenizer", "smollm2-135m-instruct"])
@@ -146,3 +151,19 @@ def test_up_from_a_state_dir_already_in_use(dead_state, capsys):
 def test_up_without_ray(tmp_path, capsys, dead_address):
     rc = cli.main(["up", "--ray-address", dead_address, "--state-dir", str(tmp_path)])
     _one_error_line(capsys, rc, f"cannot reach the cluster's Ray at {dead_address}")
+
+
+def test_unreadable_tls_ca(capsys, dead_address, tmp_path):
+    missing = tmp_path / "ca.pem"
+    rc = cli.main(["generate", "--address", dead_address, "--tls-ca", str(missing), "hi"])
+    _one_error_line(capsys, rc, f"--tls-ca {missing}: No such file or directory")
+    assert rc == 2
+    missing.write_text("not a certificate")
+    rc = cli.main(["top", "--address", dead_address, "--tls-ca", str(missing), "--iterations", "1"])
+    _one_error_line(capsys, rc, f"--tls-ca {missing}: ")
+
+
+def test_top_interval_must_be_positive(capsys, dead_address):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["top", "--address", dead_address, "--interval", "0"])
+    assert info.value.code == 2 and "--interval must be > 0 (seconds), got 0" in capsys.readouterr().err
