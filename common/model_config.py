@@ -16,6 +16,27 @@ class ConfigError(ValueError):
     """A configuration value is out of its allowed range."""
 
 
+class FieldError(ConfigError):
+    """One field of a config out of its range: ``field`` (its name), ``rule`` (what it must be,
+    e.g. ``"must be >= 0"``) and ``value``; reads ``"<field> <rule>, got <value>"``.
+
+    A layer that set the field from something else names that instead with :meth:`renamed`
+    (the command line: the flag, e.g. ``--timeout-s must be > 0, got -5``).
+    """
+
+    def __init__(self, field: str, rule: str, value: object) -> None:
+        shown = f"{value:g}" if isinstance(value, float) else repr(value) if isinstance(value, str) else value
+        super().__init__(f"{field} {rule}, got {shown}")
+        self.field, self.rule, self.value = field, rule, value
+
+    def __reduce__(self):  # pickled (e.g. raised in a Ray actor) with its three parts, not the message
+        return type(self), (self.field, self.rule, self.value)
+
+    def renamed(self, names: dict[str, str]) -> FieldError:
+        """This error with its field called ``names[field]`` (itself when ``names`` lacks the field)."""
+        return FieldError(names[self.field], self.rule, self.value) if self.field in names else self
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Dimensions of a decoder-only transformer, the fields every HF ``config.json`` of

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.config import KV_FAILURE_POLICIES, QUANTIZATIONS
+from engine.config import DTYPES, KV_FAILURE_POLICIES, QUANTIZATIONS
 from pdcluster.client import API_KEY_ENV
 from router.limits import DEFAULT_MAX_REQUEST_BYTES
 from router.migration import DEFAULT_MAX_MIGRATIONS, check_max_migrations
@@ -216,7 +216,7 @@ def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
                         "while the others keep serving (default 1)")
     p.add_argument("--host", default="127.0.0.1", help="router bind host (0.0.0.0: every interface)")
     p.add_argument("--redis-url", default=None, help="existing Redis URL (default: start one)")
-    p.add_argument("--redis-port", type=int, default=0, help="port of the Redis `up` starts (0: any free)")
+    p.add_argument("--redis-port", type=_port, default=0, help="port of the Redis `up` starts (0: any free)")
     _add_engine(p)
     _add_kv(p)
     _add_serving(p)
@@ -242,7 +242,7 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     p.add_argument("--num-kv-blocks", type=int, default=0,
                    help="KV blocks per worker; 0 = derive from --kv-cache-gb")
-    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache per worker in GiB")
+    p.add_argument("--kv-cache-gb", type=_positive_float, default=1.0, help="KV cache per worker in GiB")
     p.add_argument("--max-model-len", type=int, default=2048, help="max prompt+output tokens")
     p.add_argument("--max-num-seqs", type=int, default=64, help="max running sequences per worker")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
@@ -263,7 +263,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
 
 def _add_weights(p: argparse.ArgumentParser) -> None:
     """``up``'s flags for how the model's weights are held: ``--dtype`` and ``--quantization``."""
-    p.add_argument("--dtype", default="auto", help="model dtype (auto, float16, bfloat16, float32)")
+    p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
+                   help="model dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--quantization", default=QUANTIZATIONS[0], choices=QUANTIZATIONS,
                    help="serve the decoder's projection weights quantized: int8 (one scale per 64 weights, the LM head "
                         "too) or q4 (llama.cpp Q4_1; a GGUF's own blocks where it stores them so); none = float (default)")

@@ -19,6 +19,7 @@ import ray
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from common.model_config import FieldError
 from deploy.actors import RouterActor, WorkerActor
 from deploy.placement import PlacementConfig, PlacementError, WorkerShape, decide_shape, reserve
 from engine.config import CacheConfig, SchedulerConfig
@@ -59,8 +60,9 @@ class ClusterSpec:
             ``router.reuse_port``).
 
     Raises:
-        ValueError: a worker mix other than the two above, a non-positive timeout, fewer than
-            one router, or several without ``router.reuse_port``.
+        ValueError: a worker mix other than the two above; a :class:`common.model_config.FieldError`
+            naming the field: a negative count, a non-positive timeout, fewer than one router, or
+            several without ``router.reuse_port``.
     """
 
     num_prefill: int
@@ -74,16 +76,16 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         if self.num_routers < 1 or (self.num_routers > 1 and not self.router.reuse_port):
-            raise ValueError(f"num_routers must be >= 1 (several need router.reuse_port), got {self.num_routers}")
-        counts = (self.num_prefill, self.num_decode, self.num_colocated)
-        if min(counts) < 0:
-            raise ValueError(f"worker counts must be >= 0, got {counts}")
+            raise FieldError("num_routers", "must be >= 1 (several need router.reuse_port)", self.num_routers)
+        for name in ("num_prefill", "num_decode", "num_colocated"):
+            if getattr(self, name) < 0:
+                raise FieldError(name, "must be >= 0", getattr(self, name))
         if self.num_colocated and (self.num_prefill or self.num_decode):
             raise ValueError("colocated workers replace prefill/decode workers: give one kind, not both")
         if not self.num_colocated and (self.num_prefill < 1 or self.num_decode < 1):
             raise ValueError("need at least one prefill and one decode worker (or colocated workers)")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if not self.timeout_s > 0:
+            raise FieldError("timeout_s", "must be > 0", self.timeout_s)
 
     def counts(self) -> dict[str, int]:
         return {"prefill": self.num_prefill, "decode": self.num_decode, "colocated": self.num_colocated}

@@ -33,7 +33,7 @@ from deploy.ray_env import LOOPBACK_ENV, NODE_ENV, check_ray_reachable
 from deploy.redis_control import stop_redis_at
 from deploy.redis_server import LocalRedisServer, free_port
 from deploy.spec import exposure_warning, spec_from_args
-from deploy.state import DEFAULT_STATE_DIR, read_state, state_path, write_state
+from deploy.state import DEFAULT_STATE_DIR, AlreadyUpError, check_not_up, read_state, state_path, write_state
 from engine.model_loader import ModelNotFoundError
 from serving.certs import KeyPair, create_ca
 from serving.registry import WorkerRegistry
@@ -174,21 +174,23 @@ def up(args) -> dict:
     Raises:
         deploy.placement.PlacementError: the workers' resources were not found within
             ``--placement-timeout-s`` (the message says what is missing).
-        ValueError: a flag out of range (e.g. ``--ray-resources`` that is not a JSON
-            object of whole numbers).
-        RuntimeError: a cluster is already up in ``--state-dir``; neither ``--local`` nor
-            ``--ray-address``; ``--ray-address`` mode not run on the head node without
-            ``--redis-url``; Ray, Redis, a worker or the router failed to start.
+        ValueError / common.model_config.ConfigError: a flag out of range (e.g. ``--ray-resources``
+            not a JSON object of whole numbers), neither ``--local`` nor ``--ray-address``,
+            ``--ray-address`` not run on the head node without ``--redis-url``.
+        deploy.state.AlreadyUpError: a cluster is already up from ``--state-dir``.
+        ConnectionError: ``--ray-address`` does not answer.
+        RuntimeError: Ray, Redis, a worker or the router failed to start.
         TimeoutError: the workers or the router were not healthy within ``--timeout-s``.
     """
+    if not (args.local or args.ray_address):
+        raise ConfigError("give --local (start Ray here) or --ray-address ADDR")
     checked = spec_from_args(args, "redis://127.0.0.1:0", use_cuda=args.device == "cuda")  # flag errors first
     warning = exposure_warning(checked.router)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
     state_dir = Path(args.state_dir or DEFAULT_STATE_DIR).expanduser()
+    check_not_up(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
-    if state_path(state_dir).exists():
-        raise RuntimeError(f"a cluster is already up (state in {state_path(state_dir)}); run `pdcluster down`")
     state: dict = {"started_ray": False, "started_redis": False, "cluster_secret": secrets.token_urlsafe(32)}
     if args.internal_tls:
         ca = create_ca(args.cluster)
@@ -199,14 +201,13 @@ def up(args) -> dict:
                 raise ValueError("--ray-resources applies to the Ray head `up --local` starts; with "
                                  "--ray-address give the resources to `ray start` on each node")
             ray_address = args.ray_address
-        elif args.local:
+            check_ray_reachable(ray_address)
+        else:
             if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
                 raise RuntimeError("call deploy.ray_env.use_loopback_ray() before importing ray for --local")
             resources = _json_object(args.ray_resources, "--ray-resources") if args.ray_resources else None
             ray_address, head_pid = start_ray_head(state_dir, resources=resources)
             state.update(started_ray=True, ray_head_pid=head_pid)
-        else:
-            raise RuntimeError("give --local (start Ray here) or --ray-address ADDR")
         state["ray_address"] = ray_address
         ray.init(address=ray_address, namespace="pdcluster", logging_level="WARNING")
         state["redis_url"] = args.redis_url or _start_redis(args, state, state_dir)
@@ -261,12 +262,13 @@ def _start_redis(args, state: dict, state_dir: Path) -> str:
     the cluster controller restarts it there when it dies (:mod:`deploy.redis_supervisor`).
 
     Raises:
-        RuntimeError: ``up`` does not run on the Ray head node (the router and Redis
-            belong there), or Redis did not start.
+        ConfigError: ``up`` does not run on the Ray head node (the router and Redis
+            belong there).
+        RuntimeError: Redis did not start.
     """
     if not args.local and ray.get_runtime_context().get_node_id() != head_node_id():
-        raise RuntimeError("run `pdcluster up --ray-address ...` on the Ray head node (e.g. `ray exec "
-                           "cluster.yaml 'pdcluster up ...'`), or give --redis-url of a Redis every node reaches")
+        raise ConfigError("run `pdcluster up --ray-address ...` on the Ray head node (e.g. `ray exec "
+                          "cluster.yaml 'pdcluster up ...'`), or give --redis-url of a Redis every node reaches")
     host = "127.0.0.1" if args.local else ray.util.get_node_ip_address()
     password = secrets.token_hex(16)  # always: any local user could otherwise rewrite the registry
     redis = LocalRedisServer(state_dir / "redis", port=args.redis_port or None, host=host, detach=True,
@@ -304,10 +306,13 @@ def down(state_dir: Path | str | None = None) -> bool:
 
 
 def cmd_up(args) -> int:
-    """``pdcluster up``; returns 0, or 1 when the workers could not be placed (message on stderr)."""
+    """``pdcluster up``; returns 0, 2 on a bad flag or model (found before anything started), or 1 when a
+    cluster is already up from ``--state-dir``, ``--ray-address`` does not answer, the workers could not be
+    placed or were not healthy within ``--timeout-s`` (everything ``up`` started stopped again); each a
+    one-line message on stderr."""
     try:
         state = up(args)
-    except PlacementError as e:
+    except (AlreadyUpError, ConnectionError, PlacementError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except (ConfigError, ValueError, ModelNotFoundError) as e:  # a bad flag or model, found before anything started

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
+from common.model_config import FieldError
+
 # CLI name -> Ray placement-group strategy.
 STRATEGIES = {"pack": "PACK", "spread": "SPREAD", "strict-pack": "STRICT_PACK", "strict-spread": "STRICT_SPREAD"}
 # Amount of a pinning resource one worker takes (a node advertising 1 holds 100 workers).
@@ -60,9 +62,10 @@ class PlacementConfig:
             prompts. Threads only: the bundles (reserved CPUs) stay as they are.
 
     Raises:
-        ValueError: unknown strategy, non-positive ``worker_cpus`` / ``timeout_s`` /
-            ``prefill_threads`` / ``decode_threads``, ``worker_gpus`` outside (0, 1], or a
-            pinning resource named like a built-in one (``CPU``, ``GPU``...).
+        common.model_config.FieldError: naming the field: unknown strategy, non-positive
+            ``worker_cpus`` / ``timeout_s`` / ``prefill_threads`` / ``decode_threads``,
+            ``worker_gpus`` outside (0, 1], or a pinning resource named like a built-in one
+            (``CPU``, ``GPU``...).
     """
 
     strategy: str = "pack"
@@ -79,18 +82,19 @@ class PlacementConfig:
         for name in ("prefill_threads", "decode_threads"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise FieldError(name, "must be an integer >= 1", value)
         if self.strategy not in STRATEGIES:
-            raise ValueError(f"placement strategy must be one of {sorted(STRATEGIES)}, got {self.strategy!r}")
-        if self.worker_cpus is not None and self.worker_cpus <= 0:
-            raise ValueError(f"worker_cpus must be positive, got {self.worker_cpus}")
+            raise FieldError("strategy", f"must be one of {sorted(STRATEGIES)}", self.strategy)
+        if self.worker_cpus is not None and not self.worker_cpus > 0:
+            raise FieldError("worker_cpus", "must be > 0", self.worker_cpus)
         if self.worker_gpus is not None and not 0 < self.worker_gpus <= 1:
-            raise ValueError(f"worker_gpus must be in (0, 1], got {self.worker_gpus}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"placement timeout_s must be positive, got {self.timeout_s}")
-        for name in (self.prefill_resource, self.decode_resource, self.colocated_resource):
-            if name is not None and (not name or name in _BUILTIN):
-                raise ValueError(f"pinning resource must be a custom resource name, got {name!r}")
+            raise FieldError("worker_gpus", "must be in (0, 1]", self.worker_gpus)
+        if not self.timeout_s > 0:
+            raise FieldError("timeout_s", "must be > 0", self.timeout_s)
+        for name in ("prefill_resource", "decode_resource", "colocated_resource"):
+            value = getattr(self, name)
+            if value is not None and (not value or value in _BUILTIN):
+                raise FieldError(name, f"must be a custom resource name (not {', '.join(_BUILTIN)})", value)
 
     @property
     def ray_strategy(self) -> str:

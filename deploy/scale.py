@@ -25,6 +25,7 @@ from pathlib import Path
 
 import ray
 
+from common.model_config import FieldError
 from deploy.cluster import (
     NAMESPACE,
     WORKER_ROLES,
@@ -54,7 +55,8 @@ class ScaleTarget:
             (``None``: the one ``up`` used).
 
     Raises:
-        ValueError: a negative count or a non-positive timeout.
+        common.model_config.FieldError: a negative count or a non-positive timeout (naming
+            the field: ``cmd_scale`` names the flag instead).
     """
 
     prefill: int | None = None
@@ -68,10 +70,11 @@ class ScaleTarget:
         for role in WORKER_ROLES:
             n = getattr(self, role)
             if n is not None and n < 0:
-                raise ValueError(f"{role} count must be >= 0, got {n}")
-        if self.drain_timeout_s <= 0 or self.start_timeout_s <= 0 or (
-                self.placement_timeout_s is not None and self.placement_timeout_s <= 0):
-            raise ValueError("timeouts must be positive")
+                raise FieldError(role, "must be >= 0", n)
+        for name in ("drain_timeout_s", "start_timeout_s", "placement_timeout_s"):
+            t = getattr(self, name)
+            if t is not None and not t > 0:
+                raise FieldError(name, "must be > 0", t)
 
 
 def plan(state: dict, target: ScaleTarget) -> tuple[list[tuple[str, str]], list[dict]]:
@@ -229,12 +232,23 @@ def scale_from_state_dir(state_dir: Path | str | None, target: ScaleTarget) -> d
         return new
 
 
+_FLAGS = {"prefill": "--prefill", "decode": "--decode", "colocated": "--workers",
+          "drain_timeout_s": "--drain-timeout-s", "start_timeout_s": "--timeout-s",
+          "placement_timeout_s": "--placement-timeout-s"}
+"""The ``scale`` flag that sets each :class:`ScaleTarget` field (its errors name the flag)."""
+
+
 def cmd_scale(args) -> int:
     """``pdcluster scale``; returns 0, or 1 when no cluster is up, the change is refused or could not
-    be placed (nothing changed then), or a removed worker did not drain in time (messages on stderr)."""
-    target = ScaleTarget(prefill=args.prefill, decode=args.decode, colocated=args.workers,
-                         drain_timeout_s=args.drain_timeout_s, start_timeout_s=args.timeout_s,
-                         placement_timeout_s=args.placement_timeout_s)
+    be placed (nothing changed then), or a removed worker did not drain in time, or 2 when a flag
+    is out of range (messages on stderr: one line each)."""
+    try:
+        target = ScaleTarget(prefill=args.prefill, decode=args.decode, colocated=args.workers,
+                             drain_timeout_s=args.drain_timeout_s, start_timeout_s=args.timeout_s,
+                             placement_timeout_s=args.placement_timeout_s)
+    except FieldError as e:
+        print(f"pdcluster scale: error: {e.renamed(_FLAGS)}", file=sys.stderr)
+        return 2
     try:
         state = scale_from_state_dir(args.state_dir, target)
     except FileNotFoundError:

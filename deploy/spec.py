@@ -6,7 +6,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import replace
 
-from common.model_config import ConfigError, ModelConfig
+from common.model_config import ConfigError, FieldError, ModelConfig
 from deploy.cluster import ClusterSpec
 from deploy.placement import PlacementConfig
 from engine.config import CacheConfig, SchedulerConfig
@@ -223,9 +223,33 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
                                                                        ttft_slo_ms=args.ttft_slo_ms),
                           breaker=BreakerConfig(failures=args.breaker_failures, cooldown_s=args.breaker_cooldown_s),
                           reuse_port=args.routers > 1)
+    return cluster_from_args(args, worker, router)
+
+
+_CLUSTER_FLAGS = {"num_prefill": "--prefill", "num_decode": "--decode", "num_colocated": "--workers",
+                  "timeout_s": "--timeout-s", "num_routers": "--routers"}
+_PLACEMENT_FLAGS = {"strategy": "--placement", "prefill_resource": "--prefill-resource",
+                    "decode_resource": "--decode-resource", "worker_cpus": "--worker-cpus",
+                    "worker_gpus": "--worker-gpus", "timeout_s": "--placement-timeout-s",
+                    "prefill_threads": "--prefill-threads", "decode_threads": "--decode-threads"}
+
+
+def cluster_from_args(args, worker: WorkerConfig, router: RouterConfig) -> ClusterSpec:
+    """The :class:`ClusterSpec` of ``up``'s worker counts, placement flags, ``--timeout-s`` and
+    ``--routers``, starting ``worker`` (the template) and ``router``.
+
+    Raises:
+        common.model_config.FieldError: a flag out of range, naming the flag (e.g.
+            ``--timeout-s must be > 0, got 0``).
+        ValueError: a worker mix that cannot serve (no prefill or no decode worker).
+    """
+    placement = placement_from_args(args)
     counts = (0, 0, args.workers) if args.colocated else (args.prefill, args.decode, 0)
-    return ClusterSpec(counts[0], counts[1], worker, router, placement_from_args(args), num_colocated=counts[2],
-                       timeout_s=args.timeout_s, num_routers=args.routers)
+    try:
+        return ClusterSpec(counts[0], counts[1], worker, router, placement, num_colocated=counts[2],
+                           timeout_s=args.timeout_s, num_routers=args.routers)
+    except FieldError as e:
+        raise e.renamed(_CLUSTER_FLAGS) from None
 
 
 def check_step_limits(args) -> None:
@@ -260,9 +284,13 @@ def placement_from_args(args) -> PlacementConfig:
     """The :class:`deploy.placement.PlacementConfig` of ``pdcluster up``'s placement flags.
 
     Raises:
-        ValueError: a flag out of range (see :class:`~deploy.placement.PlacementConfig`).
+        common.model_config.FieldError: a flag out of range (see
+            :class:`~deploy.placement.PlacementConfig`), naming the flag.
     """
-    return PlacementConfig(strategy=args.placement, prefill_resource=args.prefill_resource,
-                           decode_resource=args.decode_resource, worker_cpus=args.worker_cpus,
-                           worker_gpus=args.worker_gpus, timeout_s=args.placement_timeout_s,
-                           prefill_threads=args.prefill_threads, decode_threads=args.decode_threads)
+    try:
+        return PlacementConfig(strategy=args.placement, prefill_resource=args.prefill_resource,
+                               decode_resource=args.decode_resource, worker_cpus=args.worker_cpus,
+                               worker_gpus=args.worker_gpus, timeout_s=args.placement_timeout_s,
+                               prefill_threads=args.prefill_threads, decode_threads=args.decode_threads)
+    except FieldError as e:
+        raise e.renamed(_PLACEMENT_FLAGS) from None

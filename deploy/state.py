@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 
 DEFAULT_STATE_DIR = Path.home() / ".pdcluster"
@@ -15,6 +16,24 @@ DEFAULT_STATE_DIR = Path.home() / ".pdcluster"
 
 def state_path(state_dir: Path | str | None = None) -> Path:
     return Path(state_dir or DEFAULT_STATE_DIR).expanduser() / "cluster.json"
+
+
+class AlreadyUpError(RuntimeError):
+    """``up`` was asked to start a cluster from a state directory that another one is up from."""
+
+
+def check_not_up(state_dir: Path | str | None = None) -> None:
+    """Refuse a ``state_dir`` (default ``~/.pdcluster``) a cluster is up from.
+
+    Raises:
+        AlreadyUpError: its state file exists; the message names the directory and the
+            ``pdcluster down --state-dir DIR`` that stops that cluster (or clears what is left
+            of one that died).
+    """
+    path = state_path(state_dir)
+    if path.exists():
+        raise AlreadyUpError(f"a cluster is already up from state dir {path.parent} ({path.name} exists there); "
+                             f"stop it first with `pdcluster down --state-dir {shlex.quote(str(path.parent))}`")
 
 
 def read_state(state_dir: Path | str | None = None) -> dict:

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 from common.model_config import ConfigError
 
+DTYPES = ("float32", "bfloat16", "float16")
+"""Dtypes the engine computes and keeps its KV cache in (a worker's ``dtype`` may also be ``"auto"``)."""
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -36,7 +39,7 @@ class CacheConfig:
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks < 2:
             raise ConfigError(f"num_blocks must be >= 2, got {self.num_blocks}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise ConfigError(f"unsupported KV dtype {self.dtype!r}")
 
 

@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 
@@ -28,19 +29,49 @@ from common.sampling_params import Shape, sampling_params
 from pdcluster.client import API_KEY_ENV, GenerationResult, PdclusterClient, Usage, accumulate
 
 FALLBACK_ADDRESS = "127.0.0.1:50051"
+FALLBACK_HTTP = "127.0.0.1:8000"
 
 
-def default_address(key: str = "router_address", fallback: str = FALLBACK_ADDRESS) -> str:
-    """The address ``key`` of the local cluster state file (the router's gRPC address by default),
-    else ``fallback`` (``127.0.0.1:50051``)."""
+def default_address(key: str = "router_address", fallback: str = FALLBACK_ADDRESS,
+                    state_dir: Path | None = None) -> str:
+    """The address ``key`` (the router's gRPC address by default) of the cluster state file
+    ``pdcluster up`` wrote in ``state_dir``; with no ``state_dir``, that of the default state
+    directory (``~/.pdcluster``), else ``fallback`` (``127.0.0.1:50051``).
+
+    Raises:
+        FileNotFoundError: ``state_dir`` is given and no cluster is up from it.
+    """
     try:
         from deploy.state import read_state
 
-        state = read_state()
-    except (ImportError, FileNotFoundError):
+        state = read_state(state_dir)
+    except ImportError:
+        return fallback
+    except FileNotFoundError:
+        if state_dir is not None:
+            raise
         return fallback
     address = state.get(key) if state else None
     return address or fallback
+
+
+def _address(args: argparse.Namespace, key: str, fallback: str) -> str | None:
+    """``--address``, else the address ``key`` from ``--state-dir`` (:func:`default_address`);
+    ``None`` (after one line on stderr) when ``--state-dir`` holds no cluster."""
+    if args.address:
+        return args.address
+    try:
+        return default_address(key, fallback, args.state_dir)
+    except FileNotFoundError:
+        print(f"error: no pdcluster is up from state dir {args.state_dir}; give --address", file=sys.stderr)
+        return None
+
+
+def _add_state_dir(p: argparse.ArgumentParser) -> None:
+    """``--state-dir`` of a command that calls the router: where its default ``--address`` comes from."""
+    p.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
+                   help="state directory `up --state-dir` wrote: its router address is the default --address "
+                        "(default: ~/.pdcluster, and the fallback address while no cluster is up from it)")
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -81,7 +112,8 @@ def _add_tls_ca(p: argparse.ArgumentParser) -> None:
 def _add_generate(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("generate", allow_abbrev=False, help="generate a completion for one prompt")
     p.add_argument("--address", default=None,
-                   help=f"router HOST:PORT (default: from the local cluster state, else {FALLBACK_ADDRESS})")
+                   help=f"router HOST:PORT (default: from the cluster state in --state-dir, else {FALLBACK_ADDRESS})")
+    _add_state_dir(p)
     p.add_argument("--stream", action="store_true", help="print text deltas as they arrive")
     _add_sampling_flags(p)
     p.add_argument("--request-id", default="", help="client-chosen request id")
@@ -96,7 +128,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def _add_top(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("top", allow_abbrev=False, help="live view of a running cluster from its Prometheus metrics")
     p.add_argument("--address", default=None,
-                   help="router HTTP HOST:PORT (default: from the local cluster state, else 127.0.0.1:8000)")
+                   help=f"router HTTP HOST:PORT (default: from the cluster state in --state-dir, else {FALLBACK_HTTP})")
+    _add_state_dir(p)
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     p.add_argument("--iterations", type=int, default=None, help="refresh this many times, then exit")
     p.set_defaults(func=cmd_top)
@@ -104,10 +137,13 @@ def _add_top(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    """Run ``pdcluster top``; returns 0, or 1 when the router's HTTP server is unreachable."""
+    """Run ``pdcluster top``; returns 0, or 1 when the router's HTTP server is unreachable or no cluster
+    is up from ``--state-dir``."""
     from pdcluster.top import run_top
 
-    address = args.address or default_address("router_http_address", "127.0.0.1:8000")
+    address = _address(args, "router_http_address", FALLBACK_HTTP)
+    if address is None:
+        return 1
     base = address if address.startswith("http") else f"{'https' if args.tls_ca else 'http'}://{address}"
     return run_top(base, interval_s=args.interval, iterations=args.iterations, api_key=args.api_key,
                    tls_ca=args.tls_ca)
@@ -161,17 +197,25 @@ def _stream_print(client: PdclusterClient, prompt, params: dict) -> GenerationRe
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Run ``pdcluster generate``; returns 0, 1 on a gRPC error, or 2 on a value the client library
-    refuses before sending (e.g. a negative ``--max-tokens``); errors are one line on stderr."""
+    """Run ``pdcluster generate``; returns 0, 1 on a gRPC error or a ``--state-dir`` no cluster is up from,
+    or 2 on a value the client library refuses before sending (e.g. a negative ``--max-tokens``) or a
+    ``--tls-ca`` that cannot be read; errors are one line on stderr."""
     prompt: object = args.prompt
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system is not None else []
         prompt = messages + [{"role": "user", "content": args.prompt}]
     params = {**_sampling_kwargs(args), "request_id": args.request_id}
-    address = args.address or default_address()
+    address = _address(args, "router_address", FALLBACK_ADDRESS)
+    if address is None:
+        return 1
+    try:
+        client = PdclusterClient(address, api_key=args.api_key, tls_ca=args.tls_ca)
+    except OSError as exc:  # the --tls-ca file
+        print(f"error: --tls-ca {args.tls_ca}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     start = time.monotonic()
     try:
-        with PdclusterClient(address, api_key=args.api_key, tls_ca=args.tls_ca) as client:
+        with client:
             if args.stream:
                 result = _stream_print(client, prompt, params)
             else:
@@ -203,6 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "generate" and args.system is not None and not args.chat:
         parser.error("--system requires --chat")
+    if args.command == "top" and not args.interval > 0:
+        parser.error(f"--interval must be > 0 (seconds), got {args.interval:g}")
     return args.func(args)
 
 

@@ -182,13 +182,17 @@ def run_top(base_url: str, interval_s: float = 1.0, iterations: int | None = Non
     ``tls_ca``: the CA verifying the router's HTTPS certificate (:func:`tls_context`).
 
     Returns:
-        0, or 1 when the router's HTTP server cannot be reached or refuses the API key
-        (message on stderr).
+        0, or 1 when ``tls_ca`` cannot be read, or the router's HTTP server cannot be reached or
+        refuses the API key (message on stderr).
     """
     console = console or Console()
     previous: dict[str, Scrape] = {}
     try:
         context = tls_context(tls_ca)
+    except (OSError, ValueError, TypeError) as e:  # the CA file cannot be read or holds no PEM certificate
+        print(f"error: --tls-ca {tls_ca}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+        return 1
+    try:
         scrapes = snapshot(base_url, api_key, context)
     except urllib.error.HTTPError as e:
         hint = f": give --api-key or ${API_KEY_ENV}" if e.code == 401 else ""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from common.model_config import ConfigError
-from engine.config import QUANTIZATIONS, CacheConfig, SchedulerConfig, check_quantization
+from engine.config import DTYPES, QUANTIZATIONS, CacheConfig, SchedulerConfig, check_quantization
 from kvtransfer.config import KvTransferConfig
 from serving.logs import LogConfig
 from serving.priority import DEFAULT_WORKER_NICE
@@ -88,7 +88,7 @@ class WorkerConfig:
             raise ConfigError(f"role must be 'prefill', 'decode' or 'colocated', got {self.role!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto/cpu/cuda, got {self.device!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype not in ("auto", *DTYPES):
             raise ConfigError(f"unsupported dtype {self.dtype!r}")
         if self.num_threads <= 0 or self.heartbeat_s <= 0:
             raise ConfigError("num_threads and heartbeat_s must be positive")

@@ -1,11 +1,17 @@
 """Every ``pdcluster`` command that talks to a cluster prints one clear line (no traceback)
 on stderr and exits non-zero when what it talks to is unreachable: ``status`` (Redis),
 ``scale`` (Ray), ``generate`` (the router's gRPC port), ``top`` (its HTTP port),
-``loadtest --backend openai`` (an OpenAI-compatible server)."""
+``loadtest --backend openai`` (an OpenAI-compatible server), ``up --ray-address`` (Ray).
+
+So does an operator's mistake, found before anything starts: a flag out of range (exit
+status 2, naming the flag and its limit, not the config field behind it), ``up`` from a
+state directory a cluster is already up from (saying how to stop that one), a ``--tls-ca``
+that cannot be read."""
 
 from __future__ import annotations
 
 import json
+import pickle
 import socket
 
 import pytest
@@ -65,7 +71,99 @@ def test_top_without_router(capsys, dead_address):
     _one_error_line(capsys, rc, f"cannot reach the router's HTTP server at http://{dead_address}")
 
 
+def test_top_finds_the_router_in_state_dir(dead_state, capsys, dead_address):
+    rc = cli.main(["top", "--state-dir", str(dead_state), "--iterations", "1"])
+    _one_error_line(capsys, rc, f"cannot reach the router's HTTP server at http://{dead_address}")
+
+
 def test_loadtest_without_server(capsys, dead_address):
     rc = cli.main(["loadtest", "--backend", "openai", "--base-url", f"http://{dead_address}", "--workload",
                    "synthetic", "--num-requests", "2", "--no-progress", "--tokenizer", "smollm2-135m-instruct"])
     _one_error_line(capsys, rc, f"no model listed at http://{dead_address}/v1/models")
+
+
+def _one_usage_line(capsys, rc: int, line: str) -> None:
+    out, err = capsys.readouterr()
+    assert rc == 2, (out, err)
+    assert err.strip() == line and "Traceback" not in out + err, err
+
+
+@pytest.mark.parametrize(("flags", "line"), [
+    (["--decode", "-1"], "--decode must be >= 0, got -1"),
+    (["--workers", "-2"], "--workers must be >= 0, got -2"),
+    (["--timeout-s", "-5"], "--timeout-s must be > 0, got -5"),
+    (["--drain-timeout-s", "-1"], "--drain-timeout-s must be > 0, got -1"),
+    (["--placement-timeout-s", "0"], "--placement-timeout-s must be > 0, got 0"),
+])
+def test_scale_flag_out_of_range(dead_state, capsys, flags, line):
+    # refused before the state file is read or Ray is reached
+    rc = cli.main(["scale", "--state-dir", str(dead_state), *flags])
+    _one_usage_line(capsys, rc, f"pdcluster scale: error: {line}")
+
+
+def test_scale_target_names_its_field():
+    from common.model_config import FieldError
+    from deploy.scale import ScaleTarget
+
+    with pytest.raises(FieldError, match=r"^start_timeout_s must be > 0, got -5$") as err:
+        ScaleTarget(start_timeout_s=-5.0)
+    assert (err.value.field, err.value.value) == ("start_timeout_s", -5.0)
+    back = pickle.loads(pickle.dumps(err.value))  # as a Ray actor raises it
+    assert (str(back), back.field) == (str(err.value), "start_timeout_s")
+
+
+@pytest.mark.parametrize(("flags", "line"), [
+    (["--decode", "-1"], "--decode must be >= 0, got -1"),
+    (["--colocated", "--workers", "-1"], "--workers must be >= 0, got -1"),
+    (["--timeout-s", "0"], "--timeout-s must be > 0, got 0"),
+    (["--placement-timeout-s", "0"], "--placement-timeout-s must be > 0, got 0"),
+    (["--worker-cpus", "0"], "--worker-cpus must be > 0, got 0"),
+])
+def test_up_flag_out_of_range(tmp_path, capsys, flags, line):
+    rc = cli.main(["up", "--local", "--state-dir", str(tmp_path / "state"), *flags])
+    _one_usage_line(capsys, rc, f"pdcluster up: error: {line}")
+    assert not (tmp_path / "state").exists()  # refused before anything started
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--dtype", "foo"], "argument --dtype: invalid choice: 'foo'"),
+    (["--kv-cache-gb", "0"], "argument --kv-cache-gb: must be > 0, got 0"),
+    (["--redis-port", "70000"], "argument --redis-port: port must be in [0, 65535], got 70000"),
+])
+def test_up_flag_refused_by_the_parser(capsys, flags, needle):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["up", "--local", *flags])
+    assert info.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_up_needs_local_or_ray_address(tmp_path, capsys):
+    rc = cli.main(["up", "--state-dir", str(tmp_path)])
+    _one_usage_line(capsys, rc, "pdcluster up: error: give --local (start Ray here) or --ray-address ADDR")
+
+
+def test_up_from_a_state_dir_already_in_use(dead_state, capsys):
+    before = (dead_state / "cluster.json").read_text()
+    rc = cli.main(["up", "--local", "--state-dir", str(dead_state)])
+    _one_error_line(capsys, rc, f"pdcluster down --state-dir {dead_state}")
+    assert rc == 1 and (dead_state / "cluster.json").read_text() == before  # that cluster's state untouched
+
+
+def test_up_without_ray(tmp_path, capsys, dead_address):
+    rc = cli.main(["up", "--ray-address", dead_address, "--state-dir", str(tmp_path)])
+    _one_error_line(capsys, rc, f"cannot reach the cluster's Ray at {dead_address}")
+
+
+def test_unreadable_tls_ca(capsys, dead_address, tmp_path):
+    missing = tmp_path / "ca.pem"
+    rc = cli.main(["generate", "--address", dead_address, "--tls-ca", str(missing), "hi"])
+    _one_error_line(capsys, rc, f"--tls-ca {missing}: No such file or directory")
+    assert rc == 2
+    missing.write_text("not a certificate")
+    rc = cli.main(["top", "--address", dead_address, "--tls-ca", str(missing), "--iterations", "1"])
+    _one_error_line(capsys, rc, f"--tls-ca {missing}: ")
+
+
+def test_top_interval_must_be_positive(capsys, dead_address):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["top", "--address", dead_address, "--interval", "0"])
+    assert info.value.code == 2 and "--interval must be > 0 (seconds), got 0" in capsys.readouterr().err

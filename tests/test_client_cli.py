@@ -6,6 +6,7 @@ under test; it runs on a real gRPC server with the standard health service.
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -340,14 +341,29 @@ def _fake_deploy(monkeypatch, module="deploy.local", **attrs):
 
 
 def test_cli_default_address_from_state(server, monkeypatch, capsys):
-    _fake_deploy(monkeypatch, "deploy.state", read_state=lambda: {"router_address": server.address})
+    _fake_deploy(monkeypatch, "deploy.state", read_state=lambda state_dir=None: {"router_address": server.address})
     assert cli.default_address() == server.address
     assert cli.main(["generate", "x"]) == 0
     assert capsys.readouterr().out == "t0 t1 t2 t3 \n"
 
 
+def test_cli_generate_finds_the_router_in_state_dir(server, tmp_path, capsys):
+    """``generate --state-dir DIR``: the router address ``up --state-dir DIR`` recorded; ``--address``
+    wins over it; a DIR no cluster is up from is one line on stderr, not a call to the fallback address."""
+    (tmp_path / "cluster.json").write_text(json.dumps({"router_address": server.address}))
+    assert cli.main(["generate", "--state-dir", str(tmp_path), "x"]) == 0
+    assert capsys.readouterr().out == "t0 t1 t2 t3 \n"
+    rc = cli.main(["generate", "--state-dir", str(tmp_path / "none"), "--address", server.address, "y"])
+    assert rc == 0 and [r.text for r in server.router.requests] == ["x", "y"]
+    capsys.readouterr()
+    assert cli.main(["generate", "--state-dir", str(tmp_path / "none"), "z"]) == 1
+    assert capsys.readouterr().err == f"error: no pdcluster is up from state dir {tmp_path / 'none'}; give --address\n"
+    with pytest.raises(FileNotFoundError):
+        cli.default_address(state_dir=tmp_path / "none")
+
+
 def test_cli_default_address_fallbacks(monkeypatch):
-    def missing():
+    def missing(state_dir=None):
         raise FileNotFoundError("no state")
 
     _fake_deploy(monkeypatch, "deploy.state", read_state=missing)
