@@ -6,8 +6,9 @@ that should exist (id, role, placement-group bundle) and how to build them (temp
 shape), kept in Redis (``state:desired``, in the append-only file) and returned to the CLI
 for the state file. Every period (the heartbeat period) it
 
-1. PINGs the cluster Redis where ``up`` started it, and restarts it after two failed PINGs
-   (:mod:`deploy.redis_supervisor`; same port, password and append-only file);
+1. PINGs the cluster Redis where ``up`` started it, and after ``redis_down_checks`` failed PINGs
+   kills it if it still runs (hung) and restarts it (:mod:`deploy.redis_supervisor`; same port,
+   password and append-only file);
 2. compares the desired workers with the live registry; each missing one is probed through
    its actor and healed by the rules of :mod:`deploy.heal` (Ray restarts crashed actors by
    itself; the controller restarts hung, paused or failed ones and recreates killed ones);
@@ -89,7 +90,7 @@ class ControllerActor:
         if was_restarted():
             self.state = self._stored_state() or state
             log.warning("controller restarted; desired state of %d workers", len(self.state["workers"]))
-        self.redis = RedisSupervisor(redis, heal.redis_down_checks) if redis else None
+        self.redis = RedisSupervisor(redis, heal.redis_down_checks, heal.redis_ping_timeout_s) if redis else None
         self.router_cfg = router
         self.router_acted: dict[int, float] = {}
         self.watches: dict[str, WorkerWatch] = {}

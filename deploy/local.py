@@ -231,7 +231,8 @@ def up(args) -> dict:
 def _start_controller(state: dict, period_s: float, timeout_s: float, router) -> None:
     """Start the cluster controller (:mod:`deploy.controller`), supervising Redis where ``up``
     started it and keeping the ``router`` config's routers, and wait until it watches."""
-    redis = RedisSpec(state["redis_url"], state["redis_dir"]) if state.get("started_redis") else None
+    redis = (RedisSpec(state["redis_url"], state["redis_dir"], state.get("redis_pid"))
+             if state.get("started_redis") else None)
     controller = start_controller(state, HealConfig(period_s=period_s), redis, router)
     ray.get(controller.report.remote(), timeout=timeout_s)
 

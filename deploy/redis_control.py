@@ -1,6 +1,6 @@
 """Talking to and stopping a local Redis server by URL or pid.
 
-:func:`is_answering` PINGs a server; :func:`stop_redis_at` shuts one down by
+:func:`is_answering` PINGs a server, :func:`server_pid` asks its process id; :func:`stop_redis_at` shuts one down by
 URL or pid (``pdcluster down``), including a detached server started by
 :class:`deploy.redis_server.LocalRedisServer` in an earlier process. The table
 of detached servers started by this process lives here: LocalRedisServer adds
@@ -49,6 +49,27 @@ def is_answering(url: str, timeout_s: float = 0.5) -> bool:
         client.close()
 
 
+def server_pid(url: str, timeout_s: float = 0.5) -> int | None:
+    """Process id of the Redis server answering at ``url`` (``INFO server``), ``None`` when none
+    answers within ``timeout_s`` seconds (or it refuses INFO, e.g. still loading its data)."""
+    client = _client(url, timeout_s)
+    try:
+        return int(client.info("server").get("process_id", 0)) or None
+    except (redis.exceptions.RedisError, ValueError):
+        return None
+    finally:
+        client.close()
+
+
+def is_zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited but not been reaped yet (state ``Z`` in ``/proc/PID/stat``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[:1] == ["Z"]
+
+
 def _send_shutdown(url: str, timeout_s: float) -> None:
     """SHUTDOWN NOSAVE; a server that is already gone is not an error."""
     client = _client(url, timeout_s)
@@ -79,7 +100,7 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    return not is_zombie(pid)  # exited, waiting for a parent that is not this process
 
 
 def _wait_pid_gone(pid: int, timeout_s: float) -> bool:
@@ -123,9 +144,16 @@ def stop_redis_at(url_or_pid: str | int, timeout_s: float = 5.0) -> bool:
             after SHUTDOWN NOSAVE (it cannot be killed from here).
         redis.exceptions.RedisError: the server refused INFO (e.g. needs a password).
     """
+    _reap_detached()  # servers of this process that exited meanwhile (e.g. killed by a supervisor)
     if isinstance(url_or_pid, int) or str(url_or_pid).isdigit():
         return _stop_pid(int(url_or_pid), timeout_s)
     return _stop_url(str(url_or_pid), timeout_s)
+
+
+def _reap_detached() -> None:
+    for pid, proc in list(_DETACHED.items()):
+        if proc.poll() is not None:
+            _DETACHED.pop(pid, None)
 
 
 def _stop_pid(pid: int, timeout_s: float) -> bool:

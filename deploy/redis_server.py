@@ -19,7 +19,7 @@ import weakref
 from pathlib import Path
 
 from deploy.redis_binary import find_redis_server
-from deploy.redis_control import _DETACHED, _POLL_S, _send_shutdown, is_answering
+from deploy.redis_control import _DETACHED, _POLL_S, _send_shutdown, server_pid
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -27,6 +27,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a server could bind ``host:port`` now (with ``SO_REUSEADDR``, as Redis binds)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def _kill_process(proc: subprocess.Popen) -> None:
@@ -119,7 +130,8 @@ class LocalRedisServer:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self, timeout_s: float = 10.0) -> "LocalRedisServer":
-        """Launch the server and wait until it answers PING.
+        """Launch the server and wait until it answers PING (and ``INFO server`` names its pid:
+        another server answering on the port does not count).
 
         A server restarted after :meth:`stop` listens on the same port again.
 
@@ -193,7 +205,7 @@ class LocalRedisServer:
                     f"{self.binary} exited with code {code} before answering PING on "
                     f"{self.url}; see {self.log_path}:\n{self._log_tail()}"
                 )
-            if is_answering(self.url):
+            if server_pid(self.url) == self._proc.pid:  # ours answers, not one still on the port
                 return
             if time.monotonic() >= deadline:
                 self._proc.kill()
@@ -225,6 +237,34 @@ class LocalRedisServer:
                 proc.kill()
                 proc.wait()
         self._forget_process()
+
+    def kill(self, timeout_s: float = 5.0) -> None:
+        """SIGKILL the server (no SHUTDOWN: it may be hung or stopped) and reap it.
+
+        Does nothing if it was never started or already forgotten.
+
+        Args:
+            timeout_s: seconds to wait for the killed process to be reaped.
+        """
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.kill()
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                return  # not reaped (should not happen after SIGKILL); kept to be reaped later
+        self._forget_process()
+
+    def reap(self) -> int | None:
+        """Exit code of a server process that has exited (reaped and forgotten: :attr:`pid`
+        becomes ``None``); ``None`` while it runs or when none was started."""
+        proc = self._proc
+        if proc is None or proc.poll() is None:
+            return None
+        self._forget_process()
+        return proc.returncode
 
     def _forget_process(self) -> None:
         if self._proc is not None:

