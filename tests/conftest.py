@@ -1,4 +1,5 @@
-"""Shared fixtures: the real model (dequantized once into the default cache)."""
+"""Shared fixtures: the real model (dequantized once into the default cache); torch's thread count
+for the CPU kernel tests."""
 
 from __future__ import annotations
 
@@ -27,6 +28,17 @@ def fuzz_examples(request):
     """``n -> `` the number of hypothesis examples to run (``n``, or ``SLOW_FACTOR x n`` with ``--slow``)."""
     factor = SLOW_FACTOR if request.config.getoption("--slow") else 1
     return lambda n: n * factor
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """Runs the test at 1 and at 2 torch intra-op threads (the C++ kernels split work over them)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

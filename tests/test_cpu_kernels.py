@@ -26,14 +26,6 @@ QSHAPES = [(1, 576, 576), (3, 192, 576), (8, 1536, 576), (33, 576, 1536), (1, 40
            (2, 3, 32)]
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def _close(y: torch.Tensor, ref: torch.Tensor, k: int) -> None:
     assert y.dtype == torch.float32 and y.shape == ref.shape
     scale = ref.abs().max().item() + 1.0

@@ -18,14 +18,6 @@ pytestmark = pytest.mark.skipif(not cpu_decode_available(),
                                 reason="the C++ paged-attention kernel cannot be built here (no compiler)")
 
 
-@pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}")
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def _paged(gen: torch.Generator, lens: list[int], num_kv_heads: int, head_dim: int, block_size: int):
     """Random caches and shuffled, non-contiguous block tables (never block 0) for ``lens``."""
     need = [-(-n // block_size) for n in lens]

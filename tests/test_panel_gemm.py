@@ -23,14 +23,6 @@ SHAPES = [(1, 576, 576), (3, 192, 576), (8, 1536, 576), (9, 576, 1536), (33, 100
           (300, 70, 40), (5, 7, 1), (2, 33, 9)]
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @needs_kernel
 @pytest.mark.parametrize("rows,n,k", SHAPES)
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])

@@ -32,14 +32,6 @@ def _inputs(t: int, h: int, kh: int, d: int, blocks: int = 24, block_size: int =
     return q, k, v, cos, sin, cache, slots
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @needs_kernel
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_kernel_is_bit_identical_to_torch(shape, threads):
