@@ -20,16 +20,18 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-_POLL_S = 0.05
+POLL_S = 0.05
+"""Seconds between checks while waiting for a server or a process (start, exit, a free port)."""
 
 # Detached servers started by this process, by pid: their Popen objects are
 # kept here (not on the LocalRedisServer, which may be dropped while the server
 # runs on) so that stop_redis_at can reap them once they exit.
-_DETACHED: dict[int, subprocess.Popen] = {}
+DETACHED: dict[int, subprocess.Popen] = {}
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-def _client(url: str, timeout_s: float) -> redis.Redis:
+def redis_client(url: str, timeout_s: float) -> redis.Redis:
+    """A client of ``url`` whose connect and every command give up after ``timeout_s`` seconds, no retries."""
     return redis.Redis.from_url(
         url,
         socket_timeout=timeout_s,
@@ -40,7 +42,7 @@ def _client(url: str, timeout_s: float) -> redis.Redis:
 
 def is_answering(url: str, timeout_s: float = 0.5) -> bool:
     """Whether a Redis server at ``url`` answers PING within ``timeout_s`` seconds."""
-    client = _client(url, timeout_s)
+    client = redis_client(url, timeout_s)
     try:
         return bool(client.ping())
     except redis.exceptions.RedisError:
@@ -52,7 +54,7 @@ def is_answering(url: str, timeout_s: float = 0.5) -> bool:
 def server_pid(url: str, timeout_s: float = 0.5) -> int | None:
     """Process id of the Redis server answering at ``url`` (``INFO server``), ``None`` when none
     answers within ``timeout_s`` seconds (or it refuses INFO, e.g. still loading its data)."""
-    client = _client(url, timeout_s)
+    client = redis_client(url, timeout_s)
     try:
         return int(client.info("server").get("process_id", 0)) or None
     except (redis.exceptions.RedisError, ValueError):
@@ -70,9 +72,9 @@ def is_zombie(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[:1] == ["Z"]
 
 
-def _send_shutdown(url: str, timeout_s: float) -> None:
+def send_shutdown(url: str, timeout_s: float) -> None:
     """SHUTDOWN NOSAVE; a server that is already gone is not an error."""
-    client = _client(url, timeout_s)
+    client = redis_client(url, timeout_s)
     try:
         client.shutdown(nosave=True)
     except redis.exceptions.RedisError:
@@ -81,12 +83,14 @@ def _send_shutdown(url: str, timeout_s: float) -> None:
         client.close()
 
 
-def _pid_alive(pid: int) -> bool:
-    proc = _DETACHED.get(pid)
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (reaping it when it is an exited child of this process;
+    a zombie of another parent counts as gone)."""
+    proc = DETACHED.get(pid)
     if proc is not None:
         if proc.poll() is None:
             return True
-        _DETACHED.pop(pid, None)
+        DETACHED.pop(pid, None)
         return False
     try:
         reaped, _ = os.waitpid(pid, os.WNOHANG)  # reaps it if it is our child
@@ -103,12 +107,13 @@ def _pid_alive(pid: int) -> bool:
     return not is_zombie(pid)  # exited, waiting for a parent that is not this process
 
 
-def _wait_pid_gone(pid: int, timeout_s: float) -> bool:
+def wait_pid_gone(pid: int, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` seconds for process ``pid`` to be gone (:func:`pid_alive`); whether it is."""
     deadline = time.monotonic() + timeout_s
-    while _pid_alive(pid):
+    while pid_alive(pid):
         if time.monotonic() >= deadline:
             return False
-        time.sleep(_POLL_S)
+        time.sleep(POLL_S)
     return True
 
 
@@ -151,37 +156,37 @@ def stop_redis_at(url_or_pid: str | int, timeout_s: float = 5.0) -> bool:
 
 
 def _reap_detached() -> None:
-    for pid, proc in list(_DETACHED.items()):
+    for pid, proc in list(DETACHED.items()):
         if proc.poll() is not None:
-            _DETACHED.pop(pid, None)
+            DETACHED.pop(pid, None)
 
 
 def _stop_pid(pid: int, timeout_s: float) -> bool:
-    if not _pid_alive(pid):
+    if not pid_alive(pid):
         return False
     _check_is_redis(pid)
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return False
-    if not _wait_pid_gone(pid, timeout_s):
+    if not wait_pid_gone(pid, timeout_s):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        _wait_pid_gone(pid, timeout_s)
+        wait_pid_gone(pid, timeout_s)
     return True
 
 
 def _stop_url(url: str, timeout_s: float) -> bool:
-    client = _client(url, min(timeout_s, 2.0))
+    client = redis_client(url, min(timeout_s, 2.0))
     try:
         pid = int(client.info("server").get("process_id", 0)) or None
     except redis.exceptions.ConnectionError:
         return False
     finally:
         client.close()
-    _send_shutdown(url, timeout_s=min(timeout_s, 2.0))
+    send_shutdown(url, timeout_s=min(timeout_s, 2.0))
     local = (urlparse(url).hostname or "") in _LOOPBACK_HOSTS
     deadline = time.monotonic() + timeout_s
     while is_answering(url, timeout_s=0.5):
@@ -193,7 +198,7 @@ def _stop_url(url: str, timeout_s: float) -> bool:
                     pass
                 break
             raise RuntimeError(f"redis at {url} still answers {timeout_s:.1f} s after SHUTDOWN NOSAVE")
-        time.sleep(_POLL_S)
+        time.sleep(POLL_S)
     if pid is not None and local:
-        _wait_pid_gone(pid, timeout_s)
+        wait_pid_gone(pid, timeout_s)
     return True

@@ -19,7 +19,7 @@ import weakref
 from pathlib import Path
 
 from deploy.redis_binary import find_redis_server
-from deploy.redis_control import _DETACHED, _POLL_S, _send_shutdown, server_pid
+from deploy.redis_control import DETACHED, POLL_S, send_shutdown, server_pid
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -193,7 +193,7 @@ class LocalRedisServer:
                 close_fds=True,
             )
         if self.detach:
-            _DETACHED[self._proc.pid] = self._proc
+            DETACHED[self._proc.pid] = self._proc
         else:
             self._finalizer = weakref.finalize(self, _kill_process, self._proc)
         deadline = time.monotonic() + timeout_s
@@ -215,7 +215,7 @@ class LocalRedisServer:
                     f"{self.binary} did not answer PING on {self.url} within {timeout_s:.1f} s; "
                     f"see {self.log_path}:\n{self._log_tail()}"
                 )
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Shut the server down (SHUTDOWN NOSAVE, then SIGKILL after ``timeout_s``).
@@ -230,7 +230,7 @@ class LocalRedisServer:
         if proc is None:
             return
         if proc.poll() is None:
-            _send_shutdown(self.url, timeout_s=min(timeout_s, 2.0))
+            send_shutdown(self.url, timeout_s=min(timeout_s, 2.0))
             try:
                 proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -268,7 +268,7 @@ class LocalRedisServer:
 
     def _forget_process(self) -> None:
         if self._proc is not None:
-            _DETACHED.pop(self._proc.pid, None)
+            DETACHED.pop(self._proc.pid, None)
         if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None

@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 
 import redis
 
-from deploy.redis_control import _POLL_S, _client, _pid_alive, _wait_pid_gone, server_pid
+from deploy.redis_control import POLL_S, pid_alive, redis_client, server_pid, wait_pid_gone
 from deploy.redis_server import LocalRedisServer, port_is_free
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class RedisSupervisor:
                 pass
             except PermissionError as e:
                 log.error("cannot kill cluster Redis pid %d: %s", pid, e)
-            _wait_pid_gone(pid, self.port_wait_s)  # reaps it if it is a child of this process
+            wait_pid_gone(pid, self.port_wait_s)  # reaps it if it is a child of this process
         self._pid = None
 
     def _wait_port_free(self) -> bool:
@@ -177,7 +177,7 @@ class RedisSupervisor:
         while not port_is_free(self.spec.host, self.spec.port):
             if time.monotonic() >= deadline:
                 return False
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
         return True
 
     def _reap_child(self) -> None:
@@ -192,7 +192,7 @@ class RedisSupervisor:
 def _ping(url: str, timeout_s: float) -> tuple[bool | None, str]:
     """``(True, "")``: PONG within ``timeout_s``; ``(None, error)``: the server answered with an error
     (e.g. still loading its data: alive, not hung); ``(False, error)``: no answer (dead or hung)."""
-    client = _client(url, timeout_s)
+    client = redis_client(url, timeout_s)
     try:
         return bool(client.ping()), ""
     except (redis.exceptions.BusyLoadingError, redis.exceptions.AuthenticationError,
@@ -207,7 +207,7 @@ def _ping(url: str, timeout_s: float) -> tuple[bool | None, str]:
 def _serves_port(pid: int, port: int) -> bool:
     """Whether ``pid`` is a live redis/valkey server of ``port`` (its comm names redis/valkey and
     its command line or process title ``NAME HOST:PORT`` names the port)."""
-    if not _pid_alive(pid):
+    if not pid_alive(pid):
         return False
     try:
         name = Path(f"/proc/{pid}/comm").read_text()
