@@ -130,12 +130,15 @@ def measure_prefill(runner: ModelRunner, plans: list[StepPlan], flops: int, reps
 
 #: operator-name fragments of each category of :func:`op_categories` (first match wins).
 CATEGORIES = (
-    ("GEMM (linear layers)", ("aten::addmm", "aten::mm", "mkldnn::_linear_pointwise")),
-    ("attention (SDPA)", ("scaled_dot_product", "flash_attention", "aten::bmm", "aten::_softmax", "aten::baddbmm")),
+    ("GEMM (linear layers)", ("aten::addmm", "aten::mm", "mkldnn::_linear_pointwise", "pdcluster::panel_gemm",
+                              "pdcluster::gemv", "pdcluster::linear_int8", "pdcluster::linear_q4_1")),
+    ("attention (SDPA)", ("scaled_dot_product", "flash_attention", "aten::bmm", "aten::_softmax", "aten::baddbmm",
+                          "pdcluster::paged_decode_attention")),
     ("elementwise (RMSNorm, RoPE, SwiGLU, residual)", ("aten::mul", "aten::add", "aten::cat", "aten::neg",
                                                        "aten::pow", "aten::sum", "aten::mean", "aten::rsqrt",
                                                        "aten::silu", "aten::div", "aten::fill_", "aten::copy_")),
-    ("indexing (KV gather, cache write, RoPE table) and masks", ("aten::index", "aten::gather", "aten::where",
+    ("indexing (KV gather, cache write, RoPE table) and masks", ("pdcluster::rope_store", "aten::index",
+                                                                 "aten::gather", "aten::where",
                                                                  "aten::le", "aten::lt", "aten::bitwise_and")),
 )
 

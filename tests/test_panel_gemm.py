@@ -77,3 +77,18 @@ def test_panel_linear_module(lead):
 def test_panel_is_the_cpu_float32_default():
     assert default_linear_backend(torch.device("cpu"), torch.float32) == "panel"
     assert default_linear_backend(torch.device("cpu"), torch.bfloat16) == "torch"
+
+
+@needs_kernel
+def test_kernel_calls_show_in_profiler_traces():
+    """A pybind call is no torch operator: the kernels are named ranges while a profiler runs."""
+    from engine.kernels.cpu.rope_cache import rope_store_cpu
+
+    mod = PanelLinear(torch.randn(40, 16))
+    q, k = torch.randn(1, 2, 8), torch.randn(1, 1, 8)
+    cache = torch.zeros(1, 2, 2, 4, 1, 8)
+    with torch.profiler.profile() as prof:
+        mod(torch.randn(3, 16))
+        rope_store_cpu(q, k, k.clone(), torch.ones(1, 8), torch.zeros(1, 8), cache, 0, torch.tensor([1]))
+    names = {e.key for e in prof.key_averages()}
+    assert {"pdcluster::panel_gemm", "pdcluster::rope_store"} <= names, names

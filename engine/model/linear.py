@@ -31,6 +31,7 @@ from torch import nn
 
 from engine.kernels.cpu import panel_gemm
 from engine.kernels.cpu.build import load as load_cpu_kernel
+from engine.kernels.cpu.trace import traced
 
 BATCH_HINT = 32
 """Rows oneDNN tunes the packed layout for (any row count works; 1-512 measured within 10%)."""
@@ -113,7 +114,8 @@ class GemvLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
         self.out_features, self.in_features = weight.shape
         self.max_rows = max_rows
-        self._kernel = load_cpu_kernel("gemv")
+        kernel = load_cpu_kernel("gemv")
+        self._gemv = None if kernel is None else traced("pdcluster::gemv", kernel.linear_f32)
         self._onednn = onednn_available()
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
                              if packed and self._onednn else None, persistent=False)
@@ -122,8 +124,8 @@ class GemvLinear(nn.Module):
         """``[..., in_features]`` float32 -> ``[..., out_features]`` float32."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self._kernel is not None and x2.shape[0] <= self.max_rows:
-            y = self._kernel.linear_f32(x2, self.weight, self.bias)
+        if self._gemv is not None and x2.shape[0] <= self.max_rows:
+            y = self._gemv(x2, self.weight, self.bias)
         elif self._onednn:
             w = self.weight if self.packed_weight is None else self.packed_weight
             y = torch.ops.mkldnn._linear_pointwise(x2, w, self.bias, "none", [], "")
@@ -154,7 +156,7 @@ class PanelLinear(nn.Module):
         self.weight_nbytes = weight.numel() * weight.element_size()
         self.register_buffer("panels", panel_gemm.pack(weight))
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous().clone())
-        self._linear = load_cpu_kernel(panel_gemm.NAME).linear
+        self._linear = traced("pdcluster::panel_gemm", load_cpu_kernel(panel_gemm.NAME).linear)
 
     def dense_weight(self) -> torch.Tensor:
         """A plain ``[out_features, in_features]`` float32 copy of the weight."""

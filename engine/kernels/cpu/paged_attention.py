@@ -12,9 +12,12 @@ over ``head_dim``, items split over torch's intra-op threads (``torch.set_num_th
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.kernels.cpu.build import load
+from engine.kernels.cpu.trace import traced
 
 NAME = "paged_attention"
 
@@ -62,13 +65,19 @@ def paged_decode_attention_cpu(
             ``heads_per_item`` that does not divide ``num_kv_heads``, or a length / block id out
             of range.
     """
-    ext = load(NAME)
-    if ext is None:
+    kernel = _decode()
+    if kernel is None:
         raise RuntimeError("the C++ paged-attention kernel is not built on this machine")
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1 token, got {window}")
-    return ext.decode(q.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(),
+    return kernel(q.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(),
                       float(scale), 0 if window is None else int(window), int(heads_per_item))
+
+
+@functools.cache
+def _decode():
+    ext = load(NAME)
+    return None if ext is None else traced("pdcluster::paged_decode_attention", ext.decode)
 
 
 def paged_decode_attention_cpu_reference(

@@ -19,10 +19,12 @@ is also what the tests compare the kernels against.
 from __future__ import annotations
 
 import functools
-from types import ModuleType
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernels.cpu.trace import traced
 
 QK4_1 = 32
 """Weights per Q4_1 block (llama.cpp's ``QK4_1``)."""
@@ -32,8 +34,9 @@ GGUF_Q4_1_BLOCK_BYTES = 20
 
 
 @functools.cache
-def _extension() -> ModuleType | None:
-    """The built ``quant_gemv`` extension when it exposes both kernels, else None."""
+def _extension() -> SimpleNamespace | None:
+    """The built ``quant_gemv`` extension's two kernels (shown in profiler traces as
+    ``pdcluster::linear_int8`` / ``pdcluster::linear_q4_1``) when it exposes both, else None."""
     from engine.kernels.cpu.build import load
     try:
         mod = load("quant_gemv")
@@ -41,7 +44,8 @@ def _extension() -> ModuleType | None:
         return None
     if mod is None or not (hasattr(mod, "linear_int8") and hasattr(mod, "linear_q4_1")):
         return None
-    return mod
+    return SimpleNamespace(linear_int8=traced("pdcluster::linear_int8", mod.linear_int8),
+                           linear_q4_1=traced("pdcluster::linear_q4_1", mod.linear_q4_1))
 
 
 def kernel_available() -> bool:

@@ -9,9 +9,12 @@ arithmetic in one call and is bit-identical to the torch expression (rotate-half
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.kernels.cpu.build import load
+from engine.kernels.cpu.trace import traced
 
 NAME = "rope_cache"
 
@@ -44,11 +47,17 @@ def rope_store_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
         RuntimeError: the kernel is not built here, or a bad argument (dtype, shape, a non-contiguous
             tensor, an odd ``head_dim``, a layer or slot out of range), named in the message.
     """
-    ext = load(NAME)
-    if ext is None:
+    kernel = _rope_store()
+    if kernel is None:
         raise RuntimeError("the C++ rope_cache kernel is not built on this machine")
-    ext.rope_store(q, k, v, cos, sin, kv_cache, int(layer), slot_mapping)
+    kernel(q, k, v, cos, sin, kv_cache, int(layer), slot_mapping)
     return q
+
+
+@functools.cache
+def _rope_store():
+    ext = load(NAME)
+    return None if ext is None else traced("pdcluster::rope_store", ext.rope_store)
 
 
 def rope_store_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
