@@ -91,7 +91,8 @@ def markdown(r: dict) -> str:
         f"point's own values give its floors. Weights {r['weight_bytes'] / 1e6:.0f} MB, "
         f"KV {r['kv_bytes_per_token'] / 1024:.0f} KiB per token.",
         "",
-        f"Thread budget: ours — {tb['ours']}; HF — {tb['hf']}; vLLM — {tb['vllm'] or 'not run'}.",
+        f"Thread budget: ours — {tb['ours']}; HF — {tb['hf']}; vLLM — {tb['vllm'] or 'not run'}. "
+        f"Our linear layers: the `{r.get('linear_backend', 'default')}` backend (`engine/model/linear.py`).",
         "",
         "Greedy, EOS ignored, distinct prompts cut from `sonnet.txt`; the first token comes from the "
         "prefill. TPOT is the median wall time of the remaining decode steps (p50; robust to other jobs' "

@@ -269,6 +269,7 @@ def run(args) -> dict:
 
     from common.model_config import ModelConfig
     from engine.model import load_model
+    from engine.model.linear import default_linear_backend
     from engine.model_loader import resolve_model_source
 
     torch.set_num_threads(args.threads)
@@ -277,7 +278,8 @@ def run(args) -> dict:
     model_dir, gguf = resolve_model_source(args.model)
     cfg = ModelConfig.from_hf_folder(model_dir, name=args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = load_model(cfg, torch.device("cpu"), torch.float32, linear_backend=args.linear_backend,
+    backend = args.linear_backend or default_linear_backend(torch.device("cpu"), torch.float32)
+    model = load_model(cfg, torch.device("cpu"), torch.float32, linear_backend=backend,
                        quantization=args.quantization, gguf_path=gguf)
     hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     stats = model_stats(model, cfg)
@@ -292,7 +294,7 @@ def run(args) -> dict:
     res = {
         "benchmark": "decode", "complete": False, "quick": args.quick, "model": args.model,
         "model_dir": str(model_dir), "dtype": "float32", "device": "cpu", "cpu": _common.cpu_name(),
-        "cpu_count": os.cpu_count(), "linear_backend": args.linear_backend or "default",
+        "cpu_count": os.cpu_count(), "linear_backend": backend,
         "quantization": args.quantization, "torch": torch.__version__,
         "transformers": transformers.__version__,
         "vllm": peer.info["vllm"] if peer else None, "block_size": BLOCK_SIZE, "rounds": args.rounds,
