@@ -99,7 +99,7 @@ def test_server_answers_and_stops(server):
     pid = server.pid
     server.stop()
     assert server.pid is None
-    assert not rc._pid_alive(pid)
+    assert not rc.pid_alive(pid)
     server.stop()  # idempotent
 
 
@@ -108,7 +108,7 @@ def test_attached_server_dies_with_its_object(tmp_path):
     pid = srv.pid
     del srv
     gc.collect()
-    assert _wait_for(lambda: not rc._pid_alive(pid), 5.0)
+    assert _wait_for(lambda: not rc.pid_alive(pid), 5.0)
 
 
 def test_start_failure_names_binary_and_log(tmp_path):
@@ -149,7 +149,7 @@ def test_detached_outlives_object_and_stop_redis_at(tmp_path, binary):
     assert rc.is_answering(url)
     assert stop_redis_at(url) is True
     assert not rc.is_answering(url)
-    assert _wait_for(lambda: not rc._pid_alive(pid), 5.0)
+    assert _wait_for(lambda: not rc.pid_alive(pid), 5.0)
     assert stop_redis_at(url) is False  # nothing there any more
 
     srv2 = LocalRedisServer(tmp_path, detach=True, binary=binary).start()
