@@ -268,13 +268,11 @@ def run(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from common.model_config import ModelConfig
-    from engine.model import load_model
-    from engine.model.linear import default_linear_backend
+    from engine.model import default_linear_backend, load_model
     from engine.model_loader import resolve_model_source
 
     torch.set_num_threads(args.threads)
-    t_start = time.perf_counter()
-    load_start = _common.load_avg_1m()
+    t_start, load_start = time.perf_counter(), _common.load_avg_1m()
     model_dir, gguf = resolve_model_source(args.model)
     cfg = ModelConfig.from_hf_folder(model_dir, name=args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -28,3 +28,16 @@ def test_build_runner_loads_every_cpu_kernel_before_returning():
     loaded, kernels, available = out.stdout.split()
     assert loaded == kernels  # every kernel loaded inside build_runner
     assert available == "True"  # and built (this machine has a compiler)
+
+
+def test_a_stale_torch_build_lock_does_not_hang_the_next_load():
+    """torch's build lock is a plain file: a worker killed while loading a kernel left it behind and every
+    later load waited forever (a CI cascade after a scale test killed a starting worker)."""
+    from engine.kernels.cpu.build import BUILD_ROOT
+
+    (BUILD_ROOT / "gemv").mkdir(parents=True, exist_ok=True)
+    (BUILD_ROOT / "gemv" / "lock").touch()
+    code = "from engine.kernels.cpu.build import load; print(load('gemv') is not None)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "True", out.stderr[-2000:]
+    assert not (BUILD_ROOT / "gemv" / "lock").exists()

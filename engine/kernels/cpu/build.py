@@ -13,6 +13,7 @@ the caller falls back to its plain-torch path.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -51,9 +52,16 @@ def load(name: str) -> ModuleType | None:
     try:
         from torch.utils import cpp_extension
         _ninja_on_path()
-        return cpp_extension.load(name=f"pdcluster_{name}", sources=[str(source)], build_directory=str(build_dir),
-                                  extra_cflags=[*CFLAGS, f"-DPDC_HEADERS={_headers_digest()}"],
-                                  extra_ldflags=list(LDFLAGS), verbose=False)
+        # torch's own lock (build_dir/lock, a plain file) stays behind when a process is killed while it
+        # holds it, and every later load then waits for it forever. Our flock is released by the kernel when
+        # its holder dies; holding it, any torch lock file left is stale.
+        with open(build_dir / "pdcluster.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            return cpp_extension.load(name=f"pdcluster_{name}", sources=[str(source)],
+                                      build_directory=str(build_dir),
+                                      extra_cflags=[*CFLAGS, f"-DPDC_HEADERS={_headers_digest()}"],
+                                      extra_ldflags=list(LDFLAGS), verbose=False)
     except Exception as e:  # no compiler, no ninja, a compile error: fall back to torch
         log.warning("CPU kernel %s is not available (%s: %s); using the plain-torch path",
                     name, type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
