@@ -7,9 +7,9 @@ differences (biases, q/k norm, Gemma's norms and embedding scale, activation,
 sliding-window layers, per-layer RoPE) come from its :class:`~engine.model.arch.DecoderArch`;
 the math follows HF ``transformers``' modelling code of each family (RMSNorm in
 float32, rotate-half RoPE, gated MLP) so greedy outputs match it. On CPU in float32 two of its
-steps take one call each, bit-identical to HF's expressions: RMSNorm (``F.rms_norm``) and a
-layer's RoPE plus K/V write (the C++ ``rope_cache`` kernel); at batch 1 their ~25 operators per
-layer were ~1 ms of a ~21 ms decode step. Every projection is
+steps take one C++ call each: RMSNorm (``rms_norm``, a few ulp from torch's rounding) and a
+layer's RoPE plus K/V write (``rope_cache``, bit-identical); at batch 1 their ~35 operators per
+layer were ~2 ms of a ~20 ms decode step. Every projection is
 its own ``nn.Linear`` (q/k/v, o, gate/up/down, LM head), so a column- or row-parallel
 linear can replace any of them.
 """
@@ -25,6 +25,7 @@ from torch import nn
 from common.model_config import ModelConfig
 from engine.attention import AttentionMetadata
 from engine.attention.registry import AttentionBackend
+from engine.kernels.cpu import rms_norm as rms_norm_kernel
 from engine.model.arch import DecoderArch, RopeSpec
 from engine.model.rope import RopeStep, RotaryEmbedding
 
@@ -37,7 +38,8 @@ _ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim, in float32. ``offset == 0``: ``w * norm(x).to(dtype)`` (Llama);
-    ``offset != 0``: ``(norm(x) * (offset + w)).to(dtype)`` with a zero-initialised ``w`` (Gemma)."""
+    ``offset != 0``: ``(norm(x) * (offset + w)).to(dtype)`` with a zero-initialised ``w`` (Gemma).
+    On CPU in float32 one C++ call (:mod:`engine.kernels.cpu.rms_norm`), else HF's expression."""
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
@@ -45,15 +47,9 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.offset and x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # the same expression as below in one call (bit-identical: tests/test_rope_cache_kernel.py)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (x32 * (self.offset + self.weight.float())).to(dtype)
-        return self.weight * x32.to(dtype)
+        if rms_norm_kernel.supports(x, self.weight):
+            return rms_norm_kernel.rms_norm_cpu(x, self.weight, self.eps, self.offset)
+        return rms_norm_kernel.rms_norm_reference(x, self.weight, self.eps, self.offset)
 
 
 class Attention(nn.Module):

@@ -14,6 +14,8 @@ Each kernel has a plain-torch fallback that its caller uses when the extension i
 * ``rope_cache`` (:mod:`engine.kernels.cpu.rope_cache`): one layer's rotate-half RoPE of q and k
   and its K/V written into the paged cache at the slot mapping, in one call, bit-identical to the
   decoder's torch expression (:meth:`engine.model.rope.RopeStep.rotate_and_store`).
+* ``rms_norm`` (:mod:`engine.kernels.cpu.rms_norm`): RMSNorm of float32 rows in one call (Llama's and
+  Gemma's forms), the decoder's :class:`~engine.model.decoder.RMSNorm` on CPU float32.
 * ``block_copy`` (``load("block_copy")``): KV block-row copies that take the bytes' CRC32C on the
   way, one pass over memory: ``gather_framed`` (rows into a new ``bytes`` after a prefix, the CRC
   written into it) and ``gather_crc`` (into a tensor, returning the CRC); used by :mod:`kvtransfer.onepass`.
