@@ -159,10 +159,11 @@ def _tiny_qwen2(tmp_path):
 
 def test_qwen2_attention_bias_matches_hf(tmp_path):
     cfg, ours, hf = _tiny_qwen2(tmp_path)
-    assert ours.model.layers[0].self_attn.q_proj.bias is not None
-    assert ours.model.layers[0].self_attn.o_proj.bias is None
+    attn = ours.model.layers[1].self_attn  # q/k/v merged (engine.model.fuse): [q | k | v] biases
+    q_size, kv_size = attn.qkv_sizes[:2]
+    assert attn.qkv_proj.bias is not None and attn.o_proj.bias is None
     assert ours.lm_head is not None
-    assert float(ours.model.layers[1].self_attn.k_proj.bias.abs().sum()) > 1.0
+    assert float(attn.qkv_proj.bias[q_size:q_size + kv_size].abs().sum()) > 1.0  # k's bias
 
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (7, 19, 3)]

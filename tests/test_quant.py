@@ -147,15 +147,16 @@ def test_engine_generates_with_quantized_weights(method, source, model_config, t
     model = load_model(model_config, CPU, torch.float32, quantization=method, gguf_path=gguf)
     layer = model.model.layers[0]
     cls = Int8Linear if method == "int8" else Q4Linear
-    assert all(isinstance(getattr(layer.self_attn, a), cls) for a in PROJECTIONS["self_attn"])
-    assert all(isinstance(getattr(layer.mlp, a), cls) for a in PROJECTIONS["mlp"])
+    # quantized, then merged (engine.model.fuse): q/k/v and gate/up are one quantized layer each
+    assert all(isinstance(m, cls) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                            layer.mlp.gate_up_proj, layer.mlp.down_proj))
     assert (type(model.lm_head) is cls) == (method == "int8")  # int8 quantizes the LM head too
     assert model.model.embed_tokens.weight.dtype == torch.float32
     ours = _greedy(model, model_config, tokenizer(PROMPT)["input_ids"], STEPS)
     assert len(ours) == STEPS and ours[0] == fp32_tokens[0]
     if method == "q4":  # the GGUF's own blocks: the very weights the float model was dequantized to
         w = read_state(folder)["model.layers.0.self_attn.q_proj.weight"]
-        assert torch.equal(layer.self_attn.q_proj.dense_weight(), w)
+        assert torch.equal(layer.self_attn.qkv_proj.dense_weight()[:w.shape[0]], w)
         assert ours == fp32_tokens
 
 

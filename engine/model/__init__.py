@@ -14,6 +14,7 @@ from engine.gguf_blocks import matching_blocks, read_q4_1_blocks
 from engine.model.arch import DecoderArch
 from engine.model.decoder import CausalLM
 from engine.model.families import load_arch
+from engine.model.fuse import merge_projections
 from engine.model.linear import apply_linear_backend, default_linear_backend
 from engine.model.quant import apply_quantization
 
@@ -71,6 +72,8 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
     quantized layers (:mod:`engine.model.quant`; ``"int8"`` also the LM head; the embedding stays float). With ``"q4"``
     and ``gguf_path`` (the GGUF ``cfg.path`` was dequantized from), the file's own Q4_1 blocks are
     served where they dequantize exactly to the loaded weights (:mod:`engine.gguf_blocks`).
+    Then each layer's q/k/v and gate/up projections are merged into one matmul each
+    (:func:`engine.model.fuse.merge_projections`), before the linear backend packs them.
 
     Raises:
         FileNotFoundError: no safetensors file in the folder.
@@ -91,5 +94,6 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
         blocks = matching_blocks(read_q4_1_blocks(gguf_path), state)
     del state
     apply_quantization(model, quantization, blocks)
+    merge_projections(model)
     apply_linear_backend(model, linear_backend or default_linear_backend(device, dtype))
     return model

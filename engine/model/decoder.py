@@ -69,13 +69,20 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.scale = arch.attn_scale if arch.attn_scale is not None else self.head_dim**-0.5
+        self.qkv_proj: nn.Module | None = None  # q/k/v merged after loading (engine.model.fuse)
+        self.qkv_sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                          self.num_kv_heads * self.head_dim)
 
     def forward(self, x, meta: AttentionMetadata, kv_cache: torch.Tensor, rope: RopeStep,
                 backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:  # [T, q | k | v]; the kernels take contiguous rows (a copy only when T > 1)
+            q, k, v = (part.contiguous() for part in self.qkv_proj(x).split(self.qkv_sizes, dim=-1))
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = rope.rotate_and_store(q, k, v, kv_cache, self.layer, meta.slot_mapping)
@@ -84,7 +91,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """``down(act(gate(x)) * up(x))``."""
+    """``down(act(gate(x)) * up(x))``; ``gate_up_proj`` computes ``[gate | up]`` in one matmul once merged."""
 
     def __init__(self, cfg: ModelConfig, arch: DecoderArch) -> None:
         super().__init__()
@@ -92,8 +99,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=arch.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=arch.mlp_bias)
         self.act = _ACT[arch.activation]
+        self.gate_up_proj: nn.Module | None = None  # gate/up merged after loading (engine.model.fuse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 

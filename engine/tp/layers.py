@@ -13,6 +13,7 @@ from engine.attention import get_attention_backend
 from engine.model import default_attention_backend, read_state
 from engine.model.decoder import CausalLM
 from engine.model.families import load_arch
+from engine.model.fuse import merge_projections
 from engine.model.linear import apply_linear_backend, default_linear_backend
 from engine.tp import TpLayout
 from engine.tp.group import TpGroup
@@ -112,5 +113,6 @@ def load_tp_model(cfg: ModelConfig, layout: TpLayout, group: TpGroup, device: to
     for layer in model.model.layers:
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
         layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
+    merge_projections(model)  # this rank's q/k/v heads and gate/up columns: column-parallel parts merge locally
     apply_linear_backend(model, linear_backend or default_linear_backend(device, dtype))
     return model
