@@ -40,6 +40,11 @@ CASES = [  # (batch, max context, q heads, kv heads, head_dim, block_size, windo
     (9, 1024, 8, 8, 128, 32, None),
     (5, 300, 14, 2, 64, 8, 33),  # Qwen2.5-0.5B's heads
     (2, 130, 4, 2, 72, 16, None),  # a head_dim not a multiple of 16
+    # 3 items (sequence, kv head) for 2 threads: each context is split in 2 parts, merged at the end
+    (1, 1024, 9, 3, 64, 16, None),
+    (1, 100, 9, 3, 64, 16, 40),  # the window's blocks split
+    (1, 100, 9, 3, 64, 16, 10),  # one block in the window: the second part is empty
+    (3, 200, 4, 1, 64, 16, None),  # short sequences among them: empty parts
 ]
 
 

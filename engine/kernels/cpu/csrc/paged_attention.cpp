@@ -8,7 +8,9 @@
 // output. Grouped-query attention: the item computes all num_heads / num_kv_heads query heads of
 // its group together, so each K/V row is read once per group and never repeated per query head.
 // AVX2/FMA over head_dim (a scalar path where AVX2 is missing); at::parallel_for over the items
-// splits them over torch's intra-op threads. float32 throughout.
+// splits them over torch's intra-op threads. When the items alone would leave a thread idle or
+// unevenly loaded (batch 1: 3 kv heads on 2 threads), each sequence's context is also split into
+// parts whose states are merged at the end (Flash-Decoding's split-K). float32 throughout.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -184,9 +186,41 @@ void attend_item(State& st, const Layout& L, const float* q, const float* kc, co
       fold_tile(st, L, h * L.group, kc + base + (h0 + h) * d, vc + base + (h0 + h) * d, n);
     pos += n;
   }
+  if (out == nullptr) return;  // a context split: the caller keeps the state for combine()
   for (int64_t r = 0; r < rows; ++r) {
     const float inv = 1.f / st.l[r];
     for (int64_t i = 0; i < d; ++i) out[r * d + i] = st.acc[r * d + i] * inv;
+  }
+}
+
+// How many parts each sequence's context is split into (Flash-Decoding's split-K): 1, unless the
+// items (sequence, kv-head group) leave threads idle or unevenly loaded -- SmolLM2 at batch 1 has 3
+// items for 2 threads: one thread does 2, the step waits for it -- and the contexts are long
+// enough (>= 2 blocks per part) for the extra combine to pay: then the thread count, so that the
+// items divide evenly.
+int64_t context_splits(int64_t items, int64_t threads, int64_t max_len, int64_t block_size) {
+  if (threads <= 1 || items % threads == 0 || items >= 4 * threads) return 1;
+  return max_len >= 2 * block_size * threads ? threads : 1;
+}
+
+// out rows = the parts' states merged: softmax over the union of their contexts (each part's
+// running max m, sum of exponentials l and unnormalised output acc; an empty part has l = 0).
+void combine(const float* m, const float* l, const float* acc, int64_t parts, int64_t rows, int64_t d, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < parts; ++p)
+      if (l[p * rows + r] > 0.f) mx = std::max(mx, m[p * rows + r]);
+    float total = 0.f;
+    for (int64_t i = 0; i < d; ++i) out[r * d + i] = 0.f;
+    for (int64_t p = 0; p < parts; ++p) {
+      if (l[p * rows + r] <= 0.f) continue;
+      const float w = std::exp(m[p * rows + r] - mx);
+      total += w * l[p * rows + r];
+      const float* a = acc + (p * rows + r) * d;
+      for (int64_t i = 0; i < d; ++i) out[r * d + i] += w * a[i];
+    }
+    const float inv = 1.f / total;
+    for (int64_t i = 0; i < d; ++i) out[r * d + i] *= inv;
   }
 }
 
@@ -249,16 +283,43 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   // batch 32 x context 1024, SmolLM2's 3 kv heads) and more items to share out
   const int64_t nh = heads_per_item;
   TORCH_CHECK_VALUE(nh >= 1 && kh % nh == 0, "heads_per_item ", nh, " must divide num_kv_heads ", kh);
-  at::parallel_for(0, q.size(0) * (kh / nh), 1, [&](int64_t begin, int64_t end) {
-    State st(L, nh * L.group);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (kh / nh), h0 = (item % (kh / nh)) * nh, len = lens[b];
+  const int64_t groups = kh / nh, items = q.size(0) * groups, rows = nh * L.group;
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < q.size(0); ++b) max_len = std::max<int64_t>(max_len, lens[b]);
+  const int64_t splits = context_splits(items, at::get_num_threads(), max_len, bs);
+  // per (item, part): m and l per row, acc per row (only when the contexts are split)
+  std::vector<float> pm(splits > 1 ? items * splits * rows : 0), pl(pm.size()), pacc(pm.size() * d);
+  at::parallel_for(0, items * splits, 1, [&](int64_t begin, int64_t end) {
+    State st(L, rows);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t item = task / splits, part = task % splits;
+      const int64_t b = item / groups, h0 = (item % groups) * nh, len = lens[b];
       const int64_t start = window > 0 ? std::max<int64_t>(len - window, 0) : 0;
       const int64_t row = (b * L.num_heads + h0 * L.group) * d;
-      attend_item(st, L, qp + row, kc, vc, bt + b * max_blocks, start, len, h0, nh, static_cast<float>(scale),
-                  op + row);
+      if (splits == 1) {
+        attend_item(st, L, qp + row, kc, vc, bt + b * max_blocks, start, len, h0, nh, static_cast<float>(scale),
+                    op + row);
+        continue;
+      }
+      // part p of [start, len), cut at block boundaries
+      const int64_t nblk = (len - start + bs - 1) / bs, per = (nblk + splits - 1) / splits;
+      const int64_t lo = std::min(len, start + part * per * bs), hi = std::min(len, start + (part + 1) * per * bs);
+      attend_item(st, L, qp + row, kc, vc, bt + b * max_blocks, lo, hi, h0, nh, static_cast<float>(scale), nullptr);
+      const int64_t at = (item * splits + part) * rows;
+      for (int64_t r = 0; r < rows; ++r) {
+        pm[at + r] = st.m[r];
+        pl[at + r] = lo < hi ? st.l[r] : 0.f;
+      }
+      std::copy(st.acc.begin(), st.acc.begin() + rows * d, pacc.begin() + at * d);
     }
   });
+  if (splits > 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t b = item / groups, h0 = (item % groups) * nh;
+      const int64_t at = item * splits * rows;
+      combine(pm.data() + at, pl.data() + at, pacc.data() + at * d, splits, rows, d,
+              op + (b * L.num_heads + h0 * L.group) * d);
+    }
   return out;
 }
 
