@@ -61,6 +61,21 @@ inline __m256 exp256(__m256 x) {
 
 // s[t] = <q, k_t> for the n rows k_0.. (stride floats apart); head_dim % 8 == 0.
 void scores(const float* q, const float* k, int64_t n, int64_t stride, int64_t d, float* s) {
+#if defined(PDC_AVX512)
+  if (d % 16 == 0) {  // 16 lanes per FMA: half the instructions of the AVX2 loop below
+    for (int64_t t = 0; t < n; ++t, k += stride) {
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+      int64_t i = 0;
+      for (; i + 32 <= d; i += 32) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i + 16), _mm512_loadu_ps(k + i + 16), a1);
+      }
+      if (i < d) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), a0);
+      s[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    }
+    return;
+  }
+#endif
   for (int64_t t = 0; t < n; ++t, k += stride) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     int64_t i = 0;
@@ -86,8 +101,36 @@ void accumulate_chunk(float* acc, float alpha, const float* p, const float* v, i
   for (int j = 0; j < NV; ++j) _mm256_storeu_ps(acc + 8 * j, a[j]);
 }
 
+#if defined(PDC_AVX512)
+// accumulate_chunk with 16 lanes per register: acc[0:16*NV].
+template <int NV>
+void accumulate_chunk16(float* acc, float alpha, const float* p, const float* v, int64_t n, int64_t stride) {
+  __m512 a[NV];
+  const __m512 al = _mm512_set1_ps(alpha);
+  for (int j = 0; j < NV; ++j) a[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), al);
+  for (int64_t t = 0; t < n; ++t, v += stride) {
+    const __m512 pt = _mm512_set1_ps(p[t]);
+    for (int j = 0; j < NV; ++j) a[j] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 16 * j), a[j]);
+  }
+  for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + 16 * j, a[j]);
+}
+#endif
+
 void accumulate(float* acc, float alpha, const float* p, const float* v, int64_t n, int64_t stride, int64_t d) {
   int64_t c = 0;
+#if defined(PDC_AVX512)
+  for (; c + 128 <= d; c += 128) accumulate_chunk16<8>(acc + c, alpha, p, v + c, n, stride);
+  switch ((d - c) / 16) {
+    case 1: accumulate_chunk16<1>(acc + c, alpha, p, v + c, n, stride); c += 16; break;
+    case 2: accumulate_chunk16<2>(acc + c, alpha, p, v + c, n, stride); c += 32; break;
+    case 3: accumulate_chunk16<3>(acc + c, alpha, p, v + c, n, stride); c += 48; break;
+    case 4: accumulate_chunk16<4>(acc + c, alpha, p, v + c, n, stride); c += 64; break;
+    case 5: accumulate_chunk16<5>(acc + c, alpha, p, v + c, n, stride); c += 80; break;
+    case 6: accumulate_chunk16<6>(acc + c, alpha, p, v + c, n, stride); c += 96; break;
+    case 7: accumulate_chunk16<7>(acc + c, alpha, p, v + c, n, stride); c += 112; break;
+    default: break;
+  }
+#endif
   for (; c + 64 <= d; c += 64) accumulate_chunk<8>(acc + c, alpha, p, v + c, n, stride);
   switch ((d - c) / 8) {
     case 1: accumulate_chunk<1>(acc + c, alpha, p, v + c, n, stride); break;
