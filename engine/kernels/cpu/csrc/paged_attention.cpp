@@ -119,17 +119,8 @@ void accumulate_chunk16(float* acc, float alpha, const float* p, const float* v,
 void accumulate(float* acc, float alpha, const float* p, const float* v, int64_t n, int64_t stride, int64_t d) {
   int64_t c = 0;
 #if defined(PDC_AVX512)
-  for (; c + 128 <= d; c += 128) accumulate_chunk16<8>(acc + c, alpha, p, v + c, n, stride);
-  switch ((d - c) / 16) {
-    case 1: accumulate_chunk16<1>(acc + c, alpha, p, v + c, n, stride); c += 16; break;
-    case 2: accumulate_chunk16<2>(acc + c, alpha, p, v + c, n, stride); c += 32; break;
-    case 3: accumulate_chunk16<3>(acc + c, alpha, p, v + c, n, stride); c += 48; break;
-    case 4: accumulate_chunk16<4>(acc + c, alpha, p, v + c, n, stride); c += 64; break;
-    case 5: accumulate_chunk16<5>(acc + c, alpha, p, v + c, n, stride); c += 80; break;
-    case 6: accumulate_chunk16<6>(acc + c, alpha, p, v + c, n, stride); c += 96; break;
-    case 7: accumulate_chunk16<7>(acc + c, alpha, p, v + c, n, stride); c += 112; break;
-    default: break;
-  }
+  for (; c + 64 <= d; c += 64) accumulate_chunk16<4>(acc + c, alpha, p, v + c, n, stride);
+  for (; c + 16 <= d; c += 16) accumulate_chunk16<1>(acc + c, alpha, p, v + c, n, stride);
 #endif
   for (; c + 64 <= d; c += 64) accumulate_chunk<8>(acc + c, alpha, p, v + c, n, stride);
   switch ((d - c) / 8) {
