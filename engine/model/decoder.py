@@ -9,9 +9,11 @@ the math follows HF ``transformers``' modelling code of each family (RMSNorm in
 float32, rotate-half RoPE, gated MLP) so greedy outputs match it. On CPU in float32 two of its
 steps take one C++ call each: RMSNorm (``rms_norm``, a few ulp from torch's rounding) and a
 layer's RoPE plus K/V write (``rope_cache``, bit-identical); at batch 1 their ~35 operators per
-layer were ~2 ms of a ~20 ms decode step. Every projection is
-its own ``nn.Linear`` (q/k/v, o, gate/up/down, LM head), so a column- or row-parallel
-linear can replace any of them.
+layer were ~2 ms of a ~20 ms decode step. As built, every projection is
+its own ``nn.Linear`` (q/k/v, o, gate/up/down, LM head, HF's names), so checkpoints load by name
+and a column- or row-parallel linear can replace any of them; after loading,
+:func:`engine.model.fuse.merge_projections` merges q/k/v into ``qkv_proj`` and gate/up into
+``gate_up_proj`` (one matmul each), which :class:`Attention` and :class:`MLP` then use.
 """
 
 from __future__ import annotations
