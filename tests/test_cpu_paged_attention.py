@@ -40,11 +40,10 @@ CASES = [  # (batch, max context, q heads, kv heads, head_dim, block_size, windo
     (9, 1024, 8, 8, 128, 32, None),
     (5, 300, 14, 2, 64, 8, 33),  # Qwen2.5-0.5B's heads
     (2, 130, 4, 2, 72, 16, None),  # a head_dim not a multiple of 16
-    # 3 items (sequence, kv head) for 2 threads: each context is split in 2 parts, merged at the end
+    # contexts over 512 tokens: attended in parts of 512, merged at the end
     (1, 1024, 9, 3, 64, 16, None),
-    (1, 100, 9, 3, 64, 16, 40),  # the window's blocks split
-    (1, 100, 9, 3, 64, 16, 10),  # one block in the window: the second part is empty
-    (3, 200, 4, 1, 64, 16, None),  # short sequences among them: empty parts
+    (1, 1300, 9, 3, 64, 16, 700),  # the window's tokens in two parts
+    (4, 1600, 4, 1, 64, 16, None),  # shorter sequences among them: empty parts
 ]
 
 
@@ -62,6 +61,28 @@ def test_kernel_matches_reference(case, threads):
     ref = paged_decode_attention_cpu_reference(q, k, v, tables, seq_lens, scale, window)
     assert out.shape == q.shape and out.dtype == torch.float32
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_a_sequence_gets_the_same_output_whatever_it_is_batched_with():
+    """Bit for bit: alone, beside a sequence long enough to be split in parts, at 1 and 2 threads
+    (migration and seeded sampling compare outputs across batches)."""
+    gen = torch.Generator().manual_seed(9)
+    lens = [700, 1500, 90]
+    k, v, tables = _paged(gen, lens, 3, 64, 16)
+    q = torch.randn(len(lens), 9, 64, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(paged_decode_attention_cpu(q, k, v, tables, seq_lens, 0.125))
+            for i in (0, 2):
+                alone = paged_decode_attention_cpu(q[i:i + 1], k, v, tables[i:i + 1], seq_lens[i:i + 1], 0.125)
+                assert torch.equal(alone[0], outs[-1][i])
+        assert torch.equal(outs[0], outs[1])
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("heads_per_item", [3, 1])

@@ -8,9 +8,9 @@
 // output. Grouped-query attention: the item computes all num_heads / num_kv_heads query heads of
 // its group together, so each K/V row is read once per group and never repeated per query head.
 // AVX2/FMA over head_dim (a scalar path where AVX2 is missing); at::parallel_for over the items
-// splits them over torch's intra-op threads. When the items alone would leave a thread idle or
-// unevenly loaded (batch 1: 3 kv heads on 2 threads), each sequence's context is also split into
-// parts whose states are merged at the end (Flash-Decoding's split-K). float32 throughout.
+// splits them over torch's intra-op threads. Contexts longer than 512 tokens are also split into
+// parts whose states are merged at the end (Flash-Decoding's split-K; see kPartTokens). float32
+// throughout.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -227,15 +227,13 @@ void attend_item(State& st, const Layout& L, const float* q, const float* kc, co
   }
 }
 
-// How many parts each sequence's context is split into (Flash-Decoding's split-K): 1, unless the
-// items (sequence, kv-head group) leave threads idle or unevenly loaded -- SmolLM2 at batch 1 has 3
-// items for 2 threads: one thread does 2, the step waits for it -- and the contexts are long
-// enough (>= 2 blocks per part) for the extra combine to pay: then the thread count, so that the
-// items divide evenly.
-int64_t context_splits(int64_t items, int64_t threads, int64_t max_len, int64_t block_size) {
-  if (threads <= 1 || items % threads == 0 || items >= 4 * threads) return 1;
-  return max_len >= 2 * block_size * threads ? threads : 1;
-}
+// Contexts longer than kPartTokens are attended in parts of kPartTokens (the last part shorter), each its own
+// work item, whose softmax states are merged at the end (Flash-Decoding's split-K; vLLM's paged attention
+// v2 partitions likewise by 512 tokens). The parts depend on a sequence's own context only, never on the
+// batch or the thread count, so a sequence's output is the same whatever it is batched with (migration and
+// seeded sampling rely on that). What it buys: at batch 1 the items are only the kv heads (SmolLM2: 3 for
+// 2 threads, one thread doing two); at context 1024 the parts make 6, shared evenly.
+constexpr int64_t kPartTokens = 512;
 
 // out rows = the parts' states merged: softmax over the union of their contexts (each part's
 // running max m, sum of exponentials l and unnormalised output acc; an empty part has l = 0).
@@ -319,9 +317,10 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   TORCH_CHECK_VALUE(nh >= 1 && kh % nh == 0, "heads_per_item ", nh, " must divide num_kv_heads ", kh);
   const int64_t groups = kh / nh, items = q.size(0) * groups, rows = nh * L.group;
   int64_t max_len = 0;
-  for (int64_t b = 0; b < q.size(0); ++b) max_len = std::max<int64_t>(max_len, lens[b]);
-  const int64_t splits = context_splits(items, at::get_num_threads(), max_len, bs);
-  // per (item, part): m and l per row, acc per row (only when the contexts are split)
+  for (int64_t b = 0; b < q.size(0); ++b)
+    max_len = std::max<int64_t>(max_len, window > 0 ? std::min<int64_t>(lens[b], window) : lens[b]);
+  const int64_t splits = (max_len + kPartTokens - 1) / kPartTokens;  // parts of the longest context
+  // per (item, part): m and l per row, acc per row (only when some context has several parts)
   std::vector<float> pm(splits > 1 ? items * splits * rows : 0), pl(pm.size()), pacc(pm.size() * d);
   at::parallel_for(0, items * splits, 1, [&](int64_t begin, int64_t end) {
     State st(L, rows);
@@ -335,9 +334,8 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                     op + row);
         continue;
       }
-      // part p of [start, len), cut at block boundaries
-      const int64_t nblk = (len - start + bs - 1) / bs, per = (nblk + splits - 1) / splits;
-      const int64_t lo = std::min(len, start + part * per * bs), hi = std::min(len, start + (part + 1) * per * bs);
+      // part p of [start, len): kPartTokens from start on (empty past the sequence's own parts)
+      const int64_t lo = std::min(len, start + part * kPartTokens), hi = std::min(len, lo + kPartTokens);
       attend_item(st, L, qp + row, kc, vc, bt + b * max_blocks, lo, hi, h0, nh, static_cast<float>(scale), nullptr);
       const int64_t at = (item * splits + part) * rows;
       for (int64_t r = 0; r < rows; ++r) {
