@@ -175,9 +175,9 @@ def _decode_metadata(seqs: list[SeqSlice], block_tables: list[list[int]], block_
     b = len(seqs)
     positions = [s.num_computed for s in seqs]
     slots = [s.block_table[p // block_size] * block_size + p % block_size for s, p in zip(seqs, positions)]
-    rows = list(range(b))
     i64 = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
     i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+    rows = i64(list(range(b)))  # token i is sequence i's only one: one tensor serves the three index fields
     return AttentionMetadata(
         positions=i64(positions),
         slot_mapping=i64(slots),
@@ -186,10 +186,10 @@ def _decode_metadata(seqs: list[SeqSlice], block_tables: list[list[int]], block_
         block_tables=i32(block_tables),
         max_query_len=1,
         max_seq_len=max(positions) + 1,
-        query_pad_index=i64(rows),
-        logits_index=i64(rows),
+        query_pad_index=rows,
+        logits_index=rows,
         mask_kind=_mask_kind(seqs),
-        decode_seqs=i64(rows),
+        decode_seqs=rows,
         prefill_seqs=torch.zeros(0, dtype=torch.int64, device=device),
         block_size=block_size,
         sliding_windows=tuple(sliding_windows),

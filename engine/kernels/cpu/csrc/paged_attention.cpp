@@ -322,13 +322,15 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   const int64_t splits = (max_len + kPartTokens - 1) / kPartTokens;  // parts of the longest context
   // per (item, part): m and l per row, acc per row (only when some context has several parts)
   std::vector<float> pm(splits > 1 ? items * splits * rows : 0), pl(pm.size()), pacc(pm.size() * d);
+  // item = (sequence b, kv heads from h0): offset of its first query head's row in q and out
+  auto first_row = [&](int64_t b, int64_t h0) { return (b * L.num_heads + h0 * L.group) * d; };
   at::parallel_for(0, items * splits, 1, [&](int64_t begin, int64_t end) {
     State st(L, rows);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t item = task / splits, part = task % splits;
       const int64_t b = item / groups, h0 = (item % groups) * nh, len = lens[b];
       const int64_t start = window > 0 ? std::max<int64_t>(len - window, 0) : 0;
-      const int64_t row = (b * L.num_heads + h0 * L.group) * d;
+      const int64_t row = first_row(b, h0);
       if (splits == 1) {
         attend_item(st, L, qp + row, kc, vc, bt + b * max_blocks, start, len, h0, nh, static_cast<float>(scale),
                     op + row);
@@ -347,10 +349,9 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   });
   if (splits > 1)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t b = item / groups, h0 = (item % groups) * nh;
       const int64_t at = item * splits * rows;
       combine(pm.data() + at, pl.data() + at, pacc.data() + at * d, splits, rows, d,
-              op + (b * L.num_heads + h0 * L.group) * d);
+              op + first_row(item / groups, (item % groups) * nh));
     }
   return out;
 }
