@@ -131,7 +131,7 @@ def measure_prefill(runner: ModelRunner, plans: list[StepPlan], flops: int, reps
 #: operator-name fragments of each category of :func:`op_categories` (first match wins).
 CATEGORIES = (
     ("GEMM (linear layers)", ("aten::addmm", "aten::mm", "mkldnn::_linear_pointwise", "pdcluster::panel_gemm",
-                              "pdcluster::gemv", "pdcluster::linear_int8", "pdcluster::linear_q4_1")),
+                              "pdcluster::gemv", "pdcluster::linear_w8a8", "pdcluster::linear_q4_1")),
     ("attention (SDPA)", ("scaled_dot_product", "flash_attention", "aten::bmm", "aten::_softmax", "aten::baddbmm",
                           "pdcluster::paged_decode_attention")),
     ("elementwise (RMSNorm, RoPE, SwiGLU, residual)", ("aten::mul", "aten::add", "aten::cat", "aten::neg",

@@ -8,13 +8,14 @@ Measured in one run, at each thread count (``torch.set_num_threads``):
     ``bench/decode.py``) and read bandwidth (``torch.sum`` of the same tensor, bytes read);
 (b) one pass of ``rows``-row inputs over every matrix with each variant: ``F.linear`` (MKL),
     oneDNN prepacked (``PackedLinear``'s ops), oneDNN on the plain weight, this project's fp32
-    GEMV kernel (``csrc/gemv.cpp``), its panel GEMM (``csrc/panel_gemm.cpp``), int8 and Q4_1 weight-only kernels (``csrc/quant_gemv.cpp``),
+    GEMV kernel (``csrc/gemv.cpp``), its panel GEMM (``csrc/panel_gemm.cpp``), the int8 kernel (int8 activations too:
+    ``csrc/w8a8_gemm.cpp``) and the Q4_1 weight-only kernel (``csrc/quant_gemv.cpp``),
     alternating the variants ``--reps`` times and keeping each one's fastest pass (a shared
     machine only ever slows a pass down).
 
 Per (threads, rows, variant): ms per pass (wall; at 1 thread also the calling thread's CPU
 time, which a busy machine's time slicing does not inflate), GB/s of the weight bytes the variant streams
-(float32 4 B, int8 1 B + a 4-byte scale per 64, Q4_1 0.75 B per weight), its ratio to the copy
+(float32 4 B, int8 1 B + a 4-byte scale and a 4-byte weight sum per 64, Q4_1 0.75 B per weight), its ratio to the copy
 bandwidth, speed-up over ``F.linear`` and the max abs difference from ``F.linear`` (fp32
 variants). The 1-minute load average is recorded per thread count: the machine is shared.
 
@@ -86,6 +87,7 @@ def make_weights(layers: int) -> dict:
     if panel_gemm.available():
         out["panels"] = [panel_gemm.pack(w) for w in f32]
     out["int8"] = [quant_ops.quantize_int8(w) for w in f32]
+    out["int8_packed"] = [(quant_ops.pack_int8(q, s), q.shape[0]) for q, s in out["int8"]]
     out["q4_1"] = [quant_ops.quantize_q4_1(w) for w in f32]
     out["bytes"]["int8"] = sum(Int8Linear(*w, None).weight_nbytes for w in out["int8"])
     out["bytes"]["q4_1"] = sum(Q4Linear(*w, None).weight_nbytes for w in out["q4_1"])
@@ -99,7 +101,7 @@ def _common_onednn() -> bool:
 
 def variants(w: dict, rows: int, quant: bool) -> dict:
     """Name -> (format, zero-argument pass over every matrix) for the variants available here."""
-    g, q = load("gemv"), load("quant_gemv")
+    g, q, w8 = load("gemv"), load("quant_gemv"), load("w8a8_gemm")
     xs = [torch.randn(rows, m.shape[1]) for m in w["f32"]]
     mk = torch.ops.mkldnn
     fl = torch.nn.functional.linear
@@ -114,8 +116,9 @@ def variants(w: dict, rows: int, quant: bool) -> dict:
     if "panels" in w:
         pg = load(panel_gemm.NAME)
         out["panel_f32"] = ("fp32", lambda: [pg.linear(x, p, m.shape[0]) for x, p, m in zip(xs, w["panels"], w["f32"])])
+    if w8 is not None and quant:
+        out["int8"] = ("int8", lambda: [w8.linear_w8a8(x, *p, n) for x, (p, n) in zip(xs, w["int8_packed"])])
     if q is not None and quant:
-        out["int8"] = ("int8", lambda: [q.linear_int8(x, a, s) for x, (a, s) in zip(xs, w["int8"])])
         out["q4_1"] = ("q4_1", lambda: [q.linear_q4_1(x, *t) for x, t in zip(xs, w["q4_1"])])
     return out
 

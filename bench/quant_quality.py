@@ -147,7 +147,7 @@ def measure(args) -> dict:
     prompts = mt_bench_prompts(tok, args.prompts)
     sonnet_ids = tok(SONNET.read_text())["input_ids"][:args.ppl_tokens]
     res = {"model": DEFAULT_MODEL, "gguf": gguf.name, "cpu": cpu_name(), "threads": args.threads,
-           "load_avg_1m_before": load_avg_1m(), "quant_kernel": kernel_available(),
+           "load_avg_1m_before": load_avg_1m(), "quant_kernel": kernel_available("int8") and kernel_available("q4_1"),
            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "num_prompts": len(prompts),
            "all_prompts": args.prompts is None, "all_sonnet": args.ppl_tokens is None, "new_tokens": args.new_tokens, "ppl_window": args.ppl_window,
            "methods": {}}
@@ -167,7 +167,7 @@ def measure(args) -> dict:
 def markdown(res: dict) -> str:
     lines = ["# Quantized weights: quality against float32", "",
              f"{res['model']} ({res['gguf']}), {res['cpu']}, {res['threads']} threads, {res['date']}; "
-             f"C++ quant kernel {'used' if res['quant_kernel'] else 'not built (plain-torch reference path)'}.", "",
+             f"C++ quant kernels {'used' if res['quant_kernel'] else 'not built (plain-torch reference path)'}.", "",
              f"Greedy agreement: {res['num_prompts']} MT-Bench first turns"
              f"{'' if res['all_prompts'] else ' (a SUBSET: --prompts)'}, chat template, {res['new_tokens']} new "
              f"tokens each; per prompt, tokens identical to float32 before the first divergence / "

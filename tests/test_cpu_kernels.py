@@ -1,5 +1,5 @@
-"""The C++ CPU kernels (``engine/kernels/cpu/csrc``): fp32 GEMV and the int8 / Q4_1 weight-only
-kernels against float64 torch references over SmolLM2-135M's shapes and odd ones, at 1 and 2
+"""The C++ CPU kernels (``engine/kernels/cpu/csrc``): fp32 GEMV and the Q4_1 weight-only
+kernel (the int8 one: ``test_w8a8_kernel.py``) against float64 torch references over SmolLM2-135M's shapes and odd ones, at 1 and 2
 threads, with and without bias; their argument checks; and the ``"gemv"`` linear backend
 against HF (greedy tokens) on the real model.
 
@@ -50,22 +50,6 @@ def test_gemv_f32_matches_reference(rows, n, k, with_bias, threads):
 
 
 @needs_quant
-@pytest.mark.parametrize("rows,n,k,groups", [(*shape, 1) for shape in SHAPES[:5]] + [
-    (3, 7, 40, 1), (8, 13, 1, 1), (1, 576, 576, 9), (4, 33, 1536, 24), (5, 9, 96, 3), (2, 5, 40, 5), (3, 4, 24, 8)])
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_int8_matches_reference(rows, n, k, groups, with_bias, threads):
-    """Groups of 64 (SmolLM2's rows), 32, 8 (the 8-wide tail) and 3 (scalar) weights, and one per row."""
-    g = torch.Generator().manual_seed(rows * 1000 + n + k)
-    x = torch.randn(rows, k, generator=g)
-    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    s = torch.rand(n, groups, generator=g) * 0.02
-    b = torch.randn(n, generator=g) if with_bias else None
-    w = (q.double().reshape(n, groups, -1) * s.double()[..., None]).reshape(n, k)
-    ref = x.double() @ w.T + (b.double() if with_bias else 0)
-    _close(QUANT.linear_int8(x, q, s, b), ref, k)
-
-
-@needs_quant
 @pytest.mark.parametrize("rows,n,k", QSHAPES)
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_q4_1_matches_reference(rows, n, k, with_bias, threads):
@@ -91,24 +75,6 @@ def test_gemv_bad_arguments(bad, match):
     args = {"x": torch.zeros(2, 8), "w": torch.zeros(4, 8), "b": torch.zeros(4)} | bad
     with pytest.raises(RuntimeError, match=match):
         GEMV.linear_f32(args["x"], args["w"], args["b"])
-
-
-@needs_quant
-@pytest.mark.parametrize("bad,match", [
-    (dict(x=torch.zeros(2, 64, dtype=torch.float64)), "linear_int8: x must be"),
-    (dict(q=torch.zeros(4, 64)), "qweight must be"),
-    (dict(q=torch.zeros(4, 32, dtype=torch.int8)), "K=32"),
-    (dict(q=torch.zeros(64, 4, dtype=torch.int8).T), "qweight must be contiguous"),
-    (dict(s=torch.zeros(3, 1)), "scale must be"),
-    (dict(s=torch.zeros(4, 1, dtype=torch.float64)), "scale must be"),
-    (dict(s=torch.zeros(4)), "scale must be"),
-    (dict(s=torch.zeros(4, 3)), "groups divide K=64"),
-    (dict(b=torch.zeros(4, 1)), "bias must be"),
-])
-def test_int8_bad_arguments(bad, match):
-    a = {"x": torch.zeros(2, 64), "q": torch.zeros(4, 64, dtype=torch.int8), "s": torch.ones(4, 1), "b": None} | bad
-    with pytest.raises(RuntimeError, match=match):
-        QUANT.linear_int8(a["x"], a["q"], a["s"], a["b"])
 
 
 @needs_quant

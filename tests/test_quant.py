@@ -80,9 +80,11 @@ def test_linear_ops_match_dense_matmul(rows, bias):
     x, w = torch.randn(rows, 128), torch.randn(72, 128) * 0.1
     b = torch.randn(72) if bias else None
     q, s = quant_ops.quantize_int8(w)
-    dense = torch.nn.functional.linear(x, quant_ops.dequantize_int8(q, s), b)
-    torch.testing.assert_close(quant_ops.linear_int8(x, q, s, b), dense, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(quant_ops.linear_int8_reference(x, q, s, b), dense)
+    xq = quant_ops.dequantize_int8(*quant_ops.quantize_activations_int8(x, quant_ops.INT8_GROUP_SIZE))
+    dense = torch.nn.functional.linear(xq, quant_ops.dequantize_int8(q, s), b)  # int8 activations too
+    packed = (*quant_ops.pack_int8(q, s), 72)
+    torch.testing.assert_close(quant_ops.linear_int8(x, *packed, b), dense, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(quant_ops.linear_int8_reference(x, *packed, b), dense)
     qs, d, m = quant_ops.quantize_q4_1(w)
     dense = torch.nn.functional.linear(x, quant_ops.dequantize_q4_1(qs, d, m), b)
     torch.testing.assert_close(quant_ops.linear_q4_1(x, qs, d, m, b), dense, atol=1e-4, rtol=1e-4)

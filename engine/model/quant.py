@@ -1,14 +1,16 @@
-"""Weight-only quantized decoder projections (``--quantization int8|q4``).
+"""Quantized decoder projections (``--quantization int8|q4``).
 
 :data:`QUANT_BACKENDS` maps each name of :data:`engine.config.QUANTIZATIONS` to a function
 that replaces the decoder's projection matrices — attention ``q_proj``/``k_proj``/``v_proj``/
 ``o_proj`` and MLP ``gate_proj``/``up_proj``/``down_proj`` of every layer — with
 :class:`Int8Linear` or :class:`Q4Linear`, whose weights stay quantized in memory and are multiplied
 by :func:`engine.kernels.cpu.quant_ops.linear_int8` / ``linear_q4_1`` (C++ kernels, plain-torch
-fallback). ``int8`` also quantizes the LM head (per group of 64, like the projections; a quantized
-copy where it is tied to the token embedding, which stays a float lookup table): measured on
-SmolLM2-135M it changes perplexity by less than 0.1% (``bench/results/quant_quality.md``) and it is
-a fifth of the float weights a batch-1 step reads. ``q4`` keeps the LM head float: the GGUF's Q4_1
+fallback). ``int8`` quantizes the activations too, per call (W8A8: integer dot products, as
+llama.cpp's Q8_0); ``q4`` is weight-only (float32 activations). ``int8`` also quantizes the LM head
+(per group of 64, like the projections; a quantized copy where it is tied to the token embedding,
+which stays a float lookup table): measured on SmolLM2-135M it changes perplexity by less than 0.1%
+(``bench/results/quant_quality.md``) and it is a fifth of the float weights a batch-1 step reads.
+``q4`` keeps the LM head float: the GGUF's Q4_1
 blocks cover the decoder projections only.
 
 ``q4`` takes a GGUF's own Q4_1 blocks where the caller passes them (``q4_blocks``, read by
@@ -51,8 +53,11 @@ def _rows(fn: Callable[..., torch.Tensor], x: torch.Tensor, in_features: int, ou
 
 
 class Int8Linear(nn.Module):
-    """``y = x @ W.T + bias`` with int8 weights, ``W[n, k] = qweight[n, k] * scale[n, k // G]`` (one
-    scale per group of ``G`` input weights: :data:`~engine.kernels.cpu.quant_ops.INT8_GROUP_SIZE`).
+    """``y = quantized(x) @ W.T + bias`` with int8 weights, ``W[n, k] = qweight[n, k] * scale[n, k // G]``
+    (one scale per group of ``G`` input weights: :data:`~engine.kernels.cpu.quant_ops.INT8_GROUP_SIZE`),
+    and the activations quantized to int8 per row and group on each call (W8A8:
+    :func:`~engine.kernels.cpu.quant_ops.linear_int8`). The weights are kept only in the kernel's panel
+    layout (:func:`~engine.kernels.cpu.quant_ops.pack_int8`); :attr:`qweight` / :attr:`scale` unpack them.
 
     Args:
         qweight: ``[out_features, in_features]`` int8. scale: ``[out_features, in_features/G]`` float32.
@@ -62,10 +67,10 @@ class Int8Linear(nn.Module):
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("scale", scale)
+        for name, t in zip(("wpack", "spack", "excess"), quant_ops.pack_int8(qweight, scale)):
+            self.register_buffer(name, t)
         self.register_buffer("bias", bias)
-        self.weight_nbytes = qweight.numel() + scale.numel() * 4
+        self.weight_nbytes = self.wpack.numel() + (self.spack.numel() + self.excess.numel()) * 4
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
@@ -78,14 +83,25 @@ class Int8Linear(nn.Module):
         """Quantize ``linear``'s weight; its bias stays float."""
         return cls.from_weight(linear.weight, _bias(linear))
 
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The ``[out_features, in_features]`` int8 codes (a new tensor)."""
+        return quant_ops.unpack_int8(self.wpack, self.spack, self.out_features, self.in_features)[0]
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The ``[out_features, in_features/G]`` float32 scales (a new tensor)."""
+        return quant_ops.unpack_int8(self.wpack, self.spack, self.out_features, self.in_features)[1]
+
     def dense_weight(self) -> torch.Tensor:
         """The dequantized ``[out_features, in_features]`` float32 weight."""
-        return quant_ops.dequantize_int8(self.qweight, self.scale)
+        return quant_ops.dequantize_int8(*quant_ops.unpack_int8(self.wpack, self.spack, self.out_features,
+                                                                self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` -> ``[..., out_features]`` (``x``'s dtype)."""
-        return _rows(quant_ops.linear_int8, x, self.in_features, self.out_features, self.qweight, self.scale,
-                     self.bias)
+        return _rows(quant_ops.linear_int8, x, self.in_features, self.out_features, self.wpack, self.spack,
+                     self.excess, self.out_features, self.bias)
 
 
 class Q4Linear(nn.Module):

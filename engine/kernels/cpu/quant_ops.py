@@ -1,25 +1,29 @@
-"""Weight-only quantized linear layers: int8 with a scale per group of weights, and GGUF's Q4_1.
+"""Quantized linear layers: int8 (weights and activations) with a scale per group, and GGUF's Q4_1.
 
-Two weight formats, both multiplied with float32 activations:
+Two weight formats:
 
 * **int8** (symmetric, per group of :data:`INT8_GROUP_SIZE` input weights):
   ``W[n, k] ~= qweight[n, k] * scale[n, k // G]``, ``qweight`` int8 in [-127, 127], ``scale`` the
-  group's absmax / 127 (:func:`quantize_int8`).
+  group's absmax / 127 (:func:`quantize_int8`), stored in the kernel's panel layout (:func:`pack_int8`).
+  The activations are quantized the same way per call (:func:`quantize_activations_int8`, per row and
+  group) and each group's dot product is taken in integers: W8A8 with dynamic activation scales, as
+  llama.cpp multiplies Q8_0 weights.
 * **Q4_1** (llama.cpp's ``block_q4_1``, ``ggml-quants.c``): each row is cut into blocks of 32
   weights; block ``b`` of row ``n`` holds a scale ``d[n, b]``, a minimum ``m[n, b]`` and 32 4-bit
   codes packed two per byte in ``qs[n, b, :16]``: code ``j < 16`` is ``qs[n, b, j] & 0xF``, code
-  ``j >= 16`` is ``qs[n, b, j - 16] >> 4``; ``W[n, 32 b + j] = d[n, b] * code + m[n, b]``.
+  ``j >= 16`` is ``qs[n, b, j - 16] >> 4``; ``W[n, 32 b + j] = d[n, b] * code + m[n, b]``, multiplied
+  with float32 activations (weight-only).
 
-:func:`linear_int8` / :func:`linear_q4_1` call the C++ kernels of ``csrc/quant_gemv.cpp``
-(:func:`engine.kernels.cpu.build.load`) for CPU float32 activations of at most
-:data:`KERNEL_MAX_ROWS` rows (decode steps) when that extension is built and exposes them, and otherwise the plain-torch reference (dequantize, then ``F.linear``), which
-is also what the tests compare the kernels against.
+:func:`linear_int8` / :func:`linear_q4_1` call the C++ kernels of ``csrc/w8a8_gemm.cpp`` /
+``csrc/quant_gemv.cpp`` (:func:`engine.kernels.cpu.build.load`) for CPU float32 activations of at most
+:data:`KERNEL_MAX_ROWS` rows when that extension is built, and otherwise the plain-torch reference
+(dequantize, then ``F.linear``), which is also what the tests compare the kernels against.
 """
 
 from __future__ import annotations
 
 import functools
-from types import SimpleNamespace
+import math
 
 import torch
 import torch.nn.functional as F
@@ -32,38 +36,37 @@ QK4_1 = 32
 GGUF_Q4_1_BLOCK_BYTES = 20
 """Bytes of one GGUF ``block_q4_1``: fp16 ``d``, fp16 ``m``, 16 bytes of packed codes."""
 
+_KERNELS = {"int8": ("w8a8_gemm", "linear_w8a8"), "q4_1": ("quant_gemv", "linear_q4_1")}
+"""Format -> (extension in ``csrc/``, its function)."""
+
 
 @functools.cache
-def _extension() -> SimpleNamespace | None:
-    """The built ``quant_gemv`` extension's two kernels (shown in profiler traces as
-    ``pdcluster::linear_int8`` / ``pdcluster::linear_q4_1``) when it exposes both, else None."""
+def _kernel(fmt: str):
+    """The built C++ kernel of ``fmt`` (shown in profiler traces as ``pdcluster::<function>``), or None."""
     from engine.kernels.cpu.build import load
+    ext, fn = _KERNELS[fmt]
     try:
-        mod = load("quant_gemv")
-    except FileNotFoundError:  # no csrc/quant_gemv.cpp in this checkout
+        mod = load(ext)
+    except FileNotFoundError:  # no such source in this checkout
         return None
-    if mod is None or not (hasattr(mod, "linear_int8") and hasattr(mod, "linear_q4_1")):
-        return None
-    return SimpleNamespace(linear_int8=traced("pdcluster::linear_int8", mod.linear_int8),
-                           linear_q4_1=traced("pdcluster::linear_q4_1", mod.linear_q4_1))
+    return traced(f"pdcluster::{fn}", getattr(mod, fn)) if mod is not None and hasattr(mod, fn) else None
 
 
-def kernel_available() -> bool:
-    """Whether the C++ ``quant_gemv`` kernels are built and loaded here."""
-    return _extension() is not None
+def kernel_available(fmt: str = "int8") -> bool:
+    """Whether the C++ kernel of ``fmt`` (``"int8"`` or ``"q4_1"``) is built and loaded here."""
+    return _kernel(fmt) is not None
 
 
-KERNEL_MAX_ROWS = {"int8": 64, "q4_1": 16}
+KERNEL_MAX_ROWS = {"int8": math.inf, "q4_1": 16}
 """Most activation rows sent to the C++ kernel; above, dequantize + ``F.linear`` (a GEMM) is as fast
-or faster. Measured at 1 thread on this 2-core AVX2 machine, one 1536x576 matrix: int8 kernel (its
-per-channel form, before group scales made it faster) 0.04 / 0.56 / 3.0 ms at 1 / 24 / 128 rows
-against 0.19 / 0.72 / 2.8 ms for the reference; Q4_1
-kernel 0.05 / 0.86 / 13 ms against 0.57 / 2.7 / 3.4 ms."""
+or faster. Measured at 1 thread on this 2-core machine, one 1536x576 matrix: the Q4_1 kernel 0.05 /
+0.86 / 13 ms at 1 / 24 / 128 rows against 0.57 / 2.7 / 3.4 ms for the reference. The int8 kernel's
+integer dot is faster than the float reference at every row count (it has no limit)."""
 
 
 def _use_kernel(x: torch.Tensor, fmt: str) -> bool:
     return (x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] <= KERNEL_MAX_ROWS[fmt]
-            and _extension() is not None)
+            and _kernel(fmt) is not None)
 
 
 # ---------------------------------------------------------------------------------------- int8
@@ -123,26 +126,95 @@ def dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (qweight.float().reshape(n, groups, k // groups) * scale.float()[..., None]).reshape(n, k)
 
 
-def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ dequantize_int8(qweight, scale).T + bias``.
+def quantize_activations_int8(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activations' int8 codes as :func:`linear_int8` computes them, per row and group of ``group_size``
+    consecutive features: ``scale = max|x| / 127``, ``code = round(x * (1 / scale))`` (half to even)
+    clamped to [-127, 127] (0, and a 0 scale, for an all-zero group): llama.cpp's ``quantize_row_q8_0``
+    with a float32 scale.
 
     Args:
-        x: ``[M, K]`` activations (float32 and few rows for the C++ kernel; otherwise the reference path).
-        qweight: ``[N, K]`` int8. scale: ``[N, K/G]`` float32 (G divides K). bias: ``[N]`` float32 or None.
+        x: ``[M, K]`` float32, ``group_size`` dividing ``K``.
 
     Returns:
-        ``[M, N]`` in ``x``'s dtype.
+        ``(codes, scale)``: ``[M, K]`` int8 and ``[M, K/group_size]`` float32.
+    """
+    m, k = x.shape
+    xg = x.float().reshape(m, k // group_size, group_size)
+    scale = xg.abs().amax(dim=2) / 127.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    codes = torch.round(xg * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    return codes.reshape(m, k), scale
+
+
+PANEL_INT8 = 16
+"""Output features per panel of the int8 kernel's weight layout (one AVX-512 register of int32 sums)."""
+
+
+def pack_int8(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int8 kernel's layout (``csrc/w8a8_gemm.cpp``) of ``(qweight, scale)`` from :func:`quantize_int8`.
+
+    Output features go in panels of 16 and input features in quads: ``wpack[p, q, j, b] = qweight[16p + j,
+    4q + b]``; ``spack[p, g, j] = scale[16p + j, g]``; ``excess[p, g, j] = 128 * sum`` of row ``16p + j``'s
+    codes in group ``g`` (what the kernel's unsigned-times-signed dot adds). Rows past ``N`` and input
+    features past ``K`` (up to ``K4``, ``K`` rounded up to 4) are 0.
+
+    Args:
+        qweight: ``[N, K]`` int8. scale: ``[N, K/G]`` float32.
+
+    Returns:
+        ``(wpack, spack, excess)``: ``[ceil(N/16), K4/4, 16, 4]`` int8, ``[ceil(N/16), K/G, 16]`` float32 and int32.
+    """
+    n, k = qweight.shape
+    groups = scale.shape[1]
+    k4, panels = -(-k // 4) * 4, -(-n // PANEL_INT8)
+    q = torch.zeros(panels * PANEL_INT8, k4, dtype=torch.int8)
+    q[:n, :k] = qweight
+    s = torch.zeros(panels * PANEL_INT8, groups, dtype=torch.float32)
+    s[:n] = scale
+    sums = torch.zeros(panels * PANEL_INT8, groups, dtype=torch.int32)
+    sums[:n] = qweight.to(torch.int32).reshape(n, groups, k // groups).sum(dim=2, dtype=torch.int32)
+
+    def by_panel(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(panels, PANEL_INT8, groups).transpose(1, 2).contiguous()
+    wpack = q.reshape(panels, PANEL_INT8, k4 // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return wpack, by_panel(s), by_panel(sums * 128)
+
+
+def unpack_int8(wpack: torch.Tensor, spack: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_int8`: ``(qweight [n, k] int8, scale [n, K/G] float32)``, new tensors."""
+    panels, quads = wpack.shape[:2]
+    q = wpack.permute(0, 2, 1, 3).reshape(panels * PANEL_INT8, quads * 4)[:n, :k].contiguous()
+    return q, spack.transpose(1, 2).reshape(panels * PANEL_INT8, -1)[:n].contiguous()
+
+
+def linear_int8(x: torch.Tensor, wpack: torch.Tensor, spack: torch.Tensor, excess: torch.Tensor, n: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``quantized(x) @ dequantize_int8(qweight, scale).T + bias`` over :func:`pack_int8`'s layout: the
+    activations are quantized per row and weight group (:func:`quantize_activations_int8`) and each group's
+    dot product is taken in integers (W8A8, as llama.cpp's Q8_0).
+
+    Args:
+        x: ``[M, K]`` activations (float32 for the C++ kernel; otherwise the reference path).
+        wpack, spack, excess: :func:`pack_int8` of an ``[n, K]`` weight. n: output features.
+        bias: ``[n]`` float32 or None.
+
+    Returns:
+        ``[M, n]`` in ``x``'s dtype.
     """
     if _use_kernel(x, "int8"):
-        return _extension().linear_int8(x.contiguous(), qweight, scale, bias)
-    return linear_int8_reference(x, qweight, scale, bias)
+        return _kernel("int8")(x.contiguous(), wpack, spack, excess, n, bias)
+    return linear_int8_reference(x, wpack, spack, excess, n, bias)
 
 
-def linear_int8_reference(x, qweight, scale, bias):
-    """Plain-torch :func:`linear_int8` (dequantize, then ``F.linear``); same shapes."""
+def linear_int8_reference(x, wpack, spack, excess, n, bias):
+    """Plain-torch :func:`linear_int8` (quantize and dequantize ``x``, dequantize the weight, ``F.linear``);
+    same arguments. Equal to the kernel up to float rounding: the kernel sums each group in integers."""
+    k = x.shape[-1]
+    qweight, scale = unpack_int8(wpack, spack, n, k)
+    codes, xs = quantize_activations_int8(x, k // scale.shape[1])
+    xq = dequantize_int8(codes, xs).to(x.dtype)
     w = dequantize_int8(qweight, scale).to(x.dtype)
-    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+    return F.linear(xq, w, None if bias is None else bias.to(x.dtype))
 
 
 # ---------------------------------------------------------------------------------------- Q4_1
@@ -219,7 +291,7 @@ def linear_q4_1(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Ten
         ``[M, N]`` in ``x``'s dtype.
     """
     if _use_kernel(x, "q4_1"):
-        return _extension().linear_q4_1(x.contiguous(), qs, d, m, bias)
+        return _kernel("q4_1")(x.contiguous(), qs, d, m, bias)
     return linear_q4_1_reference(x, qs, d, m, bias)
 
 

@@ -1,20 +1,15 @@
-// Weight-only quantized skinny matmul for batch-1..8 decode: y[M, N] = x[M, K] @ W[N, K]^T + b[N]
+// Weight-only GGUF Q4_1 skinny matmul for batch-1..16 decode: y[M, N] = x[M, K] @ W[N, K]^T + b[N]
 // with W stored quantized and dequantized in registers (never materialized), so each step reads
-// 1 byte (int8) or 0.75 byte (Q4_1) per weight instead of 4.
+// 0.75 byte per weight instead of 4. (int8 weights are multiplied in integers: csrc/w8a8_gemm.cpp.)
 //
-// linear_int8: W[n, k] = qweight[n, k] * scale[n, k / G] (symmetric int8, one scale per group of G
-//   consecutive input weights of a row; G = K / scale.size(1), so one group per row is per-channel
-//   int8). Each weight row (one at a time: one sequential stream, measured up to 4x faster here than
-//   interleaving 4 rows) is widened int8 -> int32 -> float and multiplied by its group's scale in
-//   registers, then multiplied into up to 4 input rows.
-// linear_q4_1: GGUF/ggml Q4_1 (ggml-quants.c, block_q4_1: 32 weights per block, 4-bit unsigned
-//   quants, a float scale d and offset m; element j < 16 is the low nibble of byte j, element
-//   j >= 16 the high nibble of byte j - 16; weight = d * q + m). Per block
-//   dot(x_b, w_b) = dot(x_b, d * q_b) + m * sum(x_b): the block is decoded to d * q in registers once
-//   and dotted with every input row; the offset term uses each block's sum of x, computed once per call.
+// GGUF/ggml Q4_1 (ggml-quants.c, block_q4_1: 32 weights per block, 4-bit unsigned quants, a float
+// scale d and offset m; element j < 16 is the low nibble of byte j, element j >= 16 the high nibble of
+// byte j - 16; weight = d * q + m). Per block dot(x_b, w_b) = dot(x_b, d * q_b) + m * sum(x_b): the
+// block is decoded to d * q in registers once and dotted with every input row; the offset term uses
+// each block's sum of x, computed once per call.
 // AVX-512 is used where the build machine has it (-march=native), else AVX2+FMA, else scalar loops.
-// Both split output features over torch's intra-op threads (at::parallel_for); any M works
-// (input rows are processed in register tiles that reuse the decoded weights).
+// Output features are split over torch's intra-op threads (at::parallel_for); any M works (input rows
+// are processed in register tiles of up to 4 that reuse the decoded weights).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -40,93 +35,6 @@ void check_vec(const char* fn, const char* name, const c10::optional<torch::Tens
   if (!t.has_value()) return;
   TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat32 && t->dim() == 1 && t->size(0) == n,
               fn, ": ", name, " must be a CPU float32 tensor [N=", n, "], got ", t->scalar_type(), " ", t->sizes());
-}
-
-// ---------------------------------------------------------------------------------------- int8
-constexpr int64_t NT8 = 1;  // weight rows per tile (see the file comment)
-
-// dots[m][j] = sum_k x[m][k] * w[j][k] * sc[j][k / G] over NR weight rows (each K int8, one scale per
-// group of G consecutive weights; ng = K / G groups). Per group, the int8 weights are widened to float
-// in registers (8 at a time, straight from memory) and FMA'd into a group accumulator per input row,
-// which is then FMA'd into the row's total with the group's scale: one multiply per group, not per
-// weight.
-template <int MT, int NR>
-inline void tile_i8(const float* x, int64_t K, int64_t G, const int8_t* w, const float* sc, float* dots) {
-  const int64_t ng = K / G;
-  float acc_s[MT][NR] = {};
-#if defined(PDC_AVX512)
-  __m512 acc[MT][NR];
-  for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
-#elif defined(PDC_AVX2)
-  __m256 acc[MT][NR];
-  for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NR; ++j) acc[m][j] = _mm256_setzero_ps();
-#endif
-  for (int64_t g = 0; g < ng; ++g) {
-    const int64_t k1 = (g + 1) * G;
-    int64_t k = g * G;
-#if defined(PDC_AVX512)
-    __m512 part[MT][NR];
-    for (int m = 0; m < MT; ++m)
-      for (int j = 0; j < NR; ++j) part[m][j] = _mm512_setzero_ps();
-    for (; k + 16 <= k1; k += 16) {
-      __m512 wv[NR];
-      for (int j = 0; j < NR; ++j)
-        wv[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * K + k))));
-      for (int m = 0; m < MT; ++m) {
-        const __m512 xv = _mm512_loadu_ps(x + m * K + k);
-        for (int j = 0; j < NR; ++j) part[m][j] = _mm512_fmadd_ps(xv, wv[j], part[m][j]);
-      }
-    }
-    for (int m = 0; m < MT; ++m)
-      for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_fmadd_ps(part[m][j], _mm512_set1_ps(sc[j * ng + g]), acc[m][j]);
-#elif defined(PDC_AVX2)
-    __m256 part[MT][NR];
-    for (int m = 0; m < MT; ++m)
-      for (int j = 0; j < NR; ++j) part[m][j] = _mm256_setzero_ps();
-    for (; k + 8 <= k1; k += 8) {  // 8 weights per row per step, widened from a 64-bit load
-      __m256 wv[NR];
-      for (int j = 0; j < NR; ++j)
-        wv[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + j * K + k))));
-      for (int m = 0; m < MT; ++m) {
-        const __m256 xv = _mm256_loadu_ps(x + m * K + k);
-        for (int j = 0; j < NR; ++j) part[m][j] = _mm256_fmadd_ps(xv, wv[j], part[m][j]);
-      }
-    }
-    for (int m = 0; m < MT; ++m)
-      for (int j = 0; j < NR; ++j) acc[m][j] = _mm256_fmadd_ps(part[m][j], _mm256_set1_ps(sc[j * ng + g]), acc[m][j]);
-#endif
-    for (; k < k1; ++k)
-      for (int j = 0; j < NR; ++j) {
-        const float wk = static_cast<float>(w[j * K + k]) * sc[j * ng + g];
-        for (int m = 0; m < MT; ++m) acc_s[m][j] += x[m * K + k] * wk;
-      }
-  }
-  for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NR; ++j) {
-#if defined(PDC_AVX512)
-      acc_s[m][j] += _mm512_reduce_add_ps(acc[m][j]);
-#elif defined(PDC_AVX2)
-      acc_s[m][j] += hsum(acc[m][j]);
-#endif
-      dots[m * NR + j] = acc_s[m][j];
-    }
-}
-
-template <int NR>
-inline void rows_i8(const float* x, int64_t M, int64_t K, int64_t G, const int8_t* w, const float* sc,
-                    const float* bias, float* y, int64_t N) {
-  float d[4 * NR];
-  for (int64_t m = 0; m < M;) {
-    const int mt = (M - m >= 4) ? 4 : (M - m >= 2) ? 2 : 1;
-    if (mt == 4) tile_i8<4, NR>(x + m * K, K, G, w, sc, d);
-    else if (mt == 2) tile_i8<2, NR>(x + m * K, K, G, w, sc, d);
-    else tile_i8<1, NR>(x + m * K, K, G, w, sc, d);
-    for (int r = 0; r < mt; ++r)
-      for (int j = 0; j < NR; ++j) y[(m + r) * N + j] = d[r * NR + j] + (bias ? bias[j] : 0.f);
-    m += mt;
-  }
 }
 
 // ---------------------------------------------------------------------------------------- Q4_1
@@ -204,49 +112,6 @@ inline void row_q4_1(const float* x, int64_t K, const float* xsum, const uint8_t
 
 }  // namespace
 
-// y = x @ W.T + bias, W[n, k] = qweight[n, k] * scale[n, k / G]. x float32 [M, K]; qweight int8
-// [N, K] contiguous; scale float32 [N, K/G] (G: the group size, dividing K); bias float32 [N] or
-// None. Returns float32 [M, N].
-torch::Tensor linear_int8(const torch::Tensor& x_in, const torch::Tensor& qweight, const torch::Tensor& scale,
-                          const c10::optional<torch::Tensor>& bias) {
-  check_x("linear_int8", x_in);
-  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == torch::kInt8 && qweight.dim() == 2,
-              "linear_int8: qweight must be a 2-D CPU int8 tensor [N, K], got ", qweight.scalar_type(), " ",
-              qweight.sizes());
-  TORCH_CHECK(qweight.is_contiguous(), "linear_int8: qweight must be contiguous (row-major [N, K])");
-  TORCH_CHECK(x_in.size(1) == qweight.size(1), "linear_int8: x has K=", x_in.size(1), " but qweight has K=",
-              qweight.size(1));
-  const int64_t M = x_in.size(0), K = x_in.size(1), N = qweight.size(0);
-  TORCH_CHECK(scale.device().is_cpu() && scale.scalar_type() == torch::kFloat32 && scale.dim() == 2 &&
-                  scale.size(0) == N && scale.size(1) >= 1 && K % scale.size(1) == 0,
-              "linear_int8: scale must be a CPU float32 tensor [N=", N, ", K/G] whose groups divide K=", K,
-              ", got ", scale.scalar_type(), " ", scale.sizes());
-  const int64_t ng = scale.size(1), G = K / ng;
-  check_vec("linear_int8", "bias", bias, N);
-  const torch::Tensor x = x_in.contiguous(), sc = scale.contiguous();
-  const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
-  torch::Tensor y = torch::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  const int8_t* wp = qweight.data_ptr<int8_t>();
-  const float* sp = sc.data_ptr<float>();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  const int64_t tiles = (N + NT8 - 1) / NT8;
-  at::parallel_for(0, tiles, grain_for(K, NT8), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n = t * NT8;
-      if (n + NT8 <= N) {
-        rows_i8<NT8>(xp, M, K, G, wp + n * K, sp + n * ng, bp ? bp + n : nullptr, yp + n, N);
-      } else {
-        for (int64_t r = n; r < N; ++r)
-          rows_i8<1>(xp, M, K, G, wp + r * K, sp + r * ng, bp ? bp + r : nullptr, yp + r, N);
-      }
-    }
-  });
-  return y;
-}
-
 // y = x @ W.T + bias with W in Q4_1 blocks (see the file comment). x float32 [M, K]; qs uint8
 // [N, K/32, 16]; d, m float32 [N, K/32]; bias float32 [N] or None. Returns float32 [M, N].
 torch::Tensor linear_q4_1(const torch::Tensor& x_in, const torch::Tensor& qs, const torch::Tensor& d,
@@ -303,9 +168,7 @@ torch::Tensor linear_q4_1(const torch::Tensor& x_in, const torch::Tensor& qs, co
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "weight-only int8 / GGUF Q4_1 skinny matmul (AVX2+FMA, dequantized in registers)";
-  m.def("linear_int8", &linear_int8, "y = x @ (qweight * scale repeated over each group of K/scale.size(1)).T + bias", py::arg("x"), py::arg("qweight"),
-        py::arg("scale"), py::arg("bias") = py::none());
+  m.doc() = "weight-only GGUF Q4_1 skinny matmul (AVX2+FMA, dequantized in registers)";
   m.def("linear_q4_1", &linear_q4_1, "y = x @ dequant_q4_1(qs, d, m).T + bias", py::arg("x"), py::arg("qs"),
         py::arg("d"), py::arg("m"), py::arg("bias") = py::none());
 }
