@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.kernels.cpu.build import load
-from engine.kernels.cpu.rms_norm import rms_norm_cpu, rms_norm_reference, supports
+from engine.kernels.cpu.rms_norm import add_rms_norm_cpu, rms_norm_cpu, rms_norm_reference, supports
 from engine.model.decoder import RMSNorm
 
 needs_kernel = pytest.mark.skipif(load("rms_norm") is None, reason="the rms_norm extension could not be built")
@@ -70,3 +70,41 @@ def test_decoder_norm_takes_the_kernel_on_cpu_float32(offset):
     assert torch.equal(norm(x), rms_norm_cpu(x, norm.weight, 1e-5, offset))
     assert not supports(x.double(), norm.weight.double())  # other dtypes: HF's expression
     assert torch.equal(norm.double()(x.double()), rms_norm_reference(x.double(), norm.weight, 1e-5, offset))
+
+
+@needs_kernel
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["llama", "gemma"])
+@pytest.mark.parametrize("shape", [(1, 576), (300, 576), (4, 9, 64), (2, 5)], ids=str)
+def test_fused_add_norm_adds_in_place_bit_for_bit(shape, offset, threads):
+    """``add_rms_norm_cpu``: the residual becomes torch's ``residual + x`` bit for bit, and the norm is the
+    plain kernel's of that sum, bit for bit."""
+    g = torch.Generator().manual_seed(sum(shape) + 1)
+    x, residual, w = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g), torch.randn(shape[-1])
+    expected_sum = residual + x
+    out = add_rms_norm_cpu(x, residual, w, 1e-6, offset)
+    assert torch.equal(residual, expected_sum)
+    assert torch.equal(out, rms_norm_cpu(expected_sum, w, 1e-6, offset))
+
+
+@needs_kernel
+def test_fused_add_norm_bad_arguments():
+    with pytest.raises(RuntimeError, match="residual must have x's shape"):
+        add_rms_norm_cpu(torch.zeros(2, 8), torch.zeros(3, 8), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="residual must be a contiguous CPU float32"):
+        add_rms_norm_cpu(torch.zeros(2, 8), torch.zeros(8, 2).T, torch.ones(8), 1e-6)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "reference"])
+def test_decoder_add_norm_returns_the_norm_and_the_sum(kernel, monkeypatch):
+    """:meth:`RMSNorm.add_norm`: ``(norm(residual + x), residual + x)``; with no residual, ``x`` is the sum."""
+    if kernel and load("rms_norm") is None:
+        pytest.skip("the rms_norm extension could not be built")
+    if not kernel:
+        monkeypatch.setattr("engine.kernels.cpu.rms_norm.supports", lambda x, w: False)
+    norm = RMSNorm(16, 1e-6)
+    x, residual = torch.randn(3, 16), torch.randn(3, 16)
+    expected = residual + x
+    out, total = norm.add_norm(x, residual.clone())
+    assert torch.equal(total, expected) and torch.equal(out, norm(expected))
+    out, total = norm.add_norm(x, None)
+    assert total is x and torch.equal(out, norm(x))

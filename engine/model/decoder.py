@@ -6,10 +6,12 @@ the paged cache at ``slot_mapping`` and attends through the block tables. A fami
 differences (biases, q/k norm, Gemma's norms and embedding scale, activation,
 sliding-window layers, per-layer RoPE) come from its :class:`~engine.model.arch.DecoderArch`;
 the math follows HF ``transformers``' modelling code of each family (RMSNorm in
-float32, rotate-half RoPE, gated MLP) so greedy outputs match it. On CPU in float32 two of its
-steps take one C++ call each: RMSNorm (``rms_norm``, a few ulp from torch's rounding) and a
-layer's RoPE plus K/V write (``rope_cache``, bit-identical); at batch 1 their ~35 operators per
-layer were ~2 ms of a ~20 ms decode step. As built, every projection is
+float32, rotate-half RoPE, gated MLP) so greedy outputs match it. On CPU in float32 some of its
+steps take one C++ call each: RMSNorm (``rms_norm``, a few ulp from torch's rounding), a residual
+add with the next RMSNorm (vLLM's ``fused_add_rms_norm``; layers pass ``(hidden, residual)`` as
+vLLM's do), a layer's RoPE plus K/V write (``rope_cache``, bit-identical) and SiLU-and-multiply
+(``activation``, bit-identical); at batch 1 their ~40 operators per layer were ~2.5 ms of a ~20 ms
+decode step. As built, every projection is
 its own ``nn.Linear`` (q/k/v, o, gate/up/down, LM head, HF's names), so checkpoints load by name
 and a column- or row-parallel linear can replace any of them; after loading,
 :func:`engine.model.fuse.merge_projections` merges q/k/v into ``qkv_proj`` and gate/up into
@@ -27,6 +29,7 @@ from torch import nn
 from common.model_config import ModelConfig
 from engine.attention import AttentionMetadata
 from engine.attention.registry import AttentionBackend
+from engine.kernels.cpu import activation as activation_kernel
 from engine.kernels.cpu import rms_norm as rms_norm_kernel
 from engine.model.arch import DecoderArch, RopeSpec
 from engine.model.rope import RopeStep, RotaryEmbedding
@@ -52,6 +55,17 @@ class RMSNorm(nn.Module):
         if rms_norm_kernel.supports(x, self.weight):
             return rms_norm_kernel.rms_norm_cpu(x, self.weight, self.eps, self.offset)
         return rms_norm_kernel.rms_norm_reference(x, self.weight, self.eps, self.offset)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block's residual add and this norm (vLLM's ``fused_add_rms_norm``): ``residual + x`` (``x`` itself
+        when ``residual`` is None) and its norm, as ``(norm, sum)``. On CPU float32 one C++ call that adds
+        into ``residual`` in place; the sum is the same float add either way."""
+        if residual is None:
+            return self(x), x
+        if rms_norm_kernel.supports(x, self.weight) and x.is_contiguous() and residual.is_contiguous():
+            return rms_norm_kernel.add_rms_norm_cpu(x, residual, self.weight, self.eps, self.offset), residual
+        residual = residual + x
+        return self(residual), residual
 
 
 class Attention(nn.Module):
@@ -104,10 +118,13 @@ class MLP(nn.Module):
         self.gate_up_proj: nn.Module | None = None  # gate/up merged after loading (engine.model.fuse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(self.act(gate) * up)
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        if self.act is F.silu and activation_kernel.supports(gate_up):  # one C++ call, the same bits
+            return self.down_proj(activation_kernel.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -126,12 +143,18 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
 
-    def forward(self, x, meta, kv_cache, rope, backend):
+    def forward(self, x, residual, meta, kv_cache, rope, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's residual passing: the layer's input is ``residual + x`` (``x``, the embeddings, at layer 0
+        where ``residual`` is None); returns ``(mlp_out, residual)`` with the MLP's output not yet added,
+        so that each residual add goes into the next norm's call (:meth:`RMSNorm.add_norm`). The sums are
+        HF's (``residual + hidden``), in HF's order."""
+        normed, residual = self.input_layernorm.add_norm(x, residual)
+        out = self.self_attn(normed, meta, kv_cache, rope, backend)
         if not self.sandwich:
-            x = x + self.self_attn(self.input_layernorm(x), meta, kv_cache, rope, backend)
-            return x + self.mlp(self.post_attention_layernorm(x))
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), meta, kv_cache, rope, backend))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            normed, residual = self.post_attention_layernorm.add_norm(out, residual)
+            return self.mlp(normed), residual
+        normed, residual = self.pre_feedforward_layernorm.add_norm(self.post_attention_layernorm(out), residual)
+        return self.post_feedforward_layernorm(self.mlp(normed)), residual
 
 
 class DecoderModel(nn.Module):
@@ -183,11 +206,12 @@ class CausalLM(nn.Module):
         if self.arch.embed_scale != 1.0:
             x = x * torch.tensor(self.arch.embed_scale, dtype=torch.float32).to(x.dtype)  # as HF: fp32, then cast
         ropes = [r.for_step(meta, x.dtype) for r in self.ropes]
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, meta, kv_cache, ropes[self.rope_of_layer[i]], self.backend)
+            x, residual = layer(x, residual, meta, kv_cache, ropes[self.rope_of_layer[i]], self.backend)
             if on_layer_done is not None:
                 on_layer_done(i)
-        return self.model.norm(x)
+        return self.model.norm.add_norm(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,28 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: floa
     return kernel(x.contiguous(), weight.contiguous(), float(eps), float(offset))
 
 
+def add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     offset: float = 0.0) -> torch.Tensor:
+    """``residual += x`` (in place, the float32 sum torch's ``residual + x`` gives), then :func:`rms_norm_cpu`
+    of ``residual``: a decoder block's residual add and the next norm in one call (vLLM's
+    ``fused_add_rms_norm``).
+
+    Args:
+        x: ``[..., D]`` float32, contiguous. residual: same shape, contiguous; updated in place.
+        weight, eps, offset: as :func:`rms_norm_cpu`.
+
+    Returns:
+        ``[..., D]`` float32, the norm of the updated ``residual`` (a new tensor).
+
+    Raises:
+        RuntimeError: the kernel is not built here, or a bad argument, named in the message.
+    """
+    kernel = _kernel()
+    if kernel is None:
+        raise RuntimeError("the C++ rms_norm kernel is not built on this machine")
+    return _add_kernel()(x, residual, weight.contiguous(), float(eps), float(offset))
+
+
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
     """Plain torch, in float32 whatever ``x``'s dtype, cast back: HF's ``LlamaRMSNorm`` (``offset``
     0: ``weight * norm(x).to(dtype)``) and ``Gemma3RMSNorm`` (``(norm(x) * (offset + weight)).to(dtype)``)."""
@@ -63,3 +85,9 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset
 def _kernel():
     ext = load(NAME)
     return None if ext is None else traced("pdcluster::rms_norm", ext.rms_norm)
+
+
+@functools.cache
+def _add_kernel():
+    ext = load(NAME)
+    return None if ext is None else traced("pdcluster::add_rms_norm", ext.add_rms_norm_)

@@ -2,7 +2,8 @@
 // operators (pow, mean, add, rsqrt, mul, casts) per call, each costing microseconds of dispatch for a
 // few hundred floats of work at decode (SmolLM2: 61 norms per step, ~1 ms of a batch-1 step).
 //
-// rms_norm(x [R, D], weight [D], eps, offset) -> [R, D]
+// rms_norm(x [R, D], weight [D], eps, offset) -> [R, D]; add_rms_norm_(x, residual, ...) adds x into residual
+// first (in place) and norms the sum (vLLM's fused_add_rms_norm).
 //   out[r, j] = (x[r, j] * inv_r) * (offset + weight[j]),  inv_r = 1 / sqrt(mean_j(x[r, j]^2) + eps)
 //   offset 0: Llama / Qwen (HF `weight * hidden`); offset 1: Gemma (HF `norm(x) * (1 + weight)`).
 //   The sum of squares is accumulated in float32 over 16 (AVX-512) / 8 (AVX2) lanes, then summed in
@@ -76,9 +77,41 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return out;
 }
 
+// residual += x (in place), then returns rms_norm(residual): vLLM's fused_add_rms_norm, the residual add
+// of a decoder block and the next norm in one call. The sum is the float32 add torch's `residual + x`
+// computes (bit for bit); the norm is rms_norm's.
+torch::Tensor add_rms_norm_(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps,
+                            double offset) {
+  check_f32(x, "x");
+  check_f32(residual, "residual");
+  check_f32(weight, "weight");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "residual must have x's shape ", x.sizes(), ", got ", residual.sizes());
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1), "weight must be [D = ",
+              x.dim() >= 1 ? x.size(-1) : 0, "] for x of shape ", x.sizes(), ", got ", weight.sizes());
+  TORCH_CHECK(eps >= 0.0, "eps must be >= 0, got ", eps);
+  torch::Tensor out = torch::empty_like(x);
+  const int64_t d = x.size(-1), rows = d == 0 ? 0 : x.numel() / d;
+  if (rows == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps), o = static_cast<float>(offset);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / d), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = rp + r * d;
+      for (int64_t j = 0; j < d; ++j) row[j] = row[j] + xp[r * d + j];
+      norm_row(row, wp, op + r * d, d, e, o);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim: (x * rsqrt(mean(x^2) + eps)) * (offset + weight)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("offset") = 0.0);
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place, then RMSNorm of residual (a new tensor)",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("offset") = 0.0);
 }

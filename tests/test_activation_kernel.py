@@ -1,0 +1,51 @@
+"""The C++ gated activation (``engine/kernels/cpu/csrc/activation.cpp``): ``silu_and_mul`` bit-identical to
+``F.silu(gate) * up`` for decode and prefill row counts and strided input, its argument check, and the
+decoder's MLP taking it for SiLU on CPU (and not for Gemma's GELU).
+
+Skipped, with the reason, where the extension cannot be built (no compiler).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels.cpu.activation import silu_and_mul, silu_and_mul_reference, supports
+from engine.kernels.cpu.build import load
+
+pytestmark = pytest.mark.skipif(load("activation") is None, reason="the activation extension could not be built")
+
+
+@pytest.mark.parametrize("shape", [(1, 3072), (33, 3072), (4, 5, 16), (2, 2)], ids=str)
+def test_bit_identical_to_torch(shape, threads):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape))) * 4
+    out = silu_and_mul(x)
+    assert out.shape == (*shape[:-1], shape[-1] // 2) and torch.equal(out, silu_and_mul_reference(x))
+    strided = torch.randn(shape[-1], 3).T  # rows not contiguous
+    assert torch.equal(silu_and_mul(strided), silu_and_mul_reference(strided))
+
+
+def test_odd_last_dimension_raises():
+    assert supports(torch.zeros(2, 4))
+    with pytest.raises(RuntimeError, match=r"gate_up must be \[\.\.\., 2 \* intermediate\]"):
+        silu_and_mul(torch.zeros(2, 5))
+
+
+def test_mlp_uses_it_for_silu_only(monkeypatch):
+    from common.model_config import ModelConfig
+    from engine.model.decoder import MLP
+    calls = []
+    monkeypatch.setattr("engine.kernels.cpu.activation.silu_and_mul", lambda g: calls.append(g) or silu_and_mul(g))
+    cfg = ModelConfig(name="t", path="", vocab_size=10, hidden_size=8, intermediate_size=12, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-6, max_position_embeddings=32,
+                      tie_word_embeddings=True)
+    for activation, used in (("silu", True), ("gelu_pytorch_tanh", False)):
+        arch = type("A", (), {"mlp_bias": False, "activation": activation})()
+        mlp = MLP(cfg, arch)
+        mlp.gate_up_proj = torch.nn.Linear(8, 24, bias=False)
+        x = torch.randn(3, 8)
+        gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
+        with torch.no_grad():
+            assert torch.equal(mlp(x), mlp.down_proj(mlp.act(gate) * up))
+        assert bool(calls) == used
+        calls.clear()
