@@ -37,6 +37,8 @@ import _common  # noqa: E402
 import _decode_ours  # noqa: E402
 import torch  # noqa: E402
 
+from decode_worker.events import Tokens  # noqa: E402
+
 BLOCK_SIZE = 16
 log = _common.logger("quant_decode")
 
@@ -62,23 +64,55 @@ def _parse(argv=None) -> argparse.Namespace:
     return a
 
 
-def run_point(models: dict, cfg, prompts: list[list[int]], new_tokens: int, rounds: int) -> dict:
-    """Every model's decode of ``prompts``, ``rounds`` times in rotating order; the best run of each."""
-    prefilled = {q: _decode_ours.prefill_kv(m, cfg, prompts, BLOCK_SIZE) for q, m in models.items()}
+def _interleaved(models: dict, cfg, prompts: list[list[int]], prefilled: dict, new_tokens: int, first: int) -> dict:
+    """One decode of ``prompts`` per model, their steps interleaved (model ``first`` first, then the next...):
+    each model's step ``i`` runs right after the other models' step ``i``, so a change in the machine's
+    speed lasting longer than a few steps reaches every model alike. Step wall times (s) and tokens per model."""
     names = list(models)
-    runs: dict[str, list[dict]] = {q: [] for q in names}
-    for r in range(rounds):
-        for q in names[r % len(names):] + names[:r % len(names)]:
-            runs[q].append(_decode_ours.measure_decode(models[q], cfg, prompts, prefilled[q], new_tokens, BLOCK_SIZE))
-    best = {q: min(rs, key=lambda x: x["tpot_ms"]) for q, rs in runs.items()}
-    ref = best["none"]
-    out = {}
+    names = names[first % len(names):] + names[:first % len(names)]
+    batches = {q: _decode_ours._admitted_batch(models[q], cfg, prompts, prefilled[q], new_tokens, BLOCK_SIZE)
+               for q in names}
+    steps: dict[str, list[float]] = {q: [] for q in names}
+    live = set(names)
+    while live:
+        for q in names:
+            if q not in live:
+                continue
+            t0 = time.perf_counter()
+            ran = batches[q][1].step(block=False)
+            if not ran:
+                live.discard(q)
+                continue
+            steps[q].append(time.perf_counter() - t0)
+    tokens: dict[str, list[list[int]]] = {}
     for q in names:
-        b = best[q]
-        same = sum(a == c for a, c in zip(b["token_ids"], ref["token_ids"]))
-        out[q] = {"tpot_ms": b["tpot_ms"], "tokens_per_s": b["tokens_per_s"],
-                  "tpot_ms_runs": [x["tpot_ms"] for x in runs[q]], "median_ms": b["median_ms"],
-                  "speedup_vs_fp32": ref["tpot_ms"] / b["tpot_ms"], "identical_to_fp32": same}
+        events = [_decode_ours._drain(s) for s in batches[q][2]]
+        if any(not isinstance(ev, Tokens) for evs in events for ev in evs):
+            raise RuntimeError(f"{q}: a request failed: {events}")
+        tokens[q] = [[t for ev in evs for t in ev.token_ids] for evs in events]
+        if len(steps[q]) != new_tokens - 1 or any(len(t) != new_tokens for t in tokens[q]):
+            raise RuntimeError(f"{q}: expected {new_tokens} tokens in {new_tokens - 1} steps, got {len(steps[q])}")
+    return {"steps": steps, "tokens": tokens}
+
+
+def run_point(models: dict, cfg, prompts: list[list[int]], new_tokens: int, rounds: int) -> dict:
+    """``rounds`` interleaved decodes of ``prompts`` by every model (:func:`_interleaved`, starting model
+    rotating), then one plain :func:`_decode_ours.measure_decode` per model for the step's parts. Per model:
+    TPOT p50 of each round (ms), the best round, the speed-up over float32 (best rounds) and the median over
+    steps of the paired ratio (float32 step i / this model's step i, every round)."""
+    prefilled = {q: _decode_ours.prefill_kv(m, cfg, prompts, BLOCK_SIZE) for q, m in models.items()}
+    rounds_out = [_interleaved(models, cfg, prompts, prefilled, new_tokens, r) for r in range(rounds)]
+    ref_tokens = rounds_out[0]["tokens"]["none"]
+    out = {}
+    for q in models:
+        tpots = [statistics.median(r["steps"][q]) * 1e3 for r in rounds_out]
+        paired = [a / b for r in rounds_out for a, b in zip(r["steps"]["none"], r["steps"][q])]
+        parts = _decode_ours.measure_decode(models[q], cfg, prompts, prefilled[q], new_tokens, BLOCK_SIZE)
+        out[q] = {"tpot_ms": min(tpots), "tpot_ms_runs": tpots, "tokens_per_s": len(prompts) / min(tpots) * 1e3,
+                  "median_ms": parts["median_ms"], "paired_speedup_vs_fp32": statistics.median(paired),
+                  "identical_to_fp32": sum(a == c for a, c in zip(rounds_out[0]["tokens"][q], ref_tokens))}
+    for q in models:
+        out[q]["speedup_vs_fp32"] = out["none"]["tpot_ms"] / out[q]["tpot_ms"]
     return out
 
 
@@ -116,12 +150,15 @@ def run(args) -> dict:
 def markdown(res: dict) -> str:
     qs = [q for q in res["quantizations"] if q != "none"]
     head = ["batch", "load 1m", "fp32 TPOT ms (runs)"] + [f"{q} TPOT ms (runs)" for q in qs] + \
-        [f"{q} / fp32 speed" for q in qs] + [f"{q} identical to fp32" for q in qs]
+        [f"{q} / fp32 speed (paired)" for q in qs] + [f"{q} identical to fp32" for q in qs]
     lines = [f"# Quantized vs float32 decode, one run: {res['model']}", "",
              f"Run {res['started_at']}, {res['duration_s'] / 60:.1f} min; {res['cpu']}, {res['threads']} threads, "
              f"torch {res['torch']}. Context {res['context']} tokens, {res['new_tokens']} new tokens (greedy, EOS "
-             f"ignored), {res['rounds']} runs per model per point in rotating order; TPOT = median decode step of "
-             f"a run, the best run shown, every run's in parentheses. Copy bandwidth at the start "
+             f"ignored), {res['rounds']} runs per point, each decoding the batch with every model, their steps "
+             f"interleaved (step i of each model, then step i + 1...; the first model rotating); TPOT = median "
+             f"decode step of a run, the best run shown, every run's in parentheses; speed = fp32's best TPOT / "
+             f"the model's, paired = the median over all steps of fp32's step i / the model's step i. Copy "
+             f"bandwidth at the start "
              f"{res['copy_GBps_start']:.1f} GB/s; 1-minute load average {res['load_avg_1m_start']:.2f} at the start, "
              f"{res['load_avg_1m_end']:.2f} at the end.", "",
              "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
@@ -131,10 +168,11 @@ def markdown(res: dict) -> str:
         def runs(q):
             return f"{m[q]['tpot_ms']:.1f} ({', '.join(f'{t:.1f}' for t in m[q]['tpot_ms_runs'])})"
         row = [str(p["batch_size"]), f"{p['load_avg_1m_before']:.2f}", runs("none")] + [runs(q) for q in qs] + \
-            [f"{m[q]['speedup_vs_fp32']:.2f}x" for q in qs] + \
+            [f"{m[q]['speedup_vs_fp32']:.2f}x ({m[q]['paired_speedup_vs_fp32']:.2f}x)" for q in qs] + \
             [f"{m[q]['identical_to_fp32']}/{p['batch_size']}" for q in qs]
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "Decode step parts (median ms: forward = decoder layers, LM head, overhead = the rest of the step):",
+    lines += ["", "Decode step parts (one plain run per model after the interleaved ones, median ms: forward = decoder "
+              "layers, LM head, overhead = the rest of the step):",
               "", "| batch | model | step | forward | LM head | overhead |", "|---:|---|---:|---:|---:|---:|"]
     for p in res["points"]:
         for q, v in p["models"].items():

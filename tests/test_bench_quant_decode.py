@@ -22,6 +22,7 @@ def test_one_point_both_models_and_the_report(model_config, tokenizer):
     prompts = _common.sonnet_prompts(tokenizer, 2, 32)
     point = quant_decode.run_point(models, model_config, prompts, 4, rounds=2)
     assert set(point) == {"none", "int8"} and point["none"]["speedup_vs_fp32"] == 1.0
+    assert point["none"]["paired_speedup_vs_fp32"] == 1.0 and point["int8"]["paired_speedup_vs_fp32"] > 0
     for v in point.values():
         assert len(v["tpot_ms_runs"]) == 2 and v["tpot_ms"] == min(v["tpot_ms_runs"]) > 0
         assert 0 <= v["identical_to_fp32"] <= 2 and v["median_ms"]["forward"] > 0
@@ -31,5 +32,5 @@ def test_one_point_both_models_and_the_report(model_config, tokenizer):
            "load_avg_1m_end": 0.2, "quantizations": ["none", "int8"],
            "points": [{"batch_size": 2, "load_avg_1m_before": 0.1, "models": point}]}
     md = quant_decode.markdown(res)
-    assert "| batch | load 1m | fp32 TPOT ms (runs) | int8 TPOT ms (runs) | int8 / fp32 speed |" in md
+    assert "| batch | load 1m | fp32 TPOT ms (runs) | int8 TPOT ms (runs) | int8 / fp32 speed (paired) |" in md
     assert "| 2 | int8 |" in md

@@ -8,9 +8,9 @@ by :func:`engine.kernels.cpu.quant_ops.linear_int8` / ``linear_q4_1`` (C++ kerne
 fallback). ``int8`` quantizes the activations too, per call (W8A8: integer dot products, as
 llama.cpp's Q8_0); ``q4`` is weight-only (float32 activations). ``int8`` also quantizes the LM head
 (per group of 64, like the projections; a quantized copy where it is tied to the token embedding,
-which stays a float lookup table): measured on SmolLM2-135M it changes perplexity by less than 0.1%
-(``bench/results/quant_quality.md``) and it is a fifth of the float weights a batch-1 step reads.
-``q4`` keeps the LM head float: the GGUF's Q4_1
+which stays a float lookup table): measured on SmolLM2-135M, int8 as a whole (activations included)
+changes perplexity by 0.4% (``bench/results/quant_quality.md``), and the LM head is a fifth of the
+float weights a batch-1 step reads. ``q4`` keeps the LM head float: the GGUF's Q4_1
 blocks cover the decoder projections only.
 
 ``q4`` takes a GGUF's own Q4_1 blocks where the caller passes them (``q4_blocks``, read by
@@ -100,6 +100,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` -> ``[..., out_features]`` (``x``'s dtype)."""
+        if x.dim() == 2:  # the engine's token-major rows (a decode step's ~120 calls: no extra frame)
+            return quant_ops.linear_int8(x, self.wpack, self.spack, self.excess, self.out_features, self.bias)
         return _rows(quant_ops.linear_int8, x, self.in_features, self.out_features, self.wpack, self.spack,
                      self.excess, self.out_features, self.bias)
 
