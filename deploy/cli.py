@@ -29,9 +29,19 @@ def _port(value: str) -> int:
     return port
 
 
+def _parse_number(value: str, kind: type) -> int | float:
+    """``kind(value)`` (int or float), or the argparse error a flag's message shows (``argparse`` would
+    otherwise name the type function: "invalid _positive value")."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, got {value!r}") \
+            from None
+
+
 def _positive(value: str) -> int:
     """argparse type: an integer >= 1."""
-    n = int(value)
+    n = _parse_number(value, int)
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
     return n
@@ -39,25 +49,33 @@ def _positive(value: str) -> int:
 
 def _max_migrations(value: str) -> int:
     """argparse type: ``--max-migrations``, checked by :func:`router.migration.check_max_migrations`."""
+    n = _parse_number(value, int)
     try:
-        n = int(value)
         check_max_migrations(n)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    except ValueError as e:  # argparse names the flag: drop the config field's name from the message
+        raise argparse.ArgumentTypeError(str(e).removeprefix("max_migrations ")) from None
     return n
 
 
 def _non_negative(value: str) -> int:
     """argparse type: an integer >= 0."""
-    n = int(value)
+    n = _parse_number(value, int)
     if n < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
     return n
 
 
+def _num_kv_blocks(value: str) -> int:
+    """argparse type: ``--num-kv-blocks``, 0 (derive from ``--kv-cache-gb``) or >= 2 (block 0 is reserved)."""
+    n = _parse_number(value, int)
+    if n != 0 and n < 2:
+        raise argparse.ArgumentTypeError(f"must be 0 (derive from --kv-cache-gb) or >= 2, got {n}")
+    return n
+
+
 def _positive_float(value: str) -> float:
     """argparse type: a number > 0."""
-    x = float(value)
+    x = _parse_number(value, float)
     if not x > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return x
@@ -151,14 +169,14 @@ def _add_kv(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transport-option", dest="kv_transport_options", action="append", type=_key_value,
                    default=[], metavar="KEY=VALUE",
                    help="option passed to the KV transport's factories (repeatable; the transport checks its keys)")
-    p.add_argument("--kv-layers-per-chunk", type=int, default=2, help="layers per KV chunk at most")
+    p.add_argument("--kv-layers-per-chunk", type=_positive, default=2, help="layers per KV chunk at most")
     p.add_argument("--kv-layerwise", dest="kv_layerwise", action="store_true", default=None,
                    help="stream a request's KV layer by layer during its last prefill step (default on GPUs; "
                         "on CPU the sender competes with the prefill for the same cores: bench/results/layerwise.md)")
     p.add_argument("--no-kv-layerwise", dest="kv_layerwise", action="store_false",
                    help="send a request's KV after its last prefill step (default on CPU)")
-    p.add_argument("--kv-timeout-s", type=float, default=30.0, help="deadline of one KV transfer (seconds)")
-    p.add_argument("--kv-lease-s", type=float, default=120.0,
+    p.add_argument("--kv-timeout-s", type=_positive_float, default=30.0, help="deadline of one KV transfer (seconds)")
+    p.add_argument("--kv-lease-s", type=_positive_float, default=120.0,
                    help="seconds a decode worker holds blocks for a transfer that does not finish")
     p.add_argument("--kv-failure-policy", default="error", choices=list(KV_FAILURE_POLICIES),
                    help="when a KV transfer fails: end the request with UNAVAILABLE, or recompute the prompt's "
@@ -223,7 +241,7 @@ def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
     _add_admission(p)
     _add_api_keys(p, env_api_key)
     _add_tls(p)
-    p.add_argument("--heartbeat-s", type=float, default=1.0, help="registry heartbeat period in seconds")
+    p.add_argument("--heartbeat-s", type=_positive_float, default=1.0, help="registry heartbeat period in seconds")
     p.add_argument("--worker-nice", type=int, choices=range(20), default=DEFAULT_WORKER_NICE, metavar="N",
                    help="nice steps the worker processes run below the router, Redis and the controller (0-19; "
                         f"default {DEFAULT_WORKER_NICE}): on shared cores those answer first, e.g. refuse an "
@@ -231,7 +249,7 @@ def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
     p.add_argument("--timeout-s", type=float, default=300, help="seconds to wait for the cluster to be ready")
     p.add_argument("--cluster", default="default", help="cluster name (registry namespace)")
     _add_weights(p)
-    p.add_argument("--device", default="auto", help="torch device (auto, cuda, cpu)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="torch device")
     _add_state_dir(p)
     p.set_defaults(func=_deploy("cmd_up"))
 
@@ -240,7 +258,7 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     """``up``'s flags for the workers' engines: KV cache geometry, step limits, tensor parallelism
     and the prefix cache."""
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
-    p.add_argument("--num-kv-blocks", type=int, default=0,
+    p.add_argument("--num-kv-blocks", type=_num_kv_blocks, default=0,
                    help="KV blocks per worker; 0 = derive from --kv-cache-gb")
     p.add_argument("--kv-cache-gb", type=_positive_float, default=1.0, help="KV cache per worker in GiB")
     p.add_argument("--max-model-len", type=int, default=2048, help="max prompt+output tokens")

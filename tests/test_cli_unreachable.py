@@ -129,6 +129,17 @@ def test_up_flag_out_of_range(tmp_path, capsys, flags, line):
     (["--dtype", "foo"], "argument --dtype: invalid choice: 'foo'"),
     (["--kv-cache-gb", "0"], "argument --kv-cache-gb: must be > 0, got 0"),
     (["--redis-port", "70000"], "argument --redis-port: port must be in [0, 65535], got 70000"),
+    (["--kv-layers-per-chunk", "0"], "argument --kv-layers-per-chunk: must be >= 1, got 0"),
+    (["--kv-timeout-s", "0"], "argument --kv-timeout-s: must be > 0, got 0"),
+    (["--kv-lease-s", "-1"], "argument --kv-lease-s: must be > 0, got -1"),
+    (["--heartbeat-s", "0"], "argument --heartbeat-s: must be > 0, got 0"),
+    (["--heartbeat-s", "nan"], "argument --heartbeat-s: must be > 0, got nan"),
+    (["--num-kv-blocks", "1"], "argument --num-kv-blocks: must be 0 (derive from --kv-cache-gb) or >= 2, got 1"),
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--max-migrations", "-1"], "argument --max-migrations: must be an integer in [0, 100], got -1"),
+    (["--max-migrations", "x"], "argument --max-migrations: must be an integer, got 'x'"),
+    (["--breaker-failures", "1.5"], "argument --breaker-failures: must be an integer, got '1.5'"),
+    (["--kv-timeout-s", "soon"], "argument --kv-timeout-s: must be a number, got 'soon'"),
 ])
 def test_up_flag_refused_by_the_parser(capsys, flags, needle):
     with pytest.raises(SystemExit) as info:
