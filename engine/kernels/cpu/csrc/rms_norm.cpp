@@ -58,23 +58,34 @@ void check_f32(const torch::Tensor& t, const char* name) {
               t.strides());
 }
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, double offset) {
+void check_args(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   check_f32(x, "x");
   check_f32(weight, "weight");
   TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1), "weight must be [D = ",
               x.dim() >= 1 ? x.size(-1) : 0, "] for x of shape ", x.sizes(), ", got ", weight.sizes());
   TORCH_CHECK(eps >= 0.0, "eps must be >= 0, got ", eps);
+}
+
+// Calls row(r, out_row) for every row r of x (checked: check_args), split over threads; returns out.
+template <typename Row>
+torch::Tensor over_rows(const torch::Tensor& x, Row row) {
   torch::Tensor out = torch::empty_like(x);
   const int64_t d = x.size(-1), rows = d == 0 ? 0 : x.numel() / d;
   if (rows == 0) return out;
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const float e = static_cast<float>(eps), o = static_cast<float>(offset);
   at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / d), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * d, wp, op + r * d, d, e, o);
+    for (int64_t r = r0; r < r1; ++r) row(r, op + r * d);
   });
   return out;
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, double offset) {
+  check_args(x, weight, eps);
+  const int64_t d = x.size(-1);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const float e = static_cast<float>(eps), o = static_cast<float>(offset);
+  return over_rows(x, [&](int64_t r, float* out) { norm_row(xp + r * d, wp, out, d, e, o); });
 }
 
 // residual += x (in place), then returns rms_norm(residual): vLLM's fused_add_rms_norm, the residual add
@@ -82,29 +93,19 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 // computes (bit for bit); the norm is rms_norm's.
 torch::Tensor add_rms_norm_(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps,
                             double offset) {
-  check_f32(x, "x");
+  check_args(x, weight, eps);
   check_f32(residual, "residual");
-  check_f32(weight, "weight");
   TORCH_CHECK(x.sizes() == residual.sizes(), "residual must have x's shape ", x.sizes(), ", got ", residual.sizes());
-  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1), "weight must be [D = ",
-              x.dim() >= 1 ? x.size(-1) : 0, "] for x of shape ", x.sizes(), ", got ", weight.sizes());
-  TORCH_CHECK(eps >= 0.0, "eps must be >= 0, got ", eps);
-  torch::Tensor out = torch::empty_like(x);
-  const int64_t d = x.size(-1), rows = d == 0 ? 0 : x.numel() / d;
-  if (rows == 0) return out;
+  const int64_t d = x.size(-1);
   const float* xp = x.data_ptr<float>();
   float* rp = residual.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps), o = static_cast<float>(offset);
-  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / d), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      float* row = rp + r * d;
-      for (int64_t j = 0; j < d; ++j) row[j] = row[j] + xp[r * d + j];
-      norm_row(row, wp, op + r * d, d, e, o);
-    }
+  return over_rows(x, [&](int64_t r, float* out) {
+    float* sum = rp + r * d;
+    for (int64_t j = 0; j < d; ++j) sum[j] = sum[j] + xp[r * d + j];
+    norm_row(sum, wp, out, d, e, o);
   });
-  return out;
 }
 
 }  // namespace
