@@ -58,14 +58,31 @@ def load(name: str) -> ModuleType | None:
         with open(build_dir / "pdcluster.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
-            return cpp_extension.load(name=f"pdcluster_{name}", sources=[str(source)],
-                                      build_directory=str(build_dir),
-                                      extra_cflags=[*CFLAGS, f"-DPDC_HEADERS={_headers_digest()}"],
-                                      extra_ldflags=list(LDFLAGS), verbose=False)
+            stale = _needs_build(source, build_dir, name)
+            if stale:  # up to minutes on 2 cores: say so, or a worker's start looks hung
+                log.warning("building CPU kernel %s if its source changed (once per checkout and machine; "
+                            "about a minute)", name)
+            mod = cpp_extension.load(name=f"pdcluster_{name}", sources=[str(source)],
+                                     build_directory=str(build_dir),
+                                     extra_cflags=[*CFLAGS, f"-DPDC_HEADERS={_headers_digest()}"],
+                                     extra_ldflags=list(LDFLAGS), verbose=False)
+            if stale:  # current now by torch's own check (a touched but unchanged source is not rebuilt)
+                os.utime(build_dir / f"pdcluster_{name}.so")
+            return mod
     except Exception as e:  # no compiler, no ninja, a compile error: fall back to torch
         log.warning("CPU kernel %s is not available (%s: %s); using the plain-torch path",
                     name, type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return None
+
+
+def _needs_build(source: Path, build_dir: Path, name: str) -> bool:
+    """Whether no built library is there, or it is older than its source or a shared header (a
+    guess for the log line: torch's own check, of the sources' contents and the flags, decides)."""
+    built = build_dir / f"pdcluster_{name}.so"
+    if not built.is_file():
+        return True
+    newest = max(p.stat().st_mtime for p in (source, *CSRC.glob("*.h")))
+    return built.stat().st_mtime < newest
 
 
 def load_all() -> dict[str, bool]:
