@@ -30,8 +30,7 @@ import torch
 from torch import nn
 
 from engine.kernels.cpu import panel_gemm
-from engine.kernels.cpu.build import load as load_cpu_kernel
-from engine.kernels.cpu.trace import traced
+from engine.kernels.cpu.build import load_function
 
 BATCH_HINT = 32
 """Rows oneDNN tunes the packed layout for (any row count works; 1-512 measured within 10%)."""
@@ -114,8 +113,7 @@ class GemvLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
         self.out_features, self.in_features = weight.shape
         self.max_rows = max_rows
-        kernel = load_cpu_kernel("gemv")
-        self._gemv = None if kernel is None else traced("pdcluster::gemv", kernel.linear_f32)
+        self._gemv = load_function("gemv", "linear_f32", "pdcluster::gemv")
         self._onednn = onednn_available()
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
                              if packed and self._onednn else None, persistent=False)
@@ -156,7 +154,7 @@ class PanelLinear(nn.Module):
         self.weight_nbytes = weight.numel() * weight.element_size()
         self.register_buffer("panels", panel_gemm.pack(weight))
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous().clone())
-        self._linear = traced("pdcluster::panel_gemm", load_cpu_kernel(panel_gemm.NAME).linear)
+        self._linear = load_function(panel_gemm.NAME, "linear", "pdcluster::panel_gemm")
 
     def dense_weight(self) -> torch.Tensor:
         """A plain ``[out_features, in_features]`` float32 copy of the weight."""

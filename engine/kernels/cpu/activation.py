@@ -5,12 +5,10 @@ same name. It calls torch's own ``silu`` and ``mul`` from C++, so it is bit-iden
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
-from engine.kernels.cpu.build import load
-from engine.kernels.cpu.trace import traced
+from engine.kernels.cpu.build import load_function
 
 NAME = "activation"
 
@@ -44,7 +42,5 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-@functools.cache
 def _kernel():
-    ext = load(NAME)
-    return None if ext is None else traced("pdcluster::silu_and_mul", ext.silu_and_mul)
+    return load_function(NAME, "silu_and_mul")

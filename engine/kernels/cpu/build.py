@@ -20,8 +20,12 @@ import logging
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+from engine.kernels.cpu.trace import traced
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +62,8 @@ def load(name: str) -> ModuleType | None:
         with open(build_dir / "pdcluster.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
-            stale = _needs_build(source, build_dir, name)
+            built = build_dir / f"pdcluster_{name}.so"
+            stale = _needs_build(source, built)
             if stale:  # up to minutes on 2 cores: say so, or a worker's start looks hung
                 log.warning("building CPU kernel %s if its source changed (once per checkout and machine; "
                             "about a minute)", name)
@@ -67,7 +72,7 @@ def load(name: str) -> ModuleType | None:
                                      extra_cflags=[*CFLAGS, f"-DPDC_HEADERS={_headers_digest()}"],
                                      extra_ldflags=list(LDFLAGS), verbose=False)
             if stale:  # current now by torch's own check (a touched but unchanged source is not rebuilt)
-                os.utime(build_dir / f"pdcluster_{name}.so")
+                os.utime(built)
             return mod
     except Exception as e:  # no compiler, no ninja, a compile error: fall back to torch
         log.warning("CPU kernel %s is not available (%s: %s); using the plain-torch path",
@@ -75,10 +80,25 @@ def load(name: str) -> ModuleType | None:
         return None
 
 
-def _needs_build(source: Path, build_dir: Path, name: str) -> bool:
-    """Whether no built library is there, or it is older than its source or a shared header (a
+@functools.cache
+def load_function(name: str, fn: str, trace_name: str | None = None) -> Callable[..., Any] | None:
+    """Function ``fn`` of the extension built from ``csrc/<name>.cpp`` (:func:`load`), shown in
+    ``torch.profiler`` traces as ``trace_name`` (default ``pdcluster::<fn>``:
+    :func:`engine.kernels.cpu.trace.traced`), or None when the extension cannot be built here or has
+    no ``fn``.
+
+    Raises:
+        FileNotFoundError: no ``csrc/<name>.cpp``.
+    """
+    ext = load(name)
+    if ext is None or not hasattr(ext, fn):
+        return None
+    return traced(trace_name or f"pdcluster::{fn}", getattr(ext, fn))
+
+
+def _needs_build(source: Path, built: Path) -> bool:
+    """Whether the library ``built`` is missing or older than its source or a shared header (a
     guess for the log line: torch's own check, of the sources' contents and the flags, decides)."""
-    built = build_dir / f"pdcluster_{name}.so"
     if not built.is_file():
         return True
     newest = max(p.stat().st_mtime for p in (source, *CSRC.glob("*.h")))

@@ -12,12 +12,10 @@ over ``head_dim``, items split over torch's intra-op threads (``torch.set_num_th
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
-from engine.kernels.cpu.build import load
-from engine.kernels.cpu.trace import traced
+from engine.kernels.cpu.build import load, load_function
 
 NAME = "paged_attention"
 
@@ -74,10 +72,8 @@ def paged_decode_attention_cpu(
                       float(scale), 0 if window is None else int(window), int(heads_per_item))
 
 
-@functools.cache
 def _decode():
-    ext = load(NAME)
-    return None if ext is None else traced("pdcluster::paged_decode_attention", ext.decode)
+    return load_function(NAME, "decode", "pdcluster::paged_decode_attention")
 
 
 def paged_decode_attention_cpu_reference(

@@ -9,12 +9,10 @@ norm); greedy outputs stay token-exact against HF (``tests/test_model.py``).
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
-from engine.kernels.cpu.build import load
-from engine.kernels.cpu.trace import traced
+from engine.kernels.cpu.build import load_function
 
 NAME = "rms_norm"
 
@@ -64,10 +62,10 @@ def add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     Raises:
         RuntimeError: the kernel is not built here, or a bad argument, named in the message.
     """
-    kernel = _kernel()
+    kernel = _add_kernel()
     if kernel is None:
         raise RuntimeError("the C++ rms_norm kernel is not built on this machine")
-    return _add_kernel()(x, residual, weight.contiguous(), float(eps), float(offset))
+    return kernel(x, residual, weight.contiguous(), float(eps), float(offset))
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
@@ -81,13 +79,9 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset
     return weight * x32.to(dtype)
 
 
-@functools.cache
 def _kernel():
-    ext = load(NAME)
-    return None if ext is None else traced("pdcluster::rms_norm", ext.rms_norm)
+    return load_function(NAME, "rms_norm")
 
 
-@functools.cache
 def _add_kernel():
-    ext = load(NAME)
-    return None if ext is None else traced("pdcluster::add_rms_norm", ext.add_rms_norm_)
+    return load_function(NAME, "add_rms_norm_", "pdcluster::add_rms_norm")

@@ -9,12 +9,10 @@ arithmetic in one call and is bit-identical to the torch expression (rotate-half
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
-from engine.kernels.cpu.build import load
-from engine.kernels.cpu.trace import traced
+from engine.kernels.cpu.build import load, load_function
 
 NAME = "rope_cache"
 
@@ -54,10 +52,8 @@ def rope_store_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     return q
 
 
-@functools.cache
 def _rope_store():
-    ext = load(NAME)
-    return None if ext is None else traced("pdcluster::rope_store", ext.rope_store)
+    return load_function(NAME, "rope_store")
 
 
 def rope_store_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
