@@ -48,7 +48,8 @@ def _cat_dense(parts: Sequence[nn.Linear]) -> nn.Linear:
 
 
 def _cat_int8(parts: Sequence[Int8Linear]) -> Int8Linear:
-    return Int8Linear(torch.cat([p.qweight for p in parts]), torch.cat([p.scale for p in parts]), _bias(parts))
+    qweights, scales = zip(*(p.unpacked() for p in parts))
+    return Int8Linear(torch.cat(qweights), torch.cat(scales), _bias(parts))
 
 
 def _cat_q4(parts: Sequence[Q4Linear]) -> Q4Linear:

@@ -83,20 +83,24 @@ class Int8Linear(nn.Module):
         """Quantize ``linear``'s weight; its bias stays float."""
         return cls.from_weight(linear.weight, _bias(linear))
 
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(qweight, scale)`` as given: ``[out_features, in_features]`` int8 and ``[out_features,
+        in_features/G]`` float32 (new tensors)."""
+        return quant_ops.unpack_int8(self.wpack, self.spack, self.out_features, self.in_features)
+
     @property
     def qweight(self) -> torch.Tensor:
-        """The ``[out_features, in_features]`` int8 codes (a new tensor)."""
-        return quant_ops.unpack_int8(self.wpack, self.spack, self.out_features, self.in_features)[0]
+        """The int8 codes of :meth:`unpacked`."""
+        return self.unpacked()[0]
 
     @property
     def scale(self) -> torch.Tensor:
-        """The ``[out_features, in_features/G]`` float32 scales (a new tensor)."""
-        return quant_ops.unpack_int8(self.wpack, self.spack, self.out_features, self.in_features)[1]
+        """The scales of :meth:`unpacked`."""
+        return self.unpacked()[1]
 
     def dense_weight(self) -> torch.Tensor:
         """The dequantized ``[out_features, in_features]`` float32 weight."""
-        return quant_ops.dequantize_int8(*quant_ops.unpack_int8(self.wpack, self.spack, self.out_features,
-                                                                self.in_features))
+        return quant_ops.dequantize_int8(*self.unpacked())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` -> ``[..., out_features]`` (``x``'s dtype)."""

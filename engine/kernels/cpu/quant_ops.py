@@ -16,19 +16,17 @@ Two weight formats:
 
 :func:`linear_int8` / :func:`linear_q4_1` call the C++ kernels of ``csrc/w8a8_gemm.cpp`` /
 ``csrc/quant_gemv.cpp`` (:func:`engine.kernels.cpu.build.load`) for CPU float32 activations of at most
-:data:`KERNEL_MAX_ROWS` rows when that extension is built, and otherwise the plain-torch reference
+:data:`KERNEL_MAX_ROWS` rows (int8: any) when that extension is built, and otherwise the plain-torch reference
 (dequantize, then ``F.linear``), which is also what the tests compare the kernels against.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.cpu.trace import traced
 
 QK4_1 = 32
 """Weights per Q4_1 block (llama.cpp's ``QK4_1``)."""
@@ -43,13 +41,11 @@ _KERNELS = {"int8": ("w8a8_gemm", "linear_w8a8"), "q4_1": ("quant_gemv", "linear
 @functools.cache
 def _kernel(fmt: str):
     """The built C++ kernel of ``fmt`` (shown in profiler traces as ``pdcluster::<function>``), or None."""
-    from engine.kernels.cpu.build import load
-    ext, fn = _KERNELS[fmt]
+    from engine.kernels.cpu.build import load_function
     try:
-        mod = load(ext)
+        return load_function(*_KERNELS[fmt])
     except FileNotFoundError:  # no such source in this checkout
         return None
-    return traced(f"pdcluster::{fn}", getattr(mod, fn)) if mod is not None and hasattr(mod, fn) else None
 
 
 def kernel_available(fmt: str = "int8") -> bool:
@@ -57,12 +53,12 @@ def kernel_available(fmt: str = "int8") -> bool:
     return _kernel(fmt) is not None
 
 
-KERNEL_MAX_ROWS = {"int8": math.inf, "q4_1": 64}
+KERNEL_MAX_ROWS = {"q4_1": 64}
 """Most activation rows sent to the C++ kernel; above, dequantize + ``F.linear`` (a GEMM) is as fast
 or faster. Measured at 2 threads on this 2-core machine: the Q4_1 kernel against the reference on a
 3072x576 matrix, 0.58 / 1.7 / 3.3 / 6.8 ms at 16 / 32 / 64 / 128 rows against 11.7 / 12.5 / 15.1 /
 6.3 ms (576x1536: 0.38 / 0.73 / 1.41 / 2.98 against 1.48 / 1.04 / 1.44 / 2.46). The int8 kernel's
-integer dot is faster than the float reference at every row count (it has no limit)."""
+integer dot is faster than the float reference at every row count: it has no limit, so no entry."""
 
 
 def _use_kernel(x: torch.Tensor, fmt: str) -> bool:
@@ -202,7 +198,7 @@ def linear_int8(x: torch.Tensor, wpack: torch.Tensor, spack: torch.Tensor, exces
     Returns:
         ``[M, n]`` in ``x``'s dtype.
     """
-    kernel = _kernel("int8")  # any row count (KERNEL_MAX_ROWS); checked inline: this runs ~120 times a step
+    kernel = _kernel("int8")  # any row count; checked inline (not _use_kernel): this runs ~120 times a step
     if kernel is not None and x.dtype == torch.float32 and x.device.type == "cpu":
         return kernel(x, wpack, spack, excess, n, bias)  # the kernel makes x contiguous
     return linear_int8_reference(x, wpack, spack, excess, n, bias)
