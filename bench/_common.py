@@ -12,6 +12,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,15 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SONNET = REPO / "loadtest" / "data" / "prompts" / "sonnet.txt"
+RESULTS = REPO / "bench" / "results"
+
+
+def out_dir(given: Path | None, quick: bool, prefix: str) -> Path:
+    """A benchmark's ``--out-dir``: ``given``, else a new temporary folder (named ``<prefix>...``) for a
+    ``--quick`` run, else ``bench/results``."""
+    if given is not None:
+        return given
+    return Path(tempfile.mkdtemp(prefix=prefix)) if quick else RESULTS
 
 
 def logger(tag: str) -> Callable[[str], None]:

@@ -7,7 +7,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -53,8 +52,7 @@ def _parse(argv=None) -> argparse.Namespace:
     a.reps = 3 if a.quick else a.reps
     a.prefill_reps = 2 if a.quick else a.prefill_reps
     a.name = a.name or ("kvtransfer_quick" if a.quick else "kvtransfer")
-    if a.out_dir is None:
-        a.out_dir = Path(tempfile.mkdtemp(prefix="kv-bench-")) if a.quick else _common.REPO / "bench" / "results"
+    a.out_dir = _common.out_dir(a.out_dir, a.quick, "kv-bench-")
     return a
 
 

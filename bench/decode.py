@@ -98,8 +98,7 @@ def _parse(argv=None) -> argparse.Namespace:
     a.batches = [int(x) for x in a.batches.split(",")]
     a.contexts = [int(x) for x in a.contexts.split(",")]
     a.name = a.name or ("decode_quick" if a.quick else "decode")
-    if a.out_dir is None:
-        a.out_dir = Path(tempfile.mkdtemp(prefix="decode-bench-")) if a.quick else _common.REPO / "bench" / "results"
+    a.out_dir = _common.out_dir(a.out_dir, a.quick, "decode-bench-")
     return a
 
 

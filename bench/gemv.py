@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -69,8 +68,7 @@ def _parse(argv=None) -> argparse.Namespace:
     a.reps = a.reps or (3 if a.quick else 7)
     a.threads = [int(t) for t in a.threads.split(",")]
     a.rows = [int(r) for r in a.rows.split(",")]
-    if a.out_dir is None:
-        a.out_dir = Path(tempfile.mkdtemp(prefix="gemv-bench-")) if a.quick else _common.REPO / "bench" / "results"
+    a.out_dir = _common.out_dir(a.out_dir, a.quick, "gemv-bench-")
     return a
 
 

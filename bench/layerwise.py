@@ -35,7 +35,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -83,7 +82,7 @@ def _parse(argv=None) -> argparse.Namespace:
         a.lengths, a.transports, a.reps = "512", "grpc", 2
     a.lengths = [int(x) for x in a.lengths.split(",")]
     a.transports = a.transports.split(",")
-    a.out_dir = a.out_dir or (Path(tempfile.mkdtemp()) if a.quick else _common.REPO / "bench" / "results")
+    a.out_dir = _common.out_dir(a.out_dir, a.quick, "layerwise-bench-")
     a.name = a.name or ("layerwise_quick" if a.quick else "layerwise")
     return a
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -71,8 +70,7 @@ def _parse(argv=None) -> argparse.Namespace:
     a.reps = 2 if a.quick else a.reps
     a.diag_threads = 0 if a.quick else a.diag_threads
     a.name = a.name or ("prefill_quick" if a.quick else "prefill")
-    if a.out_dir is None:
-        a.out_dir = Path(tempfile.mkdtemp(prefix="prefill-bench-")) if a.quick else _common.REPO / "bench" / "results"
+    a.out_dir = _common.out_dir(a.out_dir, a.quick, "prefill-bench-")
     return a
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -59,8 +58,7 @@ def _parse(argv=None) -> argparse.Namespace:
         a.quantizations, a.batches, a.new_tokens, a.rounds = "int8", "1,8", 32, 2
     a.quantizations = ["none"] + [q for q in a.quantizations.split(",") if q and q != "none"]
     a.batches = [int(b) for b in a.batches.split(",")]
-    if a.out_dir is None:
-        a.out_dir = Path(tempfile.mkdtemp(prefix="quant-decode-")) if a.quick else _common.REPO / "bench" / "results"
+    a.out_dir = _common.out_dir(a.out_dir, a.quick, "quant-decode-")
     return a
 
 
