@@ -23,7 +23,7 @@ from serving.priority import DEFAULT_WORKER_NICE
 
 def _port(value: str) -> int:
     """argparse type: a TCP port number, 0 (any free port) to 65535."""
-    port = int(value)
+    port = _parse_number(value, int)
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {port}")
     return port
