@@ -38,6 +38,18 @@ namespace {
 
 constexpr int64_t P = 16;   // output features per panel
 constexpr int64_t MB = 256;  // input rows per block (prefill)
+// Weights are streamed once per call at a few rows: a software prefetch this many bytes ahead of the line
+// being multiplied (the next panels' lines once near a panel's end: panels are contiguous) keeps more
+// DRAM reads in flight than the hardware prefetcher alone. Measured at one row and one thread over
+// SmolLM2's matrices streamed from DRAM: 2-4 KiB ahead was best, +5-30% over none (noisy machine).
+constexpr int64_t PREFETCH_BYTES = 4096;
+
+#if defined(PDC_AVX2)
+// Prefetching past the end of wpack is harmless: a prefetch never faults.
+inline void prefetch_ahead(const int8_t* line) {
+  _mm_prefetch(reinterpret_cast<const char*>(line + PREFETCH_BYTES), _MM_HINT_T0);
+}
+#endif
 
 // Activation codes, [M, K4] (VNNI: qx + 128 as uint8; else qx as int8 in the same bytes), and scales [M, ng].
 void quantize_x(const float* x, int64_t M, int64_t K, int64_t K4, int64_t G, uint8_t* codes, float* sx) {
@@ -111,6 +123,7 @@ inline void micro(const Args& a, int64_t m0, const int8_t* w, const float* sw, c
     };
     for (; q + C <= q1; q += C)
       for (int c = 0; c < C; ++c) {
+        prefetch_ahead(w + (q + c) * 64);
         const __m512i wv = _mm512_loadu_si512(w + (q + c) * 64);
         for (int m = 0; m < MT; ++m) dp[m][c] = _mm512_dpbusd_epi32(dp[m][c], quad_at(m, q + c), wv);
       }
@@ -138,6 +151,7 @@ inline void micro(const Args& a, int64_t m0, const int8_t* w, const float* sw, c
     for (int m = 0; m < MT; ++m) dp[m][0] = dp[m][1] = _mm256_setzero_si256();
     const int64_t q0 = g * a.quads_per_group, q1 = q0 + a.quads_per_group;
     for (int64_t q = q0; q < q1; ++q) {
+      prefetch_ahead(w + q * 64);
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + q * 64));
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + q * 64 + 32));
       for (int m = 0; m < MT; ++m) {
