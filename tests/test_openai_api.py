@@ -164,7 +164,7 @@ BAD_BODIES = [
     ("completions", '"logprobs": 21', "logprobs"),
     ("completions", '"prompt": [1, 49152]', "prompt"),
     ("completions", f'"prompt": "{"x" * 100_000}"', "prompt"),
-    ("chat/completions", '"messages": [{"role": "robot", "content": "hi"}]', "messages"),
+    ("chat/completions", '"messages": [{"role": "robot", "content": "hi"}]', "messages[0].role"),
     # strict JSON types (lax parsing would read true as 1 and "0.5" as 0.5)
     ("completions", '"max_tokens": true', "max_tokens"),
     ("completions", '"temperature": "0.5"', "temperature"),
@@ -228,6 +228,9 @@ def test_chat_errors(oai):
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
     with pytest.raises(openai.BadRequestError, match="messages is empty"):
         oai.chat.completions.create(model=MODEL, messages=[], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="messages: Field required") as info:  # as OpenAI: required
+        oai.post("/chat/completions", cast_to=object, body={"model": MODEL, "max_tokens": 4})
+    assert info.value.body["param"] == "messages", info.value.body
     r = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, extra_body={"unknown_field": 1})
     assert r.choices[0].message.content  # unknown fields are ignored
 

@@ -6,7 +6,8 @@ UNAVAILABLE 503, DEADLINE_EXCEEDED 504, anything else 500; a refusal with a retr
 (429) also carries ``Retry-After`` (whole seconds, at least 1) and ``retry-after-ms`` headers,
 both of which the ``openai`` client honours. ``param`` is the request field
 a router message names (``sampling.top_p ...`` -> ``top_p``; ``prompt: ...`` -> ``prompt``;
-``messages[1].role ...`` -> ``messages``).
+``messages[1].role ...`` -> ``messages[1].role``, as a body field is named; ``logit_bias[5] ...`` ->
+``logit_bias``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 _CODES = {400: "invalid_argument", 401: "unauthenticated", 403: "permission_denied", 404: "not_found",
           405: "method_not_allowed", 413: "request_too_large", 429: "resource_exhausted", 499: "cancelled",
           500: "internal", 503: "unavailable", 504: "deadline_exceeded"}
-_PARAM = re.compile(r"^(?:sampling\.)?([a-z_]+)(?:\[[^\]]*\])?[ :.]")
+_PARAM = re.compile(r"^(?:sampling\.)?([a-z_]+(?:\[\d+\]\.[a-z_]+)?)(?:\[[^\]]*\])?[ :.]")
 _UNION_TAG = re.compile(r"^(?:str|int|float|bool|dict|list|none|[a-z-]+\[.*\])$")  # pydantic's member tags
 
 

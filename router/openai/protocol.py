@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 
 
 class _Body(BaseModel):
@@ -84,7 +84,7 @@ class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``: ``logprobs`` (bool) + ``top_logprobs`` (0..20);
     ``max_completion_tokens`` is the newer name of ``max_tokens``."""
 
-    messages: list[ChatMessageIn] = Field(default_factory=list)
+    messages: list[ChatMessageIn]  # required, as OpenAI's: a missing one reads "messages: Field required"
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
