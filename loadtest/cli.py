@@ -22,9 +22,14 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                    "ITL, E2E, throughput, SLO attainment and goodput.")
     p.add_argument("--backend", choices=("grpc", "openai"), default="grpc",
                    help="grpc: a pdcluster router at --address; openai: any OpenAI-compatible server at --base-url")
-    p.add_argument("--address", default=None, metavar="HOST:PORT", help="router address (the only target; grpc)")
+    p.add_argument("--address", default=None, metavar="HOST:PORT",
+                   help="router address (the only target; grpc; default: the router of the cluster in --state-dir)")
     p.add_argument("--base-url", default=None, metavar="URL",
-                   help="OpenAI-compatible server, e.g. http://127.0.0.1:8000 (the only target; openai)")
+                   help="OpenAI-compatible server, e.g. http://127.0.0.1:8000 (the only target; openai; default: "
+                        "the router's HTTP API of the cluster in --state-dir)")
+    p.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
+                   help="state directory `pdcluster up --state-dir` wrote, read when no --address / --base-url "
+                        "is given (default ~/.pdcluster)")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=_WORKLOADS, default="azure-conv", help="trace or synthetic (default azure-conv)")
     w.add_argument("--traces-dir", type=Path, default=None, help="trace folder (default: the traces shipped in loadtest/data)")
@@ -82,16 +87,35 @@ def configs_from_args(args: argparse.Namespace):
         output_len=args.output_len, len_range=args.len_range, lengths_from=args.lengths_from,
         max_input_tokens=args.max_input_tokens, max_output_tokens=args.max_output_tokens,
         block_scale=args.block_scale, seed=args.seed)
-    target = args.base_url if args.backend == "openai" else args.address
-    if not target:
-        raise ValueError("--base-url is required with --backend openai" if args.backend == "openai"
-                         else "--address is required (or --backend openai --base-url URL)")
+    target = (args.base_url if args.backend == "openai" else args.address) or _target_from_state(args)
     run = RunConfig(address=target, backend=args.backend, concurrency=args.concurrency, duration_s=args.duration,
                     drain_timeout_s=args.drain_timeout, request_timeout_s=args.request_timeout,
                     max_inflight=args.max_inflight, temperature=args.temperature, api_key=args.api_key,
                     tls_ca=args.tls_ca)
     slo = parse_slo(args.slo) if args.slo else None
     return workload, run, slo
+
+
+def _target_from_state(args: argparse.Namespace) -> str:
+    """The cluster's router (grpc: its gRPC address; openai: its HTTP API's base URL, ``https`` with
+    ``--tls-ca``) from the state ``pdcluster up`` wrote in ``--state-dir`` (default ``~/.pdcluster``).
+
+    Raises:
+        ValueError: no cluster is up from that directory (naming the flag to give instead).
+    """
+    from deploy.state import read_state
+
+    flag = "--base-url" if args.backend == "openai" else "--address"
+    where = args.state_dir or "~/.pdcluster"
+    try:
+        state = read_state(args.state_dir)
+    except FileNotFoundError:
+        raise ValueError(f"no pdcluster is up from state dir {where}; give {flag}") from None
+    if args.backend == "grpc":
+        return state["router_address"]
+    if not state.get("router_http_address"):
+        raise ValueError(f"the cluster in {where} serves no HTTP API; give --base-url")
+    return f"{'https' if args.tls_ca else 'http'}://{state['router_http_address']}"
 
 
 def cmd_loadtest(args: argparse.Namespace) -> int:
