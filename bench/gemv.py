@@ -9,13 +9,13 @@ Measured in one run, at each thread count (``torch.set_num_threads``):
 (b) one pass of ``rows``-row inputs over every matrix with each variant: ``F.linear`` (MKL),
     oneDNN prepacked (``PackedLinear``'s ops), oneDNN on the plain weight, this project's fp32
     GEMV kernel (``csrc/gemv.cpp``), its panel GEMM (``csrc/panel_gemm.cpp``), the int8 kernel (int8 activations too:
-    ``csrc/w8a8_gemm.cpp``) and the Q4_1 weight-only kernel (``csrc/quant_gemv.cpp``),
+    ``csrc/w8a8_gemm.cpp``) and the Q4_1 kernel (int8 activations too: ``csrc/w4a8_gemm.cpp``),
     alternating the variants ``--reps`` times and keeping each one's fastest pass (a shared
     machine only ever slows a pass down).
 
 Per (threads, rows, variant): ms per pass (wall; at 1 thread also the calling thread's CPU
 time, which a busy machine's time slicing does not inflate), GB/s of the weight bytes the variant streams
-(float32 4 B, int8 1 B + a 4-byte scale and a 4-byte weight sum per 64, Q4_1 0.75 B per weight), its ratio to the copy
+(float32 4 B, int8 1 B + a 4-byte scale and a 4-byte weight sum per 64, Q4_1 0.5 B + 4-byte d and m per 32), its ratio to the copy
 bandwidth, speed-up over ``F.linear`` and the max abs difference from ``F.linear`` (fp32
 variants). The 1-minute load average is recorded per thread count: the machine is shared.
 
@@ -87,6 +87,7 @@ def make_weights(layers: int) -> dict:
     out["int8"] = [quant_ops.quantize_int8(w) for w in f32]
     out["int8_packed"] = [(quant_ops.pack_int8(q, s), q.shape[0]) for q, s in out["int8"]]
     out["q4_1"] = [quant_ops.quantize_q4_1(w) for w in f32]
+    out["q4_1_packed"] = [(quant_ops.pack_q4_1(*t), t[0].shape[0]) for t in out["q4_1"]]
     out["bytes"]["int8"] = sum(Int8Linear(*w, None).weight_nbytes for w in out["int8"])
     out["bytes"]["q4_1"] = sum(Q4Linear(*w, None).weight_nbytes for w in out["q4_1"])
     return out
@@ -99,7 +100,7 @@ def _common_onednn() -> bool:
 
 def variants(w: dict, rows: int, quant: bool) -> dict:
     """Name -> (format, zero-argument pass over every matrix) for the variants available here."""
-    g, q, w8 = load("gemv"), load("quant_gemv"), load("w8a8_gemm")
+    g, q, w8 = load("gemv"), load("w4a8_gemm"), load("w8a8_gemm")
     xs = [torch.randn(rows, m.shape[1]) for m in w["f32"]]
     mk = torch.ops.mkldnn
     fl = torch.nn.functional.linear
@@ -117,7 +118,7 @@ def variants(w: dict, rows: int, quant: bool) -> dict:
     if w8 is not None and quant:
         out["int8"] = ("int8", lambda: [w8.linear_w8a8(x, *p, n) for x, (p, n) in zip(xs, w["int8_packed"])])
     if q is not None and quant:
-        out["q4_1"] = ("q4_1", lambda: [q.linear_q4_1(x, *t) for x, t in zip(xs, w["q4_1"])])
+        out["q4_1"] = ("q4_1", lambda: [q.linear_w4a8(x, *p, n) for x, (p, n) in zip(xs, w["q4_1_packed"])])
     return out
 
 
@@ -159,7 +160,7 @@ def run(args) -> dict:
     w = make_weights(args.layers)
     res = {"benchmark": "gemv", "quick": args.quick, "layers": args.layers, "cpu": _common.cpu_name(),
            "torch": torch.__version__, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "weight_bytes": w["bytes"], "kernels_built": {k: load(k) is not None for k in ("gemv", "quant_gemv", panel_gemm.NAME)},
+           "weight_bytes": w["bytes"], "kernels_built": {k: load(k) is not None for k in ("gemv", "w8a8_gemm", "w4a8_gemm", panel_gemm.NAME)},
            "per_threads": []}
     for threads in args.threads:
         torch.set_num_threads(threads)

@@ -1,5 +1,5 @@
-"""The C++ CPU kernels (``engine/kernels/cpu/csrc``): fp32 GEMV and the Q4_1 weight-only
-kernel (the int8 one: ``test_w8a8_kernel.py``) against float64 torch references over SmolLM2-135M's shapes and odd ones, at 1 and 2
+"""The C++ CPU kernels (``engine/kernels/cpu/csrc``): fp32 GEMV (the int8 and Q4_1 ones:
+``test_w8a8_kernel.py``, ``test_w4a8_kernel.py``) against float64 torch references over SmolLM2-135M's shapes and odd ones, at 1 and 2
 threads, with and without bias; their argument checks; and the ``"gemv"`` linear backend
 against HF (greedy tokens) on the real model.
 
@@ -15,27 +15,17 @@ from engine.kernels.cpu.build import load
 from engine.model.linear import GemvLinear
 
 GEMV = load("gemv")
-QUANT = load("quant_gemv")
 needs_gemv = pytest.mark.skipif(GEMV is None, reason="the gemv C++ extension could not be built here (see log)")
-needs_quant = pytest.mark.skipif(QUANT is None, reason="the quant_gemv C++ extension could not be built here")
 
 # (rows, out_features, in_features): SmolLM2's q/o, k/v, gate/up, down, a vocab slice; odd sizes
 SHAPES = [(1, 576, 576), (3, 192, 576), (8, 1536, 576), (33, 576, 1536), (1, 4099, 576), (3, 7, 40),
           (8, 13, 1), (2, 5, 9)]
-QSHAPES = [(1, 576, 576), (3, 192, 576), (8, 1536, 576), (33, 576, 1536), (1, 4099, 576), (5, 7, 64),
-           (2, 3, 32)]
 
 
 def _close(y: torch.Tensor, ref: torch.Tensor, k: int) -> None:
     assert y.dtype == torch.float32 and y.shape == ref.shape
     scale = ref.abs().max().item() + 1.0
     torch.testing.assert_close(y.double(), ref, atol=1e-6 * k ** 0.5 * scale, rtol=1e-5)
-
-
-def dequant_q4_1(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """GGUF Q4_1 blocks -> float64 ``[N, K]`` (element j < 16: low nibble of byte j, else high of j - 16)."""
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).double()
-    return (q * d.double()[..., None] + m.double()[..., None]).reshape(qs.shape[0], -1)
 
 
 @needs_gemv
@@ -47,19 +37,6 @@ def test_gemv_f32_matches_reference(rows, n, k, with_bias, threads):
     b = torch.randn(n, generator=g) if with_bias else None
     ref = x.double() @ w.double().T + (b.double() if with_bias else 0)
     _close(GEMV.linear_f32(x, w, b), ref, k)
-
-
-@needs_quant
-@pytest.mark.parametrize("rows,n,k", QSHAPES)
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_q4_1_matches_reference(rows, n, k, with_bias, threads):
-    g = torch.Generator().manual_seed(rows * 1000 + n + k)
-    x = torch.randn(rows, k, generator=g)
-    qs = torch.randint(0, 256, (n, k // 32, 16), generator=g, dtype=torch.uint8)
-    d, m = torch.rand(n, k // 32, generator=g) * 0.01, -torch.rand(n, k // 32, generator=g) * 0.08
-    b = torch.randn(n, generator=g) if with_bias else None
-    ref = x.double() @ dequant_q4_1(qs, d, m).T + (b.double() if with_bias else 0)
-    _close(QUANT.linear_q4_1(x, qs, d, m, b), ref, k)
 
 
 @needs_gemv
@@ -75,23 +52,6 @@ def test_gemv_bad_arguments(bad, match):
     args = {"x": torch.zeros(2, 8), "w": torch.zeros(4, 8), "b": torch.zeros(4)} | bad
     with pytest.raises(RuntimeError, match=match):
         GEMV.linear_f32(args["x"], args["w"], args["b"])
-
-
-@needs_quant
-@pytest.mark.parametrize("bad,match", [
-    (dict(x=torch.zeros(2, 48)), "divisible by 32"),
-    (dict(x=torch.zeros(2, 64, dtype=torch.float16)), "linear_q4_1: x must be"),
-    (dict(qs=torch.zeros(4, 2, 16, dtype=torch.int8)), "qs must be"),
-    (dict(qs=torch.zeros(4, 3, 16, dtype=torch.uint8)), "qs must be"),
-    (dict(d=torch.zeros(4, 3)), "d must be"),
-    (dict(m=torch.zeros(4, 2, dtype=torch.float64)), "m must be"),
-    (dict(b=torch.zeros(5)), "bias must be"),
-])
-def test_q4_1_bad_arguments(bad, match):
-    a = {"x": torch.zeros(2, 64), "qs": torch.zeros(4, 2, 16, dtype=torch.uint8), "d": torch.ones(4, 2),
-         "m": torch.zeros(4, 2), "b": None} | bad
-    with pytest.raises(RuntimeError, match=match):
-        QUANT.linear_q4_1(a["x"], a["qs"], a["d"], a["m"], a["b"])
 
 
 @needs_gemv

@@ -53,7 +53,7 @@ def _cat_int8(parts: Sequence[Int8Linear]) -> Int8Linear:
 
 
 def _cat_q4(parts: Sequence[Q4Linear]) -> Q4Linear:
-    return Q4Linear(*(torch.cat([getattr(p, t) for p in parts]) for t in ("qs", "d", "m")), _bias(parts))
+    return Q4Linear(*(torch.cat(ts) for ts in zip(*(p.blocks() for p in parts))), _bias(parts))
 
 
 CONCAT: dict[type, Callable[[Sequence[nn.Module]], nn.Module]] = {

@@ -5,16 +5,16 @@ that replaces the decoder's projection matrices — attention ``q_proj``/``k_pro
 ``o_proj`` and MLP ``gate_proj``/``up_proj``/``down_proj`` of every layer — with
 :class:`Int8Linear` or :class:`Q4Linear`, whose weights stay quantized in memory and are multiplied
 by :func:`engine.kernels.cpu.quant_ops.linear_int8` / ``linear_q4_1`` (C++ kernels, plain-torch
-fallback). ``int8`` quantizes the activations too, per call (W8A8: integer dot products, as
-llama.cpp's Q8_0); ``q4`` is weight-only (float32 activations). ``int8`` also quantizes the LM head
-(per group of 64, like the projections; a quantized copy where it is tied to the token embedding,
-which stays a float lookup table): measured on SmolLM2-135M, int8 as a whole (activations included)
-changes perplexity by 0.4% (``bench/results/quant_quality.md``), and the LM head is a fifth of the
-float weights a batch-1 step reads. ``q4`` keeps the LM head float: the GGUF's Q4_1
-blocks cover the decoder projections only.
+fallback). Both quantize the activations too, per call, and take each group's dot product in integers:
+``int8`` as llama.cpp multiplies Q8_0 weights (W8A8), ``q4`` as it multiplies Q4_1 weights by Q8_1
+activations (W4A8). Both also quantize the LM head to int8 (per group of 64, like the int8 projections;
+a quantized copy where it is tied to the token embedding, which stays a float lookup table): the LM head
+is a fifth of the float weights a batch-1 step reads, and the GGUF's Q4_1 blocks cover the decoder
+projections only. Measured on SmolLM2-135M (``bench/results/quant_quality.md``): int8 as a whole
+(activations included) changes perplexity by 0.4%.
 
 ``q4`` takes a GGUF's own Q4_1 blocks where the caller passes them (``q4_blocks``, read by
-:func:`engine.gguf_blocks.read_q4_1_blocks`), so the served weights are the file's bit for bit;
+:func:`engine.gguf_blocks.read_q4_1_blocks`), so the served projection weights are the file's bit for bit;
 every other projection is quantized from the loaded float weights with llama.cpp's Q4_1 rounding.
 """
 
@@ -111,7 +111,10 @@ class Int8Linear(nn.Module):
 
 
 class Q4Linear(nn.Module):
-    """``y = x @ W.T + bias`` with ``W`` in llama.cpp's Q4_1 blocks (32 weights, float ``d`` and ``m``).
+    """``y = quantized(x) @ W.T + bias`` with ``W`` in llama.cpp's Q4_1 blocks (32 weights, float ``d`` and ``m``)
+    and the activations quantized to int8 per row and block on each call (W4A8:
+    :func:`~engine.kernels.cpu.quant_ops.linear_q4_1`). The weights are kept only in the kernel's panel layout
+    (:func:`~engine.kernels.cpu.quant_ops.pack_q4_1`); :meth:`blocks` unpacks them.
 
     Args:
         qs: ``[out_features, in_features/32, 16]`` uint8. d, m: ``[out_features, in_features/32]`` float32.
@@ -122,23 +125,28 @@ class Q4Linear(nn.Module):
         super().__init__()
         self.out_features = qs.shape[0]
         self.in_features = qs.shape[1] * quant_ops.QK4_1
-        for name, t in (("qs", qs), ("d", d), ("m", m), ("bias", bias)):
+        for name, t in zip(("wpack", "dm"), quant_ops.pack_q4_1(qs, d, m)):
             self.register_buffer(name, t)
-        self.weight_nbytes = qs.numel() + (d.numel() + m.numel()) * 4
+        self.register_buffer("bias", bias)
+        self.weight_nbytes = self.wpack.numel() + self.dm.numel() * 4
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Q4Linear":
         """Quantize ``linear``'s weight (:func:`~engine.kernels.cpu.quant_ops.quantize_q4_1`)."""
         return cls(*quant_ops.quantize_q4_1(linear.weight), _bias(linear))
 
+    def blocks(self) -> Q4Blocks:
+        """``(qs, d, m)`` as given (new tensors)."""
+        return quant_ops.unpack_q4_1(self.wpack, self.dm, self.out_features)
+
     def dense_weight(self) -> torch.Tensor:
         """The dequantized ``[out_features, in_features]`` float32 weight."""
-        return quant_ops.dequantize_q4_1(self.qs, self.d, self.m)
+        return quant_ops.dequantize_q4_1(*self.blocks())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` -> ``[..., out_features]`` (``x``'s dtype)."""
-        return _rows(quant_ops.linear_q4_1, x, self.in_features, self.out_features, self.qs, self.d, self.m,
-                     self.bias)
+        return _rows(quant_ops.linear_q4_1, x, self.in_features, self.out_features, self.wpack, self.dm,
+                     self.out_features, self.bias)
 
 
 def _projections(model: nn.Module):
@@ -157,12 +165,17 @@ def _quantize_int8(model: nn.Module, q4_blocks: Mapping[str, Q4Blocks] | None = 
     for _, parent, attr, child in list(_projections(model)):
         setattr(parent, attr, Int8Linear.from_linear(child))
         count += 1
-    # the LM head too (a quantized copy when tied: the embedding lookup stays float): at batch 1 it is
-    # a fifth of SmolLM2's float32 weights and would be half of what an int8 step streams
+    return count + _int8_lm_head(model)
+
+
+def _int8_lm_head(model: nn.Module) -> int:
+    """Quantize the LM head to int8 (a quantized copy when tied: the embedding lookup stays float): at
+    batch 1 it is a fifth of SmolLM2's float32 weights and would be half of what an int8 step streams,
+    more than all of a q4 step's projections. Returns 1."""
     tied = model.lm_head is None
     model.lm_head = Int8Linear.from_weight(model.model.embed_tokens.weight) if tied \
         else Int8Linear.from_linear(model.lm_head)
-    return count + 1
+    return 1
 
 
 def _quantize_q4(model: nn.Module, q4_blocks: Mapping[str, Q4Blocks] | None = None) -> int:
@@ -176,9 +189,9 @@ def _quantize_q4(model: nn.Module, q4_blocks: Mapping[str, Q4Blocks] | None = No
         else:
             setattr(parent, attr, Q4Linear.from_linear(child))
         count += 1
-    log.info("q4: %d decoder projections, %d from the GGUF's own Q4_1 blocks, %d quantized from floats",
-             count, kept, count - kept)
-    return count
+    log.info("q4: %d decoder projections, %d from the GGUF's own Q4_1 blocks, %d quantized from floats; "
+             "LM head int8", count, kept, count - kept)
+    return count + _int8_lm_head(model)
 
 
 QUANT_BACKENDS: dict[str, Callable[..., int]] = {"none": lambda model, q4_blocks=None: 0,

@@ -9,9 +9,10 @@ Each kernel has a plain-torch fallback that its caller uses when the extension i
 * ``w8a8_gemm`` (``load("w8a8_gemm")``): int8 weights times per-call int8 activations, integer dot
   products (AVX-512 VNNI): ``linear_w8a8(x [M, K] f32, wpack, spack, excess, n, bias | None) -> [M, n] f32``
   over :func:`engine.kernels.cpu.quant_ops.pack_int8`'s panel layout.
-* ``quant_gemv`` (``load("quant_gemv")``): GGUF Q4_1 weight-only matmul, dequantized in registers:
-  ``linear_q4_1(x, qs [N, K/32, 16] uint8, d [N, K/32] f32, m [N, K/32] f32, bias | None) -> [M, N] f32``.
-  Both raise ``RuntimeError`` naming a bad argument.
+* ``w4a8_gemm`` (``load("w4a8_gemm")``): GGUF Q4_1 weights times per-call int8 activations, integer dot
+  products: ``linear_w4a8(x [M, K] f32, wpack, dm, n, bias | None) -> [M, n] f32`` over
+  :func:`engine.kernels.cpu.quant_ops.pack_q4_1`'s panel layout. Both raise ``RuntimeError`` naming a
+  bad argument.
 
 * ``rope_cache`` (:mod:`engine.kernels.cpu.rope_cache`): one layer's rotate-half RoPE of q and k
   and its K/V written into the paged cache at the slot mapping, in one call, bit-identical to the

@@ -11,13 +11,16 @@ Two weight formats:
 * **Q4_1** (llama.cpp's ``block_q4_1``, ``ggml-quants.c``): each row is cut into blocks of 32
   weights; block ``b`` of row ``n`` holds a scale ``d[n, b]``, a minimum ``m[n, b]`` and 32 4-bit
   codes packed two per byte in ``qs[n, b, :16]``: code ``j < 16`` is ``qs[n, b, j] & 0xF``, code
-  ``j >= 16`` is ``qs[n, b, j - 16] >> 4``; ``W[n, 32 b + j] = d[n, b] * code + m[n, b]``, multiplied
-  with float32 activations (weight-only).
+  ``j >= 16`` is ``qs[n, b, j - 16] >> 4``; ``W[n, 32 b + j] = d[n, b] * code + m[n, b]``, stored in the
+  kernel's panel layout (:func:`pack_q4_1`). The activations are quantized per call in the same blocks
+  of 32 and each block's dot product is taken in integers: W4A8, as llama.cpp multiplies Q4_1 weights
+  (by Q8_1 activations).
 
 :func:`linear_int8` / :func:`linear_q4_1` call the C++ kernels of ``csrc/w8a8_gemm.cpp`` /
-``csrc/quant_gemv.cpp`` (:func:`engine.kernels.cpu.build.load`) for CPU float32 activations of at most
-:data:`KERNEL_MAX_ROWS` rows (int8: any) when that extension is built, and otherwise the plain-torch reference
-(dequantize, then ``F.linear``), which is also what the tests compare the kernels against.
+``csrc/w4a8_gemm.cpp`` (:func:`engine.kernels.cpu.build.load`) for CPU float32 activations (any row
+count) when that extension is built, and otherwise the plain-torch reference (quantize and dequantize the
+activations, dequantize the weights, then ``F.linear``), which is also what the tests compare the kernels
+against.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ QK4_1 = 32
 GGUF_Q4_1_BLOCK_BYTES = 20
 """Bytes of one GGUF ``block_q4_1``: fp16 ``d``, fp16 ``m``, 16 bytes of packed codes."""
 
-_KERNELS = {"int8": ("w8a8_gemm", "linear_w8a8"), "q4_1": ("quant_gemv", "linear_q4_1")}
+_KERNELS = {"int8": ("w8a8_gemm", "linear_w8a8"), "q4_1": ("w4a8_gemm", "linear_w4a8")}
 """Format -> (extension in ``csrc/``, its function)."""
 
 
@@ -53,17 +56,8 @@ def kernel_available(fmt: str = "int8") -> bool:
     return _kernel(fmt) is not None
 
 
-KERNEL_MAX_ROWS = {"q4_1": 64}
-"""Most activation rows sent to the C++ kernel; above, dequantize + ``F.linear`` (a GEMM) is as fast
-or faster. Measured at 2 threads on this 2-core machine: the Q4_1 kernel against the reference on a
-3072x576 matrix, 0.58 / 1.7 / 3.3 / 6.8 ms at 16 / 32 / 64 / 128 rows against 11.7 / 12.5 / 15.1 /
-6.3 ms (576x1536: 0.38 / 0.73 / 1.41 / 2.98 against 1.48 / 1.04 / 1.44 / 2.46). The int8 kernel's
-integer dot is faster than the float reference at every row count: it has no limit, so no entry."""
-
-
-def _use_kernel(x: torch.Tensor, fmt: str) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] <= KERNEL_MAX_ROWS[fmt]
-            and _kernel(fmt) is not None)
+PANEL = 16
+"""Output features per panel of the integer kernels' weight layouts (one AVX-512 register of int32 sums)."""
 
 
 # ---------------------------------------------------------------------------------------- int8
@@ -143,10 +137,6 @@ def quantize_activations_int8(x: torch.Tensor, group_size: int) -> tuple[torch.T
     return codes.reshape(m, k), scale
 
 
-PANEL_INT8 = 16
-"""Output features per panel of the int8 kernel's weight layout (one AVX-512 register of int32 sums)."""
-
-
 def pack_int8(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The int8 kernel's layout (``csrc/w8a8_gemm.cpp``) of ``(qweight, scale)`` from :func:`quantize_int8`.
 
@@ -163,25 +153,25 @@ def pack_int8(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
     """
     n, k = qweight.shape
     groups = scale.shape[1]
-    k4, panels = -(-k // 4) * 4, -(-n // PANEL_INT8)
-    q = torch.zeros(panels * PANEL_INT8, k4, dtype=torch.int8)
+    k4, panels = -(-k // 4) * 4, -(-n // PANEL)
+    q = torch.zeros(panels * PANEL, k4, dtype=torch.int8)
     q[:n, :k] = qweight
-    s = torch.zeros(panels * PANEL_INT8, groups, dtype=torch.float32)
+    s = torch.zeros(panels * PANEL, groups, dtype=torch.float32)
     s[:n] = scale
-    sums = torch.zeros(panels * PANEL_INT8, groups, dtype=torch.int32)
+    sums = torch.zeros(panels * PANEL, groups, dtype=torch.int32)
     sums[:n] = qweight.to(torch.int32).reshape(n, groups, k // groups).sum(dim=2, dtype=torch.int32)
 
     def by_panel(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(panels, PANEL_INT8, groups).transpose(1, 2).contiguous()
-    wpack = q.reshape(panels, PANEL_INT8, k4 // 4, 4).permute(0, 2, 1, 3).contiguous()
+        return t.reshape(panels, PANEL, groups).transpose(1, 2).contiguous()
+    wpack = q.reshape(panels, PANEL, k4 // 4, 4).permute(0, 2, 1, 3).contiguous()
     return wpack, by_panel(s), by_panel(sums * 128)
 
 
 def unpack_int8(wpack: torch.Tensor, spack: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`pack_int8`: ``(qweight [n, k] int8, scale [n, K/G] float32)``, new tensors."""
     panels, quads = wpack.shape[:2]
-    q = wpack.permute(0, 2, 1, 3).reshape(panels * PANEL_INT8, quads * 4)[:n, :k].contiguous()
-    return q, spack.transpose(1, 2).reshape(panels * PANEL_INT8, -1)[:n].contiguous()
+    q = wpack.permute(0, 2, 1, 3).reshape(panels * PANEL, quads * 4)[:n, :k].contiguous()
+    return q, spack.transpose(1, 2).reshape(panels * PANEL, -1)[:n].contiguous()
 
 
 def linear_int8(x: torch.Tensor, wpack: torch.Tensor, spack: torch.Tensor, excess: torch.Tensor, n: int,
@@ -198,7 +188,7 @@ def linear_int8(x: torch.Tensor, wpack: torch.Tensor, spack: torch.Tensor, exces
     Returns:
         ``[M, n]`` in ``x``'s dtype.
     """
-    kernel = _kernel("int8")  # any row count; checked inline (not _use_kernel): this runs ~120 times a step
+    kernel = _kernel("int8")  # any row count; checked inline: this runs ~120 times a step
     if kernel is not None and x.dtype == torch.float32 and x.device.type == "cpu":
         return kernel(x, wpack, spack, excess, n, bias)  # the kernel makes x contiguous
     return linear_int8_reference(x, wpack, spack, excess, n, bias)
@@ -277,23 +267,64 @@ def q4_1_from_gguf(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return blocks[..., 4:].contiguous(), d.contiguous(), m.contiguous()
 
 
-def linear_q4_1(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ dequantize_q4_1(qs, d, m).T + bias``.
+def pack_q4_1(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Q4_1 kernel's layout (``csrc/w4a8_gemm.cpp``) of ``(qs, d, m)`` (:func:`quantize_q4_1`).
+
+    Output features go in panels of 16 and input features in octets, each byte holding two 4-bit codes:
+    ``wpack[p, r, j, b] = code(16p + j, 8r + b) | code(16p + j, 8r + 4 + b) << 4``; ``dm[p, g, 0, j] =
+    d[16p + j, g]``, ``dm[p, g, 1, j] = m[16p + j, g]``. Rows past ``N`` are 0.
 
     Args:
-        x: ``[M, K]`` activations (float32 and few rows for the C++ kernel; otherwise the reference path).
-        qs: ``[N, K/32, 16]`` uint8. d, m: ``[N, K/32]`` float32. bias: ``[N]`` float32 or None.
+        qs: ``[N, K/32, 16]`` uint8. d, m: ``[N, K/32]`` float32.
 
     Returns:
-        ``[M, N]`` in ``x``'s dtype.
+        ``(wpack, dm)``: ``[ceil(N/16), K/8, 16, 4]`` uint8 and ``[ceil(N/16), K/32, 2, 16]`` float32.
     """
-    if _use_kernel(x, "q4_1"):
-        return _kernel("q4_1")(x.contiguous(), qs, d, m, bias)
-    return linear_q4_1_reference(x, qs, d, m, bias)
+    n, blocks, _ = qs.shape
+    k, panels = blocks * QK4_1, -(-n // PANEL)
+    codes = torch.zeros(panels * PANEL, k, dtype=torch.uint8)
+    codes[:n] = torch.cat([qs & 0xF, qs >> 4], dim=2).reshape(n, k)
+    octets = codes.reshape(panels, PANEL, k // 8, 2, 4)
+    wpack = (octets[:, :, :, 0] | (octets[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
+    dm = torch.zeros(panels * PANEL, blocks, 2, dtype=torch.float32)
+    dm[:n, :, 0], dm[:n, :, 1] = d, m
+    return wpack, dm.reshape(panels, PANEL, blocks, 2).permute(0, 2, 3, 1).contiguous()
 
 
-def linear_q4_1_reference(x, qs, d, m, bias):
-    """Plain-torch :func:`linear_q4_1` (dequantize, then ``F.linear``); same shapes."""
-    w = dequantize_q4_1(qs, d, m).to(x.dtype)
-    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+def unpack_q4_1(wpack: torch.Tensor, dm: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`pack_q4_1`'s inverse: ``(qs, d, m)`` of an ``[n, K]`` weight (new tensors)."""
+    panels, octets = wpack.shape[:2]
+    k = octets * 8
+    split = torch.stack([wpack & 0xF, wpack >> 4], dim=2)  # [P, K/8, 2, 16, 4]
+    codes = split.permute(0, 3, 1, 2, 4).reshape(panels * PANEL, k)[:n].reshape(n, k // QK4_1, QK4_1)
+    qs = (codes[..., :16] | (codes[..., 16:] << 4)).contiguous()
+    per_row = dm.permute(0, 3, 1, 2).reshape(panels * PANEL, -1, 2)[:n]
+    return qs, per_row[..., 0].contiguous(), per_row[..., 1].contiguous()
+
+
+def linear_q4_1(x: torch.Tensor, wpack: torch.Tensor, dm: torch.Tensor, n: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``quantized(x) @ dequantize_q4_1(W).T + bias`` over :func:`pack_q4_1`'s layout: the activations are
+    quantized per row and block of 32 (:func:`quantize_activations_int8`) and each block's dot product is
+    taken in integers (W4A8, as llama.cpp's Q4_1 x Q8_1 dot).
+
+    Args:
+        x: ``[M, K]`` activations (float32 for the C++ kernel; otherwise the reference path).
+        wpack, dm: :func:`pack_q4_1` of an ``[n, K]`` weight. n: output features.
+        bias: ``[n]`` float32 or None.
+
+    Returns:
+        ``[M, n]`` in ``x``'s dtype.
+    """
+    kernel = _kernel("q4_1")
+    if kernel is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+        return kernel(x, wpack, dm, n, bias)  # the kernel makes x contiguous
+    return linear_q4_1_reference(x, wpack, dm, n, bias)
+
+
+def linear_q4_1_reference(x, wpack, dm, n, bias):
+    """Plain-torch :func:`linear_q4_1` (quantize and dequantize ``x``, dequantize the weight, ``F.linear``);
+    same arguments. Equal to the kernel up to float rounding: the kernel sums each block in integers."""
+    xq = dequantize_int8(*quantize_activations_int8(x, QK4_1)).to(x.dtype)
+    w = dequantize_q4_1(*unpack_q4_1(wpack, dm, n)).to(x.dtype)
+    return F.linear(xq, w, None if bias is None else bias.to(x.dtype))

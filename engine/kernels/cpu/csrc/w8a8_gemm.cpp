@@ -1,8 +1,8 @@
 // int8 weights x int8 activations (W8A8, activations quantized per call) for any row count:
 //   y[M, N] = sum_g sw[n, g] * sx[m, g] * sum_{k in group g} qx[m, k] * qw[n, k]  + b[N]
 // Weights: symmetric int8, one float scale per group of G consecutive input weights of a row (G = K / ng).
-// Activations: quantized here with the same groups, sx = max|x[m, group]| / 127,
-// qx = round-half-even(x * (1 / sx)) clamped to [-127, 127] (0 and sx = 0 for an all-zero group). Each
+// Activations: quantized here with the same groups (int8_dot.h: sx = max|x[m, group]| / 127,
+// qx = round-half-even(x * (1 / sx)) clamped to [-127, 127], 0 and sx = 0 for an all-zero group). Each
 // group's dot is exact in int32 and scaled once. This is llama.cpp's Q8_0 x Q8_0 dot (ggml-cpu: the
 // activations are quantized to q8 blocks for the integer dot) with this project's groups and float32 scales.
 //
@@ -29,69 +29,12 @@
 #include <vector>
 
 #include "simd.h"
-
-#if defined(PDC_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define PDC_VNNI512 1
-#endif
+#include "int8_dot.h"
 
 namespace {
 
 constexpr int64_t P = 16;   // output features per panel
 constexpr int64_t MB = 256;  // input rows per block (prefill)
-// Weights are streamed once per call at a few rows: a software prefetch this many bytes ahead of the line
-// being multiplied (the next panels' lines once near a panel's end: panels are contiguous) keeps more
-// DRAM reads in flight than the hardware prefetcher alone. Measured at one row and one thread over
-// SmolLM2's matrices streamed from DRAM: 2-4 KiB ahead was best, +5-30% over none (noisy machine).
-constexpr int64_t PREFETCH_BYTES = 4096;
-
-#if defined(PDC_AVX2)
-// Prefetching past the end of wpack is harmless: a prefetch never faults.
-inline void prefetch_ahead(const int8_t* line) {
-  _mm_prefetch(reinterpret_cast<const char*>(line + PREFETCH_BYTES), _MM_HINT_T0);
-}
-#endif
-
-// Activation codes, [M, K4] (VNNI: qx + 128 as uint8; else qx as int8 in the same bytes), and scales [M, ng].
-void quantize_x(const float* x, int64_t M, int64_t K, int64_t K4, int64_t G, uint8_t* codes, float* sx) {
-  const int64_t ng = K / G;
-#if defined(PDC_VNNI512)
-  constexpr uint8_t zero = 128;
-#else
-  constexpr uint8_t zero = 0;
-#endif
-  for (int64_t m = 0; m < M; ++m) {
-    std::memset(codes + m * K4 + K, zero, K4 - K);
-    for (int64_t g = 0; g < ng; ++g) {
-      const float* xg = x + m * K + g * G;
-      uint8_t* c = codes + m * K4 + g * G;
-      int64_t k = 0;
-      float amax = 0.f;
-#if defined(PDC_AVX512)
-      __m512 vmax = _mm512_setzero_ps();
-      for (; k + 16 <= G; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xg + k)));
-      amax = _mm512_reduce_max_ps(vmax);
-#endif
-      for (; k < G; ++k) amax = std::max(amax, std::fabs(xg[k]));
-      const float s = amax / 127.0f;
-      const float inv = s > 0.f ? 1.0f / s : 0.f;
-      sx[m * ng + g] = s;
-      k = 0;
-#if defined(PDC_AVX512)
-      const __m512 vinv = _mm512_set1_ps(inv);
-      for (; k + 16 <= G; k += 16) {  // cvtps rounds half to even (the default MXCSR mode), as torch.round
-        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + k), vinv));
-        q = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127)),
-                             _mm512_set1_epi32(zero));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(c + k), _mm512_cvtepi32_epi8(q));
-      }
-#endif
-      for (; k < G; ++k) {
-        const float r = std::min(127.f, std::max(-127.f, std::nearbyint(xg[k] * inv)));
-        c[k] = static_cast<uint8_t>(static_cast<int32_t>(r) + zero);
-      }
-    }
-  }
-}
 
 struct Args {
   const uint8_t* codes;  // [M, K4]
@@ -247,7 +190,12 @@ torch::Tensor linear_w8a8(const torch::Tensor& x_in, const torch::Tensor& wpack,
   if (M == 0 || n == 0) return y;
   std::vector<uint8_t> codes(M * K4);
   std::vector<float> sx(M * ng);
-  quantize_x(x.data_ptr<float>(), M, K, K4, G, codes.data(), sx.data());
+#if defined(PDC_VNNI512)
+  constexpr uint8_t zero = 128;  // vpdpbusd's unsigned operand
+#else
+  constexpr uint8_t zero = 0;
+#endif
+  quantize_rows(x.data_ptr<float>(), M, K, K4, G, zero, codes.data(), sx.data(), nullptr);
   const Args a{codes.data(), sx.data(), K4, ng, ng == 1 ? K4 / 4 : G / 4};
   const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
   const int8_t* wp = wpack.data_ptr<int8_t>();
