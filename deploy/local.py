@@ -18,6 +18,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -166,6 +167,27 @@ def wait_healthy(redis_url: str, cluster: str, expected: int, router_address: st
         client.wait_ready(max(1.0, deadline - time.monotonic()))
 
 
+def check_ports_free(host: str, ports: dict[str, int]) -> None:
+    """Whether the router could bind each of ``ports`` (flag -> port; 0 = any free port, not checked) on
+    ``host``: a bind without ``SO_REUSEPORT`` fails where anything listens, a gRPC server (which sets it)
+    included.
+
+    Raises:
+        common.model_config.ConfigError: a port is taken (naming its flag).
+    """
+    for flag, port in ports.items():
+        if not port:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                raise ConfigError(f"{flag} {port}: {host}:{port} is in use ({e.strerror}; another pdcluster "
+                                  f"started without its own --port?); stop what listens there or choose another "
+                                  f"port ({flag} 0: any free port)") from None
+
+
 def up(args) -> dict:
     """Bring the cluster up and write the state file; returns the state dict. On any
     failure everything ``up`` started (actors, placement groups, Ray head, Redis) is
@@ -190,6 +212,8 @@ def up(args) -> dict:
         print(f"warning: {warning}", file=sys.stderr)
     state_dir = Path(args.state_dir or DEFAULT_STATE_DIR).expanduser()
     check_not_up(state_dir)
+    if args.local:  # the router binds here: say so now, not after Ray, Redis and the workers started
+        check_ports_free(args.host, {"--port": args.port, "--http-port": args.http_port if args.http else 0})
     state_dir.mkdir(parents=True, exist_ok=True)
     state: dict = {"started_ray": False, "started_redis": False, "cluster_secret": secrets.token_urlsafe(32)}
     if args.internal_tls:
@@ -287,6 +311,8 @@ def _cleanup(state: dict) -> None:
         stop_ray_head(state["ray_head_pid"])
     if state.get("started_redis") and state.get("redis_url"):
         stop_redis_at(state["redis_url"])
+        if state.get("redis_dir"):  # its append-only file (for restarts while up) and log: one per random port
+            shutil.rmtree(state["redis_dir"], ignore_errors=True)
 
 
 def down(state_dir: Path | str | None = None) -> bool:

@@ -121,7 +121,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="send PROMPT as a user chat message (server applies the chat template)")
     p.add_argument("--system", default=None, metavar="TEXT", help="system message (requires --chat)")
     p.add_argument("prompt", metavar="PROMPT")
-    p.set_defaults(func=cmd_generate)
+    p.set_defaults(func=cmd_generate, usage_error=p.error)  # the subcommand's usage line with the error
     return p
 
 
@@ -132,7 +132,7 @@ def _add_top(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     _add_state_dir(p)
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     p.add_argument("--iterations", type=int, default=None, help="refresh this many times, then exit")
-    p.set_defaults(func=cmd_top)
+    p.set_defaults(func=cmd_top, usage_error=p.error)
     return p
 
 
@@ -246,9 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "generate" and args.system is not None and not args.chat:
-        parser.error("--system requires --chat")
+        args.usage_error("--system requires --chat")
     if args.command == "top" and not args.interval > 0:
-        parser.error(f"--interval must be > 0 (seconds), got {args.interval:g}")
+        args.usage_error(f"--interval must be > 0 (seconds), got {args.interval:g}")
     return args.func(args)
 
 

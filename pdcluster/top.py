@@ -16,6 +16,7 @@ stay plain HTTP.
 from __future__ import annotations
 
 import json
+import os
 import ssl
 import sys
 import time
@@ -176,6 +177,10 @@ def snapshot(base_url: str, api_key: str | None = None, context: ssl.SSLContext 
     return out
 
 
+PIPED_WIDTH = 160
+"""Columns of the view when stdout is no terminal and ``$COLUMNS`` is unset (the whole workers table)."""
+
+
 def run_top(base_url: str, interval_s: float = 1.0, iterations: int | None = None,
             console: Console | None = None, api_key: str | None = None, tls_ca: str | bytes | None = None) -> int:
     """Refresh the view every ``interval_s`` seconds until interrupted (or ``iterations`` times);
@@ -185,7 +190,9 @@ def run_top(base_url: str, interval_s: float = 1.0, iterations: int | None = Non
         0, or 1 when ``tls_ca`` cannot be read, or the router's HTTP server cannot be reached or
         refuses the API key (message on stderr).
     """
-    console = console or Console()
+    if console is None:  # piped or scripted: rich's 80 columns would clip the workers table to "wor… | dec…"
+        wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+        console = Console(width=PIPED_WIDTH if wide else None)
     previous: dict[str, Scrape] = {}
     try:
         context = tls_context(tls_ca)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install everything (scripts/install.sh: .venv), bring a local cluster up (Ray + Redis + router +
 # 1 prefill + 1 decode worker serving SmolLM2-135M-Instruct on CPU), generate from a few real
-# prompts, and bring it down.
+# prompts, and bring it down. STATE_DIR, PORT and HTTP_PORT (default ~/.pdcluster, 50051, 8000) keep it
+# apart from a cluster of yours.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
@@ -9,7 +10,8 @@ source .venv/bin/activate  # pdcluster and python from the venv install.sh made
 STATE_DIR="${STATE_DIR:-$HOME/.pdcluster}"
 pdcluster down --state-dir "$STATE_DIR" >/dev/null 2>&1 || true
 trap 'pdcluster down --state-dir "$STATE_DIR"' EXIT
-pdcluster up --local --prefill 1 --decode 1 --port 50051 --state-dir "$STATE_DIR"
+pdcluster up --local --prefill 1 --decode 1 --port "${PORT:-50051}" --http-port "${HTTP_PORT:-8000}" \
+  --state-dir "$STATE_DIR"
 pdcluster status --state-dir "$STATE_DIR"
 PROMPTS=$(mktemp)
 python - "$PROMPTS" <<'PY'
@@ -20,8 +22,8 @@ pathlib.Path(sys.argv[1]).write_text("".join(p + "\n" for p in prompts))
 PY
 while IFS= read -r prompt; do
   echo; echo "### $prompt"
-  pdcluster generate --address 127.0.0.1:50051 --chat --stream --max-tokens 64 --temperature 0 "$prompt"
+  pdcluster generate --state-dir "$STATE_DIR" --chat --stream --max-tokens 64 --temperature 0 "$prompt"
 done < "$PROMPTS"
 rm -f "$PROMPTS"
 echo; echo "### raw completion, sampled with a seed"
-pdcluster generate --address 127.0.0.1:50051 --max-tokens 32 --temperature 0.8 --seed 7 "Once upon a time"
+pdcluster generate --state-dir "$STATE_DIR" --max-tokens 32 --temperature 0.8 --seed 7 "Once upon a time"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 
 import grpc
 import torch
@@ -20,7 +21,7 @@ from serving.security import SecurityConfig, internal_channel
 
 @contextmanager
 def running_cluster(state_dir, *extra_args: str):
-    """``pdcluster up --local`` with the CLI's own parser, then ``down`` at exit."""
+    """``pdcluster up --local`` with the CLI's own parser, then ``down`` at exit (which leaves no Redis files)."""
     args = build_parser().parse_args(["up", "--local", "--port", "0", "--http-port", "0", "--state-dir", str(state_dir),
                                       *extra_args])
     state = local.up(args)
@@ -28,6 +29,7 @@ def running_cluster(state_dir, *extra_args: str):
         yield state
     finally:
         local.down(state_dir)
+        assert not state.get("redis_dir") or not Path(state["redis_dir"]).exists(), "down left Redis files behind"
 
 
 @contextmanager

@@ -5,8 +5,8 @@ on stderr and exits non-zero when what it talks to is unreachable: ``status`` (R
 
 So does an operator's mistake, found before anything starts: a flag out of range (exit
 status 2, naming the flag and its limit, not the config field behind it), ``up`` from a
-state directory a cluster is already up from (saying how to stop that one), a ``--tls-ca``
-that cannot be read."""
+state directory a cluster is already up from (saying how to stop that one), a router port
+something already listens on, a ``--tls-ca`` that cannot be read."""
 
 from __future__ import annotations
 
@@ -157,6 +157,22 @@ def test_up_from_a_state_dir_already_in_use(dead_state, capsys):
     rc = cli.main(["up", "--local", "--state-dir", str(dead_state)])
     _one_error_line(capsys, rc, f"pdcluster down --state-dir {dead_state}")
     assert rc == 1 and (dead_state / "cluster.json").read_text() == before  # that cluster's state untouched
+
+
+@pytest.mark.parametrize("flag", ["--port", "--http-port"])
+def test_up_on_a_port_in_use(tmp_path, capsys, flag):
+    """Another cluster's router (gRPC listens with SO_REUSEPORT) on the port: refused before Ray starts."""
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        other = "--http-port" if flag == "--port" else "--port"
+        rc = cli.main(["up", "--local", flag, str(port), other, "0", "--state-dir", str(tmp_path)])
+    _one_usage_line(capsys, rc, f"pdcluster up: error: {flag} {port}: 127.0.0.1:{port} is in use (Address already "
+                                f"in use; another pdcluster started without its own --port?); stop what listens "
+                                f"there or choose another port ({flag} 0: any free port)")
+    assert not (tmp_path / "cluster.json").exists()
 
 
 def test_up_without_ray(tmp_path, capsys, dead_address):

@@ -1,7 +1,7 @@
 """Build and load the C++ CPU kernels in ``csrc/`` as torch extensions.
 
 ``python -m engine.kernels.cpu.build`` (run by ``scripts/install.sh``) compiles every
-``csrc/<name>.cpp`` (with the shared headers ``csrc/*.h``) once per machine into
+``csrc/<name>.cpp`` (as many at a time as the machine has CPUs) (with the shared headers ``csrc/*.h``) once per machine into
 ``_build/<name>/`` next to this file (never outside the package), with ``-O3 -march=native``
 (the kernels use the build machine's vector instructions: build where they run) and OpenMP, so
 ``at::parallel_for`` splits work over torch's intra-op threads (``torch.set_num_threads``).
@@ -108,8 +108,30 @@ def _needs_build(source: Path, built: Path) -> bool:
 def load_all() -> dict[str, bool]:
     """Build (where missing or stale) and load every kernel now; whether each is available. A
     worker calls this before it serves: built lazily, the first request would wait for the
-    compiler (~50 s for all of them on 2 cores)."""
+    compiler (25-50 s per kernel on these 2 cores, one after another; ``main`` builds them in parallel)."""
     return {name: load(name) is not None for name in kernel_names()}
+
+
+def build_in_parallel(jobs: int | None = None) -> None:
+    """Build every kernel, ``jobs`` at a time (default: the CPU count), each in its own Python process
+    (one compiler each: torch's ``cpp_extension.load`` compiles one source at a time); :func:`load`'s
+    per-kernel lock keeps them from building the same one twice. A build that fails here is retried,
+    and its reason logged, by the :func:`load_all` that follows."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    code = "import sys; from engine.kernels.cpu.build import load; sys.exit(load(sys.argv[1]) is None)"
+    root = Path(__file__).resolve().parents[3]  # the repository root: the package imports from it
+
+    def build(name: str) -> None:
+        subprocess.run([sys.executable, "-c", code, name], cwd=root, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, check=False)
+
+    todo = [n for n in kernel_names() if _needs_build(CSRC / f"{n}.cpp", BUILD_ROOT / n / f"pdcluster_{n}.so")]
+    if todo:
+        log.warning("building %d CPU kernels, %d at a time (about a minute each)", len(todo), jobs or os.cpu_count())
+    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+        list(pool.map(build, todo))
 
 
 def _headers_digest() -> str:
@@ -132,6 +154,7 @@ def _ninja_on_path() -> None:
 def main() -> int:
     """Build every kernel; exit status 0 even when some cannot be built (they fall back)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    build_in_parallel()
     for name, ok in load_all().items():
         print(f"cpu kernel {name}: {'built' if ok else 'NOT built (plain-torch fallback)'}")
     return 0
