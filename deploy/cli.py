@@ -323,9 +323,12 @@ def _deploy(name: str):
         state_file = state_path(getattr(args, "state_dir", None))
         if getattr(args, "local", False) or (name == "cmd_down" and ray_env.state_is_local(state_file)):
             ray_env.use_loopback_ray()  # before deploy.local imports ray
-        from deploy.local import cmd_down, cmd_status, cmd_up
+        if name == "cmd_status":  # a second, not ten: deploy.local loads torch, transformers and Ray
+            from deploy.status import cmd_status
+            return int(cmd_status(args))
+        from deploy.local import cmd_down, cmd_up
 
-        return int({"cmd_up": cmd_up, "cmd_down": cmd_down, "cmd_status": cmd_status}[name](args))
+        return int({"cmd_up": cmd_up, "cmd_down": cmd_down}[name](args))
 
     run.__name__ = name
     return run

@@ -359,14 +359,3 @@ def cmd_up(args) -> int:
 def cmd_down(args) -> int:
     print("pdcluster is down" if down(args.state_dir) else "no pdcluster was up")
     return 0
-
-
-def cmd_status(args) -> int:
-    from deploy.status import print_status
-
-    try:
-        state = read_state(args.state_dir)
-    except FileNotFoundError:
-        print("no pdcluster is up", file=sys.stderr)
-        return 1
-    return print_status(state, as_json=args.json)

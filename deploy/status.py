@@ -83,3 +83,16 @@ def print_status(state: dict, as_json: bool = False) -> int:
     for m in st["missing"]:
         console.print(f"missing: {m['worker_id']} ({m['role']}): {m['reason']}; restarts {m['restarts']}")
     return 3 if st["missing"] else 0
+
+
+def cmd_status(args) -> int:
+    """``pdcluster status``: the table (or ``--json``) of the cluster up from ``--state-dir``; 1 when none is.
+    Imports no torch, transformers or Ray: it reads the state file and Redis only."""
+    from deploy.state import read_state
+
+    try:
+        state = read_state(args.state_dir)
+    except FileNotFoundError:
+        print("no pdcluster is up", file=sys.stderr)
+        return 1
+    return print_status(state, as_json=args.json)

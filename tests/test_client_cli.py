@@ -381,8 +381,8 @@ def test_cli_up_down_status_delegate(monkeypatch, tmp_path):
             return rc
         return cmd
 
-    _fake_deploy(monkeypatch, cmd_up=record("up", 0), cmd_down=record("down", 3),
-                 cmd_status=record("status", 0))
+    _fake_deploy(monkeypatch, cmd_up=record("up", 0), cmd_down=record("down", 3))
+    _fake_deploy(monkeypatch, "deploy.status", cmd_status=record("status", 0))
     assert cli.main(["up", "--local", "--prefill", "2", "--decode", "3", "--kv-cache-gb", "0.5",
                      "--state-dir", str(tmp_path)]) == 0
     up = seen["up"]
