@@ -1,6 +1,10 @@
 // What the integer-dot kernels (w8a8_gemm.cpp, w4a8_gemm.cpp) share: the per-call quantization of the
-// activations and the software prefetch of the weight stream. Included after simd.h.
+// activations, the software prefetch of the weight stream, the bias check and the loop over panels, row
+// blocks and row tiles. Included after simd.h.
 #pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -71,4 +75,57 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t K4, int6
       if (sums != nullptr) sums[m * ng + g] = s * static_cast<float>(total);
     }
   }
+}
+
+constexpr int64_t PANEL = 16;       // output features per panel: one AVX-512 register of int32 sums
+constexpr int64_t ROW_BLOCK = 256;  // input rows per block (prefill)
+#if defined(PDC_VNNI512)
+constexpr int MT_MAX = 8;  // input rows per tile, sharing each loaded weight vector
+#elif defined(PDC_AVX2)
+constexpr int MT_MAX = 2;
+#else
+constexpr int MT_MAX = 1;
+#endif
+
+// `n` output features fill `npanels` panels, and `bias` (may be absent) is a CPU float32 [n]; else a
+// RuntimeError naming `fn` and the argument.
+inline void check_panels_and_bias(const char* fn, int64_t n, int64_t npanels, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(n >= 0 && n <= npanels * PANEL && n > (npanels - 1) * PANEL, fn, ": n=", n, " does not match ",
+              npanels, " panels of ", PANEL);
+  if (bias.has_value())
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == torch::kFloat32 && bias->dim() == 1 &&
+                    bias->size(0) == n,
+                fn, ": bias must be a CPU float32 tensor [N=", n, "], got ", bias->scalar_type(), " ", bias->sizes());
+}
+
+template <int MT, class Kernel>
+inline void tiles(const Kernel& k, int64_t& m, int64_t m1, int64_t p, float* yc, int64_t ldy, int64_t cols) {
+  for (; m + MT <= m1; m += MT) k.template tile<MT>(m, p, yc + m * ldy, ldy, cols);
+}
+
+// y[M, n] (+ bias, may be null): panels split over torch's intra-op threads, each task's rows in blocks of
+// ROW_BLOCK and tiles of MT_MAX, 4, 2, 1 rows; k.tile<MT>(m, p, y, ldy, cols) writes rows m .. m + MT - 1 of
+// panel p's `cols` outputs at y (row stride ldy). Grain: >= ~32 KiB of weights (`panel_bytes` each) per
+// task, fewer panels with more rows, so small matrices do not pay for a fork.
+template <class Kernel>
+void over_panels(const Kernel& k, int64_t M, int64_t n, int64_t npanels, int64_t panel_bytes, const float* bias,
+                 float* y) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(panel_bytes * std::min<int64_t>(M, 8), 1));
+  at::parallel_for(0, npanels, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t r0 = 0; r0 < M; r0 += ROW_BLOCK) {
+      const int64_t r1 = std::min(M, r0 + ROW_BLOCK);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t col = p * PANEL, cols = std::min(PANEL, n - col);
+        float* yc = y + col;
+        int64_t m = r0;
+        tiles<MT_MAX>(k, m, r1, p, yc, n, cols);
+        if constexpr (MT_MAX > 4) tiles<4>(k, m, r1, p, yc, n, cols);
+        if constexpr (MT_MAX > 2) tiles<2>(k, m, r1, p, yc, n, cols);
+        tiles<1>(k, m, r1, p, yc, n, cols);
+        if (bias != nullptr)
+          for (int64_t r = r0; r < r1; ++r)
+            for (int64_t j = 0; j < cols; ++j) yc[r * n + j] += bias[col + j];
+      }
+    }
+  });
 }

@@ -28,9 +28,8 @@
 
 namespace {
 
-constexpr int64_t P = 16;    // output features per panel
+constexpr int64_t P = PANEL;
 constexpr int64_t QK = 32;   // weights per Q4_1 block
-constexpr int64_t MB = 256;  // input rows per block (prefill)
 
 struct Args {
   const int8_t* codes;  // [M, K]
@@ -128,19 +127,17 @@ inline void micro(const Args& a, int64_t m0, const uint8_t* w, const float* dm, 
 #endif
 }
 
-#if defined(PDC_VNNI512)
-constexpr int MT_MAX = 8;
-#elif defined(PDC_AVX2)
-constexpr int MT_MAX = 2;
-#else
-constexpr int MT_MAX = 1;
-#endif
-
-template <int MT>
-inline void micro_if(const Args& a, int64_t& m, int64_t m1, const uint8_t* w, const float* dm, float* y, int64_t ldy,
-                     int64_t cols) {
-  for (; m + MT <= m1; m += MT) micro<MT>(a, m, w, dm, y + m * ldy, ldy, cols);
-}
+// One panel's tiles for over_panels: wpack [npanels, K/8, 16, 4], dm [npanels, ng, 2, 16].
+struct Panels {
+  Args a;
+  const uint8_t* wp;
+  const float* dp;
+  int64_t K, ng;
+  template <int MT>
+  void tile(int64_t m, int64_t p, float* y, int64_t ldy, int64_t cols) const {
+    micro<MT>(a, m, wp + p * (K / 2) * P, dp + p * ng * 2 * P, y, ldy, cols);
+  }
+};
 
 }  // namespace
 
@@ -159,17 +156,11 @@ torch::Tensor linear_w4a8(const torch::Tensor& x_in, const torch::Tensor& wpack,
               "linear_w4a8: wpack must be a contiguous CPU uint8 tensor [N/16, K/8=", K / 8, ", 16, 4], got ",
               wpack.scalar_type(), " ", wpack.sizes());
   const int64_t npanels = wpack.size(0);
-  TORCH_CHECK(n >= 0 && n <= npanels * P && n > (npanels - 1) * P, "linear_w4a8: n=", n, " does not match ",
-              npanels, " panels of ", P);
+  check_panels_and_bias("linear_w4a8", n, npanels, bias);
   TORCH_CHECK(dm.device().is_cpu() && dm.scalar_type() == torch::kFloat32 && dm.dim() == 4 &&
                   dm.size(0) == npanels && dm.size(1) == ng && dm.size(2) == 2 && dm.size(3) == P && dm.is_contiguous(),
               "linear_w4a8: dm must be a contiguous CPU float32 tensor [", npanels, ", K/32=", ng, ", 2, 16], got ",
               dm.scalar_type(), " ", dm.sizes());
-  if (bias.has_value())
-    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == torch::kFloat32 && bias->dim() == 1 &&
-                    bias->size(0) == n,
-                "linear_w4a8: bias must be a CPU float32 tensor [N=", n, "], got ", bias->scalar_type(), " ",
-                bias->sizes());
   const torch::Tensor x = x_in.contiguous();
   torch::Tensor y = torch::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
@@ -178,31 +169,8 @@ torch::Tensor linear_w4a8(const torch::Tensor& x_in, const torch::Tensor& wpack,
   quantize_rows(x.data_ptr<float>(), M, K, K, QK, 0, codes.data(), sx.data(), sums.data());
   const Args a{reinterpret_cast<const int8_t*>(codes.data()), sx.data(), sums.data(), K, ng};
   const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
-  const uint8_t* wp = wpack.data_ptr<uint8_t>();
-  const float* dp = dm.data_ptr<float>();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  // grain: >= ~32 KiB of weights per task (fewer panels with more rows), so small matrices do not pay for a fork
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(K * P * std::min<int64_t>(M, 8), 1));
-  at::parallel_for(0, npanels, grain, [&](int64_t p0, int64_t p1) {
-    for (int64_t r0 = 0; r0 < M; r0 += MB) {
-      const int64_t r1 = std::min(M, r0 + MB);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t col = p * P, cols = std::min(P, n - col);
-        const uint8_t* w = wp + p * (K / 2) * P;
-        const float* d = dp + p * ng * 2 * P;
-        float* yc = yp + col;
-        int64_t m = r0;
-        micro_if<MT_MAX>(a, m, r1, w, d, yc, n, cols);
-        if constexpr (MT_MAX > 4) micro_if<4>(a, m, r1, w, d, yc, n, cols);
-        if constexpr (MT_MAX > 2) micro_if<2>(a, m, r1, w, d, yc, n, cols);
-        micro_if<1>(a, m, r1, w, d, yc, n, cols);
-        if (bp != nullptr)
-          for (int64_t r = r0; r < r1; ++r)
-            for (int64_t j = 0; j < cols; ++j) yc[r * n + j] += bp[col + j];
-      }
-    }
-  });
+  const Panels k{a, wpack.data_ptr<uint8_t>(), dm.data_ptr<float>(), K, ng};
+  over_panels(k, M, n, npanels, K / 2 * P, b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>());
   return y;
 }
 

@@ -33,8 +33,7 @@
 
 namespace {
 
-constexpr int64_t P = 16;   // output features per panel
-constexpr int64_t MB = 256;  // input rows per block (prefill)
+constexpr int64_t P = PANEL;
 
 struct Args {
   const uint8_t* codes;  // [M, K4]
@@ -138,19 +137,18 @@ inline void micro(const Args& a, int64_t m0, const int8_t* w, const float* sw, c
 #endif
 }
 
-#if defined(PDC_VNNI512)
-constexpr int MT_MAX = 8;
-#elif defined(PDC_AVX2)
-constexpr int MT_MAX = 2;
-#else
-constexpr int MT_MAX = 1;
-#endif
-
-template <int MT>
-inline void micro_if(const Args& a, int64_t& m, int64_t m1, const int8_t* w, const float* sw, const int32_t* ex,
-                     float* y, int64_t ldy, int64_t cols) {
-  for (; m + MT <= m1; m += MT) micro<MT>(a, m, w, sw, ex, y + m * ldy, ldy, cols);
-}
+// One panel's tiles for over_panels: wpack [npanels, K4/4, 16, 4], spack / excess [npanels, ng, 16].
+struct Panels {
+  Args a;
+  const int8_t* wp;
+  const float* sp;
+  const int32_t* ep;
+  int64_t K4, ng;
+  template <int MT>
+  void tile(int64_t m, int64_t p, float* y, int64_t ldy, int64_t cols) const {
+    micro<MT>(a, m, wp + p * K4 * P, sp + p * ng * P, ep + p * ng * P, y, ldy, cols);
+  }
+};
 
 }  // namespace
 
@@ -167,8 +165,7 @@ torch::Tensor linear_w8a8(const torch::Tensor& x_in, const torch::Tensor& wpack,
               "linear_w8a8: wpack must be a contiguous CPU int8 tensor [N/16, K4/4=", K4 / 4, ", 16, 4], got ",
               wpack.scalar_type(), " ", wpack.sizes());
   const int64_t npanels = wpack.size(0);
-  TORCH_CHECK(n >= 0 && n <= npanels * P && n > (npanels - 1) * P, "linear_w8a8: n=", n, " does not match ",
-              npanels, " panels of ", P);
+  check_panels_and_bias("linear_w8a8", n, npanels, bias);
   TORCH_CHECK(spack.device().is_cpu() && spack.scalar_type() == torch::kFloat32 && spack.dim() == 3 &&
                   spack.size(0) == npanels && spack.size(1) >= 1 && K % spack.size(1) == 0 && spack.size(2) == P &&
                   spack.is_contiguous(),
@@ -178,11 +175,6 @@ torch::Tensor linear_w8a8(const torch::Tensor& x_in, const torch::Tensor& wpack,
                   excess.is_contiguous(),
               "linear_w8a8: excess must be a contiguous CPU int32 tensor ", spack.sizes(), ", got ",
               excess.scalar_type(), " ", excess.sizes());
-  if (bias.has_value())
-    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == torch::kFloat32 && bias->dim() == 1 &&
-                    bias->size(0) == n,
-                "linear_w8a8: bias must be a CPU float32 tensor [N=", n, "], got ", bias->scalar_type(), " ",
-                bias->sizes());
   const int64_t ng = spack.size(1), G = K / ng;
   TORCH_CHECK(ng == 1 || G % 4 == 0, "linear_w8a8: groups of ", G, " weights must be a multiple of 4");
   const torch::Tensor x = x_in.contiguous();
@@ -198,33 +190,8 @@ torch::Tensor linear_w8a8(const torch::Tensor& x_in, const torch::Tensor& wpack,
   quantize_rows(x.data_ptr<float>(), M, K, K4, G, zero, codes.data(), sx.data(), nullptr);
   const Args a{codes.data(), sx.data(), K4, ng, ng == 1 ? K4 / 4 : G / 4};
   const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
-  const int8_t* wp = wpack.data_ptr<int8_t>();
-  const float* sp = spack.data_ptr<float>();
-  const int32_t* ep = excess.data_ptr<int32_t>();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  // grain: >= ~32 KiB of weights per task (fewer panels with more rows), so small matrices do not pay for a fork
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K4 * P * std::min<int64_t>(M, 8), 1));
-  at::parallel_for(0, npanels, grain, [&](int64_t p0, int64_t p1) {
-    for (int64_t r0 = 0; r0 < M; r0 += MB) {
-      const int64_t r1 = std::min(M, r0 + MB);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t col = p * P, cols = std::min(P, n - col);
-        const int8_t* w = wp + p * K4 * P;
-        const float* sw = sp + p * ng * P;
-        const int32_t* ex = ep + p * ng * P;
-        float* yc = yp + col;
-        int64_t m = r0;
-        micro_if<MT_MAX>(a, m, r1, w, sw, ex, yc, n, cols);
-        if constexpr (MT_MAX > 4) micro_if<4>(a, m, r1, w, sw, ex, yc, n, cols);
-        if constexpr (MT_MAX > 2) micro_if<2>(a, m, r1, w, sw, ex, yc, n, cols);
-        micro_if<1>(a, m, r1, w, sw, ex, yc, n, cols);
-        if (bp != nullptr)
-          for (int64_t r = r0; r < r1; ++r)
-            for (int64_t j = 0; j < cols; ++j) yc[r * n + j] += bp[col + j];
-      }
-    }
-  });
+  const Panels k{a, wpack.data_ptr<int8_t>(), spack.data_ptr<float>(), excess.data_ptr<int32_t>(), K4, ng};
+  over_panels(k, M, n, npanels, K4 * P, b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>());
   return y;
 }
 
