@@ -182,11 +182,11 @@ def markdown(res: dict) -> str:
                      f"{r['mean_prefix_agreement']:.3f} | {r['min_prefix_agreement']:.3f} | "
                      f"{r['identical_prompts']}/{r['num_prompts']} |")
     lines += ["", "The float32 model is the bundled GGUF's Q4_1 weights dequantized by transformers, so `q4` "
-              "(the file's own Q4_1 blocks) serves the same weights and differs only in float rounding order; "
-              "`int8` re-quantizes those floats with one scale per group of 64 weights, the (tied) LM head "
-              "included (a quantized copy), and quantizes each matmul's activations the same way on every call "
-              "(integer dot products: W8A8). The embedding lookup stays float32 in every mode, and so does "
-              "`q4`'s LM head.", ""]
+              "(the file's own Q4_1 blocks) serves the same decoder weights; `int8` re-quantizes those floats with "
+              "one scale per group of 64 weights. Both quantize the (tied) LM head to int8 per group of 64 (a "
+              "quantized copy) and each matmul's activations to int8 on every call, per group of 64 (`int8`) or "
+              "block of 32 (`q4`), for integer dot products (W8A8 / W4A8, as llama.cpp's CPU path). The "
+              "embedding lookup stays float32 in every mode.", ""]
     return "\n".join(lines)
 
 
