@@ -16,6 +16,9 @@ Per worker (keyed by its gRPC address, what the router's channels know):
 * **probing**: the first placement after ``cooldown_s`` sends one probe (a gRPC health
   ``Check`` with a short deadline); the worker stays skipped until it answers SERVING (closed
   again) or it fails (open for another cool-down). A success of any other call also closes it.
+
+A worker that leaves the registry (dead, replaced at a new address) is forgotten (:meth:`CircuitBreaker.retain`,
+called by the router on every registry view period).
 """
 
 from __future__ import annotations
@@ -196,6 +199,19 @@ class CircuitBreaker:
         """Workers skipped now (open or probing)."""
         with self._lock:
             return sum(w.opened_at is not None for w in self._workers.values())
+
+    def retain(self, addresses: set[str]) -> None:
+        """Forget the workers not at ``addresses`` (the registry's live workers): a worker that died is
+        replaced at a new address, and its old breaker, open for good since nothing places on the old
+        address to probe it, would hold the open-workers gauge up forever."""
+        with self._lock:
+            gone = [a for a in self._workers if a not in addresses]
+            for address in gone:
+                del self._workers[address]
+            for address in [a for a in self._ids if a not in addresses]:
+                del self._ids[address]
+            if gone:
+                self._publish()
 
     def _publish(self) -> None:
         """Update the open-workers gauge; drop healthy entries (called holding the lock)."""

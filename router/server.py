@@ -253,6 +253,7 @@ class RouterServer:
         serving = None
         while not self._stop.is_set():
             now, _ = self.serving_now()
+            self.breaker.retain(self.view.addresses())  # workers gone from the registry: their breakers too
             if now != serving:
                 set_serving(self.health, [SERVICE], serving=now)
                 serving = now

@@ -124,6 +124,12 @@ class RegistryView:
                 and not (info.worker_id in self._marked and load.updated_at <= self._marked[info.worker_id])
             ]
 
+    def addresses(self) -> set[str]:
+        """The addresses of every worker in the last good view, those marked unreachable included
+        (still registered: their liveness key has not expired)."""
+        with self._lock:
+            return {info.address for info, _ in self._view}
+
     def workers_now(self, role: str) -> list[tuple[WorkerInfo, WorkerLoadSnapshot]]:
         """:meth:`workers` of ``role``; when the cached view has none, Redis is read once
         first, so a worker that registered since the last periodic refresh (e.g. the

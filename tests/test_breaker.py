@@ -131,6 +131,19 @@ def test_a_late_success_closes_an_open_breaker():
     assert b.state("a:1") == "closed" and b.allows("a:1")
 
 
+def test_a_worker_gone_from_the_registry_is_forgotten():
+    """A dead worker's replacement comes back at a new address: the old address's open breaker is dropped
+    (nothing would ever probe it) and the open-workers gauge falls back."""
+    b, _, _, metrics = _breaker(failures=1)
+    b.record("old:1", Outcome.FAILURE)
+    b.record("other:1", Outcome.FAILURE)
+    labels = {"role": "router", "worker_id": "router", "model_name": "m"}
+    assert metrics.registry.get_sample_value("pdcluster:circuit_breaker_open_workers", labels) == 2
+    b.retain({"other:1", "new:1"})
+    assert b.state("old:1") == "closed" and b.state("other:1") == "open" and b.num_open() == 1
+    assert metrics.registry.get_sample_value("pdcluster:circuit_breaker_open_workers", labels) == 1
+
+
 def _cand(wid: str, address: str) -> tuple[WorkerInfo, WorkerLoadSnapshot]:
     return WorkerInfo(wid, "decode", address), WorkerLoadSnapshot(num_free_blocks=10)
 
