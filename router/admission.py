@@ -134,7 +134,8 @@ class Admission:
         seats = max(1, math.ceil(self.seats() / max(1, self._routers())))
         hint = DEFAULT_RETRY_AFTER_MS if stay is None else stay * 1000 / seats
         return self._refuse(QUEUE_FULL, request_id, hint,
-                            f"the router is full: {admitted} requests admitted, capacity {capacity} (the decode "
+                            f"the router is full: it holds {admitted} requests (running, queued or being admitted), "
+                            f"capacity {capacity} (the decode "
                             f"workers' max_num_seqs + max_queued_requests {self.cfg.max_queued_requests}, "
                             f"shared by {max(1, self._routers())} router(s)); retry later")
 

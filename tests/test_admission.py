@@ -63,7 +63,7 @@ def test_queue_full_hint_follows_the_time_requests_stay():
     adm, metrics = _admission(AdmissionConfig(max_queued_requests=10))
     refused = adm.queue_full("r-1", 18, 18)
     assert refused.reason == "queue_full" and refused.retry_after_ms == 1000  # nothing measured yet
-    assert "18 requests admitted, capacity 18" in refused.message
+    assert "it holds 18 requests (running, queued or being admitted), capacity 18" in refused.message
     adm.left(4.0)  # 4 s in the router, 8 seats: a seat frees every 0.5 s
     assert adm.queue_full("r-2", 18, 18).retry_after_ms == 500
     assert _rejected(metrics, "queue_full") == 2
@@ -150,7 +150,7 @@ def test_a_request_being_validated_holds_its_seat_and_refusals_do_not_wait_for_i
         with pytest.raises(RouterError) as exc:
             core.start(router_pb2.GenerateRequest(request_id="r9", text="x"))
         assert time.monotonic() - t0 < 1.0 and exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "8 requests admitted" not in exc.value.message and "9 requests admitted" in exc.value.message
+        assert "holds 8 requests" not in exc.value.message and "holds 9 requests" in exc.value.message
     finally:
         validator.release.set()
         slow.join(10)

@@ -221,10 +221,10 @@ def test_http_bodies_over_max_request_bytes_are_413(http):
     (b'{"model": "m", "prompt": "a", "n": 17}', "/v1/completions", "n", "n must be in [1, 16], got 17"),
     (b'{"model": "m", "prompt": [' + b'"a", ' * 16 + b'"a"], "n": 16}', "/v1/completions", "n",
      f"17 prompts x n 16 = 272 choices; at most {MAX_CHOICES} per request"),
-    (b'{"model": "m", "messages": [{"role": "\\ud800", "content": "x"}]}', "/v1/chat/completions", "messages",
-     "messages[0].role is not valid Unicode"),
+    (b'{"model": "m", "messages": [{"role": "\\ud800", "content": "x"}]}', "/v1/chat/completions",
+     "messages[0].role", "messages[0].role is not valid Unicode"),
     (b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
-     "/v1/chat/completions", "messages", "messages[0].content is not valid Unicode"),
+     "/v1/chat/completions", "messages[0].content", "messages[0].content is not valid Unicode"),
     (b'{"model": "m", "prompt": "\xff"}', "/v1/completions", None, "not valid UTF-8"),
 ])
 def test_http_refuses_what_protobuf_cannot_carry(http, body, path, param, needle):

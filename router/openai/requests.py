@@ -60,7 +60,7 @@ def chat_text(request: ChatCompletionRequest) -> list[common_pb2.ChatMessage]:
     """
     out = []
     for i, m in enumerate(request.messages):
-        _check_utf8(m.role, f"messages[{i}].role", "messages")
+        _check_utf8(m.role, f"messages[{i}].role", f"messages[{i}].role")
         content = m.content
         if content is None:  # OpenAI allows it only beside tool calls, which this server does not take
             raise OpenAIRequestError(f"messages[{i}].content: a {m.role!r} message needs content (a string or "
@@ -78,7 +78,7 @@ def chat_text(request: ChatCompletionRequest) -> list[common_pb2.ChatMessage]:
                         f"{type(part.get('text')).__name__}", param=f"messages[{i}].content")
                 texts.append(part["text"])
             content = "\n".join(texts)
-        _check_utf8(content, f"messages[{i}].content", "messages")
+        _check_utf8(content, f"messages[{i}].content", f"messages[{i}].content")
         out.append(common_pb2.ChatMessage(role=m.role, content=content))
     return out
 
