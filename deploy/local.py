@@ -35,6 +35,7 @@ from deploy.redis_control import stop_redis_at
 from deploy.redis_server import LocalRedisServer, free_port
 from deploy.spec import exposure_warning, spec_from_args
 from deploy.state import DEFAULT_STATE_DIR, AlreadyUpError, check_not_up, read_state, state_path, write_state
+from engine.kernels.cpu.build import build_in_parallel as build_cpu_kernels
 from engine.model_loader import ModelNotFoundError
 from serving.certs import KeyPair, create_ca
 from serving.registry import WorkerRegistry
@@ -214,6 +215,8 @@ def up(args) -> dict:
     check_not_up(state_dir)
     if args.local:  # the router binds here: say so now, not after Ray, Redis and the workers started
         check_ports_free(args.host, {"--port": args.port, "--http-port": args.http_port if args.http else 0})
+        # the workers share this checkout's kernels: built now, in parallel, and not inside --timeout-s
+        build_cpu_kernels()
     state_dir.mkdir(parents=True, exist_ok=True)
     state: dict = {"started_ray": False, "started_redis": False, "cluster_secret": secrets.token_urlsafe(32)}
     if args.internal_tls:
