@@ -37,6 +37,7 @@ MAX_ABS_LOGIT_BIAS = 100.0  # logit_bias value range (OpenAI)
 MAX_STOP_STRINGS = 16       # stop strings per request
 MAX_STOP_CHARS = 256        # characters per stop string
 MAX_LOGIT_BIAS = 1024       # logit_bias entries per request
+MAX_STOP_TOKEN_IDS = 1024   # stop_token_ids per request
 UINT64_MAX = (1 << 64) - 1
 
 
@@ -283,7 +284,8 @@ SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
                   shape=Shape.REPEATED, target=Target.ROUTER, nonempty=True, max_items=MAX_STOP_STRINGS,
                   max_len=MAX_STOP_CHARS),
     SamplingParam("stop_token_ids", int, (), "token id that ends generation, included in the output",
-                  shape=Shape.REPEATED, target=Target.REQUEST, token_ids=True, flag="--stop-token-id"),
+                  shape=Shape.REPEATED, target=Target.REQUEST, token_ids=True, flag="--stop-token-id",
+                  max_items=MAX_STOP_TOKEN_IDS),
     SamplingParam("ignore_eos", bool, False, "keep generating past EOS until max_tokens", target=Target.REQUEST),
     SamplingParam("logprobs", int, 0, "top logprobs returned per generated token (raw model distribution)",
                   Range(0, MAX_LOGPROBS), cli=False),
