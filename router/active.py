@@ -37,6 +37,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+NO_WORKER_RETRY_AFTER_MS = 1000
+"""The retry-after hint (gRPC ``retry-after-ms`` trailer; HTTP 503 ``Retry-After``) of a new request that
+found no live worker of a role: the cluster controller replaces a dead worker within a few heartbeats,
+so a client retrying every second gets in as soon as the replacement registers."""
+
 _REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
             common_pb2.FINISH_REASON_ABORT: "abort"}
 
@@ -140,8 +145,9 @@ class ActiveRequest:
                                                                            avoid),
                                           MIGRATION_WAIT_S if cause else 0.0, lambda: self.client_gone or h.aborted)
         except NoWorkerError as e:
-            raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{e} (migrating after {cause})" if cause else str(e)) \
-                from None
+            if cause:
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{e} (migrating after {cause})") from None
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, str(e), NO_WORKER_RETRY_AFTER_MS) from None
         h.prefill, h.decode = placement.prefill, placement.decode
         log.debug("placed: prefill %s, decode %s, %d prompt + %d earlier output tokens", h.prefill.worker_id,
                   h.decode.worker_id, len(prep.prompt_token_ids), len(out.token_ids))

@@ -61,6 +61,14 @@ def test_health_follows_live_workers(tmp_path):
         hosts[-1].start()
         _wait(lambda: _http(url)[1].get("error", {}).get("message"), "no live decode worker")
         assert grpc_status() == health_pb2.HealthCheckResponse.NOT_SERVING
+        req = urllib.request.Request(f"http://{router.http_address}/v1/completions", headers={
+            "content-type": "application/json"}, data=json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode())
+        try:  # a new request: 503 with a retry hint (the controller replaces a dead worker within seconds)
+            urllib.request.urlopen(req, timeout=30)
+            raise AssertionError("served without a decode worker")
+        except urllib.error.HTTPError as e:
+            assert e.code == 503 and e.headers["Retry-After"] == "1" and e.headers["retry-after-ms"] == "1000"
+            assert json.loads(e.read())["error"]["message"] == "no live decode worker"
         hosts.append(create_decode_worker(WorkerConfig(role="decode", worker_id="decode-0", **base)))
         hosts[-1].start()
         _wait(grpc_status, health_pb2.HealthCheckResponse.SERVING)
