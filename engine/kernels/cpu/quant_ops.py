@@ -154,11 +154,11 @@ def pack_int8(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
     n, k = qweight.shape
     groups = scale.shape[1]
     k4, panels = -(-k // 4) * 4, -(-n // PANEL)
-    q = torch.zeros(panels * PANEL, k4, dtype=torch.int8)
+    q = torch.zeros(panels * PANEL, k4, dtype=torch.int8, device=qweight.device)
     q[:n, :k] = qweight
-    s = torch.zeros(panels * PANEL, groups, dtype=torch.float32)
+    s = torch.zeros(panels * PANEL, groups, dtype=torch.float32, device=qweight.device)
     s[:n] = scale
-    sums = torch.zeros(panels * PANEL, groups, dtype=torch.int32)
+    sums = torch.zeros(panels * PANEL, groups, dtype=torch.int32, device=qweight.device)
     sums[:n] = qweight.to(torch.int32).reshape(n, groups, k // groups).sum(dim=2, dtype=torch.int32)
 
     def by_panel(t: torch.Tensor) -> torch.Tensor:
@@ -282,11 +282,11 @@ def pack_q4_1(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch
     """
     n, blocks, _ = qs.shape
     k, panels = blocks * QK4_1, -(-n // PANEL)
-    codes = torch.zeros(panels * PANEL, k, dtype=torch.uint8)
+    codes = torch.zeros(panels * PANEL, k, dtype=torch.uint8, device=qs.device)
     codes[:n] = torch.cat([qs & 0xF, qs >> 4], dim=2).reshape(n, k)
     octets = codes.reshape(panels, PANEL, k // 8, 2, 4)
     wpack = (octets[:, :, :, 0] | (octets[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
-    dm = torch.zeros(panels * PANEL, blocks, 2, dtype=torch.float32)
+    dm = torch.zeros(panels * PANEL, blocks, 2, dtype=torch.float32, device=qs.device)
     dm[:n, :, 0], dm[:n, :, 1] = d, m
     return wpack, dm.reshape(panels, PANEL, blocks, 2).permute(0, 2, 3, 1).contiguous()
 
