@@ -189,6 +189,25 @@ def check_ports_free(host: str, ports: dict[str, int]) -> None:
                                   f"port ({flag} 0: any free port)") from None
 
 
+def _preflight(args) -> Path:
+    """What ``up`` checks and prepares before it starts anything; returns the state directory. A bad flag,
+    a state directory in use or (``--local``) a router port in use raise here (see :func:`up`); with
+    ``--local`` the checkout's missing CPU kernels are built, in parallel and outside ``--timeout-s``
+    (the workers share them)."""
+    if not (args.local or args.ray_address):
+        raise ConfigError("give --local (start Ray here) or --ray-address ADDR")
+    checked = spec_from_args(args, "redis://127.0.0.1:0", use_cuda=args.device == "cuda")  # flag errors first
+    warning = exposure_warning(checked.router)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    state_dir = Path(args.state_dir or DEFAULT_STATE_DIR).expanduser()
+    check_not_up(state_dir)
+    if args.local:  # the router binds here: say so now, not after Ray, Redis and the workers started
+        check_ports_free(args.host, {"--port": args.port, "--http-port": args.http_port if args.http else 0})
+        build_cpu_kernels()
+    return state_dir
+
+
 def up(args) -> dict:
     """Bring the cluster up and write the state file; returns the state dict. On any
     failure everything ``up`` started (actors, placement groups, Ray head, Redis) is
@@ -205,18 +224,7 @@ def up(args) -> dict:
         RuntimeError: Ray, Redis, a worker or the router failed to start.
         TimeoutError: the workers or the router were not healthy within ``--timeout-s``.
     """
-    if not (args.local or args.ray_address):
-        raise ConfigError("give --local (start Ray here) or --ray-address ADDR")
-    checked = spec_from_args(args, "redis://127.0.0.1:0", use_cuda=args.device == "cuda")  # flag errors first
-    warning = exposure_warning(checked.router)
-    if warning:
-        print(f"warning: {warning}", file=sys.stderr)
-    state_dir = Path(args.state_dir or DEFAULT_STATE_DIR).expanduser()
-    check_not_up(state_dir)
-    if args.local:  # the router binds here: say so now, not after Ray, Redis and the workers started
-        check_ports_free(args.host, {"--port": args.port, "--http-port": args.http_port if args.http else 0})
-        # the workers share this checkout's kernels: built now, in parallel, and not inside --timeout-s
-        build_cpu_kernels()
+    state_dir = _preflight(args)
     state_dir.mkdir(parents=True, exist_ok=True)
     state: dict = {"started_ray": False, "started_redis": False, "cluster_secret": secrets.token_urlsafe(32)}
     if args.internal_tls:
