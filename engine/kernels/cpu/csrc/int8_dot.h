@@ -27,6 +27,14 @@ constexpr int64_t PREFETCH_BYTES = 4096;
 inline void prefetch_ahead(const void* line) {
   _mm_prefetch(static_cast<const char*>(line) + PREFETCH_BYTES, _MM_HINT_T0);
 }
+
+// The first `cols` (<= 16) of one row's panel sums, held in two AVX2 registers (outputs 0-7, 8-15), to y.
+inline void store_panel_row(__m256 lo, __m256 hi, int64_t cols, float* y) {
+  alignas(32) float out[16];
+  _mm256_store_ps(out, lo);
+  _mm256_store_ps(out + 8, hi);
+  std::copy(out, out + cols, y);
+}
 #endif
 
 // Activations [M, K] -> codes [M, K4] and scales [M, K/G]: per row and group of G features,
@@ -89,7 +97,8 @@ constexpr int MT_MAX = 1;
 
 // `n` output features fill `npanels` panels, and `bias` (may be absent) is a CPU float32 [n]; else a
 // RuntimeError naming `fn` and the argument.
-inline void check_panels_and_bias(const char* fn, int64_t n, int64_t npanels, const c10::optional<torch::Tensor>& bias) {
+inline void check_panels_and_bias(const char* fn, int64_t n, int64_t npanels,
+                                   const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(n >= 0 && n <= npanels * PANEL && n > (npanels - 1) * PANEL, fn, ": n=", n, " does not match ",
               npanels, " panels of ", PANEL);
   if (bias.has_value())

@@ -102,12 +102,7 @@ inline void micro(const Args& a, int64_t m0, const uint8_t* w, const float* dm, 
       }
     }
   }
-  alignas(32) float out[P];
-  for (int m = 0; m < MT; ++m) {
-    _mm256_store_ps(out, acc[m][0]);
-    _mm256_store_ps(out + 8, acc[m][1]);
-    std::copy(out, out + cols, y + m * ldy);
-  }
+  for (int m = 0; m < MT; ++m) store_panel_row(acc[m][0], acc[m][1], cols, y + m * ldy);
 #else
   (void)quad;
   for (int m = 0; m < MT; ++m)

@@ -114,12 +114,7 @@ inline void micro(const Args& a, int64_t m0, const int8_t* w, const float* sw, c
                                     acc[m][h]);
     }
   }
-  alignas(32) float out[P];
-  for (int m = 0; m < MT; ++m) {
-    _mm256_store_ps(out, acc[m][0]);
-    _mm256_store_ps(out + 8, acc[m][1]);
-    std::copy(out, out + cols, y + m * ldy);
-  }
+  for (int m = 0; m < MT; ++m) store_panel_row(acc[m][0], acc[m][1], cols, y + m * ldy);
 #else
   (void)ex;
   for (int m = 0; m < MT; ++m)
