@@ -69,8 +69,8 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
 
     ``quantization`` (one of :data:`engine.config.QUANTIZATIONS`): ``"none"`` keeps the float
     weights; ``"int8"`` / ``"q4"`` replace the decoder projections (q/k/v/o, gate/up/down) with
-    quantized layers (:mod:`engine.model.quant`; both quantize the LM head to int8; the embedding stays float). With ``"q4"``
-    and ``gguf_path`` (the GGUF ``cfg.path`` was dequantized from), the file's own Q4_1 blocks are
+    quantized layers (:mod:`engine.model.quant`; both quantize the LM head to int8; the embedding stays
+    float). With ``"q4"`` and ``gguf_path`` (the GGUF ``cfg.path`` was dequantized from), the file's own Q4_1 blocks are
     served where they dequantize exactly to the loaded weights (:mod:`engine.gguf_blocks`).
     Then each layer's q/k/v and gate/up projections are merged into one matmul each
     (:func:`engine.model.fuse.merge_projections`), before the linear backend packs them.

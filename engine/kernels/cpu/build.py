@@ -1,7 +1,8 @@
 """Build and load the C++ CPU kernels in ``csrc/`` as torch extensions.
 
-``python -m engine.kernels.cpu.build`` (run by ``scripts/install.sh``) compiles every
-``csrc/<name>.cpp`` (as many at a time as the machine has CPUs) (with the shared headers ``csrc/*.h``) once per machine into
+``python -m engine.kernels.cpu.build`` (run by ``scripts/install.sh``, and by ``pdcluster up --local``
+through :func:`build_in_parallel`) compiles every ``csrc/<name>.cpp`` (with the shared headers
+``csrc/*.h``), as many at a time as the machine has CPUs, once per machine into
 ``_build/<name>/`` next to this file (never outside the package), with ``-O3 -march=native``
 (the kernels use the build machine's vector instructions: build where they run) and OpenMP, so
 ``at::parallel_for`` splits work over torch's intra-op threads (``torch.set_num_threads``).
@@ -62,7 +63,7 @@ def load(name: str) -> ModuleType | None:
         with open(build_dir / "pdcluster.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
-            built = build_dir / f"pdcluster_{name}.so"
+            built = _library(name)
             stale = _needs_build(source, built)
             if stale:  # up to minutes on 2 cores: say so, or a worker's start looks hung
                 log.warning("building CPU kernel %s if its source changed (once per checkout and machine; "
@@ -96,6 +97,11 @@ def load_function(name: str, fn: str, trace_name: str | None = None) -> Callable
     return traced(trace_name or f"pdcluster::{fn}", getattr(ext, fn))
 
 
+def _library(name: str) -> Path:
+    """Where torch's ``cpp_extension.load`` puts the built library of ``csrc/<name>.cpp``."""
+    return BUILD_ROOT / name / f"pdcluster_{name}.so"
+
+
 def _needs_build(source: Path, built: Path) -> bool:
     """Whether the library ``built`` is missing or older than its source or a shared header (a
     guess for the log line: torch's own check, of the sources' contents and the flags, decides)."""
@@ -116,7 +122,7 @@ def build_in_parallel(jobs: int | None = None) -> None:
     """Build every kernel, ``jobs`` at a time (default: the CPU count), each in its own Python process
     (one compiler each: torch's ``cpp_extension.load`` compiles one source at a time); :func:`load`'s
     per-kernel lock keeps them from building the same one twice. A build that fails here is retried,
-    and its reason logged, by the :func:`load_all` that follows."""
+    and its reason logged, by the next :func:`load` of it (``main``'s :func:`load_all`, a worker's)."""
     import subprocess
     from concurrent.futures import ThreadPoolExecutor
 
@@ -127,10 +133,11 @@ def build_in_parallel(jobs: int | None = None) -> None:
         subprocess.run([sys.executable, "-c", code, name], cwd=root, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, check=False)
 
-    todo = [n for n in kernel_names() if _needs_build(CSRC / f"{n}.cpp", BUILD_ROOT / n / f"pdcluster_{n}.so")]
+    jobs = jobs or os.cpu_count() or 1
+    todo = [n for n in kernel_names() if _needs_build(CSRC / f"{n}.cpp", _library(n))]
     if todo:
-        log.warning("building %d CPU kernels, %d at a time (about a minute each)", len(todo), jobs or os.cpu_count())
-    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+        log.warning("building %d CPU kernels, %d at a time (about a minute each)", len(todo), jobs)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
         list(pool.map(build, todo))
 
 
