@@ -13,5 +13,6 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate_up[..., :I]) * gate_up[..., I:]", py::arg("gate_up"));
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate_up[..., :I]) * gate_up[..., I:]", py::arg("gate_up"),
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -130,7 +130,7 @@ torch::Tensor linear_f32(const torch::Tensor& x_in, const torch::Tensor& weight,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fp32 GEMV / skinny matmul (AVX2+FMA, row-major weights, at::parallel_for over output features)";
   m.def("linear_f32", &linear_f32, "y = x @ weight.T + bias (float32, x [M, K], weight [N, K] contiguous)",
-        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("has_avx2", []() {
 #ifdef PDC_AVX2
     return true;

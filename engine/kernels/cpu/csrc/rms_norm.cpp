@@ -112,7 +112,9 @@ torch::Tensor add_rms_norm_(const torch::Tensor& x, torch::Tensor& residual, con
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim: (x * rsqrt(mean(x^2) + eps)) * (offset + weight)",
-        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("offset") = 0.0);
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("offset") = 0.0,
+        py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place, then RMSNorm of residual (a new tensor)",
-        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("offset") = 0.0);
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("offset") = 0.0,
+        py::call_guard<py::gil_scoped_release>());
 }

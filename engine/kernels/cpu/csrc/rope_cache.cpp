@@ -108,5 +108,6 @@ void rope_store(torch::Tensor q, const torch::Tensor& k, const torch::Tensor& v,
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rope_store", &rope_store, "rotate q in place; rotated k and v into the paged KV cache at slot_mapping");
+  m.def("rope_store", &rope_store, "rotate q in place; rotated k and v into the paged KV cache at slot_mapping",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -194,5 +194,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "int8 weights x per-call int8 activations (AVX-512 VNNI / AVX2 integer dot over panel-packed weights)";
   m.def("linear_w8a8", &linear_w8a8, "y = quantize_int8(x) @ W.T + bias, W int8 packed in panels of 16 x 4",
         py::arg("x"), py::arg("wpack"), py::arg("spack"), py::arg("excess"), py::arg("n"),
-        py::arg("bias") = py::none());
+        py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
 }
