@@ -13,7 +13,7 @@ from pathlib import Path
 
 from engine.config import DTYPES, KV_FAILURE_POLICIES, QUANTIZATIONS
 from pdcluster.client import API_KEY_ENV
-from router.limits import DEFAULT_MAX_REQUEST_BYTES
+from router.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from router.migration import DEFAULT_MAX_MIGRATIONS, check_max_migrations
 from router.policy_names import DEFAULT_POLICY, POLICY_NAMES
 from serving.logs import LOG_FORMATS, LOG_LEVELS
@@ -127,6 +127,9 @@ def _add_serving(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=_positive, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                    help="largest gRPC message / HTTP body the router's public ports accept "
                         f"(default {DEFAULT_MAX_REQUEST_BYTES}: 4 MiB)")
+    p.add_argument("--http-body-timeout", type=_positive_float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
+                   help="seconds an HTTP request's whole body may take to arrive; later: 408 "
+                        f"(default {DEFAULT_BODY_TIMEOUT_S:g})")
     p.add_argument("--max-prompt-bytes", type=_positive, default=None, metavar="BYTES",
                    help="largest prompt (text, or chat roles and contents) the router tokenizes "
                         "(default: max-model-len x the longest token of the vocabulary)")

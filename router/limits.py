@@ -15,6 +15,8 @@ from dataclasses import dataclass
 #: Largest gRPC message / HTTP body the router's public ports accept (bytes); internal
 #: (worker, KV) messages have their own limit (:data:`serving.rpc.MAX_MESSAGE_BYTES`).
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+#: Seconds an HTTP request's whole body may take to arrive (later: 408; :mod:`router.openai.body`).
+DEFAULT_BODY_TIMEOUT_S = 60.0
 #: Cap on a prompt's bytes when the tokenizer gives none (:func:`router.validation.prompt_byte_cap`).
 DEFAULT_MAX_PROMPT_BYTES = 1024 * 1024
 MAX_CHAT_MESSAGES = 256

@@ -15,8 +15,8 @@ that fails before it gets its HTTP status, not a 200 with an error event); a cli
 disconnects cancels every sub-request on both workers, before its first message or its
 non-streamed answer too (the router checks every ``DISCONNECT_POLL_S`` seconds). Errors use OpenAI's body
 ``{"error": {message, type, param, code}}``; a body over ``max_request_bytes`` is refused with 413
-before it is parsed (by its ``Content-Length``, :class:`DeclaredSizeLimit`, else by FastAPI's
-body limit as it arrives).
+before it is parsed (by its ``Content-Length``, :class:`DeclaredSizeLimit`, else as it arrives),
+and one that takes longer than ``body_timeout_s`` to arrive with 408 (:mod:`router.openai.body`).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ from starlette.exceptions import HTTPException
 from router.active import ActiveRequest
 from router.core import RequestRouter
 from router.errors import RouterError
-from router.limits import DEFAULT_MAX_REQUEST_BYTES
+from router.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from router.openai.auth import RequireApiKey
+from router.openai.body import BodyDeadline, too_large
 from router.openai.errors import (UNREADABLE_BODY, error_response, request_aliases, router_error_response,
                                   unreadable_body_response, validation_error_response)
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -71,6 +72,8 @@ class FrontDoorState:
         created: Unix seconds the model was loaded (``/v1/models``).
         max_model_len: prompt + output limit in tokens (``/v1/models``, as vLLM reports it).
         max_request_bytes: the largest request body accepted (bytes; larger: 413).
+        body_timeout_s: seconds a request's whole body may take to arrive (later: 408;
+            :class:`router.openai.body.BodyDeadline`).
     """
 
     core: RequestRouter
@@ -83,11 +86,7 @@ class FrontDoorState:
     created: int = 0
     max_model_len: int = 0
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-
-
-def _too_large(limit: int):
-    return error_response(413, f"the request body is larger than max_request_bytes ({limit} bytes)",
-                          code="request_too_large")
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
 
 
 class DeclaredSizeLimit:
@@ -102,20 +101,22 @@ class DeclaredSizeLimit:
         if scope["type"] == "http":
             length = dict(scope.get("headers", ())).get(b"content-length", b"")
             if length.isdigit() and int(length) > self.limit:
-                await _too_large(self.limit)(scope, receive, send)
+                await too_large(self.limit)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
 def build_app(state: FrontDoorState) -> DeclaredSizeLimit:
-    """The ASGI application of the router's HTTP port: the FastAPI app behind :class:`DeclaredSizeLimit`."""
+    """The ASGI application of the router's HTTP port, outermost first: :class:`DeclaredSizeLimit`,
+    :class:`router.openai.auth.RequireApiKey` (before any body is read),
+    :class:`router.openai.body.BodyDeadline` (the body read in time and within its size), the
+    FastAPI app."""
     app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None, max_body_size=state.max_request_bytes)
-    app.add_middleware(RequireApiKey, accepts=state.accepts_api_key)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException):
         if exc.status_code == 413:
-            return _too_large(state.max_request_bytes)
+            return too_large(state.max_request_bytes)
         if exc.status_code == 400 and exc.detail == UNREADABLE_BODY:
             return unreadable_body_response(await request.body())
         response = error_response(exc.status_code, str(exc.detail))
@@ -153,7 +154,8 @@ def build_app(state: FrontDoorState) -> DeclaredSizeLimit:
     async def chat(body: ChatCompletionRequest, request: Request):
         return await _generate(state, body, "chat", chat_requests, request)
 
-    return DeclaredSizeLimit(app, state.max_request_bytes)
+    body_read = BodyDeadline(app, state.max_request_bytes, state.body_timeout_s)
+    return DeclaredSizeLimit(RequireApiKey(body_read, accepts=state.accepts_api_key), state.max_request_bytes)
 
 
 async def _generate(state: FrontDoorState, body, kind: str, expand, request: Request):

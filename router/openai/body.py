@@ -1,0 +1,88 @@
+"""Request bodies must arrive in time and within their size: the HTTP port's defence against slow
+and endless senders.
+
+uvicorn times out idle keep-alive connections but not a request whose body trickles in (or never
+comes after its headers): each such request would hold a connection and a task for as long as the
+client keeps its socket open. :class:`BodyDeadline` reads the whole body before the application
+sees the request, within ``timeout_s`` seconds of the request's start, and answers 408 in OpenAI's
+error shape when it does not arrive (vLLM and SGLang leave this to a proxy in front of them; the
+router is the front door here). A body without a ``Content-Length`` that grows past
+``max_bytes`` is refused with 413 as it arrives (one with a larger length never gets here:
+:class:`router.openai.app.DeclaredSizeLimit`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from router.limits import DEFAULT_BODY_TIMEOUT_S
+from router.openai.errors import error_response
+
+log = logging.getLogger(__name__)
+
+
+def too_large(limit: int):
+    """The 413 response (OpenAI's error shape) to a body over ``limit`` bytes."""
+    return error_response(413, f"the request body is larger than max_request_bytes ({limit} bytes)",
+                          code="request_too_large")
+
+
+class BodyDeadline:
+    """ASGI layer: reads an HTTP request's body (all its ``http.request`` messages) before calling
+    ``app``, which then receives it as one message, and the connection's later messages (the
+    client's disconnect) as they come.
+
+    Args:
+        app: the ASGI application behind it.
+        max_bytes: the largest body accepted (bytes); a larger one gets 413 once that many came.
+        timeout_s: seconds from the request's start for the whole body (> 0).
+
+    Raises:
+        ValueError: ``max_bytes`` or ``timeout_s`` not positive.
+    """
+
+    def __init__(self, app, max_bytes: int, timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
+        if not timeout_s > 0 or max_bytes <= 0:
+            raise ValueError(f"max_bytes ({max_bytes}) and the HTTP body timeout ({timeout_s} s) must be positive")
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = time.monotonic() + self.timeout_s
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            try:
+                msg = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                log.info("%s %s: the request body did not arrive within %.1f s (%d bytes came): 408",
+                         scope.get("method"), scope.get("path"), self.timeout_s, size)
+                await error_response(408, f"the request body did not arrive within http_body_timeout_s "
+                                          f"({self.timeout_s:g} s; {size} bytes came)",
+                                     code="request_timeout")(scope, receive, send)
+                return
+            if msg["type"] == "http.disconnect":
+                return  # the client left before its body was complete: nothing to answer
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await too_large(self.max_bytes)(scope, receive, send)
+                return
+            if not msg.get("more_body", False):
+                break
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+
+def _replay(body: bytes, receive):
+    """A ``receive`` that gives ``body`` as the request's one ``http.request`` message, then
+    whatever ``receive`` gives (the disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed():
+        return pending.pop() if pending else await receive()
+
+    return replayed
