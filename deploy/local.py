@@ -313,6 +313,20 @@ def _start_redis(args, state: dict, state_dir: Path) -> str:
     return redis.url
 
 
+def forget_ray_address(address: str | None) -> None:
+    """Remove Ray's "current cluster" file (``/tmp/ray/ray_current_cluster``, which ``ray status`` and
+    ``ray.init("auto")`` read) when it names ``address``, a head just stopped, as ``ray stop`` does;
+    a file naming another cluster's head is left alone."""
+    from ray._common.utils import get_ray_address_file
+
+    path = Path(get_ray_address_file(None))
+    try:
+        if address and path.read_text().strip() == address:
+            path.unlink()
+    except OSError:  # no such file, or not ours to remove
+        pass
+
+
 def _cleanup(state: dict) -> None:
     if state.get("workers") and ray.is_initialized():
         teardown(state)
@@ -320,6 +334,7 @@ def _cleanup(state: dict) -> None:
         ray.shutdown()
     if state.get("started_ray"):
         stop_ray_head(state["ray_head_pid"])
+        forget_ray_address(state.get("ray_address"))
     if state.get("started_redis") and state.get("redis_url"):
         stop_redis_at(state["redis_url"])
         if state.get("redis_dir"):  # its append-only file (for restarts while up) and log: one per random port

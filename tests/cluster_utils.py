@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import torch
+from ray._common.utils import get_ray_address_file
 
 from deploy import local
 from pdcluster.cli import build_parser
@@ -21,7 +22,8 @@ from serving.security import SecurityConfig, internal_channel
 
 @contextmanager
 def running_cluster(state_dir, *extra_args: str):
-    """``pdcluster up --local`` with the CLI's own parser, then ``down`` at exit (which leaves no Redis files)."""
+    """``pdcluster up --local`` with the CLI's own parser, then ``down`` at exit (which leaves no Redis files,
+    and no Ray "current cluster" file naming the head it stopped)."""
     args = build_parser().parse_args(["up", "--local", "--port", "0", "--http-port", "0", "--state-dir", str(state_dir),
                                       *extra_args])
     state = local.up(args)
@@ -30,6 +32,9 @@ def running_cluster(state_dir, *extra_args: str):
     finally:
         local.down(state_dir)
         assert not state.get("redis_dir") or not Path(state["redis_dir"]).exists(), "down left Redis files behind"
+        current = Path(get_ray_address_file(None))
+        assert not (current.exists() and current.read_text().strip() == state["ray_address"]), \
+            f"down left {current} naming the stopped head {state['ray_address']}"
 
 
 @contextmanager
