@@ -111,12 +111,10 @@ def build_app(state: FrontDoorState) -> DeclaredSizeLimit:
     :class:`router.openai.auth.RequireApiKey` (before any body is read),
     :class:`router.openai.body.BodyDeadline` (the body read in time and within its size), the
     FastAPI app."""
-    app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None, max_body_size=state.max_request_bytes)
+    app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)  # bodies: sized and timed by BodyDeadline
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException):
-        if exc.status_code == 413:
-            return too_large(state.max_request_bytes)
         if exc.status_code == 400 and exc.detail == UNREADABLE_BODY:
             return unreadable_body_response(await request.body())
         response = error_response(exc.status_code, str(exc.detail))
