@@ -13,7 +13,7 @@ from pathlib import Path
 
 from engine.config import DTYPES, KV_FAILURE_POLICIES, QUANTIZATIONS
 from pdcluster.client import API_KEY_ENV
-from router.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
+from router.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from router.migration import DEFAULT_MAX_MIGRATIONS, check_max_migrations
 from router.policy_names import DEFAULT_POLICY, POLICY_NAMES
 from serving.logs import LOG_FORMATS, LOG_LEVELS
@@ -130,6 +130,10 @@ def _add_serving(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-body-timeout", type=_positive_float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
                    help="seconds an HTTP request's whole body may take to arrive; later: 408 "
                         f"(default {DEFAULT_BODY_TIMEOUT_S:g})")
+    p.add_argument("--http-header-timeout", type=_positive_float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
+                   help="seconds an HTTP request's head (request line + headers) may take to arrive, from the "
+                        "connection's start or the previous response's end; later: 408 and the connection is closed "
+                        f"(default {DEFAULT_HEADER_TIMEOUT_S:g})")
     p.add_argument("--max-prompt-bytes", type=_positive, default=None, metavar="BYTES",
                    help="largest prompt (text, or chat roles and contents) the router tokenizes "
                         "(default: max-model-len x the longest token of the vocabulary)")

@@ -218,7 +218,7 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
                           host=args.host, port=args.port, max_model_len=args.max_model_len, block_size=args.block_size,
                           policy=args.router_policy, view_period_s=args.heartbeat_s / 4,
                           http_port=args.http_port if args.http else None, max_request_bytes=args.max_request_bytes,
-                          http_body_timeout_s=args.http_body_timeout,
+                          http_body_timeout_s=args.http_body_timeout, http_header_timeout_s=args.http_header_timeout,
                           max_prompt_bytes=args.max_prompt_bytes, max_migrations=args.max_migrations, log=log,
                           security=security, admission=AdmissionConfig(max_queued_requests=args.max_queued_requests,
                                                                        ttft_slo_ms=args.ttft_slo_ms),

@@ -13,6 +13,9 @@ import time
 
 import uvicorn
 
+from router.header_deadline import protocol
+from router.limits import DEFAULT_HEADER_TIMEOUT_S
+
 
 def _private_file(data: bytes) -> str:
     """``data`` in a new temporary file readable by its owner only (mode 0600); returns its path."""
@@ -51,17 +54,21 @@ class HttpServer:
         tls: ``(certificate PEM, key PEM)`` to serve HTTPS with; ``None``: plain HTTP. uvicorn
             reads them from files: they are written to 0600 temporary files, removed once it listens.
         reuse_port: listen with SO_REUSEPORT (other processes of this user may bind the port too).
+        header_timeout_s: seconds each request head may take to arrive; a connection whose head is
+            late is closed (:mod:`router.header_deadline`).
 
     Raises:
         OSError: with ``reuse_port``, the port cannot be bound.
+        ValueError: ``header_timeout_s`` not positive.
     """
 
     def __init__(self, app, host: str, port: int, tls: tuple[bytes, bytes] | None = None,
-                 reuse_port: bool = False) -> None:
+                 reuse_port: bool = False, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> None:
+        http = protocol(header_timeout_s)
         self._tls_files = [_private_file(tls[0]), _private_file(tls[1])] if tls else []
         ssl = {"ssl_certfile": self._tls_files[0], "ssl_keyfile": self._tls_files[1]} if tls else {}
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=1, **ssl)
+                                timeout_graceful_shutdown=1, http=http, **ssl)
         self.server = uvicorn.Server(config)
         self.host = host
         self.port = port

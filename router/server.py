@@ -39,7 +39,7 @@ from router.breaker import BreakerConfig, CircuitBreaker
 from router.cache_aware import cached_prefix_tokens
 from router.core import RequestRouter
 from router.http import HttpServer
-from router.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, Limits
+from router.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, Limits
 from router.load import LoadTracker, PrefillRates
 from router.migration import DEFAULT_MAX_MIGRATIONS, check_max_migrations
 from router.openai.app import FrontDoorState, build_app
@@ -96,6 +96,9 @@ class RouterConfig:
             RESOURCE_EXHAUSTED / HTTP 413.
         http_body_timeout_s: seconds an HTTP request's whole body may take to arrive
             (``pdcluster up --http-body-timeout``); later: 408 (:mod:`router.openai.body`).
+        http_header_timeout_s: seconds an HTTP request's head may take to arrive, from the
+            connection's start or the previous response's end (``pdcluster up
+            --http-header-timeout``); later: the connection is closed (:mod:`router.header_deadline`).
         max_prompt_bytes: a prompt's bytes (text, or chat roles and contents), checked
             before tokenization; ``None``: :func:`router.validation.prompt_byte_cap`
             (``max_model_len`` x the longest token), so a prompt that fits is never refused.
@@ -115,7 +118,7 @@ class RouterConfig:
 
     Raises:
         ValueError: a non-positive ``max_model_len``, ``view_period_s``, ``max_request_bytes``,
-            ``http_body_timeout_s`` or ``max_prompt_bytes``, an unregistered ``policy`` (the
+            ``http_body_timeout_s``, ``http_header_timeout_s`` or ``max_prompt_bytes``, an unregistered ``policy`` (the
             message lists the registered names), ``max_migrations`` outside ``[0, 100]`` or a
             negative ``index``.
     """
@@ -133,6 +136,7 @@ class RouterConfig:
     http_port: int | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     http_body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    http_header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     max_prompt_bytes: int | None = None
     max_migrations: int = DEFAULT_MAX_MIGRATIONS
     log: LogConfig = field(default_factory=LogConfig)
@@ -151,8 +155,9 @@ class RouterConfig:
         if self.max_request_bytes <= 0 or (self.max_prompt_bytes is not None and self.max_prompt_bytes <= 0):
             raise ValueError(f"max_request_bytes ({self.max_request_bytes}) and max_prompt_bytes "
                              f"({self.max_prompt_bytes}) must be positive")
-        if not self.http_body_timeout_s > 0:
-            raise ValueError(f"http_body_timeout_s must be positive, got {self.http_body_timeout_s}")
+        if not (self.http_body_timeout_s > 0 and self.http_header_timeout_s > 0):
+            raise ValueError(f"http_body_timeout_s ({self.http_body_timeout_s}) and http_header_timeout_s "
+                             f"({self.http_header_timeout_s}) must be positive")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
         check_policy(self.policy)
@@ -216,7 +221,7 @@ class RouterServer:
                 self.core, cfg.model, tokenizer, self.serving_now, self.scrape_targets, self.metrics.registry,
                 cfg.security.accepts_api_key, int(time.time()), max_len, cfg.max_request_bytes,
                 cfg.http_body_timeout_s)), cfg.host,
-                cfg.http_port, tls=tls, reuse_port=cfg.reuse_port)
+                cfg.http_port, tls=tls, reuse_port=cfg.reuse_port, header_timeout_s=cfg.http_header_timeout_s)
         self._stop = threading.Event()
         self._health_thread = threading.Thread(target=self._watch_health, name="router-health", daemon=True)
 

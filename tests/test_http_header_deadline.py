@@ -1,0 +1,151 @@
+"""The HTTP port's request heads must arrive in time (:mod:`router.header_deadline`): a connection
+that sends nothing is closed after ``header_timeout_s``, a head that trickles gets 408 in OpenAI's
+error shape and the connection closes, on a fresh connection and on a kept-alive one; heads that
+arrive in time are served, a slow body is left to the body deadline, and idle connections do not
+keep others from being served. Real uvicorn on loopback, raw sockets for the slow clients."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import time
+
+import pytest
+
+from deploy.cli import register
+from deploy.spec import spec_from_args
+from router.header_deadline import protocol
+from router.http import HttpServer
+from router.limits import DEFAULT_HEADER_TIMEOUT_S
+from router.openai.app import FrontDoorState, build_app
+
+HEAD_S = 1.0
+BODY_S = 4.0
+HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@pytest.fixture(scope="module")
+def port():
+    state = FrontDoorState(core=None, model_name="m", tokenizer=None, health=lambda: (True, ""), targets=list,
+                           metrics_registry=None, accepts_api_key=lambda key: key == "k", max_request_bytes=2000,
+                           body_timeout_s=BODY_S)
+    server = HttpServer(build_app(state), "127.0.0.1", 0, header_timeout_s=HEAD_S)
+    yield server.start()
+    server.stop()
+
+
+def _read_all(s: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    return data
+
+
+def _read_response(s: socket.socket) -> tuple[int, bytes]:
+    """One response with a ``content-length`` (status, body), leaving the connection open."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    while len(body) < length:
+        body += s.recv(65536)
+    return int(head.split()[1]), body
+
+
+def _trickle(s: socket.socket, data: bytes, pause_s: float) -> None:
+    for i in range(len(data)):
+        time.sleep(pause_s)
+        try:
+            s.sendall(data[i:i + 1])
+        except OSError:
+            return  # the server closed the connection meanwhile
+
+
+def test_a_silent_connection_is_closed_without_an_answer(port):
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        t0 = time.monotonic()
+        assert _read_all(s) == b""
+        assert HEAD_S <= time.monotonic() - t0 < HEAD_S + 4
+
+
+def test_a_trickling_head_gets_408_and_the_connection_closes(port):
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        t0 = time.monotonic()
+        _trickle(s, HEALTH, pause_s=0.25)  # 33 bytes at 4 a second: each in time, the whole not
+        data = _read_all(s)
+        elapsed = time.monotonic() - t0
+    head, body = data.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_timeout" and "http_header_timeout_s (1 s;" in error["message"]
+    assert HEAD_S <= elapsed < HEAD_S + 4
+
+
+def test_a_kept_alive_connection_gets_the_same_deadline_for_its_next_head(port):
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(HEALTH)
+        assert _read_response(s)[0] == 200
+        _trickle(s, HEALTH, pause_s=0.25)
+        assert _read_all(s).startswith(b"HTTP/1.1 408 ")
+
+
+def test_a_head_in_parts_within_the_deadline_is_served_and_the_connection_kept(port):
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        _trickle(s, HEALTH[:10], pause_s=0.02)
+        s.sendall(HEALTH[10:])
+        assert _read_response(s)[0] == 200
+        time.sleep(HEAD_S / 2)
+        s.sendall(HEALTH)  # the same connection serves the next request
+        assert _read_response(s)[0] == 200
+
+
+def test_a_slow_body_is_the_body_deadlines_not_the_heads(port):
+    payload = b'{"model": "other", "prompt": "a"}'  # reaches the route: an unknown model is its 404
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(payload))
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(head)
+        time.sleep(HEAD_S + 0.5)  # past the head deadline, within the body's
+        s.sendall(payload)
+        status, body = _read_response(s)
+    assert status == 404 and b"other" in body
+
+
+def test_idle_connections_do_not_keep_others_from_being_served(port):
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(50)]
+    try:
+        for c in idle[:25]:
+            c.sendall(b"GET /hea")  # half a head
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(HEALTH)
+            assert _read_response(s)[0] == 200
+        time.sleep(HEAD_S + 1)
+        for i, c in enumerate(idle):  # every one was closed by its deadline
+            c.settimeout(5)
+            data = _read_all(c)
+            assert data.startswith(b"HTTP/1.1 408 ") if i < 25 else data == b"", (i, data[:40])
+    finally:
+        for c in idle:
+            c.close()
+
+
+def test_the_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="must be positive"):
+        protocol(0)
+
+
+def test_the_flag_reaches_the_router_config(capsys):
+    def up(*argv: str):
+        parser = argparse.ArgumentParser(prog="pdcluster", exit_on_error=False)
+        register(parser.add_subparsers(dest="command"), env_api_key=None)
+        return spec_from_args(parser.parse_args(["up", *argv]), "redis://127.0.0.1:1").router
+
+    assert up().http_header_timeout_s == DEFAULT_HEADER_TIMEOUT_S
+    assert up("--http-header-timeout", "2.5").http_header_timeout_s == 2.5
+    with pytest.raises(SystemExit):
+        up("--http-header-timeout", "0")
+    assert "must be" in capsys.readouterr().err
