@@ -6,6 +6,12 @@ of its own (the shared public HTTP port reaches a random router when several sha
 :mod:`router.server`); the router's asks for an API key when the cluster has keys and serves
 HTTPS with the public certificate when the cluster has one, like its public HTTP port.
 
+Each connection is served on its own thread (prometheus-client's threading WSGI server) with a
+socket timeout of :data:`IO_TIMEOUT_S` on every read and write, and with TLS the handshake happens
+on that thread too: a client that connects and stays silent, or never completes its handshake,
+holds one thread for at most that long and never the thread that accepts connections (with the
+handshake in ``accept``, one such client kept every scraper out).
+
 The body is prometheus-client's text format 0.0.4 whatever the scraper asks for: its
 OpenMetrics output rewrites the ``:`` of our names to ``_``, which would split a dashboard's
 series between processes.
@@ -13,6 +19,7 @@ series between processes.
 
 from __future__ import annotations
 
+import logging
 import os
 import ssl
 import tempfile
@@ -24,6 +31,26 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 
 from common.grpc_metadata import bearer_token
+
+log = logging.getLogger(__name__)
+
+IO_TIMEOUT_S = 10.0
+"""Socket timeout of each read and write of a ``/metrics`` connection, TLS handshake included (seconds)."""
+
+
+class _Handler(_SilentHandler):
+    timeout = IO_TIMEOUT_S  # MetricsHttpServer(io_timeout_s=...) sets its own subclass's
+
+    def setup(self) -> None:
+        super().setup()  # applies the timeout
+        if isinstance(self.connection, ssl.SSLSocket):
+            self.connection.do_handshake()
+
+
+class _Server(ThreadingWSGIServer):
+    def handle_error(self, request, client_address) -> None:
+        """A client that timed out, failed its handshake or left: one debug line, no traceback."""
+        log.debug("/metrics connection from %s ended with an error", client_address, exc_info=True)
 
 
 def _tls_context(cert_pem: bytes, key_pem: bytes) -> ssl.SSLContext:
@@ -53,11 +80,17 @@ class MetricsHttpServer:
         accepts_api_key: ``(key or None) -> bool``; when given, a request without an accepted
             ``Authorization: Bearer KEY`` gets 401. ``None``: open.
         tls: ``(certificate PEM, key PEM)`` to serve HTTPS with; ``None``: plain HTTP.
+        io_timeout_s: socket timeout of each read and write of a connection (seconds; > 0).
+
+    Raises:
+        ValueError: ``io_timeout_s`` not positive.
     """
 
     def __init__(self, registry: CollectorRegistry, host: str,
                  accepts_api_key: Callable[[str | None], bool] | None = None,
-                 tls: tuple[bytes, bytes] | None = None) -> None:
+                 tls: tuple[bytes, bytes] | None = None, io_timeout_s: float = IO_TIMEOUT_S) -> None:
+        if not io_timeout_s > 0:
+            raise ValueError(f"io_timeout_s must be positive, got {io_timeout_s}")
         self.host = host
 
         def app(environ, start_response):
@@ -70,9 +103,11 @@ class MetricsHttpServer:
             start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST)])
             return [generate_latest(registry)]
 
-        self._http = make_server(host, 0, app, ThreadingWSGIServer, handler_class=_SilentHandler)
-        if tls is not None:
-            self._http.socket = _tls_context(*tls).wrap_socket(self._http.socket, server_side=True)
+        self._http = make_server(host, 0, app, _Server,
+                                 handler_class=type("Handler", (_Handler,), {"timeout": io_timeout_s}))
+        if tls is not None:  # the handshake on the connection's own thread (_Handler.setup), not in accept
+            self._http.socket = _tls_context(*tls).wrap_socket(self._http.socket, server_side=True,
+                                                               do_handshake_on_connect=False)
         self.port = self._http.server_address[1]
         self._thread = threading.Thread(target=self._http.serve_forever, name="metrics-http", daemon=True)
 
