@@ -13,7 +13,12 @@ from pathlib import Path
 
 from engine.config import DTYPES, KV_FAILURE_POLICIES, QUANTIZATIONS
 from pdcluster.client import API_KEY_ENV
-from router.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
+from router.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_HTTP_MAX_CONNECTIONS,
+    DEFAULT_MAX_REQUEST_BYTES,
+)
 from router.migration import DEFAULT_MAX_MIGRATIONS, check_max_migrations
 from router.policy_names import DEFAULT_POLICY, POLICY_NAMES
 from serving.logs import LOG_FORMATS, LOG_LEVELS
@@ -134,6 +139,9 @@ def _add_serving(p: argparse.ArgumentParser) -> None:
                    help="seconds an HTTP request's head (request line + headers) may take to arrive, from the "
                         "connection's start or the previous response's end; later: 408 and the connection is closed "
                         f"(default {DEFAULT_HEADER_TIMEOUT_S:g})")
+    p.add_argument("--http-max-connections", type=_positive, default=DEFAULT_HTTP_MAX_CONNECTIONS, metavar="N",
+                   help="open connections one router's HTTP port holds at most; one more gets 503 and is closed "
+                        f"(default {DEFAULT_HTTP_MAX_CONNECTIONS})")
     p.add_argument("--max-prompt-bytes", type=_positive, default=None, metavar="BYTES",
                    help="largest prompt (text, or chat roles and contents) the router tokenizes "
                         "(default: max-model-len x the longest token of the vocabulary)")

@@ -219,6 +219,7 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
                           policy=args.router_policy, view_period_s=args.heartbeat_s / 4,
                           http_port=args.http_port if args.http else None, max_request_bytes=args.max_request_bytes,
                           http_body_timeout_s=args.http_body_timeout, http_header_timeout_s=args.http_header_timeout,
+                          http_max_connections=args.http_max_connections,
                           max_prompt_bytes=args.max_prompt_bytes, max_migrations=args.max_migrations, log=log,
                           security=security, admission=AdmissionConfig(max_queued_requests=args.max_queued_requests,
                                                                        ttft_slo_ms=args.ttft_slo_ms),

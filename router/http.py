@@ -5,7 +5,9 @@ kernel spreads connections over them (``pdcluster up --routers N``)."""
 
 from __future__ import annotations
 
+import logging
 import os
+import resource
 import socket
 import tempfile
 import threading
@@ -13,8 +15,28 @@ import time
 
 import uvicorn
 
-from router.header_deadline import protocol
-from router.limits import DEFAULT_HEADER_TIMEOUT_S
+from router.http_protocol import protocol
+from router.limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_HTTP_MAX_CONNECTIONS
+
+log = logging.getLogger(__name__)
+
+FD_HEADROOM = 1024
+"""Open files the router process keeps for everything but HTTP connections (gRPC, Redis, logs)."""
+
+
+def make_fd_room(max_connections: int) -> None:
+    """Raise this process's soft open-file limit (``RLIMIT_NOFILE``) to ``max_connections`` +
+    :data:`FD_HEADROOM` when it is lower, as far as the hard limit allows (logs a warning when
+    that is not enough: a flood of connections could then exhaust the process's descriptors)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_connections + FD_HEADROOM
+    if soft >= want or soft == resource.RLIM_INFINITY:
+        return
+    new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    if new < want:
+        log.warning("open-file limit %d (hard) is below max_connections %d + %d: lower --http-max-connections "
+                    "or raise the limit (ulimit -n)", hard, max_connections, FD_HEADROOM)
 
 
 def _private_file(data: bytes) -> str:
@@ -55,16 +77,20 @@ class HttpServer:
             reads them from files: they are written to 0600 temporary files, removed once it listens.
         reuse_port: listen with SO_REUSEPORT (other processes of this user may bind the port too).
         header_timeout_s: seconds each request head may take to arrive; a connection whose head is
-            late is closed (:mod:`router.header_deadline`).
+            late is closed (:mod:`router.http_protocol`).
+        max_connections: open connections at most; one more gets 503 and is closed (the process's
+            open-file limit is raised to fit them: :func:`make_fd_room`).
 
     Raises:
         OSError: with ``reuse_port``, the port cannot be bound.
-        ValueError: ``header_timeout_s`` not positive.
+        ValueError: ``header_timeout_s`` or ``max_connections`` not positive.
     """
 
     def __init__(self, app, host: str, port: int, tls: tuple[bytes, bytes] | None = None,
-                 reuse_port: bool = False, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> None:
-        http = protocol(header_timeout_s)
+                 reuse_port: bool = False, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+                 max_connections: int = DEFAULT_HTTP_MAX_CONNECTIONS) -> None:
+        http = protocol(header_timeout_s, max_connections)
+        make_fd_room(max_connections)
         self._tls_files = [_private_file(tls[0]), _private_file(tls[1])] if tls else []
         ssl = {"ssl_certfile": self._tls_files[0], "ssl_keyfile": self._tls_files[1]} if tls else {}
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",

@@ -18,8 +18,10 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 #: Seconds an HTTP request's whole body may take to arrive (later: 408; :mod:`router.openai.body`).
 DEFAULT_BODY_TIMEOUT_S = 60.0
 #: Seconds an HTTP request's head (request line and headers) may take to arrive, from the
-#: connection's start or the previous response's end (later: closed; :mod:`router.header_deadline`).
+#: connection's start or the previous response's end (later: closed; :mod:`router.http_protocol`).
 DEFAULT_HEADER_TIMEOUT_S = 10.0
+#: Open connections one router's HTTP port holds at most (more: 503 and closed; :mod:`router.http_protocol`).
+DEFAULT_HTTP_MAX_CONNECTIONS = 4096
 #: Cap on a prompt's bytes when the tokenizer gives none (:func:`router.validation.prompt_byte_cap`).
 DEFAULT_MAX_PROMPT_BYTES = 1024 * 1024
 MAX_CHAT_MESSAGES = 256

@@ -39,7 +39,13 @@ from router.breaker import BreakerConfig, CircuitBreaker
 from router.cache_aware import cached_prefix_tokens
 from router.core import RequestRouter
 from router.http import HttpServer
-from router.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, Limits
+from router.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_HTTP_MAX_CONNECTIONS,
+    DEFAULT_MAX_REQUEST_BYTES,
+    Limits,
+)
 from router.load import LoadTracker, PrefillRates
 from router.migration import DEFAULT_MAX_MIGRATIONS, check_max_migrations
 from router.openai.app import FrontDoorState, build_app
@@ -98,7 +104,9 @@ class RouterConfig:
             (``pdcluster up --http-body-timeout``); later: 408 (:mod:`router.openai.body`).
         http_header_timeout_s: seconds an HTTP request's head may take to arrive, from the
             connection's start or the previous response's end (``pdcluster up
-            --http-header-timeout``); later: the connection is closed (:mod:`router.header_deadline`).
+            --http-header-timeout``); later: the connection is closed (:mod:`router.http_protocol`).
+        http_max_connections: open connections the HTTP port holds at most (``pdcluster up
+            --http-max-connections``); one more gets 503 and is closed.
         max_prompt_bytes: a prompt's bytes (text, or chat roles and contents), checked
             before tokenization; ``None``: :func:`router.validation.prompt_byte_cap`
             (``max_model_len`` x the longest token), so a prompt that fits is never refused.
@@ -118,7 +126,8 @@ class RouterConfig:
 
     Raises:
         ValueError: a non-positive ``max_model_len``, ``view_period_s``, ``max_request_bytes``,
-            ``http_body_timeout_s``, ``http_header_timeout_s`` or ``max_prompt_bytes``, an unregistered ``policy`` (the
+            ``http_body_timeout_s``, ``http_header_timeout_s``, ``http_max_connections`` or
+            ``max_prompt_bytes``, an unregistered ``policy`` (the
             message lists the registered names), ``max_migrations`` outside ``[0, 100]`` or a
             negative ``index``.
     """
@@ -137,6 +146,7 @@ class RouterConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     http_body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     http_header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    http_max_connections: int = DEFAULT_HTTP_MAX_CONNECTIONS
     max_prompt_bytes: int | None = None
     max_migrations: int = DEFAULT_MAX_MIGRATIONS
     log: LogConfig = field(default_factory=LogConfig)
@@ -158,6 +168,8 @@ class RouterConfig:
         if not (self.http_body_timeout_s > 0 and self.http_header_timeout_s > 0):
             raise ValueError(f"http_body_timeout_s ({self.http_body_timeout_s}) and http_header_timeout_s "
                              f"({self.http_header_timeout_s}) must be positive")
+        if self.http_max_connections < 1:
+            raise ValueError(f"http_max_connections must be positive, got {self.http_max_connections}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
         check_policy(self.policy)
@@ -221,7 +233,8 @@ class RouterServer:
                 self.core, cfg.model, tokenizer, self.serving_now, self.scrape_targets, self.metrics.registry,
                 cfg.security.accepts_api_key, int(time.time()), max_len, cfg.max_request_bytes,
                 cfg.http_body_timeout_s)), cfg.host,
-                cfg.http_port, tls=tls, reuse_port=cfg.reuse_port, header_timeout_s=cfg.http_header_timeout_s)
+                cfg.http_port, tls=tls, reuse_port=cfg.reuse_port, header_timeout_s=cfg.http_header_timeout_s,
+                max_connections=cfg.http_max_connections)
         self._stop = threading.Event()
         self._health_thread = threading.Thread(target=self._watch_health, name="router-health", daemon=True)
 

@@ -125,7 +125,7 @@ def build_app(state: FrontDoorState) -> DeclaredSizeLimit:
     async def _invalid_body(request: Request, exc: RequestValidationError):
         return validation_error_response(list(exc.errors()), request.headers.get("content-type"))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def health():
         serving, reason = state.health()
         return Response(status_code=200) if serving else error_response(503, reason)

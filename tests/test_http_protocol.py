@@ -1,8 +1,9 @@
-"""The HTTP port's request heads must arrive in time (:mod:`router.header_deadline`): a connection
-that sends nothing is closed after ``header_timeout_s``, a head that trickles gets 408 in OpenAI's
-error shape and the connection closes, on a fresh connection and on a kept-alive one; heads that
-arrive in time are served, a slow body is left to the body deadline, and idle connections do not
-keep others from being served. Real uvicorn on loopback, raw sockets for the slow clients."""
+"""The HTTP port's connections (:mod:`router.http_protocol`): a connection that sends nothing is
+closed after ``header_timeout_s``, a head that trickles gets 408 in OpenAI's error shape and the
+connection closes, on a fresh connection and on a kept-alive one; heads that arrive in time are
+served, a slow body is left to the body deadline, and idle connections do not keep others from
+being served; a connection beyond ``max_connections`` gets 503 and is closed; a request h11
+cannot parse gets 400 in OpenAI's error shape. Real uvicorn on loopback, raw sockets."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ import pytest
 
 from deploy.cli import register
 from deploy.spec import spec_from_args
-from router.header_deadline import protocol
 from router.http import HttpServer
-from router.limits import DEFAULT_HEADER_TIMEOUT_S
+from router.http_protocol import protocol
+from router.limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_HTTP_MAX_CONNECTIONS
 from router.openai.app import FrontDoorState, build_app
 
 HEAD_S = 1.0
+MAX_CONNECTIONS = 60
 BODY_S = 4.0
 HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 
@@ -30,7 +32,7 @@ def port():
     state = FrontDoorState(core=None, model_name="m", tokenizer=None, health=lambda: (True, ""), targets=list,
                            metrics_registry=None, accepts_api_key=lambda key: key == "k", max_request_bytes=2000,
                            body_timeout_s=BODY_S)
-    server = HttpServer(build_app(state), "127.0.0.1", 0, header_timeout_s=HEAD_S)
+    server = HttpServer(build_app(state), "127.0.0.1", 0, header_timeout_s=HEAD_S, max_connections=MAX_CONNECTIONS)
     yield server.start()
     server.stop()
 
@@ -133,9 +135,47 @@ def test_idle_connections_do_not_keep_others_from_being_served(port):
             c.close()
 
 
-def test_the_timeout_must_be_positive():
+def test_health_answers_head_requests_too(port):
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"HEAD /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert _read_all(s).startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_connection_beyond_max_connections_gets_503_and_is_closed(port):
+    held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.2)  # every one accepted
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            data = _read_all(s)
+        head, body = data.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in head.lower()
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
+    finally:
+        for c in held:
+            c.close()
+    time.sleep(0.2)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:  # room again
+        s.sendall(HEALTH)
+        assert _read_response(s)[0] == 200
+
+
+@pytest.mark.parametrize("head", [b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+                                  b"NOT A REQUEST LINE\r\n\r\n"])
+def test_a_request_h11_cannot_parse_gets_400_in_openais_shape(port, head):
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(head)
+        data = _read_all(s)
+    head_text, body = data.split(b"\r\n\r\n", 1)
+    assert head_text.startswith(b"HTTP/1.1 400 ") and b"application/json" in head_text
+    error = json.loads(body)["error"]
+    assert error["code"] == "invalid_http_request" and error["type"] == "invalid_request_error"
+
+
+def test_the_limits_must_be_positive():
     with pytest.raises(ValueError, match="must be positive"):
-        protocol(0)
+        protocol(0, 10)
+    with pytest.raises(ValueError, match="must be positive"):
+        protocol(1, 0)
 
 
 def test_the_flag_reaches_the_router_config(capsys):
@@ -144,8 +184,12 @@ def test_the_flag_reaches_the_router_config(capsys):
         register(parser.add_subparsers(dest="command"), env_api_key=None)
         return spec_from_args(parser.parse_args(["up", *argv]), "redis://127.0.0.1:1").router
 
-    assert up().http_header_timeout_s == DEFAULT_HEADER_TIMEOUT_S
-    assert up("--http-header-timeout", "2.5").http_header_timeout_s == 2.5
-    with pytest.raises(SystemExit):
-        up("--http-header-timeout", "0")
-    assert "must be" in capsys.readouterr().err
+    default = up()
+    assert default.http_header_timeout_s == DEFAULT_HEADER_TIMEOUT_S
+    assert default.http_max_connections == DEFAULT_HTTP_MAX_CONNECTIONS
+    cfg = up("--http-header-timeout", "2.5", "--http-max-connections", "100")
+    assert cfg.http_header_timeout_s == 2.5 and cfg.http_max_connections == 100
+    for bad in (("--http-header-timeout", "0"), ("--http-max-connections", "0")):
+        with pytest.raises(SystemExit):
+            up(*bad)
+        assert "must be" in capsys.readouterr().err
