@@ -93,8 +93,8 @@ class _GuardedH11(H11Protocol):
             return
         came = len(self.conn.trailing_data[0])
         if came:
-            _late_heads.info(_peer(self.client), "HTTP client %s: request head incomplete after %g s (%d bytes came): 408, closed",
-                           _peer(self.client), self.head_timeout_s, came)
+            _late_heads.info(_peer(self.client), "HTTP client %s: request head incomplete after %g s "
+                             "(%d bytes came): 408, closed", _peer(self.client), self.head_timeout_s, came)
             self.transport.write(_response(408, f"the request head did not arrive within http_header_timeout_s "
                                                 f"({self.head_timeout_s:g} s; {came} bytes came)", "request_timeout"))
         self.transport.close()
