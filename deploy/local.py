@@ -225,7 +225,7 @@ def up(args) -> dict:
         TimeoutError: the workers or the router were not healthy within ``--timeout-s``.
     """
     state_dir = _preflight(args)
-    state_dir.mkdir(parents=True, exist_ok=True)
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # holds the cluster secret (state file, Redis' AOF)
     state: dict = {"started_ray": False, "started_redis": False, "cluster_secret": secrets.token_urlsafe(32)}
     if args.internal_tls:
         ca = create_ca(args.cluster)

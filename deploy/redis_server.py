@@ -12,6 +12,7 @@ URL or pid (``pdcluster down``).
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
@@ -68,7 +69,9 @@ class LocalRedisServer:
         persist: keep an append-only file (``appendonly yes``, fsync every second) in
             ``workdir``, so a server restarted on the same port and folder (the cluster
             controller's Redis supervision) comes back with the registry, the desired state and
-            the workers' generation counters.
+            the workers' generation counters. The folder is made private (mode 0700) and the
+            server runs with umask 077: the append-only file holds the cluster's state, secrets
+            included.
         password: require this password (``--requirepass``; the URL carries it).
             Needed to serve other machines: without one, Redis' protected mode
             refuses every client that does not come from loopback.
@@ -147,7 +150,8 @@ class LocalRedisServer:
         """
         if self.is_running():
             raise RuntimeError(f"redis-server already running (pid {self.pid}, {self.url})")
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.workdir.chmod(0o700)  # also when it existed: its files hold the cluster's secrets
         # A restart reuses the previous port so clients keep their URL. A port
         # picked by bind(0) may be taken by someone else before the server
         # binds it; with no fixed port, try a few fresh ones.
@@ -182,13 +186,14 @@ class LocalRedisServer:
         ]
         if self.password:
             cmd += ["--requirepass", self.password]
-        with open(self.log_path, "ab") as log:
+        with os.fdopen(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
             self._proc = subprocess.Popen(
                 cmd,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self.workdir,
+                umask=0o077,
                 start_new_session=self.detach,
                 close_fds=True,
             )

@@ -128,6 +128,16 @@ def test_hung_server_is_killed_reaped_and_replaced(supervised, caplog):
     for pid in (first, second, third):
         assert f"cluster Redis restarted (pid {pid})" in text
     assert "Address already in use" not in text
+    _assert_private(Path(sup.spec.workdir))
+
+
+def _assert_private(workdir: Path) -> None:
+    """The server's folder and every file in it (the append-only file holds the cluster's state,
+    its secrets included) are readable by their owner only."""
+    files = [workdir, *workdir.rglob("*")]
+    assert any(p.name.endswith(".aof") for p in files)
+    for p in files:
+        assert p.stat().st_mode & 0o077 == 0, f"{p} mode {oct(p.stat().st_mode)}"
 
 
 def test_port_held_by_something_else_is_left_alone(tmp_path, caplog):
