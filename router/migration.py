@@ -46,7 +46,9 @@ import grpc
 from pdcluster.v1 import worker_pb2
 
 DEFAULT_MAX_MIGRATIONS = 3
-MIGRATION_WAIT_S = 30.0  # a restarted worker registers within ~5-10 s on a small CPU machine
+# A restarted worker registers ~5-10 s after its death on a small CPU machine; a hung one is killed
+# after 20 s without a heartbeat and then restarts: 35 s seen on a loaded 2-core machine.
+MIGRATION_WAIT_S = 60.0
 MAX_MIGRATIONS_LIMIT = 100
 
 #: Statuses of a failed worker call that a request survives by migrating.
