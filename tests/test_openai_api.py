@@ -183,6 +183,8 @@ BAD_BODIES = [
     ("chat/completions", '"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]',
      "messages[0].content"),
     ("completions", '"top_p": 1e-300', "top_p"),  # rounds to 0 in float32: refused as too small
+    # too large for the wire: named as the request wrote it (chat's top_logprobs is the router's logprobs)
+    ("chat/completions", '"logprobs": true, "top_logprobs": 1099511627776', "top_logprobs"),
 ]
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from common.sampling_params import sampling_params, write_sampling
 from pdcluster.v1 import common_pb2, router_pb2
 from router.limits import MAX_CHOICES, MAX_N
+from router.openai.errors import request_aliases
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 _UINT32_LIMIT = 1 << 32
@@ -147,8 +148,9 @@ def _sampling(body, logprobs: int, max_tokens: int | None) -> common_pb2.Samplin
     for name, value in values.items():
         try:
             write_sampling(s, {name: value})
-        except (TypeError, ValueError) as e:
-            raise OpenAIRequestError(str(e), param=name) from None  # the message starts with the name
+        except (TypeError, ValueError) as e:  # the message starts with the name: the request's own for it
+            field = request_aliases(body).get(name, name)
+            raise OpenAIRequestError(field + str(e)[len(name):], param=field) from None
     return s
 
 
