@@ -222,4 +222,6 @@ def run_top(base_url: str, interval_s: float = 1.0, iterations: int | None = Non
                 done += 1
         except KeyboardInterrupt:
             pass
+    if not console.is_terminal:  # rich ends a terminal's last frame with a newline, a piped one without
+        console.line()
     return 0
