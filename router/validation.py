@@ -23,6 +23,7 @@ from jinja2.exceptions import TemplateError
 
 from common.sampling_params import SamplingParam, Target, sampling_params
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
+from router.chat import render_chat
 from router.limits import CHAT_ROLES, MAX_REQUEST_ID_CHARS, Limits
 
 
@@ -170,14 +171,3 @@ def _check_request_id(rid: str) -> None:
 def _clip(text: str, limit: int = 40) -> str:
     """``repr`` of ``text`` cut to ``limit`` characters (error messages stay small)."""
     return repr(text[:limit]) + ("..." if len(text) > limit else "")
-
-
-def render_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """Render with the model's chat template (generation prompt added), then tokenize
-    without adding special tokens again (the template has them).
-
-    Raises:
-        jinja2.exceptions.TemplateError: the template refused the messages.
-    """
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)

@@ -15,7 +15,7 @@ from deploy import local
 from pdcluster.cli import build_parser
 from pdcluster.client import PdclusterClient
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
-from router.validation import render_chat
+from router.chat import render_chat
 from serving.registry import WorkerRegistry
 from serving.security import SecurityConfig, internal_channel
 
