@@ -85,7 +85,9 @@ def start_ray_node(state_dir: Path, head_address: str | None = None, resources: 
     if head_address is None:
         port = free_port()
         address = f"127.0.0.1:{port}"
-        cmd += ["--head", f"--port={port}", "--include-dashboard=false"]
+        # the Ray client server on a free port too: on its default (10001) two local clusters would
+        # both listen with SO_REUSEPORT and a ray:// client would reach either
+        cmd += ["--head", f"--port={port}", "--include-dashboard=false", f"--ray-client-server-port={free_port()}"]
         log_path = state_dir / "ray-head.log"
     else:
         address = head_address
