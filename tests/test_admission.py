@@ -6,7 +6,6 @@ body), the configs' validation and ``pdcluster up``'s flags."""
 
 from __future__ import annotations
 
-import argparse
 import threading
 import time
 import types
@@ -15,7 +14,6 @@ import grpc
 import pytest
 from fastapi.testclient import TestClient
 
-from deploy.cli import register
 from deploy.spec import spec_from_args
 from pdcluster.client import build_request
 from pdcluster.v1 import router_pb2, router_pb2_grpc
@@ -30,6 +28,8 @@ from serving.metrics import ProcessMetrics
 from serving.registry import WorkerInfo
 from serving.rpc import RETRY_AFTER_METADATA
 from serving.security import Plane, SecurityConfig, make_server
+
+from cli_helpers import parse_up
 
 DECODES = [WorkerInfo("d-0", "decode", "d:0", max_num_seqs=4), WorkerInfo("d-1", "decode", "d:1", max_num_seqs=4)]
 PREFILLS = [WorkerInfo("p-0", "prefill", "p:0"), WorkerInfo("p-1", "prefill", "p:1")]
@@ -194,17 +194,12 @@ def test_http_refusal_is_429_with_retry_after():
                                   "code": "resource_exhausted"}}
 
 
-def _parse_up(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="pdcluster", exit_on_error=False)
-    register(parser.add_subparsers(dest="command"), env_api_key=None)
-    return parser.parse_args(["up", *argv])
-
 
 def test_up_flags_reach_the_router_and_the_workers(capsys):
-    default = spec_from_args(_parse_up(), "redis://127.0.0.1:1")
+    default = spec_from_args(parse_up(), "redis://127.0.0.1:1")
     assert default.router.admission == AdmissionConfig() and default.router.breaker == BreakerConfig()
     assert default.worker.max_queued_requests == AdmissionConfig().max_queued_requests
-    spec = spec_from_args(_parse_up("--max-queued-requests", "7", "--ttft-slo-ms", "250", "--breaker-failures", "2",
+    spec = spec_from_args(parse_up("--max-queued-requests", "7", "--ttft-slo-ms", "250", "--breaker-failures", "2",
                                     "--breaker-cooldown-s", "1.5"), "redis://127.0.0.1:1")
     assert spec.router.admission == AdmissionConfig(max_queued_requests=7, ttft_slo_ms=250.0)
     assert spec.router.breaker == BreakerConfig(failures=2, cooldown_s=1.5)
@@ -212,5 +207,5 @@ def test_up_flags_reach_the_router_and_the_workers(capsys):
     for bad in (("--max-queued-requests", "-1"), ("--ttft-slo-ms", "0"), ("--breaker-failures", "0"),
                 ("--breaker-cooldown-s", "-2")):
         with pytest.raises(SystemExit):
-            _parse_up(*bad)
+            parse_up(*bad)
         assert "must be" in capsys.readouterr().err

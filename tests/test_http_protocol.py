@@ -7,19 +7,19 @@ cannot parse gets 400 in OpenAI's error shape. Real uvicorn on loopback, raw soc
 
 from __future__ import annotations
 
-import argparse
 import json
 import socket
 import time
 
 import pytest
 
-from deploy.cli import register
 from deploy.spec import spec_from_args
 from router.http import HttpServer
 from router.http_protocol import protocol
 from router.limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_HTTP_MAX_CONNECTIONS
 from router.openai.app import FrontDoorState, build_app
+
+from cli_helpers import parse_up
 
 HEAD_S = 1.0
 MAX_CONNECTIONS = 60
@@ -180,9 +180,7 @@ def test_the_limits_must_be_positive():
 
 def test_the_flag_reaches_the_router_config(capsys):
     def up(*argv: str):
-        parser = argparse.ArgumentParser(prog="pdcluster", exit_on_error=False)
-        register(parser.add_subparsers(dest="command"), env_api_key=None)
-        return spec_from_args(parser.parse_args(["up", *argv]), "redis://127.0.0.1:1").router
+        return spec_from_args(parse_up(*argv), "redis://127.0.0.1:1").router
 
     default = up()
     assert default.http_header_timeout_s == DEFAULT_HEADER_TIMEOUT_S

@@ -3,12 +3,9 @@ step, and the ``--router-policy`` flag (no Redis, no workers)."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from common.prefix_hash import block_hashes
-from deploy.cli import register
 from deploy.spec import spec_from_args
 from router.load import LoadTracker
 from router.placement import POLICIES, Placer, make_policy
@@ -16,6 +13,8 @@ from router.policy import NoWorkerError, RequestContext, Signals
 from router.policy_names import CACHE_AWARE, DEFAULT_POLICY, LEAST_LOADED, POLICY_NAMES, ROUND_ROBIN
 from router.server import RouterConfig
 from serving.registry import WorkerInfo, WorkerLoadSnapshot
+
+from cli_helpers import parse_up
 
 PROMPT = list(range(200, 328))  # 8 blocks of 16
 REQUEST = RequestContext("r", PROMPT)
@@ -142,18 +141,13 @@ def test_placement_chooses_a_decode_and_a_prefill_worker():
         Placer(_View(_cand("d-0")), _policy(LEAST_LOADED)).place(REQUEST)
 
 
-def _parse_up(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="pdcluster", exit_on_error=False)
-    register(parser.add_subparsers(dest="command"), env_api_key=None)
-    return parser.parse_args(["up", *argv])
-
 
 def test_router_policy_flag_and_config(capsys):
-    assert _parse_up().router_policy == DEFAULT_POLICY
-    args = _parse_up("--router-policy", "round_robin")
+    assert parse_up().router_policy == DEFAULT_POLICY
+    args = parse_up("--router-policy", "round_robin")
     assert spec_from_args(args, "redis://127.0.0.1:1").router.policy == ROUND_ROBIN
     with pytest.raises(SystemExit):
-        _parse_up("--router-policy", "fastest")
+        parse_up("--router-policy", "fastest")
     assert "invalid choice" in capsys.readouterr().err
     assert RouterConfig(model="m", model_path="/m", redis_url="redis://x").policy == CACHE_AWARE
     with pytest.raises(ValueError, match="unknown router policy 'fastest'; registered: cache_aware, least_loaded"):
