@@ -14,7 +14,7 @@ from engine.step import TokenLogprobs
 @dataclass(frozen=True)
 class ReserveMsg:
     request: Request
-    stream: queue.Queue[DecodeEventT]
+    stream: queue.SimpleQueue[DecodeEventT]
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ class DecodeScheduler:
         self.kv_failure = make_kv_failure_policy(sched.kv_failure_policy)
         self.transfers = TransferTable(HeadShards.of(runner.kv_parts))  # every tensor-parallel rank's heads
         self._inbox = Inbox(wake)
-        self._streams: dict[str, queue.Queue] = {}
+        self._streams: dict[str, queue.SimpleQueue] = {}
         self._requests: dict[str, Request] = {}
         self._pending: deque[str] = deque()     # waiting for blocks
         self._ready: deque[str] = deque()       # KV arrived (or to rebuild), waiting for a batch slot
@@ -107,7 +107,7 @@ class DecodeScheduler:
         self.num_kv_recomputes = 0
 
     # ---- called from other threads -------------------------------------------------
-    def submit_reserve(self, request: Request, stream: queue.Queue[DecodeEventT]) -> None:
+    def submit_reserve(self, request: Request, stream: queue.SimpleQueue[DecodeEventT]) -> None:
         self._inbox.put(ReserveMsg(request, stream))
 
     def submit_abort(self, request_id: str, transfer_id: str | None = None) -> None:

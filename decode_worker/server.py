@@ -98,7 +98,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             req = request_from_proto(request.request, request.transfer_id, self.device)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        events: queue.Queue = queue.Queue()
+        events: queue.SimpleQueue = queue.SimpleQueue()  # get() waits in C: less GIL per token than Queue
         t0 = time.monotonic()
         log.debug("reserve: %d prompt tokens, %d earlier output tokens, max_tokens %d", len(req.prompt_token_ids),
                   len(req.output_token_ids), req.params.max_tokens)
@@ -125,7 +125,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 log.info("request failed: %s", ev.message)
                 context.abort(ev.code, ev.message)
 
-    def _queue_reserve(self, req, events: queue.Queue, context) -> bool:
+    def _queue_reserve(self, req, events: queue.SimpleQueue, context) -> bool:
         """Queue ``req``'s reservation so that the end of its ``Reserve`` call, whenever it
         comes, aborts it: the call's termination callback queues an abort of this
         reservation (its transfer id), which must reach the scheduler after the reservation.
