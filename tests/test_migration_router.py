@@ -14,13 +14,11 @@ placement avoids failed workers; the ``--max-migrations`` flag is validated.
 
 from __future__ import annotations
 
-import argparse
 import threading
 
 import grpc
 import pytest
 
-from deploy.cli import register
 from deploy.spec import spec_from_args
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from router.core import RequestRouter
@@ -36,6 +34,8 @@ from router.validation import RequestValidator
 from serving.metrics import ProcessMetrics
 from serving.registry import WorkerInfo, WorkerLoadSnapshot
 from serving.security import Plane, SecurityConfig, bind, internal_channel, make_server
+
+from cli_helpers import parse_up
 
 OPEN = SecurityConfig()
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -279,12 +279,10 @@ def test_placement_avoids_failed_workers_unless_none_is_left():
 
 
 def test_max_migrations_flag_and_config_are_validated():
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers(), None)
-    args = parser.parse_args(["up", "--max-migrations", "5"])
+    args = parse_up("--max-migrations", "5")
     assert spec_from_args(args, "redis://x:1").router.max_migrations == 5
-    assert parser.parse_args(["up"]).max_migrations == 3
+    assert parse_up().max_migrations == 3
     with pytest.raises(SystemExit):
-        parser.parse_args(["up", "--max-migrations", "-1"])
+        parse_up("--max-migrations", "-1")
     with pytest.raises(ValueError, match=r"max_migrations must be an integer in \[0, 100\], got 101"):
         RouterConfig(model="m", model_path="/x", redis_url="redis://x:1", max_migrations=101)
