@@ -4,7 +4,7 @@ Lifecycle of a request (decode-led reservation, DESIGN.md); every transition hap
 on the loop thread, in :meth:`DecodeScheduler.step`:
 
 * ``reserve`` -> **WAITING** (``_pending``, FIFO): refused at once with
-  RESOURCE_EXHAUSTED if prompt + max_tokens could never fit the pool, or
+  INVALID_ARGUMENT if prompt + max_tokens could never fit the pool, or
   ALREADY_EXISTS for a live request id.
 * WAITING -> **TRANSFERRING**: the KV manager admits it (prompt blocks plus one
   token of growth fit above the watermark) and reserves its prompt blocks; a
@@ -143,8 +143,7 @@ class DecodeScheduler:
         run_steps(stop, self.step)
 
     def step(self, block: bool = True) -> bool:
-        """One scheduling round; returns whether a model step ran. With ``block``, an idle
-        scheduler waits up to 50 ms for mail."""
+        """One scheduling round; returns whether a model step ran (``block``: idle waits <= 50 ms for mail)."""
         busy = bool(self._running or self._recomputing)
         for msg in self._inbox.drain(block=block and not busy):
             self._handle(msg)
@@ -190,8 +189,9 @@ class DecodeScheduler:
             return
         need = req.max_blocks(self.kv.block_size)
         if need > self.kv.num_usable:
-            msg.stream.put(Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request needs {need} KV blocks "
-                                  f"(prompt + max_tokens), the decode pool has {self.kv.num_usable}"))
+            msg.stream.put(Failed(grpc.StatusCode.INVALID_ARGUMENT, f"prompt ({len(req.prompt_token_ids)} "
+                                  f"tokens) + max_tokens ({req.params.max_tokens}) needs {need} KV blocks, more than "
+                                  f"the decode worker's whole KV pool ({self.kv.num_usable} blocks): lower max_tokens"))
             return
         self._requests[req.request_id] = req
         self._streams[req.request_id] = msg.stream

@@ -106,14 +106,14 @@ def test_decode_admission_backpressure(model, model_config, text_ids):
     _no_decode_leak(sched)
 
 
-def test_decode_request_that_never_fits_is_resource_exhausted(model, model_config, text_ids):
+def test_decode_request_that_never_fits_is_invalid_argument(model, model_config, text_ids):
     runner, sched = _decode_sched(model, model_config, num_blocks=8)
     stream: queue.Queue = queue.Queue()
     sched.submit_reserve(_req("huge", text_ids[:60], max_tokens=100), stream)  # 10 blocks > 7
     sched.step()
     (ev,) = _events(stream)
-    assert isinstance(ev, Failed) and ev.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "10 KV blocks" in ev.message
+    assert isinstance(ev, Failed) and ev.code == grpc.StatusCode.INVALID_ARGUMENT  # HTTP 400, not a retryable 429
+    assert "10 KV blocks" in ev.message and "max_tokens (100)" in ev.message and "(7 blocks)" in ev.message
     assert not sched.has_request("huge")
     _no_decode_leak(sched)
     # a second reservation under a live request id is refused; the first one is untouched
