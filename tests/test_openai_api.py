@@ -119,6 +119,10 @@ def test_n2_logprobs_seed_stop(oai):
     assert lp[0].logprob == pytest.approx(lp[0].top_logprobs[0].logprob)
     c = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2)
     assert len(c.choices[0].logprobs.tokens) == 6 and all(len(t) <= 2 for t in c.choices[0].logprobs.top_logprobs)
+    z = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=0)
+    zl = z.choices[0].logprobs  # logprobs 0: the sampled tokens' logprobs, each top list only the sampled token
+    assert zl.tokens == c.choices[0].logprobs.tokens and zl.token_logprobs == c.choices[0].logprobs.token_logprobs
+    assert zl.top_logprobs == [{t: lp} for t, lp in zip(zl.tokens, zl.token_logprobs)]
     s1 = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=7)
     s2 = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=7)
     assert s1.choices[0].text == s2.choices[0].text

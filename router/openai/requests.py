@@ -199,10 +199,12 @@ def completion_requests(body: CompletionRequest) -> tuple[str, list[SubRequest]]
             if bad:
                 raise OpenAIRequestError(f"prompt: token id {bad[0]} is out of range", param="prompt")
             prompts.append({"token_ids": router_pb2.TokenIds(ids=x)})
-    logprobs = body.logprobs or 0
-    if logprobs < 0:
-        raise OpenAIRequestError(f"logprobs must be >= 0, got {logprobs}", param="logprobs")
-    return _expand(prompts, body, logprobs, logprobs, body.max_tokens, "cmpl")
+    top = body.logprobs or 0
+    if top < 0:
+        raise OpenAIRequestError(f"logprobs must be >= 0, got {top}", param="logprobs")
+    # ``logprobs: 0`` still asks for the sampled tokens' logprobs (the top list then holds just that token)
+    logprobs = 0 if body.logprobs is None else max(top, 1)
+    return _expand(prompts, body, logprobs, top, body.max_tokens, "cmpl")
 
 
 def chat_requests(body: ChatCompletionRequest) -> tuple[str, list[SubRequest]]:

@@ -58,14 +58,17 @@ class LogprobText:
             out.append({"token": text, "logprob": lp.logprob, "bytes": list(text.encode()), "top_logprobs": tops})
         return out
 
-    def completion(self, logprobs, offset: int) -> dict:
-        """Completions-style ``logprobs`` for ``TokenLogprob`` messages whose text starts at ``offset``."""
+    def completion(self, logprobs, offset: int, top_n: int) -> dict:
+        """Completions-style ``logprobs`` for ``TokenLogprob`` messages whose text starts at ``offset``;
+        each ``top_logprobs`` entry holds the ``top_n`` most likely tokens, or with ``top_n`` 0 the
+        sampled one (as OpenAI and vLLM answer ``logprobs: 0``)."""
         tokens, lps, tops, offsets = [], [], [], []
         for lp in logprobs:
             text = self.token(lp.token_id)
             tokens.append(text)
             lps.append(lp.logprob)
-            tops.append({self.token(x.token_id): x.logprob for x in lp.top})
+            tops.append({self.token(x.token_id): x.logprob for x in list(lp.top)[:top_n]} if top_n
+                        else {text: lp.logprob})
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
@@ -88,7 +91,9 @@ class ResponseBuilder:
         lps = [lp for m in msgs for lp in m.logprobs]
         if not self.logprobs:
             return None
-        return {"content": self.text.chat(lps, top_n)} if self.kind == "chat" else self.text.completion(lps, offset)
+        if self.kind == "chat":
+            return {"content": self.text.chat(lps, top_n)}
+        return self.text.completion(lps, offset, top_n)
 
     def whole(self, choices: dict[int, list], top_n: int, n: int) -> dict:
         """The non-streamed body from every choice's messages (index -> messages in order;
