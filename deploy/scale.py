@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import ray
+from redis.exceptions import RedisError
 
 from common.model_config import FieldError
 from deploy.cluster import (
@@ -211,8 +212,8 @@ def scale_from_state_dir(state_dir: Path | str | None, target: ScaleTarget) -> d
     Raises:
         FileNotFoundError: no cluster is up under ``state_dir``.
         ConnectionError: the cluster's Ray head cannot be reached.
-        RuntimeError: another ``scale`` holds the lock, the cluster has no controller; or
-            see :func:`scale`.
+        RuntimeError: another ``scale`` holds the lock, the cluster has no controller or it
+            stopped meanwhile; or see :func:`scale`.
     """
     from deploy.controller import controller_of
 
@@ -226,6 +227,9 @@ def scale_from_state_dir(state_dir: Path | str | None, target: ScaleTarget) -> d
             new = ray.get(controller.scale.remote(asdict(target), target.start_timeout_s))
         except ray.exceptions.RayTaskError as e:  # the controller's own error, without Ray's wrapping
             raise (e.cause if isinstance(e.cause, Exception) else RuntimeError(str(e))) from None
+        except ray.exceptions.RayActorError:  # e.g. `pdcluster down` meanwhile
+            raise RuntimeError("the cluster's controller stopped during the scale (was `pdcluster down` run?); "
+                               "see `pdcluster status`") from None
         finally:
             ray.shutdown()
         write_state(state_dir, {**state, **new})
@@ -256,6 +260,9 @@ def cmd_scale(args) -> int:
         return 1
     except (ValueError, RuntimeError, ConnectionError) as e:  # bad counts, placement failure, busy lock, no Ray
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except RedisError as e:  # the controller's, e.g. Redis down for longer than a worker waits to register
+        print(f"error: the cluster's Redis failed during the scale ({e}); see `pdcluster status`", file=sys.stderr)
         return 1
     report = state["last_scale"]
     counts = {role: sum(w["role"] == role for w in state["workers"]) for role in WORKER_ROLES}

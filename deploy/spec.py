@@ -183,12 +183,10 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
         ValueError / common.model_config.ConfigError: a flag value out of range, a model
             architecture the engine does not serve (the message lists those it does), a KV
             transport that cannot be loaded (:func:`kv_config_from_args`), bad API keys
-            (:func:`api_keys_from_args`) or TLS files (:func:`public_tls_from_args`).
+            (:func:`api_keys_from_args`) or TLS files (:func:`public_tls_from_args`), ``--http-port``
+            equal to ``--port``.
     """
-    for flag, bs in (("--block-size", args.block_size), ("--prefill-block-size", args.prefill_block_size)):
-        if bs is not None and (bs <= 0 or bs & (bs - 1)):
-            raise ConfigError(f"{flag} must be a power of two, got {bs}")
-    check_step_limits(args)
+    check_flag_shapes(args)
     folder = resolve_model(args.model)  # dequantize once here, not in every worker
     model_cfg = checked_model(args, folder)
     kv_dtype = "float32" if args.dtype in ("auto", "float32") and not use_cuda else (
@@ -252,6 +250,22 @@ def cluster_from_args(args, worker: WorkerConfig, router: RouterConfig) -> Clust
                            timeout_s=args.timeout_s, num_routers=args.routers)
     except FieldError as e:
         raise e.renamed(_CLUSTER_FLAGS) from None
+
+
+def check_flag_shapes(args) -> None:
+    """``up``'s flags whose shape is wrong whatever the model: block sizes not powers of two,
+    ``--http-port`` equal to ``--port``, step limits < 1 (:func:`check_step_limits`).
+
+    Raises:
+        ConfigError: naming the flag.
+    """
+    for flag, bs in (("--block-size", args.block_size), ("--prefill-block-size", args.prefill_block_size)):
+        if bs is not None and (bs <= 0 or bs & (bs - 1)):
+            raise ConfigError(f"{flag} must be a power of two, got {bs}")
+    if args.http and args.http_port and args.http_port == args.port:
+        raise ConfigError(f"--http-port {args.port} is also --port: the gRPC and HTTP ports must differ "
+                          "(--http-port 0: any free port)")
+    check_step_limits(args)
 
 
 def check_step_limits(args) -> None:

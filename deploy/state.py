@@ -33,7 +33,8 @@ def check_not_up(state_dir: Path | str | None = None) -> None:
     path = state_path(state_dir)
     if path.exists():
         raise AlreadyUpError(f"a cluster is already up from state dir {path.parent} ({path.name} exists there); "
-                             f"stop it first with `pdcluster down --state-dir {shlex.quote(str(path.parent))}`")
+                             f"stop it (or clear what is left of it, if it died) first with "
+                             f"`pdcluster down --state-dir {shlex.quote(str(path.parent))}`")
 
 
 def read_state(state_dir: Path | str | None = None) -> dict:

@@ -5,6 +5,7 @@ why a missing worker is missing."""
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import time
 
@@ -53,14 +54,30 @@ def collect(state: dict) -> dict:
             "live": {r: sum(w["role"] == r for w in rows) for r in ROLES}}
 
 
-def print_status(state: dict, as_json: bool = False) -> int:
+def redis_down_message(state: dict, state_dir: str | None, error: Exception) -> str:
+    """The one line for a cluster whose Redis does not answer: Redis is restarting (the cluster
+    controller restarts a local one within seconds) while the cluster's Ray head answers; with the
+    Ray head gone too, the cluster is dead and ``pdcluster down`` clears what is left of it."""
+    from deploy.ray_env import check_ray_reachable
+
+    try:
+        check_ray_reachable(state["ray_address"], timeout_s=2.0)
+    except ConnectionError:
+        flag = f" --state-dir {shlex.quote(str(state_dir))}" if state_dir else ""
+        return (f"error: neither the cluster's Redis nor its Ray head at {state['ray_address']} answers: the "
+                f"cluster is down (its processes died?); clear what is left of it with `pdcluster down{flag}`")
+    return (f"error: cannot reach the cluster's Redis ({error}); the cluster controller restarts a local one "
+            "within seconds: try again")
+
+
+def print_status(state: dict, as_json: bool = False, state_dir: str | None = None) -> int:
     """Print the live workers against the desired ones (a table, or JSON); returns 0, 1 when
-    the cluster's Redis cannot be reached (one line on stderr), 3 when a desired worker is missing."""
+    the cluster's Redis cannot be reached (one line on stderr, :func:`redis_down_message`),
+    3 when a desired worker is missing."""
     try:
         st = collect(state)
     except RedisError as e:
-        print(f"error: cannot reach the cluster's Redis ({e}); the cluster controller restarts a local one "
-              "within seconds: try again", file=sys.stderr)
+        print(redis_down_message(state, state_dir, e), file=sys.stderr)
         return 1
     if as_json:
         print(json.dumps({"router_address": state["router_address"], **st}, indent=2))
@@ -95,4 +112,4 @@ def cmd_status(args) -> int:
     except FileNotFoundError:
         print("no pdcluster is up", file=sys.stderr)
         return 1
-    return print_status(state, as_json=args.json)
+    return print_status(state, as_json=args.json, state_dir=args.state_dir)

@@ -172,6 +172,8 @@ class RouterConfig:
             raise ValueError(f"http_max_connections must be positive, got {self.http_max_connections}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        if self.http_port and self.http_port == self.port:
+            raise ValueError(f"http_port ({self.http_port}) must differ from port, the gRPC one")
         check_policy(self.policy)
         check_max_migrations(self.max_migrations)
 

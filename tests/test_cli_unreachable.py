@@ -45,9 +45,22 @@ def _one_error_line(capsys, rc: int, needle: str) -> None:
     assert "Traceback" not in out + err
 
 
-def test_status_without_redis(dead_state, capsys):
-    _one_error_line(capsys, cli.main(["status", "--state-dir", str(dead_state)]), "cannot reach the cluster's Redis")
-    _one_error_line(capsys, cli.main(["status", "--json", "--state-dir", str(dead_state)]), "Connection refused")
+def test_status_without_redis(dead_state, capsys, dead_address):
+    """Ray's head answers (a listening socket stands for it): Redis is restarting, try again; Ray gone
+    too: the cluster died, and the line says how to clear what is left (it never comes back alone)."""
+    state = json.loads((dead_state / "cluster.json").read_text())
+    with socket.socket() as head:
+        head.bind(("127.0.0.1", 0))
+        head.listen()
+        state["ray_address"] = "127.0.0.1:%d" % head.getsockname()[1]
+        (dead_state / "cluster.json").write_text(json.dumps(state))
+        _one_error_line(capsys, cli.main(["status", "--state-dir", str(dead_state)]),
+                        "cannot reach the cluster's Redis")
+        _one_error_line(capsys, cli.main(["status", "--json", "--state-dir", str(dead_state)]), "try again")
+    _one_error_line(capsys, cli.main(["status", "--state-dir", str(dead_state)]),
+                    f"neither the cluster's Redis nor its Ray head at {state['ray_address']} answers: the cluster is "
+                    f"down (its processes died?); clear what is left of it with `pdcluster down --state-dir "
+                    f"{dead_state}`")
 
 
 def test_scale_without_ray(dead_state, capsys, dead_address):
@@ -172,6 +185,13 @@ def test_up_on_a_port_in_use(tmp_path, capsys, flag):
     _one_usage_line(capsys, rc, f"pdcluster up: error: {flag} {port}: 127.0.0.1:{port} is in use (Address already "
                                 f"in use; another pdcluster started without its own --port?); stop what listens "
                                 f"there or choose another port ({flag} 0: any free port)")
+    assert not (tmp_path / "cluster.json").exists()
+
+
+def test_up_with_one_port_for_grpc_and_http(tmp_path, capsys):
+    rc = cli.main(["up", "--local", "--port", "50999", "--http-port", "50999", "--state-dir", str(tmp_path)])
+    _one_usage_line(capsys, rc, "pdcluster up: error: --http-port 50999 is also --port: the gRPC and HTTP ports "
+                                "must differ (--http-port 0: any free port)")
     assert not (tmp_path / "cluster.json").exists()
 
 
