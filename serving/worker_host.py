@@ -16,6 +16,7 @@ from typing import Callable, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
+from redis.exceptions import RedisError
 
 from serving.heartbeat import Heartbeater
 from serving.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
@@ -182,14 +183,32 @@ class WorkerHost:
             self.kv_server.start()
         self.server.start()
         set_serving(self.health, self.services)
-        self.info = replace(self.info, generation=self.registry.next_generation(self.cfg.worker_id))
-        self.heartbeater.info = self.info
-        self.heartbeater.start()
+        self._register()
         for c in self.companions:
             c.start()
         log.info("%s worker %s (generation %d) serving on %s", self.cfg.role, self.cfg.worker_id, self.info.generation,
                  self.address)
         return self.address
+
+    def _register(self, wait_s: float = 30.0) -> None:
+        """Take the next generation and start heartbeats, waiting out a Redis that does not answer for up
+        to ``wait_s`` seconds (a local one the cluster controller is restarting: back within seconds).
+
+        Raises:
+            redis.exceptions.RedisError: Redis still unreachable after ``wait_s``.
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self.info = replace(self.info, generation=self.registry.next_generation(self.cfg.worker_id))
+                self.heartbeater.info = self.info
+                self.heartbeater.start()
+                return
+            except RedisError as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("worker %s cannot register yet (Redis: %s); retrying", self.cfg.worker_id, e)
+                time.sleep(0.5)
 
     def drain(self, timeout_s: float, settle_s: float | None = None) -> dict:
         """Take no new requests, finish every in-flight one, then deregister.
