@@ -12,7 +12,9 @@ is found by pid: the one ``up`` started, the last one that answered ``INFO serve
 replacement the supervisor started, else the redis/valkey process whose title names the port)
 and reaped when it is the supervisor's child; the replacement is started only once the port
 is free, and counts as restarted only when it still runs and ``INFO server`` names its pid.
-Every process the supervisor starts is waited for (no zombies). Each fault logs one line.
+A replacement is started through a launcher that exits (:mod:`deploy.redis_launch`), so it is
+never the supervisor's child: it outlives the controller actor (Ray kills an exiting worker's
+children) and init reaps it. Each fault logs one line.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +32,13 @@ from urllib.parse import urlparse
 import redis
 
 from deploy.redis_control import POLL_S, pid_alive, redis_client, server_pid, wait_pid_gone
-from deploy.redis_server import LocalRedisServer, port_is_free
+from deploy.redis_server import port_is_free
 
 log = logging.getLogger(__name__)
 
 PORT_WAIT_S = 5.0  # how long a replacement waits for the killed server's port
 START_TIMEOUT_S = 5.0  # how long a replacement may take to answer PING
+LAUNCHER_S = 10.0  # what the launcher may take beyond that (a Python start on a loaded machine)
 
 
 @dataclass(frozen=True)
@@ -53,9 +58,22 @@ class RedisSpec:
     def port(self) -> int:
         return int(urlparse(self.url).port)
 
-    def server(self) -> LocalRedisServer:
-        return LocalRedisServer(Path(self.workdir), port=self.port, host=self.host, detach=True,
-                                password=urlparse(self.url).password or None, persist=True)
+    def launch(self, timeout_s: float) -> int:
+        """Start the server detached through :mod:`deploy.redis_launch` (not a child of this
+        process); its pid once it answers.
+
+        Raises:
+            RuntimeError: it exited or did not answer within ``timeout_s`` (the launcher's reason).
+        """
+        try:
+            done = subprocess.run([sys.executable, "-m", "deploy.redis_launch", self.url, self.workdir,
+                                   str(timeout_s)], capture_output=True, text=True, timeout=timeout_s + LAUNCHER_S,
+                                  stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"its launcher did not finish within {timeout_s + LAUNCHER_S:.0f} s") from None
+        if done.returncode != 0 or not done.stdout.strip().isdigit():
+            raise RuntimeError(done.stderr.strip() or f"its launcher exited with code {done.returncode}")
+        return int(done.stdout)
 
 
 class RedisSupervisor:
@@ -88,7 +106,6 @@ class RedisSupervisor:
         self.restarts = 0
         self._failed = 0
         self._pid = spec.pid  # the server believed to serve the port
-        self._child: LocalRedisServer | None = None  # the last replacement started here
         self._answered_error = ""  # the error the server answered the last PING with, if any
 
     @property
@@ -99,7 +116,6 @@ class RedisSupervisor:
     def check(self) -> bool:
         """PING once; after ``down_checks`` failures in a row kill the server if it still runs
         and start a new one. Returns whether Redis answers now (after any restart). Never raises."""
-        self._reap_child()
         health, error = _ping(self.spec.url, self.ping_timeout_s)
         if health is not False:  # True: PONG; None: alive, answered with an error (e.g. loading its data)
             if health is None and error != self._answered_error:
@@ -124,52 +140,42 @@ class RedisSupervisor:
                     "restarting it", _where(self.spec.url), self.ping_timeout_s, self._failed, error, what)
         if pid:
             self._kill(pid)
-        if self._child is not None:  # an earlier replacement that no longer serves the port: never left unreaped
-            self._child.kill(timeout_s=self.port_wait_s)
-            self._child = None
         if not self._wait_port_free():
             log.error("cluster Redis port %d still taken %.1f s after its server stopped answering "
                       "(no redis/valkey process of this port found to kill, or it survived); not starting a new one",
                       self.spec.port, self.port_wait_s)
             return False
-        server = self.spec.server()
         try:
-            server.start(timeout_s=START_TIMEOUT_S)  # reaps a server that exits or never answers
+            new = self.spec.launch(START_TIMEOUT_S)
         except (RuntimeError, OSError) as e:
             log.error("restarting cluster Redis failed: %s", e)
             return False
         answering = server_pid(self.spec.url, self.ping_timeout_s)
-        if not server.is_running() or answering != server.pid:
+        if not _serves_port(new, self.spec.port) or answering != new:
             log.error("new cluster Redis (pid %s) not serving after its PING (running: %s, INFO pid %s); killed",
-                      server.pid, server.is_running(), answering)
-            server.kill()
+                      new, pid_alive(new), answering)
+            self._kill(new)
             return False
-        self._child, self._pid, self._failed = server, server.pid, 0
+        self._pid, self._failed = new, 0
         self.restarts += 1
-        log.warning("cluster Redis restarted (pid %s) on %s", server.pid, _where(self.spec.url))
+        log.warning("cluster Redis restarted (pid %s) on %s", new, _where(self.spec.url))
         return True
 
     def _server_process(self) -> int | None:
         """Pid of the live redis/valkey process serving the spec's port, ``None`` if none."""
         port = self.spec.port
-        known = [p for p in (self._child.pid if self._child else None, self._pid) if p]
-        for pid in known:
-            if _serves_port(pid, port):
-                return pid
-        return next((pid for pid in _all_pids() if pid not in known and _serves_port(pid, port)), None)
+        if self._pid and _serves_port(self._pid, port):
+            return self._pid
+        return next((pid for pid in _all_pids() if pid != self._pid and _serves_port(pid, port)), None)
 
     def _kill(self, pid: int) -> None:
-        if self._child is not None and self._child.pid == pid:
-            self._child.kill(timeout_s=self.port_wait_s)  # our child: killed and reaped
-            self._child = None
-        else:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            except PermissionError as e:
-                log.error("cannot kill cluster Redis pid %d: %s", pid, e)
-            wait_pid_gone(pid, self.port_wait_s)  # reaps it if it is a child of this process
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        except PermissionError as e:
+            log.error("cannot kill cluster Redis pid %d: %s", pid, e)
+        wait_pid_gone(pid, self.port_wait_s)  # reaps it if it is a child of this process
         self._pid = None
 
     def _wait_port_free(self) -> bool:
@@ -179,14 +185,6 @@ class RedisSupervisor:
                 return False
             time.sleep(POLL_S)
         return True
-
-    def _reap_child(self) -> None:
-        if self._child is None:
-            return
-        code = self._child.reap()
-        if code is not None:
-            log.warning("cluster Redis (pid %s) exited with code %s", self._pid, code)
-            self._child, self._pid = None, None
 
 
 def _ping(url: str, timeout_s: float) -> tuple[bool | None, str]:

@@ -4,7 +4,8 @@
   (next generation, same id) comes up and the stream, migrated onto it, finishes token-exact;
 - a worker paused with SIGSTOP (alive, no heartbeats) is restarted by the controller;
 - the router killed mid-traffic: new connections succeed on the same address within 30 s;
-- Redis killed mid-traffic: no request fails, Redis is back within 10 s, workers re-registered;
+- Redis killed mid-traffic: no request fails, Redis is back within 10 s (not as a child of the
+  controller actor, which Ray would take it down with), workers re-registered;
 - ``pdcluster scale`` adds a decode worker on this 2-core machine without a restart and
   removes it again, reporting live against desired counts.
 """
@@ -15,6 +16,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -158,6 +160,12 @@ def test_killed_redis_is_restarted_and_nothing_fails(cluster):
               "workers re-registered")
         time.sleep(1.0)
     assert back - t_kill < 10.0
+    reg = WorkerRegistry(cluster["redis_url"], cluster["cluster"])
+    new = reg.server_pid()
+    reg.close()
+    parent = Path(f"/proc/{new}/stat").read_text().rsplit(")", 1)[1].split()[1]
+    # not a child of the controller actor (titled ray::...): Ray kills an exiting worker's children
+    assert "ray::" not in Path(f"/proc/{parent}/cmdline").read_text(errors="replace")
     outcomes = [out for t, out in traffic.outcomes if t > t_kill]
     assert outcomes and all(out == 4 for _, out in traffic.outcomes), [o for _, o in traffic.outcomes if o != 4]
     assert_no_leak(cluster)

@@ -1,0 +1,38 @@
+"""``python -m deploy.redis_launch URL WORKDIR TIMEOUT_S``: start a cluster Redis detached, print its pid, exit.
+
+The cluster controller's Redis supervisor (:mod:`deploy.redis_supervisor`) starts a replacement
+server through this short-lived launcher, so the server is not the controller's child: when a
+Ray worker process exits, Ray kills its child processes (``RAY_kill_child_processes_on_worker_exit``,
+a new session does not escape it), and the cluster's Redis must outlive the controller actor (a
+clean exit or one that Ray does not restart). Once the launcher has exited, the server is
+reparented to init, like the one ``pdcluster up`` started.
+
+Exit status 0 with the server's pid on stdout once it answers PING and ``INFO server`` names its
+pid; 1 with the reason on stderr (one line) when it exited or did not answer within ``TIMEOUT_S``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from urllib.parse import urlparse
+
+from deploy.redis_server import LocalRedisServer
+
+
+def main(argv: list[str]) -> int:
+    url, workdir, timeout_s = argv[0], argv[1], float(argv[2])
+    parts = urlparse(url)
+    server = LocalRedisServer(Path(workdir), port=parts.port, host=parts.hostname or "127.0.0.1", detach=True,
+                              password=parts.password or None, persist=True)
+    try:
+        server.start(timeout_s=timeout_s)  # reaps a server that exits or never answers
+    except (RuntimeError, OSError) as e:
+        print(str(e).splitlines()[0], file=sys.stderr)
+        return 1
+    print(server.pid, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
