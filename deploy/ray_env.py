@@ -5,6 +5,11 @@ Ray resolves ``127.0.0.1`` to the machine's network address unless
 a local cluster's driver, head and workers talk over 127.0.0.1 only. Multi-node
 clusters (``--ray-address`` of another host) must not set it. This module does
 not import ray, so the CLI can call it before anything else does.
+
+A local cluster also runs with ``RAY_AUTH_MODE=disabled`` in its head and drivers alike: left unset,
+``ray start --head`` turns Ray's token authentication on whenever ``~/.ray/auth_token`` exists
+(a plain ``ray.init()`` writes one) while a driver given the head's address does not, and every
+driver would then be refused (``InvalidAuthToken``). The head listens on loopback only.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import socket
 import sys
 from pathlib import Path
 
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
 NODE_ENV = {"RAY_worker_niceness": "0"}
 """Environment of every Ray node pdcluster starts (``ray start`` here and in the ``ray up`` YAMLs):
 Ray starts its worker processes at nice 15 by default, which would put the router (an actor)
@@ -24,7 +29,7 @@ worker lowers its own (:attr:`serving.worker_config.WorkerConfig.cpu_nice`)."""
 
 
 def use_loopback_ray() -> None:
-    """Set the loopback flag in this process (and its children).
+    """Set the loopback flag (and Ray's auth mode, see above) in this process and its children.
 
     Raises:
         RuntimeError: ``ray`` was imported already (the flag would be ignored).
