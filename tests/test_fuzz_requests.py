@@ -317,6 +317,8 @@ def http_bodies(draw) -> tuple[str, bytes, str]:
             body[name] = draw(pair[name in wild])
     if chat and "top_logprobs" in body and "top_logprobs" not in wild:
         body["logprobs"] = True  # top_logprobs needs logprobs
+    if "stream_options" in body and not wild & {"stream_options", "stream"}:
+        body["stream"] = True  # stream_options needs stream
     return path, json.dumps(body).encode(), mode
 
 

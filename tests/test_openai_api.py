@@ -131,6 +131,10 @@ def test_n2_logprobs_seed_stop(oai):
     cut = oai.completions.create(model=MODEL, prompt="Count: one, two, three,", max_tokens=16, temperature=0,
                                  stop=[word])
     assert word not in cut.choices[0].text and cut.choices[0].finish_reason == "stop"
+    chunks = list(oai.completions.create(model=MODEL, prompt="Count: one, two, three,", max_tokens=16, temperature=0,
+                                         stop=[word], stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == cut.choices[0].text
+    assert all(c.choices[0].text or c.choices[0].finish_reason for c in chunks)  # held-back text: no empty chunks
 
 
 @pytest.mark.parametrize("kwargs, status, param", [
@@ -166,6 +170,7 @@ BAD_BODIES = [
     ("completions", '"stop": ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o", "p", "q"]',
      "stop"),
     ("completions", '"logprobs": 21', "logprobs"),
+    ("completions", '"stream_options": {"include_usage": true}', "stream_options"),  # without stream
     ("completions", '"prompt": [1, 49152]', "prompt"),
     ("completions", f'"prompt": "{"x" * 100_000}"', "prompt"),
     ("chat/completions", '"messages": [{"role": "robot", "content": "hi"}]', "messages[0].role"),

@@ -313,6 +313,8 @@ async def _sse(events, builder: ResponseBuilder, subs: list[SubRequest], n: int,
                 yield {"data": json.dumps(router_error_response(item, body_only=True))}
                 break
             first = index not in offsets
+            if not (first or item.text or item.finish_reason or len(item.logprobs)):
+                continue  # tokens whose text is held back (a stop string may begin there): nothing to send
             chunk = builder.chunk(index, item, subs[0].top_logprobs, offsets.get(index, 0), first)
             offsets[index] = offsets.get(index, 0) + len(item.text)
             if item.HasField("usage") and item.finish_reason:

@@ -156,6 +156,8 @@ def _sampling(body, logprobs: int, max_tokens: int | None) -> common_pb2.Samplin
 
 def _expand(prompts: list[dict], body, logprobs: int, top_logprobs: int,
             max_tokens: int | None, prefix: str) -> tuple[str, list[SubRequest]]:
+    if body.stream_options is not None and not body.stream:  # as OpenAI and vLLM answer it
+        raise OpenAIRequestError("stream_options is only allowed when stream is true", param="stream_options")
     if not 1 <= body.n <= MAX_N:
         raise OpenAIRequestError(f"n must be in [1, {MAX_N}], got {body.n}", param="n")
     if len(prompts) * body.n > MAX_CHOICES:
