@@ -92,10 +92,15 @@ def plan(state: dict, target: ScaleTarget) -> tuple[list[tuple[str, str]], list[
     current = {role: [w for w in state["workers"] if w["role"] == role] for role in WORKER_ROLES}
     wanted = {role: len(current[role]) if getattr(target, role) is None else getattr(target, role)
               for role in WORKER_ROLES}
-    if current["colocated"] or wanted["colocated"]:
-        if wanted["prefill"] or wanted["decode"] or wanted["colocated"] < 1:
-            raise ValueError(f"a colocated cluster needs >= 1 colocated worker and no prefill/decode ones; "
-                             f"asked for {wanted}")
+    if current["colocated"]:
+        if wanted["prefill"] or wanted["decode"]:
+            raise ValueError("this cluster is colocated: scale it with --workers (--prefill and --decode are for a "
+                             "disaggregated one)")
+        if wanted["colocated"] < 1:
+            raise ValueError(f"a colocated cluster needs >= 1 colocated worker; asked for {wanted['colocated']}")
+    elif wanted["colocated"]:
+        raise ValueError("this cluster is disaggregated: scale it with --prefill and --decode (--workers is for a "
+                         "colocated one, `pdcluster up --colocated`)")
     elif wanted["prefill"] < 1 or wanted["decode"] < 1:
         raise ValueError(f"need at least one prefill and one decode worker; asked for {wanted}")
     add: list[tuple[str, str]] = []
@@ -220,6 +225,7 @@ def scale_from_state_dir(state_dir: Path | str | None, target: ScaleTarget) -> d
     state_dir = Path(state_dir or DEFAULT_STATE_DIR).expanduser()
     with _scale_lock(state_dir):
         state = read_state(state_dir)
+        plan(state, target)  # an impossible mix is refused here, before Ray is reached
         check_ray_reachable(state["ray_address"])
         ray.init(address=state["ray_address"], namespace=NAMESPACE, logging_level="WARNING")
         try:

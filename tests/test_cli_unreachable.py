@@ -64,8 +64,19 @@ def test_status_without_redis(dead_state, capsys, dead_address):
 
 
 def test_scale_without_ray(dead_state, capsys, dead_address):
-    rc = cli.main(["scale", "--prefill", "2", "--state-dir", str(dead_state)])
+    rc = cli.main(["scale", "--prefill", "2", "--decode", "1", "--state-dir", str(dead_state)])
     _one_error_line(capsys, rc, f"cannot reach the cluster's Ray at {dead_address}")
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--decode", "0"], "need at least one prefill and one decode worker"),
+    (["--workers", "2"], "this cluster is disaggregated: scale it with --prefill and --decode"),
+])
+def test_scale_to_an_impossible_mix_is_refused_before_ray(dead_state, capsys, flags, needle):
+    state = json.loads((dead_state / "cluster.json").read_text())
+    state["workers"] = [{"worker_id": "prefill-0", "role": "prefill"}, {"worker_id": "decode-0", "role": "decode"}]
+    (dead_state / "cluster.json").write_text(json.dumps(state))
+    _one_error_line(capsys, cli.main(["scale", *flags, "--state-dir", str(dead_state)]), needle)
 
 
 def test_generate_without_router(capsys, dead_address):
