@@ -20,7 +20,8 @@ ROLES = ("prefill", "decode", "colocated")
 
 def collect(state: dict) -> dict:
     """``{workers: [one dict per live worker], desired: {role: n}, live: {role: n},
-    missing: [{worker_id, role, reason, restarts}], controller: bool, routers: {desired: n,
+    missing: [{worker_id, role, reason, restarts}], controller: bool, controller_report_age_s:
+    seconds (None without a report; reports expire when the controller stops), routers: {desired: n,
     live: [{index, router_id, pid, address, metrics_address, started_at}]}}``.
 
     Raises:
@@ -49,6 +50,7 @@ def collect(state: dict) -> dict:
                 "reason": w.get("reason") or "no heartbeat", "restarts": w.get("restarts", 0)}
                for w in desired_workers if w["worker_id"] not in live_ids]
     return {"workers": rows, "missing": missing, "controller": report is not None,
+            "controller_report_age_s": round(time.time() - report["updated_at"], 2) if report else None,
             "routers": {"desired": state.get("num_routers", 1), "live": routers},
             "desired": {r: sum(w["role"] == r for w in desired_workers) for r in ROLES},
             "live": {r: sum(w["role"] == r for w in rows) for r in ROLES}}
@@ -94,7 +96,9 @@ def print_status(state: dict, as_json: bool = False, state_dir: str | None = Non
     counts = ", ".join(f"{st['live'][r]}/{n} {r}" for r, n in st["desired"].items() if n)
     routers = st["routers"]
     counts += f", {len(routers['live'])}/{routers['desired']} routers"
-    console.print(f"live/desired: {counts}" + ("" if st["controller"] else " (no controller report)"))
+    console.print(f"live/desired: {counts}")
+    console.print(f"controller: last report {st['controller_report_age_s']:.1f}s ago" if st["controller"] else
+                  "controller: no report (not running, or restarting): dead workers are not replaced meanwhile")
     for r in routers["live"]:
         console.print(f"{r['router_id']}: pid {r['pid']}, metrics at {r['metrics_address']}")
     for m in st["missing"]:

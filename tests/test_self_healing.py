@@ -181,5 +181,6 @@ def test_scale_up_and_down_on_a_small_machine(cluster, capsys):
     assert cli.main(["scale", "--decode", "1", "--state-dir", cluster["state_dir"]]) == 0
     assert "1/1 decode live" in capsys.readouterr().out
     assert cli.main(["status", "--state-dir", cluster["state_dir"]]) == 0
-    assert "live/desired: 1/1 prefill, 1/1 decode" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "live/desired: 1/1 prefill, 1/1 decode" in out and "controller: last report" in out
     assert_no_leak(cluster)
