@@ -130,13 +130,14 @@ def render(scrapes: list[Scrape], previous: dict[str, Scrape]) -> Group:
                 "tok/s", "KV MB/s", "prefix hit", "preempt"):
         workers.add_column(col, justify="right" if col not in ("worker", "role") else "left")
     router = Table(title="router", expand=True)
-    for col in ("run", "wait", "req/s", "TTFT ms", "ITL ms", "E2E ms", "errors", "cluster P/D"):
-        router.add_column(col, justify="right")
+    for col in ("router", "run", "wait", "req/s", "TTFT ms", "ITL ms", "E2E ms", "errors", "cluster P/D"):
+        router.add_column(col, justify="right" if col != "router" else "left")  # one row per router (--routers N)
     ratio = cluster_ratio(scrapes, previous)
     for s in sorted(scrapes, key=lambda s: (s.role, s.worker_id)):
         b = previous.get(s.worker_id)
         if s.role == "router":
-            router.add_row(_fmt(s.total("num_requests_running"), ".0f"), _fmt(s.total("num_requests_waiting"), ".0f"),
+            router.add_row(s.worker_id, _fmt(s.total("num_requests_running"), ".0f"),
+                           _fmt(s.total("num_requests_waiting"), ".0f"),
                            _fmt(_rate(s, b, "e2e_request_latency_seconds_count"), ".2f"),
                            _fmt(_mean_ms(s, b, "time_to_first_token_seconds")),
                            _fmt(_mean_ms(s, b, "inter_token_latency_seconds")),
@@ -150,7 +151,8 @@ def render(scrapes: list[Scrape], previous: dict[str, Scrape]) -> Group:
         tok = _rate(s, b, "prefill_batch_tokens_sum") or (
             _rate(s, b, "decode_batch_size_sum") if "decode" in s.role or s.role == "colocated" else None)
         workers.add_row(s.worker_id, s.role, _fmt(s.total("num_requests_running"), ".0f"),
-                        _fmt(s.total("num_requests_waiting"), ".0f"), _fmt(100 * s.total("kv_cache_usage_perc"), ".1f") + "%",
+                        _fmt(s.total("num_requests_waiting"), ".0f"),
+                        _fmt(100 * s.total("kv_cache_usage_perc"), ".1f") + "%",
                         _fmt(prefill), _fmt(decode), _fmt(prefill / decode if prefill and decode else None, ".2f"),
                         _fmt(tok), _fmt(kv_rate / 1e6 if kv_rate is not None else None, ".2f"),
                         _fmt(100 * hits / queries if queries else None, ".0f") + ("%" if queries else ""),

@@ -269,6 +269,7 @@ def test_pdcluster_top_renders_every_process(oai, base_url):
     assert run_top(base_url, interval_s=0.3, iterations=2, console=console) == 0
     text = console.export_text()
     assert "prefill-0" in text and "decode-0" in text and "TTFT ms" in text
+    assert "router-" in text  # each router's row names it (several with --routers N)
     assert text.endswith("\n")  # piped: the last frame ends its line too
     assert run_top("http://127.0.0.1:1", interval_s=0.1, iterations=1, console=console) == 1
 
