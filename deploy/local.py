@@ -198,6 +198,8 @@ def _preflight(args) -> Path:
     (the workers share them)."""
     if not (args.local or args.ray_address):
         raise ConfigError("give --local (start Ray here) or --ray-address ADDR")
+    if args.local and args.ray_address:
+        raise ConfigError("give --local (start Ray here) or --ray-address ADDR, not both")
     checked = spec_from_args(args, "redis://127.0.0.1:0", use_cuda=args.device == "cuda")  # flag errors first
     warning = exposure_warning(checked.router)
     if warning:

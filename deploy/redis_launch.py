@@ -1,4 +1,5 @@
-"""``python -m deploy.redis_launch URL WORKDIR TIMEOUT_S``: start a cluster Redis detached, print its pid, exit.
+"""``python -m deploy.redis_launch WORKDIR TIMEOUT_S`` (the URL on stdin): start a cluster Redis detached,
+print its pid, exit.
 
 The cluster controller's Redis supervisor (:mod:`deploy.redis_supervisor`) starts a replacement
 server through this short-lived launcher, so the server is not the controller's child: when a
@@ -8,7 +9,9 @@ clean exit or one that Ray does not restart). Once the launcher has exited, the 
 reparented to init, like the one ``pdcluster up`` started.
 
 Exit status 0 with the server's pid on stdout once it answers PING and ``INFO server`` names its
-pid; 1 with the reason on stderr (one line) when it exited or did not answer within ``TIMEOUT_S``.
+pid; 1 with the reason on stderr (one line, without the password) when it exited or did not answer
+within ``TIMEOUT_S``. The URL comes on stdin because it holds the password: a command line is readable
+by every local user.
 """
 
 from __future__ import annotations
@@ -20,19 +23,20 @@ from urllib.parse import urlparse
 from deploy.redis_server import LocalRedisServer
 
 
-def main(argv: list[str]) -> int:
-    url, workdir, timeout_s = argv[0], argv[1], float(argv[2])
-    parts = urlparse(url)
+def main(argv: list[str], url: str) -> int:
+    workdir, timeout_s = argv[0], float(argv[1])
+    parts = urlparse(url.strip())
     server = LocalRedisServer(Path(workdir), port=parts.port, host=parts.hostname or "127.0.0.1", detach=True,
                               password=parts.password or None, persist=True)
     try:
         server.start(timeout_s=timeout_s)  # reaps a server that exits or never answers
     except (RuntimeError, OSError) as e:
-        print(str(e).splitlines()[0], file=sys.stderr)
+        line = str(e).splitlines()[0]
+        print(line.replace(parts.password, "***") if parts.password else line, file=sys.stderr)
         return 1
     print(server.pid, flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:], sys.stdin.read()))

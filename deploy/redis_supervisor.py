@@ -10,7 +10,7 @@ PONG within ``ping_timeout_s`` (both in :class:`deploy.heal.HealConfig`) the ser
 dead or hung (alive, not answering: paused, stuck). A hung one is killed (SIGKILL; its process
 is found by pid: the one ``up`` started, the last one that answered ``INFO server``, the
 replacement the supervisor started, else the redis/valkey process whose title names the port)
-and reaped when it is the supervisor's child; the replacement is started only once the port
+and reaped when it is the child of this process (the one ``up`` started, in tests); the replacement is started only once the port
 is free, and counts as restarted only when it still runs and ``INFO server`` names its pid.
 A replacement is started through a launcher that exits (:mod:`deploy.redis_launch`), so it is
 never the supervisor's child: it outlives the controller actor (Ray kills an exiting worker's
@@ -65,10 +65,10 @@ class RedisSpec:
         Raises:
             RuntimeError: it exited or did not answer within ``timeout_s`` (the launcher's reason).
         """
-        try:
-            done = subprocess.run([sys.executable, "-m", "deploy.redis_launch", self.url, self.workdir,
-                                   str(timeout_s)], capture_output=True, text=True, timeout=timeout_s + LAUNCHER_S,
-                                  stdin=subprocess.DEVNULL)
+        try:  # the URL (it holds the password) on stdin: a command line is readable by every local user
+            done = subprocess.run([sys.executable, "-m", "deploy.redis_launch", self.workdir, str(timeout_s)],
+                                  input=self.url, capture_output=True, text=True, timeout=timeout_s + LAUNCHER_S,
+                                  cwd=Path(__file__).resolve().parents[1])  # `deploy` importable, installed or not
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"its launcher did not finish within {timeout_s + LAUNCHER_S:.0f} s") from None
         if done.returncode != 0 or not done.stdout.strip().isdigit():

@@ -50,7 +50,7 @@ def collect(state: dict) -> dict:
                 "reason": w.get("reason") or "no heartbeat", "restarts": w.get("restarts", 0)}
                for w in desired_workers if w["worker_id"] not in live_ids]
     return {"workers": rows, "missing": missing, "controller": report is not None,
-            "controller_report_age_s": round(time.time() - report["updated_at"], 2) if report else None,
+            "controller_report_age_s": round(time.time() - report.get("updated_at", 0), 2) if report else None,
             "routers": {"desired": state.get("num_routers", 1), "live": routers},
             "desired": {r: sum(w["role"] == r for w in desired_workers) for r in ROLES},
             "live": {r: sum(w["role"] == r for w in rows) for r in ROLES}}
@@ -58,8 +58,9 @@ def collect(state: dict) -> dict:
 
 def redis_down_message(state: dict, state_dir: str | None, error: Exception) -> str:
     """The one line for a cluster whose Redis does not answer: Redis is restarting (the cluster
-    controller restarts a local one within seconds) while the cluster's Ray head answers; with the
-    Ray head gone too, the cluster is dead and ``pdcluster down`` clears what is left of it."""
+    controller restarts the local one ``up`` started within seconds) while the cluster's Ray head
+    answers; with the Ray head gone too, the cluster is dead and ``pdcluster down`` clears what is
+    left of it."""
     from deploy.ray_env import check_ray_reachable
 
     try:
@@ -68,6 +69,8 @@ def redis_down_message(state: dict, state_dir: str | None, error: Exception) -> 
         flag = f" --state-dir {shlex.quote(str(state_dir))}" if state_dir else ""
         return (f"error: neither the cluster's Redis nor its Ray head at {state['ray_address']} answers: the "
                 f"cluster is down (its processes died?); clear what is left of it with `pdcluster down{flag}`")
+    if not state.get("started_redis"):  # --redis-url: nobody here restarts it
+        return f"error: cannot reach the cluster's Redis ({error}); it is the one given to `up --redis-url`"
     return (f"error: cannot reach the cluster's Redis ({error}); the cluster controller restarts a local one "
             "within seconds: try again")
 

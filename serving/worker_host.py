@@ -16,7 +16,7 @@ from typing import Callable, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError, RedisError
 
 from serving.heartbeat import Heartbeater
 from serving.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
@@ -195,7 +195,8 @@ class WorkerHost:
         to ``wait_s`` seconds (a local one the cluster controller is restarting: back within seconds).
 
         Raises:
-            redis.exceptions.RedisError: Redis still unreachable after ``wait_s``.
+            redis.exceptions.RedisError: Redis still unreachable after ``wait_s``, or (at once) it refused
+                the password.
         """
         deadline = time.monotonic() + wait_s
         while True:
@@ -205,7 +206,7 @@ class WorkerHost:
                 self.heartbeater.start()
                 return
             except RedisError as e:
-                if time.monotonic() > deadline:
+                if isinstance(e, AuthenticationError) or time.monotonic() > deadline:  # a wrong password: at once
                     raise
                 log.warning("worker %s cannot register yet (Redis: %s); retrying", self.cfg.worker_id, e)
                 time.sleep(0.5)

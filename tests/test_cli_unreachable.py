@@ -55,6 +55,9 @@ def test_status_without_redis(dead_state, capsys, dead_address):
         state["ray_address"] = "127.0.0.1:%d" % head.getsockname()[1]
         (dead_state / "cluster.json").write_text(json.dumps(state))
         _one_error_line(capsys, cli.main(["status", "--state-dir", str(dead_state)]),
+                        "it is the one given to `up --redis-url`")  # nobody restarts that one
+        (dead_state / "cluster.json").write_text(json.dumps({**state, "started_redis": True}))
+        _one_error_line(capsys, cli.main(["status", "--state-dir", str(dead_state)]),
                         "cannot reach the cluster's Redis")
         _one_error_line(capsys, cli.main(["status", "--json", "--state-dir", str(dead_state)]), "try again")
     _one_error_line(capsys, cli.main(["status", "--state-dir", str(dead_state)]),
@@ -197,6 +200,11 @@ def test_up_on_a_port_in_use(tmp_path, capsys, flag):
                                 f"in use; another pdcluster started without its own --port?); stop what listens "
                                 f"there or choose another port ({flag} 0: any free port)")
     assert not (tmp_path / "cluster.json").exists()
+
+
+def test_up_with_local_and_ray_address(tmp_path, capsys, dead_address):
+    rc = cli.main(["up", "--local", "--ray-address", dead_address, "--state-dir", str(tmp_path)])
+    _one_usage_line(capsys, rc, "pdcluster up: error: give --local (start Ray here) or --ray-address ADDR, not both")
 
 
 def test_up_with_one_port_for_grpc_and_http(tmp_path, capsys):

@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError, RedisError
 
 from deploy.redis_server import LocalRedisServer, free_port
 from serving.registry import WorkerRegistry
@@ -63,3 +63,15 @@ def test_worker_start_fails_when_redis_stays_down(tmp_path):
             host._register(wait_s=1.0)
     finally:
         host.server.stop(0).wait()
+
+
+def test_worker_start_fails_at_once_on_a_wrong_password(tmp_path):
+    with LocalRedisServer(tmp_path, password="right") as redis:
+        host = _host(f"redis://:wrong@127.0.0.1:{redis.port}/0")
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(AuthenticationError):
+                host._register(wait_s=20.0)
+            assert time.monotonic() - t0 < 5.0  # not retried: a wrong password does not heal
+        finally:
+            host.server.stop(0).wait()
