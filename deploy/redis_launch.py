@@ -17,22 +17,18 @@ by every local user.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-from urllib.parse import urlparse
 
-from deploy.redis_server import LocalRedisServer
+from deploy.redis_supervisor import RedisSpec
 
 
 def main(argv: list[str], url: str) -> int:
     workdir, timeout_s = argv[0], float(argv[1])
-    parts = urlparse(url.strip())
-    server = LocalRedisServer(Path(workdir), port=parts.port, host=parts.hostname or "127.0.0.1", detach=True,
-                              password=parts.password or None, persist=True)
+    server = RedisSpec(url.strip(), workdir).server()
     try:
         server.start(timeout_s=timeout_s)  # reaps a server that exits or never answers
     except (RuntimeError, OSError) as e:
         line = str(e).splitlines()[0]
-        print(line.replace(parts.password, "***") if parts.password else line, file=sys.stderr)
+        print(line.replace(server.password, "***") if server.password else line, file=sys.stderr)
         return 1
     print(server.pid, flush=True)
     return 0

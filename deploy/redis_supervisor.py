@@ -10,8 +10,9 @@ PONG within ``ping_timeout_s`` (both in :class:`deploy.heal.HealConfig`) the ser
 dead or hung (alive, not answering: paused, stuck). A hung one is killed (SIGKILL; its process
 is found by pid: the one ``up`` started, the last one that answered ``INFO server``, the
 replacement the supervisor started, else the redis/valkey process whose title names the port)
-and reaped when it is the child of this process (the one ``up`` started, in tests); the replacement is started only once the port
-is free, and counts as restarted only when it still runs and ``INFO server`` names its pid.
+and reaped when it is the child of this process (the one ``up`` started, in tests); the
+replacement is started only once the port is free, and counts as restarted only when it still
+runs and ``INFO server`` names its pid.
 A replacement is started through a launcher that exits (:mod:`deploy.redis_launch`), so it is
 never the supervisor's child: it outlives the controller actor (Ray kills an exiting worker's
 children) and init reaps it. Each fault logs one line.
@@ -32,7 +33,7 @@ from urllib.parse import urlparse
 import redis
 
 from deploy.redis_control import POLL_S, pid_alive, redis_client, server_pid, wait_pid_gone
-from deploy.redis_server import port_is_free
+from deploy.redis_server import LocalRedisServer, port_is_free
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,10 @@ class RedisSpec:
     @property
     def port(self) -> int:
         return int(urlparse(self.url).port)
+
+    def server(self) -> LocalRedisServer:
+        return LocalRedisServer(Path(self.workdir), port=self.port, host=self.host, detach=True,
+                                password=urlparse(self.url).password or None, persist=True)
 
     def launch(self, timeout_s: float) -> int:
         """Start the server detached through :mod:`deploy.redis_launch` (not a child of this
