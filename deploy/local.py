@@ -17,9 +17,7 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,112 +28,16 @@ from common.model_config import ConfigError
 from deploy.cluster import NAMESPACE, WORKER_ROLES, actor_name, head_node_id, launch, teardown
 from deploy.controller import HealConfig, RedisSpec, start_controller
 from deploy.placement import PlacementError
-from deploy.ray_env import LOOPBACK_ENV, NODE_ENV, check_ray_reachable
+from deploy.ray_env import check_ray_reachable
+from deploy.ray_node import start_ray_head, stop_ray_head
 from deploy.redis_control import stop_redis_at
-from deploy.redis_server import LocalRedisServer, free_port
+from deploy.redis_server import LocalRedisServer
 from deploy.spec import exposure_warning, spec_from_args
 from deploy.state import DEFAULT_STATE_DIR, AlreadyUpError, check_not_up, read_state, state_path, write_state
 from engine.kernels.cpu.build import build_in_parallel as build_cpu_kernels
 from engine.model_loader import ModelNotFoundError
 from serving.certs import KeyPair, create_ca
 from serving.registry import WorkerRegistry
-
-
-def ray_start_flags(resources: dict | None) -> list[str]:
-    """``ray start`` flags advertising ``resources`` (``CPU`` / ``GPU`` become ``--num-cpus`` /
-    ``--num-gpus``, the rest goes to ``--resources``).
-
-    Raises:
-        ValueError: a quantity that is not a non-negative whole number (Ray's rule for
-            what a node advertises).
-    """
-    flags, custom = [], {}
-    for key, value in (resources or {}).items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
-            raise ValueError(f"Ray resource {key!r} must be a non-negative whole number, got {value!r}")
-        if key in ("CPU", "GPU"):
-            flags.append(f"--num-{key.lower()}s={int(value)}")
-        else:
-            custom[key] = int(value)
-    if custom:
-        flags.append("--resources=" + json.dumps(custom))
-    return flags
-
-
-def start_ray_node(state_dir: Path, head_address: str | None = None, resources: dict | None = None,
-                   timeout_s: float = 120.0) -> tuple[str, int]:
-    """Start a Ray node on loopback (``ray start --block`` in its own session, so it can be
-    stopped exactly with :func:`stop_ray_head`): a head when ``head_address`` is ``None``,
-    else a node joining that head. Returns ``(head address, pid)``.
-
-    Args:
-        state_dir: folder for the node's log (``ray-head.log`` / ``ray-node-<port>.log``).
-        head_address: ``host:port`` of the head to join.
-        resources: what the node advertises (see :func:`ray_start_flags`); by default
-            what Ray detects.
-        timeout_s: seconds to wait for ``Ray runtime started``.
-
-    Raises:
-        ValueError: bad ``resources``.
-        RuntimeError: the node exited or did not start within ``timeout_s`` (with its log).
-    """
-    ray_bin = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
-    cmd = [ray_bin, "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1",
-           *ray_start_flags(resources)]
-    if head_address is None:
-        port = free_port()
-        address = f"127.0.0.1:{port}"
-        # the Ray client server on a free port too: on its default (10001) two local clusters would
-        # both listen with SO_REUSEPORT and a ray:// client would reach either
-        cmd += ["--head", f"--port={port}", "--include-dashboard=false", f"--ray-client-server-port={free_port()}"]
-        log_path = state_dir / "ray-head.log"
-    else:
-        address = head_address
-        cmd += [f"--address={head_address}"]
-        log_path = state_dir / f"ray-node-{free_port()}.log"
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, env={**os.environ, **LOOPBACK_ENV, **NODE_ENV})
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"`{' '.join(cmd)}` exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        if "Ray runtime started" in log_path.read_text():
-            return address, proc.pid
-        time.sleep(0.2)
-    stop_ray_head(proc.pid)
-    raise RuntimeError(f"Ray node did not start within {timeout_s:.0f}s; see {log_path}")
-
-
-def start_ray_head(state_dir: Path, timeout_s: float = 120.0, resources: dict | None = None) -> tuple[str, int]:
-    """Start a Ray head on loopback advertising ``resources`` (:func:`start_ray_node`);
-    returns ``(address, pid)``.
-
-    Raises:
-        ValueError: bad ``resources``.
-        RuntimeError: the head exited or did not answer within ``timeout_s`` (with its log).
-    """
-    return start_ray_node(state_dir, None, resources, timeout_s)
-
-
-def stop_ray_head(pid: int, timeout_s: float = 10.0) -> None:
-    """Stop a Ray node started by :func:`start_ray_node` and every process of its session
-    (SIGTERM, then SIGKILL after ``timeout_s`` seconds: the raylet exits within about 10 s
-    of SIGTERM, but ``ray start --block`` and the GCS linger until killed)."""
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def wait_healthy(redis_url: str, cluster: str, expected: int, router_address: str, timeout_s: float,

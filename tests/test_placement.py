@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import pytest
 import ray
 
-from deploy import local
+from deploy import local, ray_node
 from deploy.placement import PIN_AMOUNT, PlacementError, diagnose
 from deploy.state import state_path
 from pdcluster.cli import build_parser
@@ -32,11 +32,11 @@ COMMON = ["--worker-cpus", "1", "--num-kv-blocks", "200", "--max-model-len", "51
 
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
-    address, pid = local.start_ray_head(tmp_path_factory.mktemp("ray"), resources=HEAD_RESOURCES)
+    address, pid = ray_node.start_ray_head(tmp_path_factory.mktemp("ray"), resources=HEAD_RESOURCES)
     try:
         yield address
     finally:
-        local.stop_ray_head(pid)
+        ray_node.stop_ray_head(pid)
 
 
 @contextmanager
@@ -151,10 +151,17 @@ def test_diagnose_names_what_is_missing():
     assert "in use" in busy
     for bad in ({"CPU": 1.5}, {"x": 0.5}, {"x": -1}, {"x": "1"}):
         with pytest.raises(ValueError):
-            local.ray_start_flags(bad)
-    assert local.ray_start_flags({"CPU": 2, "GPU": 0, "x": 1.0}) == [
+            ray_node.ray_start_flags(bad)
+    assert ray_node.ray_start_flags({"CPU": 2, "GPU": 0, "x": 1.0}) == [
         "--num-cpus=2", "--num-gpus=0", '--resources={"x": 1}']
 
+
+def test_ray_head_ports_avoid_rays_defaults(monkeypatch):
+    """CI once drew the client server's port on 52365, the dashboard agent's default, and
+    ``ray start`` refused to start: drawn ports are distinct and never one of Ray's defaults."""
+    drawn = iter([52365, 40000, 8265, 40000, 10001, 6379, 40001, 40002])
+    monkeypatch.setattr(ray_node, "free_port", lambda: next(drawn))
+    assert ray_node.ray_node_ports() == [40000, 40001, 40002]
 
 
 def test_worker_gpus_lets_workers_share_a_gpu():
