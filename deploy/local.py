@@ -234,12 +234,14 @@ def forget_ray_address(address: str | None) -> None:
 
 
 def _cleanup(state: dict) -> None:
-    if state.get("workers") and ray.is_initialized():
+    torn_down = ray.is_initialized()
+    if state.get("workers") and torn_down:
         teardown(state)
     if ray.is_initialized():
         ray.shutdown()
     if state.get("started_ray"):
-        stop_ray_head(state["ray_head_pid"])
+        # with every actor killed there is nothing for the raylet's graceful exit (about 10 s) to stop
+        stop_ray_head(state["ray_head_pid"], timeout_s=1.0 if torn_down else 10.0)
         forget_ray_address(state.get("ray_address"))
     if state.get("started_redis") and state.get("redis_url"):
         stop_redis_at(state["redis_url"])

@@ -90,9 +90,10 @@ def start_ray_head(state_dir: Path, timeout_s: float = 120.0, resources: dict | 
 
 
 def stop_ray_head(pid: int, timeout_s: float = 10.0) -> None:
-    """Stop a Ray node started by :func:`start_ray_head` and every process of its session
-    (SIGTERM, then SIGKILL after ``timeout_s`` seconds: the raylet exits within about 10 s
-    of SIGTERM, but ``ray start --block`` and the GCS linger until killed)."""
+    """Stop a Ray head started by :func:`start_ray_head` and every process of its session
+    (SIGTERM, then SIGKILL after ``timeout_s`` seconds: the raylet stops its workers and exits
+    within about 10 s of SIGTERM, but ``ray start --block`` and the GCS linger until killed;
+    once the cluster's actors are killed, a short ``timeout_s`` loses nothing)."""
     try:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:

@@ -35,6 +35,28 @@ def running_cluster(state_dir, *extra_args: str):
         current = Path(get_ray_address_file(None))
         assert not (current.exists() and current.read_text().strip() == state["ray_address"]), \
             f"down left {current} naming the stopped head {state['ray_address']}"
+        left = live_session_members(state["ray_head_pid"]) if state.get("started_ray") else []
+        assert not left, f"down left processes of the Ray head's session running: {left}"
+
+
+def live_session_members(sid: int, timeout_s: float = 10.0) -> list[str]:
+    """Processes of session ``sid`` (a Ray head started by ``up --local`` leads its own session,
+    and its workers join it) still running after up to ``timeout_s`` seconds; zombies waiting to
+    be reaped do not count. Returns ``["pid command", ...]``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                text = stat.read_text()
+            except OSError:  # exited meanwhile
+                continue
+            comm, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+            if int(fields[3]) == sid and fields[0] != "Z":  # fields: state, ppid, pgrp, session, ...
+                left.append(f"{stat.parent.name} {comm}")
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 @contextmanager
