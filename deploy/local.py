@@ -234,14 +234,14 @@ def forget_ray_address(address: str | None) -> None:
 
 
 def _cleanup(state: dict) -> None:
-    torn_down = ray.is_initialized()
-    if state.get("workers") and torn_down:
+    connected = ray.is_initialized()  # Ray answered: the cluster's actors are killed here
+    if state.get("workers") and connected:
         teardown(state)
-    if ray.is_initialized():
+    if connected:
         ray.shutdown()
     if state.get("started_ray"):
-        # with every actor killed there is nothing for the raylet's graceful exit (about 10 s) to stop
-        stop_ray_head(state["ray_head_pid"], timeout_s=1.0 if torn_down else 10.0)
+        # with the actors killed there is nothing for the raylet's graceful exit (about 10 s) to stop
+        stop_ray_head(state["ray_head_pid"], timeout_s=1.0 if connected else 10.0)
         forget_ray_address(state.get("ray_address"))
     if state.get("started_redis") and state.get("redis_url"):
         stop_redis_at(state["redis_url"])

@@ -9,11 +9,11 @@ import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cluster_utils import live_session_members
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -180,20 +180,8 @@ def test_smoke_end_to_end(tmp_path):
     assert all(run["middle_gap_p99_ms"] is None or run["middle_gap_p99_ms"] > 0 for run in point["runs"])
     assert w["targets"]["goodput"]["met"] is None  # disaggregated not run
     assert (tmp_path / "runs" / "conversation" / "colocated" / "rate_1" / "rep_1" / "summary.json").is_file()
-    _assert_group_gone(cluster["ray_head_pid"])
-
-
-def _assert_group_gone(pgid: int, timeout_s: float = 20.0) -> None:
-    """The cluster is down: nothing of its Ray head's process group is left (its last
-    processes may take a few seconds to be reaped)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"Ray head process group {pgid} still alive {timeout_s:.0f} s after the bench ended")
+    left = live_session_members(cluster["ray_head_pid"], timeout_s=20.0)  # the cluster is down
+    assert not left, f"processes of the Ray head's session still running after the bench ended: {left}"
 
 
 def _record(index: int, token_times_s: list[float], status: str = "OK"):
