@@ -102,15 +102,18 @@ class StopStringMatcher:
 
     Args:
         stops: stop strings; may be empty (then text passes straight through).
+        include: keep the matched stop string (the text is cut after it instead: vLLM's
+            ``include_stop_str_in_output``).
 
     Raises:
         ValueError: a stop string is empty.
     """
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include: bool = False) -> None:
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
         self._stops = sorted(set(stops), key=len, reverse=True)
+        self._include = include
         self._held = ""
         self._stopped = False
 
@@ -122,8 +125,8 @@ class StopStringMatcher:
     def feed(self, delta: str) -> tuple[str, bool]:
         """Add a text delta; return ``(text safe to emit, stopped)``.
 
-        On a match, ``text`` is what precedes the stop string and ``stopped`` is
-        True; the stop string and everything after it are dropped. Otherwise
+        On a match, ``text`` is what precedes the stop string (with ``include``: up to its
+        end) and ``stopped`` is True; what follows is dropped. Otherwise
         the longest tail that is a proper prefix of some stop string (at most
         ``max(len(s)) - 1`` characters) is held back.
         """
@@ -145,13 +148,14 @@ class StopStringMatcher:
         return "" if self._stopped else held
 
     def _first_stop(self, buf: str) -> int | None:
-        """Start index of the earliest-ending stop occurrence in ``buf``, or None."""
+        """Where ``buf`` is cut at the earliest-ending stop occurrence (its start; with
+        ``include`` its end), or None."""
         best: tuple[int, int] | None = None
         for s in self._stops:
             start = buf.find(s)
             if start >= 0 and (best is None or (start + len(s), start) < best):
                 best = (start + len(s), start)
-        return None if best is None else best[1]
+        return None if best is None else best[0 if self._include else 1]
 
     def _partial_tail(self, buf: str) -> int:
         """Length of the longest suffix of ``buf`` that is a proper prefix of a stop string."""

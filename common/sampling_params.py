@@ -280,10 +280,10 @@ SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
     SamplingParam("top_k", int, 0, "keep the k most likely tokens, 0 disables", Range(0)),
     SamplingParam("seed", int, None, "per-request RNG seed: same seed and parameters give the same tokens",
                   Range(0, UINT64_MAX), presence=True),
-    SamplingParam("stop", str, (), "stop string: generation ends before it, the text excludes it",
+    SamplingParam("stop", str, (), "stop string: generation ends at it, the text excludes it",
                   shape=Shape.REPEATED, target=Target.ROUTER, nonempty=True, max_items=MAX_STOP_STRINGS,
                   max_len=MAX_STOP_CHARS),
-    SamplingParam("stop_token_ids", int, (), "token id that ends generation, included in the output",
+    SamplingParam("stop_token_ids", int, (), "token id that ends generation (in token_ids, its text not in the text)",
                   shape=Shape.REPEATED, target=Target.REQUEST, token_ids=True, flag="--stop-token-id",
                   max_items=MAX_STOP_TOKEN_IDS),
     SamplingParam("ignore_eos", bool, False, "keep generating past EOS until max_tokens", target=Target.REQUEST),
@@ -301,6 +301,9 @@ SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
     SamplingParam("logit_bias", float, (), "token id -> bias added to its logit before every other step",
                   Range(-MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS), shape=Shape.MAP, token_ids=True, cli=False,
                   max_items=MAX_LOGIT_BIAS),
+    SamplingParam("include_stop_str_in_output", bool, False,
+                  "keep the stop string or stop token text that ended generation in the text (vLLM's)",
+                  target=Target.ROUTER),
 )
 
 

@@ -96,7 +96,9 @@ class ActiveRequest:
         """Attempts until one ends the request: a worker failure migrates it (module
         docstring) with the same output assembler, so nothing is streamed twice."""
         prep = self.prep
-        out = OutputAssembler(self.router.tokenizer, prep.request_id, prep.prompt_token_ids, prep.stop)
+        out = OutputAssembler(self.router.tokenizer, prep.request_id, prep.prompt_token_ids, prep.stop,
+                              stop_token_ids=prep.worker_request.sampling.stop_token_ids,
+                              include_stop=prep.include_stop_str_in_output)
         avoid: set[str] = set()
         cause = ""
         for migration in itertools.count():

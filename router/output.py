@@ -3,10 +3,14 @@
 Detokenizes incrementally, matches stop strings (holding back text that may be
 the start of one) and builds ``GenerateResponse`` messages: one per delta when
 streaming, one in total otherwise. The concatenated streamed text equals the
-non-streamed text and never contains a stop string.
+non-streamed text and never contains a stop string. As in vLLM, the text also leaves
+out the stop token id that ended generation (its id stays in ``token_ids`` and counts
+in the usage); ``include_stop_str_in_output`` keeps both in the text.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 from common.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
@@ -20,13 +24,17 @@ class OutputAssembler:
         request_id: echoed in every response.
         prompt_token_ids: the prompt (detokenizer context, usage).
         stop: stop strings.
+        stop_token_ids: the request's stop token ids.
+        include_stop: keep the stop string or stop token that ended generation in the text.
     """
 
-    def __init__(self, tokenizer, request_id: str, prompt_token_ids: list[int], stop: list[str]) -> None:
+    def __init__(self, tokenizer, request_id: str, prompt_token_ids: list[int], stop: list[str],
+                 stop_token_ids: Collection[int] = (), include_stop: bool = False) -> None:
         self.request_id = request_id
         self.num_prompt = len(prompt_token_ids)
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
-        self.stops = StopStringMatcher(stop) if stop else None
+        self.stops = StopStringMatcher(stop, include_stop) if stop else None
+        self.stop_token_ids = frozenset(() if include_stop else stop_token_ids)
         self.token_ids: list[int] = []
         self.text_parts: list[str] = []
         self.logprobs: list[common_pb2.TokenLogprob] = []
@@ -46,8 +54,10 @@ class OutputAssembler:
         ids = list(delta.token_ids)
         self.token_ids.extend(ids)
         self.logprobs.extend(delta.logprobs)
-        text = self.detok.add(ids)
         reason = delta.finish_reason
+        shown = ids[:-1] if reason == common_pb2.FINISH_REASON_STOP and ids and ids[-1] in self.stop_token_ids \
+            else ids
+        text = self.detok.add(shown)
         if reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             text += self.detok.finish()
         if self.stops is not None:

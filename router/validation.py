@@ -3,7 +3,9 @@
 Every rejection is an :class:`InvalidRequest` whose message names the field or
 limit; the router returns it as ``INVALID_ARGUMENT`` before anything is allocated.
 The sampling checks and defaults derive from :mod:`common.sampling_params` (vLLM/OpenAI
-defaults: ``max_tokens`` 16 clamped to what ``max_model_len`` leaves, ``temperature``
+defaults: ``max_tokens`` 16 for a text or token-id prompt (OpenAI's completions default) and
+what ``max_model_len`` leaves after a chat's prompt (OpenAI's and vLLM's chat default: a chat
+ends when the model ends it), clamped to what ``max_model_len`` leaves; ``temperature``
 1.0, ``top_p`` 1.0, ``repetition_penalty`` 1.0; the other knobs off; at most 16 stop
 strings of at most 256 characters, at most 1024 ``logit_bias`` entries).
 
@@ -48,6 +50,7 @@ class PreparedRequest:
     stop: list[str]
     logprobs: int
     stream: bool
+    include_stop_str_in_output: bool = False
 
 
 class RequestValidator:
@@ -75,14 +78,18 @@ class RequestValidator:
         return PreparedRequest(
             request_id=rid, prompt_token_ids=ids,
             worker_request=worker_pb2.WorkerRequest(
-                request_id=rid, prompt_token_ids=ids, sampling=self._resolve_sampling(s, n)),
+                request_id=rid, prompt_token_ids=ids,
+                sampling=self._resolve_sampling(s, n, chat=req.WhichOneof("prompt") == "messages")),
             stop=list(s.stop), logprobs=s.logprobs, stream=req.stream,
+            include_stop_str_in_output=s.include_stop_str_in_output,
         )
 
-    def _resolve_sampling(self, s: common_pb2.SamplingParams, prompt_len: int) -> common_pb2.SamplingParams:
+    def _resolve_sampling(self, s: common_pb2.SamplingParams, prompt_len: int,
+                          chat: bool = False) -> common_pb2.SamplingParams:
         """Check every declared parameter (:data:`common.sampling_params.SAMPLING_PARAMS`)
         and return the workers' copy: router-only fields left out, unset fields
-        resolved to their defaults (``seed`` stays unset).
+        resolved to their defaults (``seed`` stays unset; an unset ``max_tokens`` of a ``chat``
+        prompt is what ``max_model_len`` leaves).
 
         Raises:
             InvalidRequest: ``sampling.<field> ...`` naming the limit (NaN and
@@ -95,16 +102,18 @@ class RequestValidator:
             if problem:
                 raise InvalidRequest(f"sampling.{problem}")
             if p.context_limited:
-                value = self._fit_context(p, s, value, prompt_len)
+                value = self._fit_context(p, s, value, prompt_len, chat)
             if p.target is not Target.ROUTER:
                 p.write(resolved, value)
         return resolved
 
-    def _fit_context(self, p: SamplingParam, s: common_pb2.SamplingParams, value: int, prompt_len: int) -> int:
-        """A set value must fit after the prompt; an unset one is clamped to what is left."""
+    def _fit_context(self, p: SamplingParam, s: common_pb2.SamplingParams, value: int, prompt_len: int,
+                     chat: bool) -> int:
+        """A set value must fit after the prompt; an unset one is clamped to what is left (a
+        chat's unset one is all that is left)."""
         max_model_len = self.limits.max_model_len
         if not p.is_set(s):
-            return min(value, max_model_len - prompt_len)
+            return max_model_len - prompt_len if chat else min(value, max_model_len - prompt_len)
         if prompt_len + value > max_model_len:
             raise InvalidRequest(
                 f"sampling.{p.name} ({value}) + prompt ({prompt_len} tokens) = {prompt_len + value} "

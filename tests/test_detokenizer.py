@@ -159,3 +159,13 @@ def test_stop_matcher_random_splits_match_reference():
 def test_stop_matcher_rejects_empty_stop():
     with pytest.raises(ValueError):
         StopStringMatcher(["ok", ""])
+
+
+def test_stop_matcher_can_keep_the_stop_string():
+    """vLLM's ``include_stop_str_in_output``: cut after the first stop instead of before it."""
+    matcher = StopStringMatcher(["STOP", "TO"], include=True)
+    assert matcher.feed("Hello S") == ("Hello ", False)
+    assert matcher.feed("TOP and more") == ("STO", True)  # "TO" ends first
+    matcher = StopStringMatcher(["\n\n"], include=True)
+    assert matcher.feed("a\n") == ("a", False)
+    assert matcher.feed("\nb") == ("\n\n", True)

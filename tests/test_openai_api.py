@@ -246,6 +246,41 @@ def test_chat_errors(oai):
     assert r.choices[0].message.content  # unknown fields are ignored
 
 
+def test_what_a_vllm_user_expects(oai, grpc_client):
+    """``null`` is a left-out field; a chat without ``max_tokens`` runs to its end, not to 16 tokens;
+    a stop token's text is left out of the text unless ``include_stop_str_in_output``, which also
+    keeps a stop string; ``/v1/models/{id}``; a sampling field's message names it as the body did."""
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}], temperature=0,
+                                    n=None, stream=None, logprobs=None, seed=None, stop=None)
+    assert len(r.choices) == 1 and r.choices[0].finish_reason == "stop" and r.usage.completion_tokens > 0
+    c = oai.completions.create(model=MODEL, prompt="Once", max_tokens=2, echo=None, n=None, logprobs=None)
+    assert len(c.choices) == 1 and c.usage.completion_tokens == 2
+    long = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Write a story."}],
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert long.choices[0].finish_reason == "length"
+    assert long.usage.completion_tokens + long.usage.prompt_tokens == 512  # the cluster's max_model_len
+    prompt = "1, 2, 3, 4, 5,"
+    ref = grpc_client.generate(prompt, max_tokens=3, temperature=0)  # " ", "6", ","
+    assert ref.text == " 6,", ref.text
+    comma = ref.token_ids[-1]
+    for extra, text in (({}, " 6"), ({"include_stop_str_in_output": True}, " 6,")):
+        for stream in (False, True):
+            got = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=stream,
+                                         extra_body={"stop_token_ids": [comma], **extra})
+            out = "".join(ch.choices[0].text for ch in got) if stream else got.choices[0].text
+            assert out == text, (extra, stream, out)
+            if not stream:
+                assert got.usage.completion_tokens == 3 and got.choices[0].finish_reason == "stop"
+    kept = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stop=[" 7"],
+                                  extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == " 6, 7" and kept.choices[0].finish_reason == "stop"
+    assert oai.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("no-such-model")
+    with pytest.raises(openai.BadRequestError, match=r"400 - top_logprobs must be in \[0, 20\], got 21$"):
+        oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, logprobs=True, top_logprobs=21)
+
+
 def test_cancelled_stream_frees_both_workers(cluster, oai):
     stream = oai.completions.create(model=MODEL, prompt="Write a long story about a dragon.", max_tokens=400,
                                     temperature=0, stream=True)

@@ -264,3 +264,14 @@ def test_neutral_values_of_unserved_openai_fields_pass():
     refuse_unsupported(CompletionRequest(model="m", prompt="a", echo=False, best_of=1, suffix=None))
     refuse_unsupported(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
                                              tool_choice="none", tools=[], response_format={"type": "text"}))
+
+
+def test_an_unset_max_tokens_is_16_for_text_and_the_rest_of_the_context_for_a_chat(tokenizer):
+    """OpenAI's completions default 16; its chat default (and vLLM's) is all the context leaves."""
+    v = RequestValidator(tokenizer, Limits(max_model_len=512, vocab_size=len(tokenizer)))
+    text = v.prepare(build_request("Once upon a time"))
+    assert text.worker_request.sampling.max_tokens == 16
+    chat = v.prepare(build_request([{"role": "user", "content": "Tell me a story."}]))
+    assert chat.worker_request.sampling.max_tokens == 512 - len(chat.prompt_token_ids)
+    assert v.prepare(build_request([{"role": "user", "content": "Hi"}], max_tokens=7)).worker_request.sampling \
+        .max_tokens == 7

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP front door (FastAPI): the router's request path behind OpenAI's API.
 
-Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
+Routes: ``GET /v1/models`` (and ``/v1/models/{model}``), ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /health`` (503 while no live prefill or decode worker), ``GET /metrics`` (the router's
 Prometheus metrics) and ``GET /v1/prometheus/targets`` (Prometheus HTTP service discovery of
 every process' ``/metrics``). With API keys, every route but ``/health`` needs one
@@ -138,11 +138,17 @@ def build_app(state: FrontDoorState) -> DeclaredSizeLimit:
     async def targets():
         return JSONResponse(await run_in_threadpool(state.targets))
 
+    def model_card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "pdcluster",
+                "root": state.model_name, "max_model_len": state.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "pdcluster", "root": state.model_name,
-                                            "max_model_len": state.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        return model_card() if model == state.model_name else _unknown_model(state, model)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -156,10 +162,14 @@ def build_app(state: FrontDoorState) -> DeclaredSizeLimit:
     return DeclaredSizeLimit(RequireApiKey(body_read, accepts=state.accepts_api_key), state.max_request_bytes)
 
 
+def _unknown_model(state: FrontDoorState, name: str) -> Response:
+    return error_response(404, f"model {name!r} does not exist; this server serves {state.model_name!r}",
+                          param="model", code="model_not_found")
+
+
 async def _generate(state: FrontDoorState, body, kind: str, expand, request: Request):
     if body.model != state.model_name:
-        return error_response(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
-                              param="model", code="model_not_found")
+        return _unknown_model(state, body.model)
     try:
         base, subs = expand(body)
         actives = await run_in_threadpool(_start_all, state.core, subs)

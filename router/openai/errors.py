@@ -134,11 +134,17 @@ def request_aliases(body) -> dict[str, str]:
 
 def router_error_response(e: RouterError, body_only: bool = False, aliases: dict[str, str] | None = None):
     """The response (or with ``body_only`` the body) of a :class:`RouterError`; ``param`` is the field
-    its message names, under the name the request used (``aliases``: :func:`request_aliases`)."""
+    its message names, under the name the request used (``aliases``: :func:`request_aliases`), and a
+    sampling field's message names it so too (``sampling.logprobs must be ...`` of a chat request
+    with ``top_logprobs`` reads ``top_logprobs must be ...``)."""
     status = http_status(e.code)
     match = _PARAM.match(e.message) if status == 400 else None
     param = match.group(1) if match else None
-    body = error_body(status, e.message, param=(aliases or {}).get(param, param), code=e.code.name.lower())
+    field = (aliases or {}).get(param, param)
+    message = e.message
+    if param is not None and message.startswith(f"sampling.{param}"):  # named as the body wrote it
+        message = field + message[len(f"sampling.{param}"):]
+    body = error_body(status, message, param=field, code=e.code.name.lower())
     if body_only:
         return body
     response = json_response(body, status)

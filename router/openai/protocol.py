@@ -8,7 +8,9 @@ checked by the router's validator (the same checks as the gRPC API, :mod:`router
 so both front doors refuse the same requests with the same messages; the models only check
 shapes (types, one of ``prompt`` forms, content parts).
 Types are strict, as in OpenAI's JSON schema: ``true`` is not an integer or a number (pydantic's
-lax mode would read it as 1), ``"0.5"`` is not a number; an integer is a number.
+lax mode would read it as 1), ``"0.5"`` is not a number; an integer is a number. An explicit
+``null`` is the field left out (OpenAI's schema allows ``null`` for its optional fields, and SDKs
+send it for arguments left unset): ``"n": null`` is ``n`` 1, ``"stream": null`` is no stream.
 
 Sources: OpenAI API reference (``/v1/completions``, ``/v1/chat/completions``), vLLM's
 ``vllm/entrypoints/openai/protocol.py`` for the extra sampling fields (``top_k``, ``min_p``,
@@ -19,15 +21,34 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, model_validator
+
+
+def _null_is_absent(model: type[BaseModel], data):
+    """``data`` without the ``null`` values of ``model``'s optional fields (their defaults then
+    apply); a required field's ``null`` stays, to be refused naming it."""
+    if not isinstance(data, dict):
+        return data
+    fields = model.model_fields
+    return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data):
+        return _null_is_absent(cls, data)
+
 
 class _Extensible(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data):
+        return _null_is_absent(cls, data)
 
 
 class StreamOptions(_Body):
