@@ -239,6 +239,7 @@ class _InboundStream:
         self._data = data
         self.transfer_id: str | None = None
         self.generation: int | None = None
+        self.request_id = ""  # of the admitted transfer (named in its failure line)
         self._num_chunks = 0
         self._bytes = 0
         self._block_size: int | None = None
@@ -289,7 +290,8 @@ class _InboundStream:
         """Fail the admitted transfer (if any) through the sink and build the error ack."""
         self._data.drop()
         if self.transfer_id is not None:
-            log.warning("KV transfer %s generation %s failed: %s", self.transfer_id, self.generation, reason)
+            log.warning("KV transfer %s generation %s failed: %s", self.transfer_id, self.generation, reason,
+                        extra={"request_id": self.request_id})
             self._states.set(self.transfer_id, TransferState.FAILED)
             try:
                 self._sink.fail(self.transfer_id, self.generation, reason)
@@ -307,7 +309,7 @@ class _InboundStream:
             log.exception("sink.begin raised for transfer %s", tid)
             return False
         if admitted:
-            self.transfer_id, self.generation = tid, gen
+            self.transfer_id, self.generation, self.request_id = tid, gen, rid
             self._states.set(tid, TransferState.TRANSFERRING)
             self._admitted.set()
         return admitted

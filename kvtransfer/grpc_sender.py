@@ -129,7 +129,7 @@ class GrpcKvSender(KvSender):
         self._data = data_plane if data_plane is not None else InlineData()
         self._lock = threading.Lock()
         self._channels: dict[str, tuple[grpc.Channel, grpc.StreamUnaryMultiCallable]] = {}
-        self._in_flight: set[str] = set()
+        self._in_flight: dict[str, str] = {}  # transfer id -> request id (named in failure lines)
         self._closed = False
 
     def send(
@@ -149,7 +149,7 @@ class GrpcKvSender(KvSender):
         t0 = time.perf_counter()
         job = plan_job(request_id, transfer_id, dest, kv_cache, src_block_ids, first_token_id,
                        first_token_logprobs, layers_per_chunk, self._max_chunk_bytes, progress, self._timeout_s)
-        self._start(transfer_id)
+        self._start(transfer_id, request_id)
         started_at = time.monotonic()
         try:
             try:
@@ -177,7 +177,7 @@ class GrpcKvSender(KvSender):
             raise
         finally:
             with self._lock:
-                self._in_flight.discard(transfer_id)
+                self._in_flight.pop(transfer_id, None)
 
     def poll(self, transfer_id: str) -> TransferState:
         """See :meth:`KvSender.poll`."""
@@ -192,16 +192,17 @@ class GrpcKvSender(KvSender):
             channel.close()
         self._data.close()
 
-    def _start(self, transfer_id: str) -> None:
+    def _start(self, transfer_id: str, request_id: str) -> None:
         with self._lock:
             if transfer_id in self._in_flight:
                 raise ValueError(f"transfer {transfer_id!r} is already being sent")
-            self._in_flight.add(transfer_id)
+            self._in_flight[transfer_id] = request_id
         self._states.set(transfer_id, TransferState.BOOTSTRAPPING)
 
     def _failure(self, transfer_id: str, reason: str) -> KvTransferError:
         self._states.set(transfer_id, TransferState.FAILED)
-        log.warning("KV transfer %s failed: %s", transfer_id, reason)
+        request_id = self._in_flight.get(transfer_id, "")  # no lock: _stub calls this holding it
+        log.warning("KV transfer %s failed: %s", transfer_id, reason, extra={"request_id": request_id})
         return KvTransferError(transfer_id, reason)
 
     def _stub(self, transfer_id: str, endpoint: str) -> grpc.StreamUnaryMultiCallable:

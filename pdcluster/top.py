@@ -4,10 +4,11 @@ Every second it asks the router's HTTP server for the scrape targets
 (``/v1/prometheus/targets``, Prometheus' HTTP service-discovery format), scrapes each
 target's ``/metrics`` (parsed by prometheus-client's own parser) and shows, per process:
 requests running / waiting, KV-cache usage, and over the last interval the mean prefill
-time and decode step time (from histogram ``_sum`` / ``_count`` deltas), their ratio, token
-and KV-transfer rates, prefix-cache hit rate and preemptions; for the router, TTFT, ITL
-and E2E means and the request rate. With an API key, every request carries
-``Authorization: Bearer KEY`` (the router's discovery endpoint and ``/metrics`` need it;
+time and decode step time (from histogram ``_sum`` / ``_count`` deltas), prefill-step seconds
+per decode-step second (P/D), token and KV-transfer rates, prefix-cache hit rate and
+preemptions; for the router, TTFT, ITL and E2E means, the request rate and the errors so far.
+With an API key, every request carries ``Authorization: Bearer KEY`` (the router's discovery
+endpoint and ``/metrics`` need it;
 the workers' ``/metrics`` ignore it, as they do Prometheus' header). With a CA (``tls_ca``)
 the router is reached over HTTPS and its certificate verified; the workers' ``/metrics``
 stay plain HTTP.
@@ -115,12 +116,19 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
 
 
 def cluster_ratio(scrapes: list[Scrape], previous: dict[str, Scrape]) -> float | None:
-    """Prefill compute seconds per decode-step second over the interval, all workers together
-    (the ``pdcluster:prefill_decode_time_ratio:rate1m`` rule's figure)."""
+    """Prefill-step seconds per decode-step second over the interval, all workers together
+    (the ``pdcluster:prefill_decode_time_ratio:rate1m`` rule's figure: step wall times on both
+    sides, so a batched prefill step counts once, not once per request in it)."""
     def spent(name: str) -> float:
         return sum(s.total(name) - previous[s.worker_id].total(name) for s in scrapes if s.worker_id in previous)
     decode = spent("decode_time_seconds_sum")
-    return spent("prefill_time_seconds_sum") / decode if decode > 0 else None
+    return spent("prefill_step_seconds_sum") / decode if decode > 0 else None
+
+
+def _step_ratio(now: Scrape, before: Scrape | None) -> float | None:
+    """One (colocated) worker's prefill-step seconds per decode-step second over the interval."""
+    prefill, decode = _rate(now, before, "prefill_step_seconds_sum"), _rate(now, before, "decode_time_seconds_sum")
+    return prefill / decode if prefill and decode else None
 
 
 def render(scrapes: list[Scrape], previous: dict[str, Scrape]) -> Group:
@@ -130,7 +138,7 @@ def render(scrapes: list[Scrape], previous: dict[str, Scrape]) -> Group:
                 "tok/s", "KV MB/s", "prefix hit", "preempt"):
         workers.add_column(col, justify="right" if col not in ("worker", "role") else "left")
     router = Table(title="router", expand=True)
-    for col in ("router", "run", "wait", "req/s", "TTFT ms", "ITL ms", "E2E ms", "errors", "cluster P/D"):
+    for col in ("router", "run", "wait", "req/s", "TTFT ms", "ITL ms", "E2E ms", "errors (total)", "cluster P/D"):
         router.add_column(col, justify="right" if col != "router" else "left")  # one row per router (--routers N)
     ratio = cluster_ratio(scrapes, previous)
     for s in sorted(scrapes, key=lambda s: (s.role, s.worker_id)):
@@ -153,7 +161,7 @@ def render(scrapes: list[Scrape], previous: dict[str, Scrape]) -> Group:
         workers.add_row(s.worker_id, s.role, _fmt(s.total("num_requests_running"), ".0f"),
                         _fmt(s.total("num_requests_waiting"), ".0f"),
                         _fmt(100 * s.total("kv_cache_usage_perc"), ".1f") + "%",
-                        _fmt(prefill), _fmt(decode), _fmt(prefill / decode if prefill and decode else None, ".2f"),
+                        _fmt(prefill), _fmt(decode), _fmt(_step_ratio(s, b), ".2f"),
                         _fmt(tok), _fmt(kv_rate / 1e6 if kv_rate is not None else None, ".2f"),
                         _fmt(100 * hits / queries if queries else None, ".0f") + ("%" if queries else ""),
                         _fmt(s.total("num_preemptions_total"), ".0f"))

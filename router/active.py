@@ -88,6 +88,12 @@ class ActiveRequest:
                 self.stats.failed(e.code.name)
                 log.info("request failed: %s", e)
                 raise
+            except GeneratorExit:  # the front door stopped reading: its client went away mid-stream
+                if not self.stats.ended:
+                    self.cancel()
+                    self.stats.failed(grpc.StatusCode.CANCELLED.name)
+                    log.info("request failed: CANCELLED: client cancelled (the stream was closed)")
+                raise
             finally:
                 self.stats.close()
                 self.router._forget(self.request_id)

@@ -9,6 +9,14 @@ Definitions (vLLM's, ``vllm/v1/metrics/stats.py``; DistServe's TTFT/TPOT):
 * TPOT: (E2E − TTFT) / (generated tokens − 1), for requests of two tokens or more;
 * E2E: arrival → the final message.
 
+Token counters count as vLLM's do, per step rather than per finished request: a request's
+prompt tokens once its first token left the router (once, whatever migrations follow), its
+generated tokens as they leave; so a cancelled or failed request's work is counted too, and
+``rate(generation_tokens_total)`` follows the output as it streams. The length histograms
+(``request_prompt_tokens``, ``request_generation_tokens``) are of finished requests. Every
+request that leaves the router counts exactly once in ``request_success`` or ``request_errors``
+(a front door that stops reading a stream, the client having gone, counts ``CANCELLED``).
+
 All times are ``time.monotonic()`` seconds.
 """
 
@@ -48,6 +56,11 @@ class RequestStats:
         self._state = "waiting"
         self._g.add("num_requests_waiting", 1)
 
+    @property
+    def ended(self) -> bool:
+        """Whether :meth:`finished` or :meth:`failed` recorded the request's outcome."""
+        return self._state == "done"
+
     def reserved(self) -> None:
         """The decode worker admitted the request (queue time ends)."""
         if self._state == "waiting":
@@ -62,20 +75,23 @@ class RequestStats:
         if self.first_token_s is None:
             self.first_token_s = now
             self._m.observe("time_to_first_token_seconds", now - self.arrival_s)
+            self._m.inc("prompt_tokens", self.num_prompt_tokens)
         else:
             self._m.observe("inter_token_latency_seconds", now - self.last_token_s)
         self.last_token_s = now
         self.num_tokens += n
+        self._m.inc("generation_tokens", n)
 
     def finished(self, reason: str) -> None:
-        """The request ended normally (``reason``: ``stop``, ``length`` or ``abort``)."""
+        """The request ended normally (``reason``: ``stop``, ``length`` or ``abort``); once
+        the request has ended (here or in :meth:`failed`), nothing more is recorded."""
+        if self.ended:
+            return
         now = time.monotonic()
         m = self._m
         m.observe("e2e_request_latency_seconds", now - self.arrival_s)
         m.observe("request_prompt_tokens", self.num_prompt_tokens)
         m.observe("request_generation_tokens", self.num_tokens)
-        m.inc("prompt_tokens", self.num_prompt_tokens)
-        m.inc("generation_tokens", self.num_tokens)
         if self.num_tokens > 1 and self.first_token_s is not None:
             m.observe("request_time_per_output_token_seconds",
                       (self.last_token_s - self.first_token_s) / (self.num_tokens - 1))
@@ -83,7 +99,10 @@ class RequestStats:
         self._move("done")
 
     def failed(self, code: str) -> None:
-        """The request ended with the gRPC status ``code`` (e.g. ``UNAVAILABLE``)."""
+        """The request ended with the gRPC status ``code`` (e.g. ``UNAVAILABLE``), unless it has
+        ended already."""
+        if self.ended:
+            return
         self._m.inc("request_errors", code=code)
         self._move("done")
 

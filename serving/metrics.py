@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 PREFIX = "pdcluster:"
 BASE_LABELS = ("role", "worker_id", "model_name")
@@ -45,6 +45,11 @@ class MetricSpec:
         roles: the processes that export it (``router``, ``prefill``, ``decode``).
         labels: labels besides :data:`BASE_LABELS`.
         buckets: histogram upper bounds.
+        preset: values of the metric's one own label whose series exist (at 0) from the start, so
+            a rate over them has data before the first event (vLLM's finish reasons).
+
+    Raises:
+        ValueError: ``preset`` values for a metric without exactly one own label.
     """
 
     name: str
@@ -53,6 +58,11 @@ class MetricSpec:
     roles: tuple[str, ...]
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
+    preset: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.preset and len(self.labels) != 1:
+            raise ValueError(f"{self.name}: preset label values need exactly one own label, got {self.labels}")
 
 
 def _h(name: str, help: str, roles: tuple[str, ...], buckets: tuple[float, ...]) -> MetricSpec:
@@ -71,10 +81,12 @@ METRICS: tuple[MetricSpec, ...] = (
        (ROUTER, PREFILL), _LATENCY_S),
     _h("request_prompt_tokens", "Prompt length of finished requests (tokens).", (ROUTER,), _TOKENS),
     _h("request_generation_tokens", "Generated tokens of finished requests (tokens).", (ROUTER,), _TOKENS),
-    MetricSpec("prompt_tokens", "counter", "Prompt tokens of finished requests.", (ROUTER,)),
-    MetricSpec("generation_tokens", "counter", "Generated tokens of finished requests.", (ROUTER,)),
+    MetricSpec("prompt_tokens", "counter", "Prompt tokens prefilled (counted at each request's first token).",
+               (ROUTER,)),
+    MetricSpec("generation_tokens", "counter", "Generated tokens (counted as they leave the router, also those of "
+               "requests that are cancelled or fail later).", (ROUTER,)),
     MetricSpec("request_success", "counter", "Finished requests by finish reason.", (ROUTER,),
-               labels=("finished_reason",)),
+               labels=("finished_reason",), preset=("stop", "length", "abort")),
     MetricSpec("request_errors", "counter", "Failed requests by status code.", (ROUTER,), labels=("code",)),
     MetricSpec("request_migrations", "counter",
                "Requests resumed on other workers after a worker failed them, by the failed worker's role.",
@@ -145,6 +157,7 @@ class ProcessMetrics:
     """
 
     def __init__(self, role: str, worker_id: str, model_name: str, registry: CollectorRegistry | None = None):
+        disable_created_metrics()  # as vLLM: no ``_created`` series beside each counter and histogram
         self.registry = registry if registry is not None else CollectorRegistry()
         roles = {PREFILL, DECODE} if role == "colocated" else {role}
         if not roles & {ROUTER, PREFILL, DECODE}:
@@ -158,6 +171,8 @@ class ProcessMetrics:
                                                        registry=self.registry, **kwargs)
                 if not m.labels:  # the series exists (at 0) from the start, so queries over it return data
                     self._metrics[m.name].labels(**self.base)
+                for value in m.preset:
+                    self._metrics[m.name].labels(**self.base, **{m.labels[0]: value})
 
     def __contains__(self, name: str) -> bool:
         return name in self._metrics

@@ -16,6 +16,8 @@ import pytest
 
 from cluster_utils import assert_no_leak, router_client, running_cluster
 
+from pdcluster.top import scrape
+
 MODEL = "smollm2-135m-instruct"
 CHAT = [{"role": "user", "content": "Name three rivers in Europe."}]
 
@@ -274,11 +276,56 @@ def test_what_a_vllm_user_expects(oai, grpc_client):
     kept = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stop=[" 7"],
                                   extra_body={"include_stop_str_in_output": True})
     assert kept.choices[0].text == " 6, 7" and kept.choices[0].finish_reason == "stop"
+    raw = oai.completions.with_raw_response.create(model=MODEL, prompt="Once", max_tokens=2)
+    assert raw.headers["x-request-id"] == raw.parse().id
+    streamed = oai.chat.completions.with_raw_response.create(model=MODEL, messages=CHAT, max_tokens=2, stream=True)
+    assert streamed.headers["x-request-id"] == next(iter(streamed.parse())).id
     assert oai.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         oai.models.retrieve("no-such-model")
     with pytest.raises(openai.BadRequestError, match=r"400 - top_logprobs must be in \[0, 20\], got 21$"):
         oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, logprobs=True, top_logprobs=21)
+
+
+def _router_totals(base_url: str) -> dict[str, float]:
+    s = scrape(base_url.removeprefix("http://"), {})
+
+    def errors(code: str) -> float:
+        return sum(v for (n, labels), v in s.values.items() if n == "request_errors_total" and ("code", code) in labels)
+    return {"ok": s.total("request_success_total"), "errors": s.total("request_errors_total"),
+            "invalid": errors("INVALID_ARGUMENT"), "not_found": errors("NOT_FOUND"), "cancelled": errors("CANCELLED"),
+            "generated": s.total("generation_tokens_total")}
+
+
+def test_every_request_is_counted_once(cluster, oai, base_url):
+    """Cancelled gRPC streams (whether the cancel finds the router waiting on the decode worker or
+    handing a message to gRPC, which then never resumes the handler) and the HTTP layer's own
+    refusals each count once in ``request_errors``; a cancelled stream's tokens count in
+    ``generation_tokens``."""
+    before = _router_totals(base_url)
+    received = 0
+    for i in range(8):
+        with router_client(cluster) as client:  # the channel closes right after the cancel, as a client that exits
+            stream = client.stream(f"Write a long story about dragon number {i}.", max_tokens=200, ignore_eos=True)
+            for n, chunk in enumerate(stream, 1):
+                received += len(chunk.token_ids)
+                if n == 5:
+                    stream.cancel()
+                    break
+    for body in ({"model": MODEL, "prompt": "hi", "max_tokens": "3"}, {"model": MODEL, "prompt": "hi", "echo": True},
+                 {"model": "no-such-model", "prompt": "hi"}):
+        with pytest.raises(openai.APIStatusError):
+            oai.post("/completions", cast_to=object, body=body)
+    deadline = time.monotonic() + 10
+    while True:
+        after = _router_totals(base_url)
+        if after["cancelled"] - before["cancelled"] >= 8 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    delta = {k: after[k] - before[k] for k in after}
+    assert delta["cancelled"] == 8 and delta["invalid"] == 2 and delta["not_found"] == 1, (delta, received)
+    assert delta["errors"] == 11 and delta["ok"] == 0, delta
+    assert delta["generated"] >= received >= 40, delta
 
 
 def test_cancelled_stream_frees_both_workers(cluster, oai):

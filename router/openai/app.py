@@ -49,10 +49,14 @@ from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.openai.requests import OpenAIRequestError, SubRequest, chat_requests, completion_requests
 from router.openai.responses import ResponseBuilder, totals
 from serving.logs import request_scope
+from serving.metrics import ProcessMetrics
 
 FIRST_SAMPLE_WAIT_S = 600.0
 DISCONNECT_POLL_S = 0.25
 """How often (seconds) a non-streamed request checks whether its client is still connected."""
+REQUEST_ID_HEADER = "X-Request-Id"
+"""Response header naming the request's id (the body's ``id``), as vLLM's with request-id headers on;
+the router's and workers' log lines about choice ``i`` carry ``<id>-<i>``."""
 log = logging.getLogger(__name__)
 
 
@@ -74,6 +78,8 @@ class FrontDoorState:
         max_request_bytes: the largest request body accepted (bytes; larger: 413).
         body_timeout_s: seconds a request's whole body may take to arrive (later: 408;
             :class:`router.openai.body.BodyDeadline`).
+        metrics: the router's metrics, where a generation request the HTTP layer refuses
+            itself counts in ``request_errors`` (``None``: not counted).
     """
 
     core: RequestRouter
@@ -87,6 +93,7 @@ class FrontDoorState:
     max_model_len: int = 0
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    metrics: ProcessMetrics | None = None
 
 
 class DeclaredSizeLimit:
@@ -116,14 +123,15 @@ def build_app(state: FrontDoorState) -> DeclaredSizeLimit:
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException):
         if exc.status_code == 400 and exc.detail == UNREADABLE_BODY:
-            return unreadable_body_response(await request.body())
+            return _counted(state, request, unreadable_body_response(await request.body()))
         response = error_response(exc.status_code, str(exc.detail))
         response.headers.update(exc.headers or {})
         return response
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError):
-        return validation_error_response(list(exc.errors()), request.headers.get("content-type"))
+        return _counted(state, request,
+                        validation_error_response(list(exc.errors()), request.headers.get("content-type")))
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def health():
@@ -162,6 +170,21 @@ def build_app(state: FrontDoorState) -> DeclaredSizeLimit:
     return DeclaredSizeLimit(RequireApiKey(body_read, accepts=state.accepts_api_key), state.max_request_bytes)
 
 
+_REFUSAL_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT.name, 404: grpc.StatusCode.NOT_FOUND.name}
+"""The ``request_errors`` code of a generation request the HTTP layer refuses before the request
+path sees it (unreadable body, a field of the wrong type, an unknown model, an unsupported field),
+so the counter holds every refusal, whichever layer made it."""
+
+
+def _counted(state: FrontDoorState, request: Request, response: Response) -> Response:
+    """``response``, a refusal, counted in ``request_errors`` when it answers a generation request."""
+    code = _REFUSAL_CODES.get(response.status_code)
+    if code is not None and state.metrics is not None and request.url.path in ("/v1/completions",
+                                                                               "/v1/chat/completions"):
+        state.metrics.inc("request_errors", code=code)
+    return response
+
+
 def _unknown_model(state: FrontDoorState, name: str) -> Response:
     return error_response(404, f"model {name!r} does not exist; this server serves {state.model_name!r}",
                           param="model", code="model_not_found")
@@ -169,12 +192,12 @@ def _unknown_model(state: FrontDoorState, name: str) -> Response:
 
 async def _generate(state: FrontDoorState, body, kind: str, expand, request: Request):
     if body.model != state.model_name:
-        return _unknown_model(state, body.model)
+        return _counted(state, request, _unknown_model(state, body.model))
     try:
         base, subs = expand(body)
         actives = await run_in_threadpool(_start_all, state.core, subs)
     except OpenAIRequestError as e:
-        return error_response(e.status, e.message, param=e.param, code=e.code)
+        return _counted(state, request, error_response(e.status, e.message, param=e.param, code=e.code))
     except RouterError as e:
         return router_error_response(e, aliases=request_aliases(body))
     aliases = request_aliases(body)
@@ -185,8 +208,11 @@ async def _generate(state: FrontDoorState, body, kind: str, expand, request: Req
     events = _pump(subs, actives)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _stream(events, builder, request, subs, body.n, include_usage, aliases)
-    return await _whole(events, builder, request, subs[0].top_logprobs, body.n, aliases)
+        response = await _stream(events, builder, request, subs, body.n, include_usage, aliases)
+    else:
+        response = await _whole(events, builder, request, subs[0].top_logprobs, body.n, aliases)
+    response.headers[REQUEST_ID_HEADER] = base  # the log lines' request ids are it plus "-<choice>"
+    return response
 
 
 _GONE = object()
@@ -226,7 +252,7 @@ async def _whole(events, builder: ResponseBuilder, request: Request, top_logprob
             if isinstance(item, RouterError):
                 return router_error_response(item, aliases=aliases)
             choices.setdefault(index, []).append(item)
-        return builder.whole(choices, top_logprobs, n)
+        return JSONResponse(builder.whole(choices, top_logprobs, n))
 
     try:
         answer = await _unless_gone(collect(), request, builder)
