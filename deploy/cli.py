@@ -95,7 +95,10 @@ def _key_value(value: str) -> tuple[str, str]:
 
 
 def _state_dir(value: str) -> Path:
-    return Path(value).expanduser()
+    path = Path(value).expanduser()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value} is a file, not a directory (the state file lies inside it)")
+    return path
 
 
 def _add_state_dir(p: argparse.ArgumentParser) -> None:
@@ -311,8 +314,10 @@ def _add_scale(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="colocated workers wanted (clusters started with --colocated)")
     p.add_argument("--drain-timeout-s", type=float, default=600,
-                   help="seconds a removed worker may take to finish its requests before it is stopped anyway")
-    p.add_argument("--timeout-s", type=float, default=300, help="seconds to wait for added workers to serve")
+                   help="seconds a removed worker may take to finish its requests before it is stopped anyway "
+                        "(default: %(default)s)")
+    p.add_argument("--timeout-s", type=float, default=300,
+                   help="seconds to wait for added workers to serve (default: %(default)s)")
     p.add_argument("--placement-timeout-s", type=float, default=None,
                    help="seconds to wait for Ray to place added workers (default: the one `up` used)")
     _add_state_dir(p)
@@ -358,7 +363,10 @@ def register(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
     p = sub.add_parser("down", help="stop the local cluster", allow_abbrev=False)
     _add_state_dir(p)
     p.set_defaults(func=_deploy("cmd_down"))
-    p = sub.add_parser("status", help="show the local cluster", allow_abbrev=False)
+    p = sub.add_parser("status", help="show the local cluster", allow_abbrev=False,
+                       description="The live workers against the desired ones, the routers and where the logs are. "
+                                   "Exit status: 0 every desired worker is live, 1 no cluster is up or its Redis "
+                                   "does not answer, 3 a desired worker is missing.")
     _add_state_dir(p)
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=_deploy("cmd_status"))

@@ -48,11 +48,11 @@ from deploy.cluster import (
 from deploy.heal import Action, HealConfig, Probe, WorkerWatch, decide
 from deploy.redis_supervisor import RedisSpec, RedisSupervisor
 from deploy.scale import ScaleTarget, scale
-from serving.registry import WorkerRegistry
+from serving.registry import CONTROLLER_REPORT_KEY, WorkerRegistry
 
 log = logging.getLogger(__name__)
 DESIRED_KEY = "desired"
-REPORT_KEY = "controller"
+REPORT_KEY = CONTROLLER_REPORT_KEY
 
 
 def probe_worker(entry: dict, timeout_s: float) -> tuple[Probe, str]:

@@ -150,7 +150,8 @@ def up(args) -> dict:
             ray_address, head_pid = start_ray_head(state_dir, resources=resources)
             state.update(started_ray=True, ray_head_pid=head_pid)
         state["ray_address"] = ray_address
-        ray.init(address=ray_address, namespace="pdcluster", logging_level="WARNING")
+        context = ray.init(address=ray_address, namespace="pdcluster", logging_level="WARNING")
+        state["ray_session_dir"] = context.address_info.get("session_dir", "")  # logs: <it>/logs
         state["redis_url"] = args.redis_url or _start_redis(args, state, state_dir)
         use_cuda = ray.cluster_resources().get("GPU", 0) >= 1 and args.device in ("auto", "cuda")
         spec = spec_from_args(args, state["redis_url"], use_cuda, cluster_secret=state["cluster_secret"],

@@ -13,7 +13,7 @@ from redis.exceptions import RedisError
 from rich.console import Console
 from rich.table import Table
 
-from serving.registry import WorkerRegistry
+from serving.registry import CONTROLLER_REPORT_KEY, WorkerRegistry
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -40,7 +40,7 @@ def collect(state: dict) -> dict:
             })
         routers = [{"index": r.index, "router_id": r.router_id, "pid": r.pid, "address": r.address,
                     "metrics_address": r.metrics_address, "started_at": r.started_at} for r in reg.live_routers()]
-        report = reg.get_state("controller")
+        report = reg.get_state(CONTROLLER_REPORT_KEY)
     finally:
         reg.close()
     live_ids = {r["worker_id"] for r in rows}
@@ -85,13 +85,18 @@ def print_status(state: dict, as_json: bool = False, state_dir: str | None = Non
         print(redis_down_message(state, state_dir, e), file=sys.stderr)
         return 1
     if as_json:
-        print(json.dumps({"router_address": state["router_address"], **st}, indent=2))
+        print(json.dumps({"up": True, "router_address": state["router_address"],
+                          "router_http_address": state.get("router_http_address", ""),
+                          "logs": f"{state['ray_session_dir']}/logs" if state.get("ray_session_dir") else "",
+                          **st}, indent=2))
         return 3 if st["missing"] else 0
-    table = Table(title=f"pdcluster '{state['cluster']}' — router {state['router_address']}")
+    http = f", HTTP {state['router_http_address']}" if state.get("router_http_address") else ""
+    table = Table(title=f"pdcluster '{state['cluster']}' — router {state['router_address']}{http}")
     for col in ("worker", "role", "gen", "address", "pid", "waiting", "running", "free KV blocks", "heartbeat age"):
         table.add_column(col)
     for r in st["workers"]:
-        table.add_row(r["worker_id"], r["role"], str(r["generation"]), r["address"], str(r["pid"]),
+        role = f"{r['role']} (draining)" if r["draining"] else r["role"]
+        table.add_row(r["worker_id"], role, str(r["generation"]), r["address"], str(r["pid"]),
                       str(r["num_waiting"]), str(r["num_running"]), f"{r['num_free_blocks']}/{r['num_total_blocks']}",
                       f"{r['heartbeat_age_s']:.1f}s")
     console = Console(width=160)
@@ -106,6 +111,9 @@ def print_status(state: dict, as_json: bool = False, state_dir: str | None = Non
         console.print(f"{r['router_id']}: pid {r['pid']}, metrics at {r['metrics_address']}")
     for m in st["missing"]:
         console.print(f"missing: {m['worker_id']} ({m['role']}): {m['reason']}; restarts {m['restarts']}")
+    if state.get("ray_session_dir"):
+        console.print(f"logs: {state['ray_session_dir']}/logs on each node; a process' lines are in "
+                      "worker-*-<pid>.err (pid above; the controller's and a crashed process' too)", soft_wrap=True)
     return 3 if st["missing"] else 0
 
 
@@ -117,6 +125,8 @@ def cmd_status(args) -> int:
     try:
         state = read_state(args.state_dir)
     except FileNotFoundError:
+        if args.json:  # a script reading stdout gets JSON either way
+            print(json.dumps({"up": False}))
         print("no pdcluster is up", file=sys.stderr)
         return 1
     return print_status(state, as_json=args.json, state_dir=args.state_dir)

@@ -157,7 +157,10 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     """Return a ``torch.Generator`` on ``device`` seeded with ``seed``.
 
     Keep one per seeded request for its whole life and pass it to every
-    :meth:`Sampler.sample` call of that request.
+    :meth:`Sampler.sample` call of that request. torch's CPU generator (mt19937) keeps only
+    the low 32 bits of its seed, so on CPU a seed of 2**32 or more is folded first (its low
+    and high 32 bits xor-ed): seeds that differ only above bit 32 then give different streams,
+    and a seed below 2**32 is used as it is.
 
     Raises:
         ValueError: ``seed`` is not a uint64.
@@ -166,8 +169,12 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     if problem is not None:
         raise ValueError(problem)
     gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
+    gen.manual_seed(_fold_to_32_bits(seed) if gen.device.type == "cpu" else seed)
     return gen
+
+
+def _fold_to_32_bits(seed: int) -> int:
+    return (seed ^ (seed >> 32)) & 0xFFFFFFFF
 
 
 def skip_draw(generator: torch.Generator | None, options: SamplingOptions, n: int = 1) -> None:

@@ -249,6 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.usage_error("--system requires --chat")
     if args.command == "top" and not args.interval > 0:
         args.usage_error(f"--interval must be > 0 (seconds), got {args.interval:g}")
+    if args.command == "top" and args.iterations is not None and args.iterations < 1:
+        args.usage_error(f"--iterations must be >= 1, got {args.iterations}")
     return args.func(args)
 
 

@@ -248,4 +248,15 @@ class PdclusterClient:
                 last = f"{health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)} for service {name!r}"
                 break
             time.sleep(max(0.0, min(_HEALTH_POLL_S, deadline - time.monotonic())))
+        if not _connects(self._channel):
+            last = "nothing answers there: connection refused, or the address unreachable"
         raise TimeoutError(f"router at {self.address} not SERVING after {timeout_s}s ({last})")
+
+
+def _connects(channel: grpc.Channel, timeout_s: float = 0.2) -> bool:
+    """Whether ``channel`` reaches its server (a TCP and HTTP/2 connection within ``timeout_s``)."""
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        return True
+    except grpc.FutureTimeoutError:
+        return False

@@ -23,6 +23,7 @@ admission divides the cluster's capacity by the live routers."""
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import threading
 import time
@@ -38,6 +39,7 @@ from router.admission import Admission, AdmissionConfig
 from router.breaker import BreakerConfig, CircuitBreaker
 from router.cache_aware import cached_prefix_tokens
 from router.core import RequestRouter
+from router.fleet import FleetGauges
 from router.http import HttpServer
 from router.limits import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -68,8 +70,9 @@ from serving.security import Plane, SecurityConfig, bind, internal_channel, make
 
 SERVICE = "pdcluster.v1.Router"
 PEER_PERIODS = 4
-"""A router refreshes its record for the other routers every ``PEER_PERIODS`` view periods
-(``pdcluster up`` sets the view period to a quarter of the heartbeat: once per heartbeat)."""
+"""A router refreshes its record for the other routers, and its fleet gauges
+(:mod:`router.fleet`), every ``PEER_PERIODS`` view periods (``pdcluster up`` sets the view
+period to a quarter of the heartbeat: once per heartbeat)."""
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,8 @@ class RouterServer:
         self.prefill_rates = PrefillRates()
         self.peers = RouterPeers(WorkerRegistry(cfg.redis_url, cfg.cluster), self._record,
                                  period_s=cfg.view_period_s * PEER_PERIODS)
+        self.fleet = FleetGauges(self.metrics, lambda: [info for info, _ in self.view.workers()],
+                                 WorkerRegistry(cfg.redis_url, cfg.cluster))
         self.admission = Admission(cfg.admission, partial(self._takers, "decode"), partial(self._takers, "prefill"),
                                    load, self.prefill_rates, self._cached_tokens, self.metrics, self.peers.count)
         self.core = RequestRouter(
@@ -278,12 +283,16 @@ class RouterServer:
 
     def _watch_health(self) -> None:
         serving = None
-        while not self._stop.is_set():
+        for period in itertools.count():
+            if self._stop.is_set():
+                break
             now, _ = self.serving_now()
             self.breaker.retain(self.view.addresses())  # workers gone from the registry: their breakers too
             if now != serving:
                 set_serving(self.health, [SERVICE], serving=now)
                 serving = now
+            if period % PEER_PERIODS == 0:  # the controller reports once per heartbeat
+                self.fleet.update()
             self._stop.wait(self.cfg.view_period_s)
 
     def start(self) -> str:
@@ -309,6 +318,9 @@ class RouterServer:
             self.http.stop()
         self.server.stop(grace_s).wait()
         self.peers.stop()
+        if self._health_thread.is_alive():
+            self._health_thread.join(timeout=5)
+        self.fleet.close()
         self.metrics_http.stop()
         self.view.stop()
         if self.cache_index is not None:

@@ -4,7 +4,8 @@ Names follow vLLM's (``vllm/v1/metrics/loggers.py``) with the ``pdcluster:`` pre
 vLLM dashboard ports by replacing the prefix; counters are declared without ``_total``
 (prometheus-client appends it). Every series carries ``role``, ``worker_id`` and
 ``model_name``; a few add one label of their own (``finished_reason``, ``code``, ``reason``,
-``target_worker``: the worker a router-side series is about; ``failed_role``).
+``target_worker``: the worker a router-side series is about; ``failed_role``; ``worker_role``:
+the role a router-side count of workers is about).
 Units are in the names: ``_seconds``, ``_tokens``, ``_bytes``; ``kv_cache_usage_perc`` is a
 fraction in [0, 1] as in vLLM.
 
@@ -100,6 +101,12 @@ METRICS: tuple[MetricSpec, ...] = (
                (ROUTER,), labels=("target_worker",)),
     MetricSpec("circuit_breaker_open_workers", "gauge",
                "Workers the router's circuit breaker skips now (open or being probed).", (ROUTER,)),
+    MetricSpec("workers_live", "gauge", "Live workers (registered, heartbeat fresh) by role, as the router sees them.",
+               (ROUTER,), labels=("worker_role",)),
+    MetricSpec("workers_desired", "gauge", "Workers the cluster controller keeps, by role (absent: no controller "
+               "report).", (ROUTER,), labels=("worker_role",)),
+    MetricSpec("worker_restarts", "gauge", "Times the cluster controller restarted or recreated a desired worker.",
+               (ROUTER,), labels=("target_worker",)),
     MetricSpec("num_requests_running", "gauge", "Requests running (router: relayed; workers: in a batch).",
                (ROUTER, PREFILL, DECODE)),
     MetricSpec("num_requests_waiting", "gauge", "Requests waiting (router: for a worker; workers: for a step).",
@@ -199,3 +206,13 @@ class ProcessMetrics:
     def set(self, name: str, value: float, **labels: str) -> None:
         """Gauge value."""
         self.get(name, **labels).set(value)
+
+    def clear(self, name: str) -> None:
+        """Remove every series of ``name`` (a gauge whose source went away).
+
+        Raises:
+            KeyError: ``name`` is not exported by this process' role.
+        """
+        if name not in self._metrics:
+            raise KeyError(f"metric {name!r} is not exported by role {self.base['role']!r}")
+        self._metrics[name].clear()

@@ -39,6 +39,10 @@ end
 return 0
 """
 
+CONTROLLER_REPORT_KEY = "controller"
+"""``state:`` key of the cluster controller's report (:mod:`deploy.controller`): desired workers
+by role, each desired worker's liveness, why it is missing and how often it was restarted."""
+
 
 @dataclass(frozen=True)
 class WorkerInfo:

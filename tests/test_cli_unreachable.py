@@ -233,3 +233,18 @@ def test_top_interval_must_be_positive(capsys, dead_address):
     with pytest.raises(SystemExit) as info:
         cli.main(["top", "--address", dead_address, "--interval", "0"])
     assert info.value.code == 2 and "--interval must be > 0 (seconds), got 0" in capsys.readouterr().err
+
+
+def test_status_of_no_cluster_and_a_file_as_state_dir(tmp_path, capsys):
+    """``--json`` prints JSON on stdout even when no cluster is up (the reason on stderr); a file given as
+    ``--state-dir`` is one usage line, not a traceback."""
+    assert cli.main(["status", "--json", "--state-dir", str(tmp_path / "none")]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"up": False} and err.strip() == "no pdcluster is up"
+    state_file = tmp_path / "cluster.json"
+    state_file.write_text("{}")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["status", "--state-dir", str(state_file)])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and f"{state_file} is a file, not a directory" in err and "Traceback" not in err
+

@@ -197,3 +197,14 @@ def test_cuda_logits_with_cuda_and_cpu_generators():
     assert out.token_ids.device.type == "cuda" and out.top_ids.device.type == "cuda"
     alone = Sampler(seed=0).sample(logits[:1], opts[:1], [make_generator(5, "cuda")])
     assert out.token_ids[0].item() == alone.token_ids[0].item()
+
+
+def test_seeds_differing_above_32_bits_give_different_streams():
+    """torch's CPU generator keeps 32 bits of a seed: make_generator folds the high half in, and
+    leaves a seed below 2**32 as it is (earlier outputs of such seeds are unchanged)."""
+    def draws(seed: int) -> torch.Tensor:
+        return torch.rand(8, generator=make_generator(seed))
+
+    assert torch.equal(draws(7), torch.rand(8, generator=torch.Generator().manual_seed(7)))
+    streams = [draws(s) for s in (7, 7 + 2**32, 7 + 2**63, 2**64 - 1, 2**32 - 1)]
+    assert all(not torch.equal(a, b) for i, a in enumerate(streams) for b in streams[i + 1:])

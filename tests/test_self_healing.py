@@ -183,4 +183,8 @@ def test_scale_up_and_down_on_a_small_machine(cluster, capsys):
     assert cli.main(["status", "--state-dir", cluster["state_dir"]]) == 0
     out = capsys.readouterr().out
     assert "live/desired: 1/1 prefill, 1/1 decode" in out and "controller: last report" in out
+    logs = Path(cluster["ray_session_dir"]) / "logs"
+    assert f"logs: {logs} on each node" in out.replace("\n", "")
+    pids = [w["pid"] for w in cluster_status.collect(cluster)["workers"]]
+    assert all(list(logs.glob(f"worker-*-{pid}.err")) for pid in pids), pids  # each worker's lines, by its pid
     assert_no_leak(cluster)

@@ -1,0 +1,75 @@
+"""The cluster's workers as Prometheus sees them through the router: live against desired, and
+restarts, so an alert tells a worker that crashed (and one in a restart loop) from a scale-down.
+
+Every router exports, from its registry view and the cluster controller's report in Redis
+(:mod:`deploy.controller` publishes it every heartbeat period, with a TTL):
+
+* ``workers_live{worker_role}``: the live workers of each role (registered, heartbeat fresh);
+* ``workers_desired{worker_role}``: the workers the controller keeps, by role;
+* ``worker_restarts{target_worker}``: how often the controller restarted or recreated each
+  desired worker (a worker Ray restarts in place after a crash is seen as a new generation in
+  the registry, not here).
+
+Without a report (the controller is down, or the cluster was started without one) the desired
+and restart series are removed: ``absent(pdcluster:workers_desired)`` alerts on a cluster that
+nothing heals, ``pdcluster:workers_live < pdcluster:workers_desired`` on a missing worker and
+``increase(pdcluster:worker_restarts[10m]) > 3`` on a restart loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+from redis.exceptions import RedisError
+
+from serving.metrics import ProcessMetrics
+from serving.registry import CONTROLLER_REPORT_KEY, WorkerInfo, WorkerRegistry
+
+log = logging.getLogger(__name__)
+WORKER_ROLES = ("prefill", "decode", "colocated")
+
+
+class FleetGauges:
+    """Sets the router's fleet gauges from the live workers and the controller's report.
+
+    Args:
+        metrics: the router's metrics.
+        live: ``() ->`` the live workers (the router's registry view).
+        registry: where the controller's report is read (owned: closed by :meth:`close`).
+    """
+
+    def __init__(self, metrics: ProcessMetrics, live: Callable[[], list[WorkerInfo]],
+                 registry: WorkerRegistry) -> None:
+        self._m = metrics
+        self._live = live
+        self._reg = registry
+        self._had_report = False
+
+    def update(self) -> None:
+        """Refresh every gauge; while Redis does not answer, the report's gauges keep their values."""
+        roles = Counter(info.role for info in self._live())
+        for role in WORKER_ROLES:
+            self._m.set("workers_live", roles[role], worker_role=role)
+        try:
+            report = self._reg.get_state(CONTROLLER_REPORT_KEY)
+        except RedisError as e:
+            log.debug("controller report unreadable: %s", e)
+            return
+        if report is None:
+            if self._had_report:
+                self._m.clear("workers_desired")
+                self._m.clear("worker_restarts")
+            self._had_report = False
+            return
+        self._had_report = True
+        for role in WORKER_ROLES:
+            self._m.set("workers_desired", report.get("desired", {}).get(role, 0), worker_role=role)
+        desired = {w["worker_id"]: w.get("restarts", 0) for w in report.get("workers", [])}
+        self._m.clear("worker_restarts")  # a worker scaled away leaves no series behind
+        for worker_id, restarts in desired.items():
+            self._m.set("worker_restarts", restarts, target_worker=worker_id)
+
+    def close(self) -> None:
+        self._reg.close()
