@@ -13,7 +13,8 @@ validator then checks them exactly as for the gRPC API); the differences are:
   ``n`` <= :data:`router.limits.MAX_N`, and prompts x ``n`` <= :data:`router.limits.MAX_CHOICES`.
 
 OpenAI fields this server does not serve (``echo``, ``suffix``, ``best_of``, tools and functions,
-a JSON ``response_format``) are refused with 400 when a request asks for them
+a JSON ``response_format``) and vLLM's extra fields it does not serve (``min_tokens``, guided
+decoding, ``chat_template``, ...) are refused with 400 when a request asks for them
 (:func:`refuse_unsupported`); fields nobody declared are ignored.
 
 A string JSON allows but protobuf does not (a lone surrogate, ``"\\ud800"``) and a token id
@@ -94,6 +95,27 @@ _UNSUPPORTED = (  # (field, the values that ask for nothing, why another value i
     ("function_call", (None, "none"), "function calling is not supported by this server"),
     ("response_format", (None, {"type": "text"}), "only response_format {\"type\": \"text\"} is served "
                                                   "(no JSON mode or schema)"),
+    # vLLM's extra fields this server does not serve (``vllm/entrypoints/openai/protocol.py``): each
+    # changes the answer, so asking for one is refused rather than silently ignored
+    ("min_tokens", (None, 0), "min_tokens (vLLM's) is not supported"),
+    ("use_beam_search", (None, False), "beam search is not supported"),
+    ("prompt_logprobs", (None,), "prompt_logprobs (vLLM's) is not supported"),
+    ("allowed_token_ids", (None, []), "allowed_token_ids (vLLM's) is not supported; use logit_bias"),
+    ("bad_words", (None, []), "bad_words (vLLM's) is not supported; use logit_bias"),
+    ("truncate_prompt_tokens", (None,), "truncate_prompt_tokens (vLLM's) is not supported"),
+    ("structured_outputs", (None,), "structured outputs are not supported"),
+    ("guided_json", (None,), "guided decoding is not supported"),
+    ("guided_regex", (None,), "guided decoding is not supported"),
+    ("guided_choice", (None,), "guided decoding is not supported"),
+    ("guided_grammar", (None,), "guided decoding is not supported"),
+    ("add_generation_prompt", (None, True), "add_generation_prompt (vLLM's) false is not supported: the "
+                                            "generation prompt is always added"),
+    ("continue_final_message", (None, False), "continue_final_message (vLLM's) is not supported"),
+    ("chat_template", (None,), "chat_template (vLLM's) is not supported: the model's own template is used"),
+    ("chat_template_kwargs", (None, {}), "chat_template_kwargs (vLLM's) is not supported"),
+    ("skip_special_tokens", (None, True), "skip_special_tokens (vLLM's) false is not supported: special "
+                                          "tokens are always left out of the text"),
+    ("return_tokens_as_token_ids", (None, False), "return_tokens_as_token_ids (vLLM's) is not supported"),
 )
 
 
