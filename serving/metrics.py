@@ -89,6 +89,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("request_success", "counter", "Finished requests by finish reason.", (ROUTER,),
                labels=("finished_reason",), preset=("stop", "length", "abort")),
     MetricSpec("request_errors", "counter", "Failed requests by status code.", (ROUTER,), labels=("code",)),
+    MetricSpec("http_requests", "counter", "Requests on the router's HTTP port by method, route and answer status "
+               "(router.openai.http_metrics).", (ROUTER,), labels=("method", "handler", "status")),
     MetricSpec("request_migrations", "counter",
                "Requests resumed on other workers after a worker failed them, by the failed worker's role.",
                (ROUTER,), labels=("failed_role",)),

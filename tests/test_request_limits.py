@@ -282,3 +282,35 @@ def test_an_unset_max_tokens_is_16_for_text_and_the_rest_of_the_context_for_a_ch
     assert chat.worker_request.sampling.max_tokens == 512 - len(chat.prompt_token_ids)
     assert v.prepare(build_request([{"role": "user", "content": "Hi"}], max_tokens=7)).worker_request.sampling \
         .max_tokens == 7
+
+
+def test_every_http_request_is_counted_by_route_and_status():
+    """``http_requests_total``: the outermost layer counts what the inner ones answer too (413 before
+    any route runs); unknown paths share one ``other`` series; the HTTP layer's own refusals of a
+    generation request count in ``request_errors`` as the request path's do."""
+    from serving.metrics import ProcessMetrics
+
+    metrics = ProcessMetrics("router", "router-0", "m")
+    state = FrontDoorState(core=FakeCore(), model_name="m", tokenizer=None, health=lambda: (True, ""),
+                           targets=list, metrics_registry=None, accepts_api_key=lambda key: True,
+                           max_request_bytes=2000, metrics=metrics)
+    client = TestClient(build_app(state), raise_server_exceptions=False)
+    assert client.get("/health").status_code == 200
+    assert client.get("/v1/models/m").status_code == 200 and client.get("/v1/models/x").status_code == 404
+    for path in ("/nope", "/admin/../x"):
+        assert client.get(path).status_code == 404
+    assert _post(client, b'{"model": "m", "prompt": "a", "max_tokens": "3"}')[0] == 400
+    assert _post(client, b'{"model": "x", "prompt": "a"}')[0] == 404
+    assert _post(client, b"x" * 3000)[0] == 413
+
+    def count(**labels) -> float:
+        return metrics.get("http_requests", **labels)._value.get()
+    assert count(method="GET", handler="/health", status="200") == 1
+    assert count(method="GET", handler="/v1/models/{model}", status="200") == 1
+    assert count(method="GET", handler="/v1/models/{model}", status="404") == 1
+    assert count(method="GET", handler="other", status="404") == 2
+    assert count(method="POST", handler="/v1/completions", status="400") == 1
+    assert count(method="POST", handler="/v1/completions", status="404") == 1
+    assert count(method="POST", handler="/v1/completions", status="413") == 1
+    assert metrics.get("request_errors", code="INVALID_ARGUMENT")._value.get() == 1
+    assert metrics.get("request_errors", code="NOT_FOUND")._value.get() == 1

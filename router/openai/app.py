@@ -45,6 +45,7 @@ from router.openai.auth import RequireApiKey
 from router.openai.body import BodyDeadline, too_large
 from router.openai.errors import (UNREADABLE_BODY, error_response, request_aliases, router_error_response,
                                   unreadable_body_response, validation_error_response)
+from router.openai.http_metrics import CountRequests
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.openai.requests import OpenAIRequestError, SubRequest, chat_requests, completion_requests
 from router.openai.responses import ResponseBuilder, totals
@@ -113,8 +114,9 @@ class DeclaredSizeLimit:
         await self.app(scope, receive, send)
 
 
-def build_app(state: FrontDoorState) -> DeclaredSizeLimit:
-    """The ASGI application of the router's HTTP port, outermost first: :class:`DeclaredSizeLimit`,
+def build_app(state: FrontDoorState):
+    """The ASGI application of the router's HTTP port, outermost first: with ``state.metrics``
+    :class:`router.openai.http_metrics.CountRequests`, :class:`DeclaredSizeLimit`,
     :class:`router.openai.auth.RequireApiKey` (before any body is read),
     :class:`router.openai.body.BodyDeadline` (the body read in time and within its size), the
     FastAPI app."""
@@ -167,7 +169,8 @@ def build_app(state: FrontDoorState) -> DeclaredSizeLimit:
         return await _generate(state, body, "chat", chat_requests, request)
 
     body_read = BodyDeadline(app, state.max_request_bytes, state.body_timeout_s)
-    return DeclaredSizeLimit(RequireApiKey(body_read, accepts=state.accepts_api_key), state.max_request_bytes)
+    outer = DeclaredSizeLimit(RequireApiKey(body_read, accepts=state.accepts_api_key), state.max_request_bytes)
+    return CountRequests(outer, state.metrics) if state.metrics is not None else outer
 
 
 _REFUSAL_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT.name, 404: grpc.StatusCode.NOT_FOUND.name}
