@@ -94,7 +94,7 @@ def create_colocated_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "")
     decode = DecodeScheduler(runner, cfg.cache, cfg.scheduler, model_cfg.eos_token_ids, wake=wake,
                              on_step=metrics.on_step)
     prefill = PrefillScheduler(runner, cfg.cache, cfg.scheduler, wake=wake, layerwise=cfg.kv.layerwise,
-                               on_step=metrics.on_step)
+                               on_step=metrics.on_step, eos_token_ids=model_cfg.eos_token_ids)
     loop = ColocatedLoop(prefill, decode, wake)
     sink = DecodeKvSink(decode, on_write=metrics.kv_received)
     host = WorkerHost(cfg, loop, lambda server: None, SERVICES, port=port,

@@ -304,6 +304,8 @@ SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
     SamplingParam("include_stop_str_in_output", bool, False,
                   "keep the stop string or stop token text that ended generation in the text (vLLM's)",
                   target=Target.ROUTER),
+    SamplingParam("min_tokens", int, 0, "tokens generated before EOS, a stop token id or a stop string may end "
+                  "generation (vLLM's), 0 disables", Range(0)),
 )
 
 

@@ -62,7 +62,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling import skip_draw
 from engine.step import ScheduledSeq, StepPlan, TokenLogprobs
 from engine.step_stats import StepObserver, execute_timed
-from engine.stop_check import check_finish
+from engine.stop_check import check_finish, early_stop_ids
 from kvtransfer.blocks import HeadShards
 
 log = logging.getLogger(__name__)
@@ -279,9 +279,8 @@ class DecodeScheduler:
             req = self._requests[rid]
             pos = req.num_tokens - 1  # the newest token is not in the cache yet
             newest = req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1]
-            seqs.append(ScheduledSeq(rid, [newest], pos, req.block_table, True,
-                                     req.params.sampling, req.generator,
-                                     req.prompt_token_ids, req.output_token_ids))
+            seqs.append(ScheduledSeq(rid, [newest], pos, req.block_table, True, req.params.sampling, req.generator,
+                                     req.prompt_token_ids, req.output_token_ids, early_stop_ids(req, self.eos)))
         return seqs
 
     def _grow(self, request_id: str) -> bool:

@@ -101,3 +101,43 @@ def apply_logits_processors(
         pres = torch.tensor([options[i].presence_penalty for i in out_rows], device=device).unsqueeze(1)
         logits[idx] = logits[idx] - freq * counts - pres * (counts > 0).float()
     return logits
+
+
+def ban_early_stops(
+    logits: torch.Tensor,
+    options: Sequence[SamplingOptions],
+    histories: Sequence[History] | None,
+    stop_ids: Sequence[Sequence[int]] | None,
+) -> torch.Tensor:
+    """vLLM's ``min_tokens`` (HF's ``MinNewTokensLengthLogitsProcessor``): on a row whose request
+    has generated fewer than ``min_tokens`` tokens, the ids that would end it (EOS unless
+    ``ignore_eos``, its stop token ids: ``stop_ids``) get logit ``-inf``.
+
+    Args:
+        logits: ``[num_seqs, vocab]`` float32; modified in place where a row bans ids.
+        options: ``num_seqs`` per-row settings.
+        histories: ``num_seqs`` ``(prompt_token_ids, output_token_ids)`` pairs (output excludes the
+            token being sampled), read for rows with ``min_tokens`` > 0.
+        stop_ids: ``num_seqs`` id lists; ``None`` when no row has ``min_tokens`` > 0.
+
+    Returns:
+        ``logits``.
+
+    Raises:
+        ValueError: a row has ``min_tokens`` > 0 but ``histories`` or ``stop_ids`` is missing or
+            of the wrong length, or a stop id is outside ``[0, vocab)``.
+    """
+    num_seqs, vocab = logits.shape
+    rows = [i for i, o in enumerate(options) if o.min_tokens > 0]
+    if not rows:
+        return logits
+    if histories is None or stop_ids is None or len(histories) != num_seqs or len(stop_ids) != num_seqs:
+        raise ValueError(f"rows with min_tokens need {num_seqs} histories and stop id lists")
+    pairs = [(i, t) for i in rows if len(histories[i][1]) < options[i].min_tokens for t in stop_ids[i]]
+    if pairs:
+        if not all(0 <= t < vocab for _, t in pairs):
+            raise ValueError(f"a stop id is outside [0, {vocab})")
+        r, t = zip(*pairs)
+        logits[torch.tensor(r, device=logits.device), torch.tensor(t, device=logits.device)] = float("-inf")
+    return logits
+

@@ -17,6 +17,9 @@ utils.py`` ``apply_penalties`` and HF ``RepetitionPenaltyLogitsProcessor``):
    ``x * r``;
 3. **frequency / presence penalties** over output tokens only (OpenAI
    semantics): ``x -= frequency * count(t) + presence * (count(t) > 0)``;
+   then **min_tokens** (vLLM's; HF's ``MinNewTokensLengthLogitsProcessor``): while
+   a row's request has generated fewer than ``min_tokens`` tokens, the ids that would
+   end it (EOS unless ``ignore_eos``, its stop token ids) get ``-inf``;
 4. rows with temperature 0 take ``argmax`` of these processed logits (bias and
    penalties apply to greedy rows too; lowest id wins a tie);
 5. other rows divide by their temperature, sort descending (stable, so ties
@@ -59,7 +62,7 @@ from dataclasses import dataclass
 import torch
 
 from common.sampling_params import Target, sampling_param, sampling_params
-from engine.logits_processors import History, apply_logits_processors
+from engine.logits_processors import History, apply_logits_processors, ban_early_stops
 
 
 def _default(name: str):
@@ -95,6 +98,9 @@ class SamplingOptions:
             to the raw logits; a mapping is accepted and normalized to pairs
             sorted by token id. Ids are checked against the vocabulary by
             :meth:`Sampler.sample`.
+        min_tokens: ``>= 0``; while the request has generated fewer tokens, the ids that
+            would end it cannot be sampled (:func:`engine.logits_processors.ban_early_stops`);
+            ``0`` disables.
 
     Defaults and ranges come from :mod:`common.sampling_params` (every parameter
     declared there with target ``SAMPLER`` is a field here).
@@ -114,6 +120,7 @@ class SamplingOptions:
     presence_penalty: float = _default("presence_penalty")
     frequency_penalty: float = _default("frequency_penalty")
     logit_bias: tuple[tuple[int, float], ...] = _default("logit_bias")
+    min_tokens: int = _default("min_tokens")
 
     def __post_init__(self) -> None:
         if 0.0 < self.temperature < GREEDY_BELOW:
@@ -237,6 +244,7 @@ class Sampler:
         options: Sequence[SamplingOptions],
         generators: Sequence[torch.Generator | None],
         histories: Sequence[History] | None = None,
+        stop_ids: Sequence[Sequence[int]] | None = None,
     ) -> SamplerOutput:
         """Pick one token per row (steps 1-6 of the module docstring).
 
@@ -251,8 +259,12 @@ class Sampler:
             histories: ``num_seqs`` ``(prompt_token_ids, output_token_ids)``
                 pairs (the request's own lists, by reference; output excludes
                 the token being sampled), read only for rows with a repetition,
-                presence or frequency penalty. ``None`` is allowed when no row
-                has one.
+                presence or frequency penalty or ``min_tokens``. ``None`` is allowed
+                when no row has one.
+            stop_ids: ``num_seqs`` lists of the ids that would end each row's
+                request (EOS unless ``ignore_eos``, its stop token ids), banned while
+                it has generated fewer than ``min_tokens`` tokens; ``None`` when no
+                row has ``min_tokens``.
 
         Returns:
             :class:`SamplerOutput` with tensors on ``logits.device``.
@@ -264,6 +276,9 @@ class Sampler:
         _check_batch(logits, options, generators)
         raw = logits.float()
         processed = apply_logits_processors(raw, options, histories)
+        if any(o.min_tokens for o in options):
+            processed = ban_early_stops(processed if processed is not raw else raw.clone(), options, histories,
+                                        stop_ids)
 
         token_ids = processed.argmax(dim=-1)
         rows = [i for i, opt in enumerate(options) if opt.temperature > 0.0]

@@ -25,8 +25,12 @@ class ScheduledSeq:
         generator: the request's own RNG when it carries a seed, else None.
         prompt_token_ids / output_token_ids: the request's own token lists, by
             reference (not copied per step), read by the sampler for repetition /
-            presence / frequency penalties; output excludes the token this step
-            samples.
+            presence / frequency penalties and ``min_tokens``; output excludes the
+            token this step samples.
+        stop_ids: the ids that would end the request (EOS unless ``ignore_eos``, its stop
+            token ids), banned by the sampler while it has generated fewer than
+            ``sampling.min_tokens`` tokens; empty when ``min_tokens`` is 0
+            (:func:`engine.stop_check.early_stop_ids`).
     """
 
     request_id: str
@@ -38,6 +42,7 @@ class ScheduledSeq:
     generator: torch.Generator | None = None
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    stop_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

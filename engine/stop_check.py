@@ -24,3 +24,12 @@ def check_finish(req: Request, eos_token_ids: tuple[int, ...], max_model_len: in
     if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= max_model_len:
         return LENGTH
     return None
+
+
+def early_stop_ids(req: Request, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The ids that would end ``req`` (EOS unless ``ignore_eos``, its ``stop_token_ids``), which
+    the sampler bans until it has generated ``min_tokens`` tokens; ``()`` when ``min_tokens`` is 0
+    or already reached (nothing to ban)."""
+    if len(req.output_token_ids) >= req.params.sampling.min_tokens:
+        return ()
+    return (() if req.params.ignore_eos else tuple(eos_token_ids)) + tuple(req.params.stop_token_ids)

@@ -47,6 +47,7 @@ from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
 from engine.step import ScheduledSeq, StepPlan, TokenLogprobs
 from engine.step_stats import StepObserver, execute_timed
+from engine.stop_check import early_stop_ids
 from kvtransfer.progress import LayerProgress
 from prefill_worker.contracts import ExternalBlocks, PrefillError, PrefillResult, SendFn
 from serving.convert import logprobs_to_dict
@@ -106,12 +107,16 @@ class PrefillScheduler:
         layerwise: start a request's transfer with its last prefill step and stream
             the KV layer by layer (requests writing into external blocks never stream).
         on_step: called with every executed step's :class:`engine.step_stats.StepStats`.
+        eos_token_ids: the model's EOS ids, which a request's first token cannot be while it
+            asks for ``min_tokens`` (:func:`engine.stop_check.early_stop_ids`).
     """
 
     def __init__(self, runner: ModelRunner, cache: CacheConfig, sched: SchedulerConfig,
                  sender_threads: int = 4, wake: threading.Event | None = None, model_id: str = "",
-                 layerwise: bool = False, on_step: StepObserver | None = None) -> None:
+                 layerwise: bool = False, on_step: StepObserver | None = None,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         self.runner = runner
+        self.eos = eos_token_ids
         self.on_step = on_step
         self.layerwise = layerwise
         self.num_layers = runner.kv_cache.shape[0]
@@ -223,7 +228,8 @@ class PrefillScheduler:
             last = req.num_computed + n == len(tokens)
             seqs.append(ScheduledSeq(rid, tokens[req.num_computed:req.num_computed + n], req.num_computed,
                                      req.block_table, last, req.params.sampling, req.generator,
-                                     req.prompt_token_ids, req.output_token_ids))
+                                     req.prompt_token_ids, req.output_token_ids,
+                                     early_stop_ids(req, self.eos) if last else ()))
             budget -= n
         return seqs
 

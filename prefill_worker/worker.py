@@ -32,7 +32,8 @@ def create_prefill_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -
     model_cfg, runner = build_runner(cfg.model, cfg.cache, **cfg.runner_options())
     metrics = WorkerMetrics(cfg, lambda: sched.load())
     sched = PrefillScheduler(runner, cfg.cache, cfg.scheduler, model_id=_model_id(model_cfg.name, cfg),
-                             layerwise=cfg.kv.layerwise, on_step=metrics.on_step)
+                             layerwise=cfg.kv.layerwise, on_step=metrics.on_step,
+                             eos_token_ids=model_cfg.eos_token_ids)
     sender = create_sender(cfg.kv, partial(internal_channel, cfg.security))
     route = remote_route(sender, HeadShards.of(runner.kv_parts), cfg.kv.layers_per_chunk)
     servicer = PrefillWorkerServicer(sched, route, cfg.worker_id, runner.device, metrics=metrics)

@@ -104,7 +104,7 @@ class ActiveRequest:
         prep = self.prep
         out = OutputAssembler(self.router.tokenizer, prep.request_id, prep.prompt_token_ids, prep.stop,
                               stop_token_ids=prep.worker_request.sampling.stop_token_ids,
-                              include_stop=prep.include_stop_str_in_output)
+                              include_stop=prep.include_stop_str_in_output, min_tokens=prep.min_tokens)
         avoid: set[str] = set()
         cause = ""
         for migration in itertools.count():

@@ -26,15 +26,18 @@ class OutputAssembler:
         stop: stop strings.
         stop_token_ids: the request's stop token ids.
         include_stop: keep the stop string or stop token that ended generation in the text.
+        min_tokens: stop strings end generation only in deltas that bring the output to at least
+            this many tokens (vLLM's ``min_tokens``: a stop string completed earlier is text).
     """
 
     def __init__(self, tokenizer, request_id: str, prompt_token_ids: list[int], stop: list[str],
-                 stop_token_ids: Collection[int] = (), include_stop: bool = False) -> None:
+                 stop_token_ids: Collection[int] = (), include_stop: bool = False, min_tokens: int = 0) -> None:
         self.request_id = request_id
         self.num_prompt = len(prompt_token_ids)
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self.stops = StopStringMatcher(stop, include_stop) if stop else None
         self.stop_token_ids = frozenset(() if include_stop else stop_token_ids)
+        self.min_tokens = min_tokens
         self.token_ids: list[int] = []
         self.text_parts: list[str] = []
         self.logprobs: list[common_pb2.TokenLogprob] = []
@@ -60,7 +63,7 @@ class OutputAssembler:
         text = self.detok.add(shown)
         if reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             text += self.detok.finish()
-        if self.stops is not None:
+        if self.stops is not None and len(self.token_ids) >= self.min_tokens:
             text, stopped = self.stops.feed(text)
             if stopped:
                 reason = common_pb2.FINISH_REASON_STOP

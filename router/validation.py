@@ -51,6 +51,7 @@ class PreparedRequest:
     logprobs: int
     stream: bool
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0
 
 
 class RequestValidator:
@@ -81,7 +82,7 @@ class RequestValidator:
                 request_id=rid, prompt_token_ids=ids,
                 sampling=self._resolve_sampling(s, n, chat=req.WhichOneof("prompt") == "messages")),
             stop=list(s.stop), logprobs=s.logprobs, stream=req.stream,
-            include_stop_str_in_output=s.include_stop_str_in_output,
+            include_stop_str_in_output=s.include_stop_str_in_output, min_tokens=s.min_tokens,
         )
 
     def _resolve_sampling(self, s: common_pb2.SamplingParams, prompt_len: int,
@@ -93,7 +94,8 @@ class RequestValidator:
 
         Raises:
             InvalidRequest: ``sampling.<field> ...`` naming the limit (NaN and
-                infinities are out of range), or a token id >= vocab_size.
+                infinities are out of range), a token id >= vocab_size, or a
+                ``min_tokens`` above ``max_tokens``.
         """
         resolved = common_pb2.SamplingParams()
         for p in sampling_params():
@@ -105,6 +107,9 @@ class RequestValidator:
                 value = self._fit_context(p, s, value, prompt_len, chat)
             if p.target is not Target.ROUTER:
                 p.write(resolved, value)
+        if resolved.min_tokens > resolved.max_tokens:  # as vLLM refuses it
+            raise InvalidRequest(f"sampling.min_tokens must be <= max_tokens ({resolved.max_tokens}), "
+                                 f"got {resolved.min_tokens}")
         return resolved
 
     def _fit_context(self, p: SamplingParam, s: common_pb2.SamplingParams, value: int, prompt_len: int,

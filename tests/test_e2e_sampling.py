@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+import torch
 
 from pdcluster.client import PdclusterClient
 
@@ -28,7 +29,7 @@ def _repeats(tokens: list[int]) -> int:
     return len(tokens) - len(set(tokens))
 
 
-def test_sampling_knobs_end_to_end(tmp_path, tokenizer):
+def test_sampling_knobs_end_to_end(tmp_path, tokenizer, hf_model):
     with running_cluster(tmp_path / "state", "--max-model-len", "256", "--block-size", "16",
                          "--num-kv-blocks", "64", "--heartbeat-s", "0.5") as state:
         with PdclusterClient(state["router_address"], timeout_s=300) as client:
@@ -61,4 +62,33 @@ def test_sampling_knobs_end_to_end(tmp_path, tokenizer):
                 assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, kwargs
                 assert needle in exc.value.details(), (kwargs, exc.value.details())
             assert client.generate("Hello", max_tokens=2, temperature=0).usage.completion_tokens == 2
+            _min_tokens(client, hf_model, tokenizer)
         assert_no_leak(state)
+
+
+def _min_tokens(client, hf_model, tokenizer) -> None:
+    """vLLM's ``min_tokens`` against HF's ``min_new_tokens`` (the same ban of EOS): a prompt whose greedy
+    answer is EOS at once runs ``min_tokens`` tokens first (the first banned on the prefill worker, the
+    rest on the decode worker); a stop token id waits too; a stop string completed before the minimum
+    is text; more than ``max_tokens`` is refused naming the field."""
+    prompt = "Write a long story about dragon number 1."
+    assert client.generate(prompt, max_tokens=8, temperature=0).token_ids == [2]  # EOS at once
+    ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=12, min_new_tokens=6, do_sample=False, pad_token_id=2)
+    ref = out[0, len(ids):].tolist()
+    ours = client.generate(prompt, max_tokens=12, min_tokens=6, temperature=0)
+    assert ours.token_ids == ref and len(ref) >= 6, (ours.token_ids, ref)
+    first = ours.token_ids[0]
+    banned = client.generate(prompt, max_tokens=12, min_tokens=3, temperature=0, ignore_eos=True,
+                             stop_token_ids=[first], logit_bias={first: 100.0})
+    # banned while fewer than 3 tokens exist (as HF's min_new_tokens): the 4th may end it
+    assert len(banned.token_ids) == 4 and first not in banned.token_ids[:3], banned.token_ids
+    word = tokenizer.decode(ref[:1])
+    late = client.generate(prompt, max_tokens=12, min_tokens=6, temperature=0, stop=[word])
+    assert word in late.text and late.usage.completion_tokens >= 6, late
+    with pytest.raises(grpc.RpcError) as exc:
+        client.generate(prompt, max_tokens=4, min_tokens=5)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert exc.value.details() == "sampling.min_tokens must be <= max_tokens (4), got 5"

@@ -126,6 +126,8 @@ def _valid(p: SamplingParam) -> st.SearchStrategy:
     """Values the declaration accepts (counts and lengths kept small)."""
     if p.name == "max_tokens":
         return st.integers(1, 3)
+    if p.name == "min_tokens":  # at most max_tokens
+        return st.integers(0, 1)
     if p.type is bool:
         return st.booleans()
     if p.shape is Shape.MAP:

@@ -280,6 +280,9 @@ def test_what_a_vllm_user_expects(oai, grpc_client):
     assert raw.headers["x-request-id"] == raw.parse().id
     streamed = oai.chat.completions.with_raw_response.create(model=MODEL, messages=CHAT, max_tokens=2, stream=True)
     assert streamed.headers["x-request-id"] == next(iter(streamed.parse())).id
+    short = oai.completions.create(model=MODEL, prompt="Write a long story about dragon number 1.", max_tokens=12,
+                                   temperature=0, extra_body={"min_tokens": 5})
+    assert short.usage.completion_tokens >= 5  # EOS at once without min_tokens (tests/test_e2e_sampling.py)
     assert oai.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         oai.models.retrieve("no-such-model")

@@ -250,7 +250,7 @@ def test_http_error_bodies_render_lone_surrogates(http):
      "tool_choice"),
     ('"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}',
      "/v1/chat/completions", "response_format"),
-    ('"prompt": "a", "min_tokens": 5', "/v1/completions", "min_tokens"),
+    ('"prompt": "a", "use_beam_search": true', "/v1/completions", "use_beam_search"),
     ('"prompt": "a", "guided_choice": ["yes", "no"]', "/v1/completions", "guided_choice"),
     ('"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": false', "/v1/chat/completions",
      "add_generation_prompt"),
@@ -270,7 +270,8 @@ def test_neutral_values_of_unserved_openai_fields_pass():
     refuse_unsupported(CompletionRequest(model="m", prompt="a", echo=False, best_of=1, suffix=None))
     refuse_unsupported(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
                                              tool_choice="none", tools=[], response_format={"type": "text"},
-                                             min_tokens=0, add_generation_prompt=True, skip_special_tokens=True))
+                                             use_beam_search=False, add_generation_prompt=True,
+                                             skip_special_tokens=True))
 
 
 def test_an_unset_max_tokens_is_16_for_text_and_the_rest_of_the_context_for_a_chat(tokenizer):

@@ -208,3 +208,22 @@ def test_seeds_differing_above_32_bits_give_different_streams():
     assert torch.equal(draws(7), torch.rand(8, generator=torch.Generator().manual_seed(7)))
     streams = [draws(s) for s in (7, 7 + 2**32, 7 + 2**63, 2**64 - 1, 2**32 - 1)]
     assert all(not torch.equal(a, b) for i, a in enumerate(streams) for b in streams[i + 1:])
+
+
+def test_min_tokens_bans_the_ids_that_would_end_the_request():
+    """While fewer than ``min_tokens`` outputs exist, the row's stop ids get -inf (greedy and sampled
+    rows alike); the raw logprobs are those of the model; from ``min_tokens`` on nothing is banned."""
+    logits = torch.zeros(3, 10)
+    logits[:, 3] = 5.0
+    before = logits.clone()
+    opts = [SamplingOptions(temperature=0, min_tokens=2, logprobs=1),
+            SamplingOptions(temperature=1.0, seed=1, min_tokens=2), SamplingOptions(temperature=0)]
+    gens = [None, make_generator(1), None]
+    early = Sampler(seed=0).sample(logits, opts, gens, [((1,), (4,))] * 3, [(3,), (3, 5), ()])
+    assert early.token_ids[0] != 3 and early.token_ids[1] not in (3, 5) and early.token_ids[2] == 3
+    assert early.top_ids[0, 0] == 3 and torch.equal(logits, before)  # raw logprobs; the logits untouched
+    late = Sampler(seed=0).sample(logits, opts, [None, make_generator(1), None], [((1,), (4, 4))] * 3,
+                                  [(3,), (3, 5), ()])
+    assert late.token_ids.tolist()[0] == 3 and late.token_ids.tolist()[2] == 3
+    with pytest.raises(ValueError, match="min_tokens"):
+        Sampler().sample(logits, opts, gens, [((1,), ())] * 3, None)

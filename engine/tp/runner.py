@@ -50,7 +50,8 @@ class TpModelRunner(ModelRunner):
         dead = [r + 1 for r, p in enumerate(self.procs) if not p.is_alive()]
         if dead:
             raise RuntimeError(f"tensor-parallel ranks {dead} of this worker are gone; it cannot run steps")
-        lean = StepPlan([replace(s, generator=None, prompt_token_ids=(), output_token_ids=()) for s in plan.seqs])
+        lean = StepPlan([replace(s, generator=None, prompt_token_ids=(), output_token_ids=(), stop_ids=())
+                         for s in plan.seqs])
         for c in self.conns:
             c.send(lean)
         return super().execute(plan)

@@ -13,7 +13,7 @@ validator then checks them exactly as for the gRPC API); the differences are:
   ``n`` <= :data:`router.limits.MAX_N`, and prompts x ``n`` <= :data:`router.limits.MAX_CHOICES`.
 
 OpenAI fields this server does not serve (``echo``, ``suffix``, ``best_of``, tools and functions,
-a JSON ``response_format``) and vLLM's extra fields it does not serve (``min_tokens``, guided
+a JSON ``response_format``) and vLLM's extra fields it does not serve (beam search, guided
 decoding, ``chat_template``, ...) are refused with 400 when a request asks for them
 (:func:`refuse_unsupported`); fields nobody declared are ignored.
 
@@ -97,7 +97,6 @@ _UNSUPPORTED = (  # (field, the values that ask for nothing, why another value i
                                                   "(no JSON mode or schema)"),
     # vLLM's extra fields this server does not serve (``vllm/entrypoints/openai/protocol.py``): each
     # changes the answer, so asking for one is refused rather than silently ignored
-    ("min_tokens", (None, 0), "min_tokens (vLLM's) is not supported"),
     ("use_beam_search", (None, False), "beam search is not supported"),
     ("prompt_logprobs", (None,), "prompt_logprobs (vLLM's) is not supported"),
     ("allowed_token_ids", (None, []), "allowed_token_ids (vLLM's) is not supported; use logit_bias"),
