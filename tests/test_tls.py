@@ -145,7 +145,7 @@ def test_public_https_with_the_ca_and_no_pem_left_on_disk(monkeypatch, tmp_path)
         ca_file.write_bytes(CA.cert_pem)
         with openai_client(f"https://127.0.0.1:{port}", None, 10, 0, tls_ca=str(ca_file)) as client:
             assert client.models.list().data[0].id == "m"  # the loadtest's openai backend
-        assert cli.main(["top", "--address", f"127.0.0.1:{port}", "--tls-ca", str(ca_file), "--iterations", "0"]) == 0
+        assert cli.main(["top", "--address", f"127.0.0.1:{port}", "--tls-ca", str(ca_file), "--iterations", "1"]) == 0
         with pytest.raises(OSError):  # plain HTTP on a TLS port
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10).read()
         with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):  # not trusting the CA
