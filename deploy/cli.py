@@ -326,8 +326,9 @@ def _add_scale(sub: argparse._SubParsersAction) -> None:
         from deploy import ray_env
         from deploy.state import state_path
 
-        if ray_env.state_is_local(state_path(args.state_dir)):
-            ray_env.use_loopback_ray()  # before deploy.scale imports ray
+        state = ray_env.local_state(state_path(args.state_dir))
+        if state is not None:
+            ray_env.use_loopback_ray(state)  # before deploy.scale imports ray
         from deploy.scale import cmd_scale
 
         return int(cmd_scale(args))
@@ -340,9 +341,9 @@ def _deploy(name: str):
         from deploy import ray_env
         from deploy.state import state_path
 
-        state_file = state_path(getattr(args, "state_dir", None))
-        if getattr(args, "local", False) or (name == "cmd_down" and ray_env.state_is_local(state_file)):
-            ray_env.use_loopback_ray()  # before deploy.local imports ray
+        state = ray_env.local_state(state_path(getattr(args, "state_dir", None))) if name == "cmd_down" else None
+        if getattr(args, "local", False) or state is not None:
+            ray_env.use_loopback_ray(state)  # before deploy.local imports ray
         if name == "cmd_status":  # a second, not ten: deploy.local loads torch, transformers and Ray
             from deploy.status import cmd_status
             return int(cmd_status(args))

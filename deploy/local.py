@@ -28,7 +28,7 @@ from common.model_config import ConfigError
 from deploy.cluster import NAMESPACE, WORKER_ROLES, actor_name, head_node_id, launch, teardown
 from deploy.controller import HealConfig, RedisSpec, start_controller
 from deploy.placement import PlacementError
-from deploy.ray_env import check_ray_reachable
+from deploy.ray_env import STATE_TOKEN_KEY, check_ray_reachable, ray_token
 from deploy.ray_node import start_ray_head, stop_ray_head
 from deploy.redis_control import stop_redis_at
 from deploy.redis_server import LocalRedisServer
@@ -149,6 +149,7 @@ def up(args) -> dict:
             resources = _json_object(args.ray_resources, "--ray-resources") if args.ray_resources else None
             ray_address, head_pid = start_ray_head(state_dir, resources=resources)
             state.update(started_ray=True, ray_head_pid=head_pid)
+            state[STATE_TOKEN_KEY] = ray_token()  # scale and down present it (deploy.ray_env)
         state["ray_address"] = ray_address
         context = ray.init(address=ray_address, namespace="pdcluster", logging_level="WARNING")
         state["ray_session_dir"] = context.address_info.get("session_dir", "")  # logs: <it>/logs

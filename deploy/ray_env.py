@@ -6,21 +6,30 @@ a local cluster's driver, head and workers talk over 127.0.0.1 only. Multi-node
 clusters (``--ray-address`` of another host) must not set it. This module does
 not import ray, so the CLI can call it before anything else does.
 
-A local cluster also runs with ``RAY_AUTH_MODE=disabled`` in its head and drivers alike: left unset,
-``ray start --head`` turns Ray's token authentication on whenever ``~/.ray/auth_token`` exists
-(a plain ``ray.init()`` writes one) while a driver given the head's address does not, and every
-driver would then be refused (``InvalidAuthToken``). The head listens on loopback only.
+A local cluster also runs with Ray's token authentication (``RAY_AUTH_MODE=token``): its head, its
+actors and every driver (``up``, ``scale``, ``down``) present the cluster's token
+(``RAY_AUTH_TOKEN``), so another user of the machine cannot run code in the cluster through its
+loopback ports. ``up`` takes the token this process already holds (an earlier ``up`` of the same
+process: Ray caches a process' token; or the operator's ``$RAY_AUTH_TOKEN``), else a new one
+(256 bits), and records it in the state file (mode 0600); ``scale`` and ``down`` read it from
+there. The mode is set explicitly, as it must be: left unset, ``ray start --head`` turns token
+authentication on whenever ``~/.ray/auth_token`` exists while a driver given the head's address
+does not, and every driver would be refused. A cluster recorded without a token (started by an
+older pdcluster) is reached with authentication off, as it runs.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import sys
 from pathlib import Path
 
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
+TOKEN_ENV = "RAY_AUTH_TOKEN"
+STATE_TOKEN_KEY = "ray_auth_token"
 NODE_ENV = {"RAY_worker_niceness": "0"}
 """Environment of every Ray node pdcluster starts (``ray start`` here and in the ``ray up`` YAMLs):
 Ray starts its worker processes at nice 15 by default, which would put the router (an actor)
@@ -28,8 +37,10 @@ below every other process of its host; at 0 the router runs at normal priority a
 worker lowers its own (:attr:`serving.worker_config.WorkerConfig.cpu_nice`)."""
 
 
-def use_loopback_ray() -> None:
-    """Set the loopback flag (and Ray's auth mode, see above) in this process and its children.
+def use_loopback_ray(state: dict | None = None) -> None:
+    """Set the loopback flag and Ray's token authentication (see above) in this process and its
+    children: the token of the local cluster recorded in ``state`` (its state file's contents),
+    else the one this process holds, else a new one.
 
     Raises:
         RuntimeError: ``ray`` was imported already (the flag would be ignored).
@@ -37,14 +48,24 @@ def use_loopback_ray() -> None:
     if "ray" in sys.modules and os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
         raise RuntimeError("use_loopback_ray() must run before ray is imported")
     os.environ.update(LOOPBACK_ENV)
+    if state is not None and not state.get(STATE_TOKEN_KEY):  # recorded before clusters had tokens
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+        return
+    os.environ[TOKEN_ENV] = (state or {}).get(STATE_TOKEN_KEY) or os.environ.get(TOKEN_ENV) or secrets.token_hex(32)
 
 
-def state_is_local(state_file: Path) -> bool:
-    """Whether the cluster recorded in ``state_file`` runs a Ray head that ``up`` started here."""
+def ray_token() -> str | None:
+    """The Ray token this process presents (:func:`use_loopback_ray`), if any."""
+    return os.environ.get(TOKEN_ENV) if os.environ.get("RAY_AUTH_MODE") == "token" else None
+
+
+def local_state(state_file: Path) -> dict | None:
+    """The state recorded in ``state_file`` when ``up`` started its Ray head here, else ``None``."""
     try:
-        return bool(json.loads(state_file.read_text()).get("started_ray"))
+        state = json.loads(state_file.read_text())
     except (FileNotFoundError, ValueError):
-        return False
+        return None
+    return state if state.get("started_ray") else None
 
 
 def check_ray_reachable(address: str, timeout_s: float = 5.0) -> None:
