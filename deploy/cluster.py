@@ -24,6 +24,7 @@ from deploy.actors import RouterActor, WorkerActor
 from deploy.placement import PlacementConfig, PlacementError, WorkerShape, decide_shape, reserve
 from engine.config import CacheConfig, SchedulerConfig
 from router.server import RouterConfig
+from serving.registry import WORKER_ROLES
 from serving.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,6 @@ class _PlacementGroupRemovalNotice(logging.Filter):
 
 
 logging.getLogger("ray.actor").addFilter(_PlacementGroupRemovalNotice())
-WORKER_ROLES = ("prefill", "decode", "colocated")
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from redis.exceptions import RedisError
 from rich.console import Console
 from rich.table import Table
 
-from serving.registry import CONTROLLER_REPORT_KEY, WorkerRegistry
+from serving.registry import CONTROLLER_REPORT_KEY, WORKER_ROLES, WorkerRegistry
 
-ROLES = ("prefill", "decode", "colocated")
+ROLES = WORKER_ROLES
 
 
 def collect(state: dict) -> dict:
@@ -87,7 +87,7 @@ def print_status(state: dict, as_json: bool = False, state_dir: str | None = Non
     if as_json:
         print(json.dumps({"up": True, "router_address": state["router_address"],
                           "router_http_address": state.get("router_http_address", ""),
-                          "logs": f"{state['ray_session_dir']}/logs" if state.get("ray_session_dir") else "",
+                          "logs": _logs_dir(state),
                           **st}, indent=2))
         return 3 if st["missing"] else 0
     http = f", HTTP {state['router_http_address']}" if state.get("router_http_address") else ""
@@ -111,10 +111,15 @@ def print_status(state: dict, as_json: bool = False, state_dir: str | None = Non
         console.print(f"{r['router_id']}: pid {r['pid']}, metrics at {r['metrics_address']}")
     for m in st["missing"]:
         console.print(f"missing: {m['worker_id']} ({m['role']}): {m['reason']}; restarts {m['restarts']}")
-    if state.get("ray_session_dir"):
-        console.print(f"logs: {state['ray_session_dir']}/logs on each node; a process' lines are in "
+    if _logs_dir(state):
+        console.print(f"logs: {_logs_dir(state)} on each node; a process' lines are in "
                       "worker-*-<pid>.err (pid above; the controller's and a crashed process' too)", soft_wrap=True)
     return 3 if st["missing"] else 0
+
+
+def _logs_dir(state: dict) -> str:
+    """The processes' log folder on each node (the Ray session's ``logs``; ``""`` when not recorded)."""
+    return f"{state['ray_session_dir']}/logs" if state.get("ray_session_dir") else ""
 
 
 def cmd_status(args) -> int:

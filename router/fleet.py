@@ -25,10 +25,9 @@ from collections.abc import Callable
 from redis.exceptions import RedisError
 
 from serving.metrics import ProcessMetrics
-from serving.registry import CONTROLLER_REPORT_KEY, WorkerInfo, WorkerRegistry
+from serving.registry import CONTROLLER_REPORT_KEY, WORKER_ROLES, WorkerInfo, WorkerRegistry
 
 log = logging.getLogger(__name__)
-WORKER_ROLES = ("prefill", "decode", "colocated")
 
 
 class FleetGauges:
@@ -45,7 +44,6 @@ class FleetGauges:
         self._m = metrics
         self._live = live
         self._reg = registry
-        self._had_report = False
 
     def update(self) -> None:
         """Refresh every gauge; while Redis does not answer, the report's gauges keep their values."""
@@ -57,19 +55,14 @@ class FleetGauges:
         except RedisError as e:
             log.debug("controller report unreadable: %s", e)
             return
+        self._m.clear("worker_restarts")  # a worker scaled away leaves no series behind
         if report is None:
-            if self._had_report:
-                self._m.clear("workers_desired")
-                self._m.clear("worker_restarts")
-            self._had_report = False
+            self._m.clear("workers_desired")
             return
-        self._had_report = True
         for role in WORKER_ROLES:
             self._m.set("workers_desired", report.get("desired", {}).get(role, 0), worker_role=role)
-        desired = {w["worker_id"]: w.get("restarts", 0) for w in report.get("workers", [])}
-        self._m.clear("worker_restarts")  # a worker scaled away leaves no series behind
-        for worker_id, restarts in desired.items():
-            self._m.set("worker_restarts", restarts, target_worker=worker_id)
+        for w in report.get("workers", []):
+            self._m.set("worker_restarts", w.get("restarts", 0), target_worker=w["worker_id"])
 
     def close(self) -> None:
         self._reg.close()

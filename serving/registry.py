@@ -28,7 +28,9 @@ from redis.retry import Retry
 
 log = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode", "colocated", "router")
+WORKER_ROLES = ("prefill", "decode", "colocated")
+"""The roles of worker processes (a router registers as ``router``)."""
+ROLES = (*WORKER_ROLES, "router")
 
 # Drop a set member whose info and liveness keys both vanished (atomic, so a
 # worker registering concurrently is never dropped).

@@ -45,7 +45,7 @@ from router.openai.auth import RequireApiKey
 from router.openai.body import BodyDeadline, too_large
 from router.openai.errors import (UNREADABLE_BODY, error_response, request_aliases, router_error_response,
                                   unreadable_body_response, validation_error_response)
-from router.openai.http_metrics import CountRequests
+from router.openai.http_metrics import GENERATION_ROUTES, CountRequests
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.openai.requests import OpenAIRequestError, SubRequest, chat_requests, completion_requests
 from router.openai.responses import ResponseBuilder, totals
@@ -182,8 +182,7 @@ so the counter holds every refusal, whichever layer made it."""
 def _counted(state: FrontDoorState, request: Request, response: Response) -> Response:
     """``response``, a refusal, counted in ``request_errors`` when it answers a generation request."""
     code = _REFUSAL_CODES.get(response.status_code)
-    if code is not None and state.metrics is not None and request.url.path in ("/v1/completions",
-                                                                               "/v1/chat/completions"):
+    if code is not None and state.metrics is not None and request.url.path in GENERATION_ROUTES:
         state.metrics.inc("request_errors", code=code)
     return response
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from serving.metrics import ProcessMetrics
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-          "/v1/prometheus/targets")
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+ROUTES = (*GENERATION_ROUTES, "/v1/models", "/health", "/metrics", "/v1/prometheus/targets")
 MODEL_ROUTE = "/v1/models/{model}"
 CLIENT_CLOSED = 499
 
