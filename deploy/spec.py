@@ -25,12 +25,38 @@ from serving.security import SecurityConfig, check_credential
 from serving.worker_config import MAX_TP, WorkerConfig
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DEFAULT_MAX_MODEL_LEN = 2048
 
 
 def num_kv_blocks(model: ModelConfig, block_size: int, dtype: str, kv_cache_gb: float) -> int:
     """Blocks that fit in ``kv_cache_gb`` GiB of KV cache."""
     per_block = block_size * model.kv_bytes_per_token(_DTYPE_BYTES[dtype])
     return max(2, int(kv_cache_gb * (1 << 30) // per_block))
+
+
+def fitted_max_model_len(flag: int | None, num_blocks: int, block_size: int) -> int:
+    """The cluster's ``max_model_len`` (tokens): ``--max-model-len`` when one worker's KV pool holds
+    a request that long, else a :class:`ConfigError`; unset, :data:`DEFAULT_MAX_MODEL_LEN` lowered to
+    what the pool holds. As vLLM refuses to start with a ``max_model_len`` its KV cache cannot hold:
+    every request the router admits can then finish on one worker (preempted at worst), and a chat
+    without ``max_tokens`` (the rest of the context) is never refused by the decode worker's pool.
+
+    Args:
+        flag: ``--max-model-len`` (tokens), ``None`` when not given.
+        num_blocks: KV blocks of one worker's pool (the null block among them, never allocated).
+        block_size: tokens per block.
+
+    Raises:
+        ConfigError: ``flag`` above the ``(num_blocks - 1) * block_size`` tokens the pool holds.
+    """
+    room = (num_blocks - 1) * block_size
+    if flag is None:
+        return min(DEFAULT_MAX_MODEL_LEN, room)
+    if flag > room:
+        raise ConfigError(f"--max-model-len {flag} does not fit one worker's KV pool: {num_blocks - 1} usable blocks "
+                          f"of {block_size} tokens hold {room} tokens (raise --num-kv-blocks or --kv-cache-gb, or "
+                          f"lower --max-model-len)")
+    return flag
 
 
 def kv_config_from_args(args, use_cuda: bool) -> KvTransferConfig:
@@ -184,7 +210,8 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
             architecture the engine does not serve (the message lists those it does), a KV
             transport that cannot be loaded (:func:`kv_config_from_args`), bad API keys
             (:func:`api_keys_from_args`) or TLS files (:func:`public_tls_from_args`), ``--http-port``
-            equal to ``--port``.
+            equal to ``--port``, a ``--max-model-len`` one worker's KV pool cannot hold
+            (:func:`fitted_max_model_len`).
     """
     check_flag_shapes(args)
     folder = resolve_model(args.model)  # dequantize once here, not in every worker
@@ -192,8 +219,9 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
     kv_dtype = "float32" if args.dtype in ("auto", "float32") and not use_cuda else (
         "bfloat16" if args.dtype == "auto" else args.dtype)
     blocks = args.num_kv_blocks or num_kv_blocks(model_cfg, args.block_size, kv_dtype, args.kv_cache_gb)
+    max_model_len = fitted_max_model_len(args.max_model_len, blocks, args.block_size)
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                            max_model_len=args.max_model_len, lease_s=args.kv_lease_s,
+                            max_model_len=max_model_len, lease_s=args.kv_lease_s,
                             kv_failure_policy=args.kv_failure_policy)
     cache = CacheConfig(block_size=args.block_size, num_blocks=blocks, dtype=kv_dtype,
                         enable_prefix_caching=args.prefix_caching)
@@ -213,7 +241,7 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
                           max_queued_requests=args.max_queued_requests, cpu_nice=args.worker_nice,
                           prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, quantization=args.quantization)
     router = RouterConfig(model=args.model, model_path=str(folder), redis_url=redis_url, cluster=args.cluster,
-                          host=args.host, port=args.port, max_model_len=args.max_model_len, block_size=args.block_size,
+                          host=args.host, port=args.port, max_model_len=max_model_len, block_size=args.block_size,
                           policy=args.router_policy, view_period_s=args.heartbeat_s / 4,
                           http_port=args.http_port if args.http else None, max_request_bytes=args.max_request_bytes,
                           http_body_timeout_s=args.http_body_timeout, http_header_timeout_s=args.http_header_timeout,
@@ -278,7 +306,7 @@ def check_step_limits(args) -> None:
     for flag, value in (("--max-num-seqs", args.max_num_seqs),
                         ("--max-num-batched-tokens", args.max_num_batched_tokens),
                         ("--max-model-len", args.max_model_len)):
-        if value < 1:
+        if value is not None and value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
 
 

@@ -390,7 +390,7 @@ def test_cli_up_down_status_delegate(monkeypatch, tmp_path):
     assert up.state_dir == tmp_path and up.ray_address is None and up.redis_url is None
     assert (up.model, up.port, up.host, up.block_size, up.num_kv_blocks) == (
         "smollm2-135m-instruct", 50051, "127.0.0.1", 16, 0)
-    assert (up.max_model_len, up.max_num_seqs, up.max_num_batched_tokens) == (2048, 64, 2048)
+    assert (up.max_model_len, up.max_num_seqs, up.max_num_batched_tokens) == (None, 64, 2048)
     assert (up.heartbeat_s, up.timeout_s, up.cluster, up.dtype, up.device) == (
         1.0, 300, "default", "auto", "auto")
     assert cli.main(["down"]) == 3 and seen["down"].state_dir.name == ".pdcluster"
