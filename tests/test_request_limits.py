@@ -287,7 +287,7 @@ def test_an_unset_max_tokens_is_16_for_text_and_the_rest_of_the_context_for_a_ch
 
 def test_every_http_request_is_counted_by_route_and_status():
     """``http_requests_total``: the outermost layer counts what the inner ones answer too (413 before
-    any route runs); unknown paths share one ``other`` series; the HTTP layer's own refusals of a
+    any route runs); unknown paths and methods share one ``other`` series; the HTTP layer's own refusals of a
     generation request count in ``request_errors`` as the request path's do."""
     from serving.metrics import ProcessMetrics
 
@@ -303,6 +303,9 @@ def test_every_http_request_is_counted_by_route_and_status():
     assert _post(client, b'{"model": "m", "prompt": "a", "max_tokens": "3"}')[0] == 400
     assert _post(client, b'{"model": "x", "prompt": "a"}')[0] == 404
     assert _post(client, b"x" * 3000)[0] == 413
+    for method in ("XYZZY-1", "XYZZY-2"):  # any token parses as a method: one ``other`` series
+        client.request(method, "/health")
+    assert client.delete("/v1/completions").status_code == 405
 
     def count(**labels) -> float:
         return metrics.get("http_requests", **labels)._value.get()
@@ -313,5 +316,7 @@ def test_every_http_request_is_counted_by_route_and_status():
     assert count(method="POST", handler="/v1/completions", status="400") == 1
     assert count(method="POST", handler="/v1/completions", status="404") == 1
     assert count(method="POST", handler="/v1/completions", status="413") == 1
+    assert count(method="other", handler="/health", status="405") == 2
+    assert count(method="DELETE", handler="/v1/completions", status="405") == 1
     assert metrics.get("request_errors", code="INVALID_ARGUMENT")._value.get() == 1
     assert metrics.get("request_errors", code="NOT_FOUND")._value.get() == 1

@@ -45,7 +45,7 @@ from router.openai.auth import RequireApiKey
 from router.openai.body import BodyDeadline, too_large
 from router.openai.errors import (UNREADABLE_BODY, error_response, request_aliases, router_error_response,
                                   unreadable_body_response, validation_error_response)
-from router.openai.http_metrics import GENERATION_ROUTES, CountRequests
+from router.openai.http_metrics import CountRequests
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.openai.requests import OpenAIRequestError, SubRequest, chat_requests, completion_requests
 from router.openai.responses import ResponseBuilder, totals
@@ -56,6 +56,8 @@ FIRST_SAMPLE_WAIT_S = 600.0
 DISCONNECT_POLL_S = 0.25
 """How often (seconds) a non-streamed request checks whether its client is still connected."""
 REQUEST_ID_HEADER = "X-Request-Id"
+COMPLETIONS_ROUTE, CHAT_ROUTE = "/v1/completions", "/v1/chat/completions"
+GENERATION_ROUTES = (COMPLETIONS_ROUTE, CHAT_ROUTE)
 """Response header naming the request's id (the body's ``id``), as vLLM's with request-id headers on;
 the router's and workers' log lines about choice ``i`` carry ``<id>-<i>``."""
 log = logging.getLogger(__name__)
@@ -160,17 +162,17 @@ def build_app(state: FrontDoorState):
     async def model(model: str):
         return model_card() if model == state.model_name else _unknown_model(state, model)
 
-    @app.post("/v1/completions")
+    @app.post(COMPLETIONS_ROUTE)
     async def completions(body: CompletionRequest, request: Request):
         return await _generate(state, body, "completion", completion_requests, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post(CHAT_ROUTE)
     async def chat(body: ChatCompletionRequest, request: Request):
         return await _generate(state, body, "chat", chat_requests, request)
 
     body_read = BodyDeadline(app, state.max_request_bytes, state.body_timeout_s)
     outer = DeclaredSizeLimit(RequireApiKey(body_read, accepts=state.accepts_api_key), state.max_request_bytes)
-    return CountRequests(outer, state.metrics) if state.metrics is not None else outer
+    return CountRequests(outer, state.metrics, app.routes) if state.metrics is not None else outer
 
 
 _REFUSAL_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT.name, 404: grpc.StatusCode.NOT_FOUND.name}

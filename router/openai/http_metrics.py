@@ -4,28 +4,45 @@ answer counts, also those the inner layers give before any route runs (413 over 
 
 ``pdcluster:http_requests_total{method, handler, status}`` (vLLM exposes the same figure through
 prometheus-fastapi-instrumentator as ``http_requests_total``): ``handler`` is the route's template
-(``/v1/models/{model}``), or ``other`` for a path no route serves, so a scan of random paths cannot
-grow the series without bound; ``status`` is the answer's HTTP status (a stream counts 200 when it
+(``/v1/models/{model}``), or ``other`` for a path no route serves, and ``method`` one of HTTP's
+methods or ``other``, so a scan of random paths or methods cannot grow the series without bound; ``status`` is the answer's HTTP status (a stream counts 200 when it
 starts). A request whose client left before any answer counts ``499``, as nginx logs it.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+
+from starlette.routing import BaseRoute, Match
+
 from serving.metrics import ProcessMetrics
 
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
-ROUTES = (*GENERATION_ROUTES, "/v1/models", "/health", "/metrics", "/v1/prometheus/targets")
-MODEL_ROUTE = "/v1/models/{model}"
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+"""The ``method`` label's values besides ``other``: HTTP's parser takes any token as a method, and a
+label per token would let a client without a key grow the series without bound."""
 CLIENT_CLOSED = 499
+_CONVERTER = re.compile(r"{(\w+):\w+}")
 
 
-def handler_of(path: str) -> str:
-    """The route template ``path`` reaches, or ``other``."""
-    if path in ROUTES:
-        return path
-    if path.startswith("/v1/models/") and len(path) > len("/v1/models/"):
-        return MODEL_ROUTE
-    return "other"
+def method_of(scope) -> str:
+    """The ``method`` label of an HTTP scope: its method when :data:`METHODS` has it, else ``other``."""
+    method = scope.get("method", "")
+    return method if method in METHODS else "other"
+
+
+def handler_of(routes: Sequence[BaseRoute], scope) -> str:
+    """The template of the route an HTTP scope reaches (``/v1/models/{model}``, converters left out),
+    a route of its path whatever the method (a 405), else ``other``: the app's own routes, matched as
+    its router matches them, so a route is declared once, in the app."""
+    partial = None
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match is Match.FULL:
+            return _CONVERTER.sub(r"{\1}", route.path)
+        if match is Match.PARTIAL and partial is None:
+            partial = route
+    return _CONVERTER.sub(r"{\1}", partial.path) if partial is not None else "other"
 
 
 class CountRequests:
@@ -34,11 +51,13 @@ class CountRequests:
     Args:
         app: the wrapped ASGI application.
         metrics: the router's metrics (``http_requests``).
+        routes: the routes of the application's router (``FastAPI.routes``), for the ``handler`` label.
     """
 
-    def __init__(self, app, metrics: ProcessMetrics) -> None:
+    def __init__(self, app, metrics: ProcessMetrics, routes: Sequence[BaseRoute]) -> None:
         self.app = app
         self._m = metrics
+        self._routes = routes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -55,5 +74,5 @@ class CountRequests:
         try:
             await self.app(scope, receive, send_counted)
         finally:
-            self._m.inc("http_requests", method=scope.get("method", ""), handler=handler_of(scope["path"]),
+            self._m.inc("http_requests", method=method_of(scope), handler=handler_of(self._routes, scope),
                         status=str(status))
