@@ -115,6 +115,7 @@ class StopStringMatcher:
         self._stops = sorted(set(stops), key=len, reverse=True)
         self._include = include
         self._held = ""
+        self._context = 0  # leading characters of _held that no stop string may end in
         self._stopped = False
 
     @property
@@ -122,24 +123,29 @@ class StopStringMatcher:
         """True once a stop string was found; later feeds emit nothing."""
         return self._stopped
 
-    def feed(self, delta: str) -> tuple[str, bool]:
+    def feed(self, delta: str, match: bool = True) -> tuple[str, bool]:
         """Add a text delta; return ``(text safe to emit, stopped)``.
 
         On a match, ``text`` is what precedes the stop string (with ``include``: up to its
         end) and ``stopped`` is True; what follows is dropped. Otherwise
         the longest tail that is a proper prefix of some stop string (at most
         ``max(len(s)) - 1`` characters) is held back.
+
+        With ``match=False`` the delta ends no stop string (vLLM's ``min_tokens``: the text of the
+        first ``min_tokens`` tokens): it is emitted but for the held tail, where a stop string
+        that ends in a later matching delta may begin.
         """
         if self._stopped:
             return "", True
         buf = self._held + delta
-        cut = self._first_stop(buf)
+        cut = self._first_stop(buf, self._context) if match else None
         if cut is not None:
             self._held = ""
             self._stopped = True
             return buf[:cut], True
         keep = self._partial_tail(buf)
         self._held = buf[len(buf) - keep :] if keep else ""
+        self._context = max(0, (len(buf) if not match else self._context) - (len(buf) - keep))
         return buf[: len(buf) - keep], False
 
     def flush(self) -> str:
@@ -147,12 +153,12 @@ class StopStringMatcher:
         held, self._held = self._held, ""
         return "" if self._stopped else held
 
-    def _first_stop(self, buf: str) -> int | None:
-        """Where ``buf`` is cut at the earliest-ending stop occurrence (its start; with
-        ``include`` its end), or None."""
+    def _first_stop(self, buf: str, min_end: int) -> int | None:
+        """Where ``buf`` is cut at the earliest-ending stop occurrence that ends after its first
+        ``min_end`` characters (its start; with ``include`` its end), or None."""
         best: tuple[int, int] | None = None
         for s in self._stops:
-            start = buf.find(s)
+            start = buf.find(s, max(0, min_end - len(s) + 1))
             if start >= 0 and (best is None or (start + len(s), start) < best):
                 best = (start + len(s), start)
         return None if best is None else best[0 if self._include else 1]

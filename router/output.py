@@ -26,8 +26,9 @@ class OutputAssembler:
         stop: stop strings.
         stop_token_ids: the request's stop token ids.
         include_stop: keep the stop string or stop token that ended generation in the text.
-        min_tokens: stop strings end generation only in deltas that bring the output to at least
-            this many tokens (vLLM's ``min_tokens``: a stop string completed earlier is text).
+        min_tokens: a stop string ends generation only where it ends in the text of a token after
+            the first ``min_tokens`` (vLLM's ``min_tokens``: it may begin earlier; one completed
+            earlier is text).
     """
 
     def __init__(self, tokenizer, request_id: str, prompt_token_ids: list[int], stop: list[str],
@@ -55,20 +56,25 @@ class OutputAssembler:
         text is cut before the stop string (the caller aborts the decode worker).
         """
         ids = list(delta.token_ids)
+        context = min(len(ids), max(0, self.min_tokens - len(self.token_ids)))
         self.token_ids.extend(ids)
         self.logprobs.extend(delta.logprobs)
         reason = delta.finish_reason
         shown = ids[:-1] if reason == common_pb2.FINISH_REASON_STOP and ids and ids[-1] in self.stop_token_ids \
             else ids
-        text = self.detok.add(shown)
+        early, text = self.detok.add(shown[:context]), self.detok.add(shown[context:])
         if reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             text += self.detok.finish()
-        if self.stops is not None and len(self.token_ids) >= self.min_tokens:
+        if self.stops is not None:
+            early, _ = self.stops.feed(early, match=False)
             text, stopped = self.stops.feed(text)
+            text = early + text
             if stopped:
                 reason = common_pb2.FINISH_REASON_STOP
             elif reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 text += self.stops.flush()
+        else:
+            text = early + text
         self.text_parts.append(text)
         self.finish_reason = reason
         msg = router_pb2.GenerateResponse(request_id=self.request_id, token_ids=ids, text=text,
