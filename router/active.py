@@ -63,8 +63,11 @@ class ActiveRequest:
         self.stats = RequestStats(router.metrics, router.gauges, len(prep.prompt_token_ids))
         self._cached_prompt_tokens: int | None = None  # from the first attempt whose prefill answered
 
-    def discard(self) -> None:
-        """Forget a request whose :meth:`responses` will never run (a sibling was refused)."""
+    def discard(self, error: RouterError | None = None) -> None:
+        """Forget a request whose :meth:`responses` will never run: a sibling was refused (not
+        counted: the sibling's refusal is), or ``error`` ends it (counted in ``request_errors``)."""
+        if error is not None:
+            self.stats.failed(error.code.name)
         self.stats.close()
         self.router._forget(self.request_id)
 
@@ -89,8 +92,8 @@ class ActiveRequest:
                 log.info("request failed: %s", e)
                 raise
             except GeneratorExit:  # the front door stopped reading: its client went away mid-stream
+                self.cancel()  # also after the final message (a stop string's): the decode call may run on
                 if not self.stats.ended:
-                    self.cancel()
                     self.stats.failed(grpc.StatusCode.CANCELLED.name)
                     log.info("request failed: CANCELLED: client cancelled (the stream was closed)")
                 raise
@@ -181,8 +184,10 @@ class ActiveRequest:
             self.stats.reserved()
             if h.aborted:
                 h.cancel_calls()
+                self.stats.finished("abort")  # recorded before the client can see the end
                 yield from self._final(out, common_pb2.FINISH_REASON_ABORT)
-                self.stats.finished("abort")
+                if not prep.stream:
+                    yield out.whole()
                 return
             h.p_future = stubs.get("prefill", h.prefill.address).Prefill.future(
                 worker_pb2.PrefillRequest(request=wreq, transfer_id=transfer_id, destination=first.reservation),

@@ -133,6 +133,7 @@ class RequestRouter:
             with self._lock:
                 self._starting -= 1
         if duplicate:
+            self.metrics.inc("request_errors", code=grpc.StatusCode.ALREADY_EXISTS.name)
             raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {prep.request_id!r} is already running")
         return ActiveRequest(self, prep, handle, arrival)
 

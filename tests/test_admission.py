@@ -159,6 +159,7 @@ def test_a_request_being_validated_holds_its_seat_and_refusals_do_not_wait_for_i
         admitted[0].discard()
         core.start(router_pb2.GenerateRequest(request_id="slow", text="x"))
     assert dup.value.code == grpc.StatusCode.ALREADY_EXISTS and core._starting == 0 and len(core._table) == 8
+    assert metrics.get("request_errors", code="ALREADY_EXISTS")._value.get() == 1  # every refusal counts
 
 
 class _RefusingCore:

@@ -9,7 +9,9 @@ request id; a stop string held back across the migration still cuts the text; us
 the request statistics count each token once; the migration metric and the limit
 (``max_migrations``, then UNAVAILABLE naming the cause; 0: the worker's own status);
 refusals are not retried; the blame rules of :func:`router.migration.classify`; the
-placement avoids failed workers; the ``--max-migrations`` flag is validated.
+placement avoids failed workers; the ``--max-migrations`` flag is validated. Also the endings
+around them: a stream closed after its stop string cancels the decode call; an abort before the
+reservation answers, streamed or not, and counts as ``abort``.
 """
 
 from __future__ import annotations
@@ -286,3 +288,52 @@ def test_max_migrations_flag_and_config_are_validated():
         parse_up("--max-migrations", "-1")
     with pytest.raises(ValueError, match=r"max_migrations must be an integer in \[0, 100\], got 101"):
         RouterConfig(model="m", model_path="/x", redis_url="redis://x:1", max_migrations=101)
+
+
+class _Lingering(_Decode):
+    """Streams ``seq`` at once, then waits (at most 10 s) for the router to cancel the call."""
+
+    def __init__(self, seq: list[int], kv: _Kv, hold: threading.Event | None = None) -> None:
+        super().__init__("d0", seq, kv)
+        self.cancelled, self.hold = threading.Event(), hold
+
+    def Reserve(self, request, context):
+        context.add_callback(self.cancelled.set)
+        if self.hold is not None:
+            assert self.hold.wait(10)
+        yield from super().Reserve(request, context)
+        self.cancelled.wait(10)
+
+
+def test_a_stream_closed_after_its_stop_string_cancels_the_decode_call(cluster, tokenizer):
+    """The front door closes a stream once its final message (a stop string's) is out: the decode
+    worker's call is cancelled then, not left to run to max_tokens."""
+    seq = tokenizer.encode(TEXT, add_special_tokens=False)
+    kv = _Kv()
+    decode = _Lingering(seq[:6], kv)
+    router = cluster([decode], [_Prefill(kv)])
+    req = router_pb2.GenerateRequest(request_id="req-1", text="Count:", stream=True, sampling=common_pb2.SamplingParams(
+        max_tokens=len(seq), temperature=0.0, stop=[" three"]))
+    active = router.start(req)  # held, as the HTTP front door holds its sub-requests: no GC cancels the call
+    responses = active.responses()
+    while not next(responses).finish_reason:
+        pass
+    responses.close()
+    assert decode.cancelled.wait(5)
+    assert _metric(router, "request_success", finished_reason="stop") == 1
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_abort_before_the_reservation_answers_and_counts_as_abort(cluster, tokenizer, stream):
+    seq = tokenizer.encode(TEXT, add_special_tokens=False)
+    kv, hold = _Kv(), threading.Event()
+    router = cluster([_Lingering(seq, kv, hold)], [_Prefill(kv)])
+    active = router.start(router_pb2.GenerateRequest(request_id="req-1", text="Count:", stream=stream,
+                                                     sampling=common_pb2.SamplingParams(max_tokens=4)))
+    responses = active.responses()
+    threading.Timer(0.5, lambda: (router.abort("req-1"), hold.set())).start()
+    last = next(responses)  # the non-streamed answer too: one message
+    assert last.finish_reason == common_pb2.FINISH_REASON_ABORT and not last.token_ids
+    responses.close()
+    assert _metric(router, "request_success", finished_reason="abort") == 1
+    assert router.metrics.get("request_errors", code="CANCELLED")._value.get() == 0

@@ -316,7 +316,9 @@ async def _pump(subs: list[SubRequest], actives: list[ActiveRequest]) -> AsyncIt
     def relay(i: int, active: ActiveRequest) -> None:
         try:
             if i > 0 and not first_token.wait(FIRST_SAMPLE_WAIT_S):
-                raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "the first sample did not start in time")
+                late = RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "the first sample did not start in time")
+                active.discard(late)  # its responses() never runs: forgotten and counted here
+                raise late
             for msg in active.responses():
                 loop.call_soon_threadsafe(queue.put_nowait, (subs[i].index, msg))
                 if msg.token_ids:
