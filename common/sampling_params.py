@@ -259,10 +259,40 @@ class SamplingParam:
         bad = [t for t in sorted(ids) if t >= vocab_size]
         return f"{self.name}: token id {bad[0]} >= vocab_size {vocab_size}" if bad else None
 
+    def type_problem(self, value: Any) -> str | None:
+        """What is wrong with the type of a value given for this parameter (as JSON or a caller
+        gives it: a list for ``REPEATED``, a mapping or pairs for ``MAP``), or ``None``. Strict, as
+        the OpenAI schema: a bool is no integer (nor ``1`` a bool); an integer is a float."""
+        noun = _TYPE_NAMES[self.type]
+        if self.shape is Shape.SCALAR:
+            ok, what = _fits(self.type, value), ("an " if noun[0] in "aeiou" else "a ") + noun
+        elif self.shape is Shape.REPEATED:
+            items = [value] if isinstance(value, str) and self.type is str else value
+            ok, what = isinstance(items, (list, tuple)) and all(_fits(self.type, v) for v in items), f"a list of {noun}s"
+        else:
+            pairs = list(value.items()) if isinstance(value, Mapping) else value
+            ok, what = isinstance(pairs, (list, tuple)) and all(
+                isinstance(kv, tuple) and len(kv) == 2 and _fits(self.type, kv[1]) for kv in pairs), \
+                f"a map of token ids to {noun}s"
+        return None if ok else f"{self.name} must be {what}, got {reprlib.repr(value)}"
+
     def _value_problem(self, label: str, value: Any) -> str | None:
         if self.range is None or self.range.contains(value):
             return None
         return f"{label} must be {self.range.describe(self.type is float)}, got {value}"
+
+
+_TYPE_NAMES = {bool: "boolean", int: "integer", float: "number", str: "string"}
+_WIRE_RANGE = {1: (-(1 << 31), (1 << 31) - 1), 2: (-(1 << 63), (1 << 63) - 1), 3: (0, (1 << 32) - 1),
+               4: (0, UINT64_MAX)}  # protobuf's cpp_type of an integer field -> the values it holds
+
+
+def _fits(kind: type, value: Any) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
 
 
 def _pairs(value: Mapping | Iterable) -> Iterable[tuple[Any, Any]]:
@@ -336,22 +366,33 @@ def write_sampling(msg: Any, values: Mapping[str, Any]) -> None:
     """Set ``msg``'s fields from ``{name: value}``; ``None`` values stay unset.
 
     Raises:
-        TypeError: a name is not a declared parameter, or a value has the wrong type (the
-            message starts with the parameter's name).
-        ValueError: a value does not fit its protobuf field, e.g. a negative seed (the message
-            starts with the parameter's name).
+        TypeError: a name is not a declared parameter, or a value has the wrong type
+            (:meth:`SamplingParam.type_problem`; the message starts with the parameter's name).
+        ValueError: a value its protobuf field cannot hold (an integer beyond the field's width,
+            e.g. a negative seed; a float beyond float32; the message starts with the parameter's
+            name). The declared ranges are the router's to check.
     """
     params = {p.name: p for p in SAMPLING_PARAMS}
     unknown = sorted(set(values) - set(params))
     if unknown:
         raise TypeError(f"unknown sampling parameter(s): {', '.join(unknown)}")
     for name, value in values.items():
+        p = params[name]
+        if value is None:
+            continue
+        if (problem := p.type_problem(value)) is not None:
+            raise TypeError(problem)
+        field = getattr(getattr(msg, "DESCRIPTOR", None), "fields_by_name", {}).get(name)
+        if isinstance(value, int) and field is not None and field.cpp_type in _WIRE_RANGE:
+            low, high = _WIRE_RANGE[field.cpp_type]
+            if not low <= value <= high:
+                raise ValueError(f"{name} must be {f'>= {low}' if value < low else f'<= {high}'}, got {value}")
         try:
-            params[name].write(msg, value)
+            p.write(msg, value)
             if isinstance(value, float) and math.isfinite(value) and math.isinf(getattr(msg, name)):
                 raise ValueError("outside the range of a float32")  # protobuf stored it as inf
             if (isinstance(value, float) and value != 0.0 and getattr(msg, name) == 0.0
-                    and params[name].problem(0.0) is not None):  # e.g. top_p=1e-300, where 0 is out of range
+                    and p.problem(0.0) is not None):  # e.g. top_p=1e-300, where 0 is out of range
                 raise ValueError("too small for a float32 (it would be stored as 0)")
         except (TypeError, ValueError) as exc:  # protobuf's own message does not say which field
             # not type(exc): a subclass such as UnicodeEncodeError (a lone surrogate) takes other arguments

@@ -263,6 +263,40 @@ def test_http_refuses_openai_and_vllm_fields_it_does_not_serve(http, fields, pat
     assert answer["error"]["code"] == "unsupported_parameter", answer
 
 
+@pytest.mark.parametrize(("fields", "param", "message"), [
+    ('"include_stop_str_in_output": "yes"', "include_stop_str_in_output",
+     "include_stop_str_in_output must be a boolean, got 'yes'"),
+    ('"include_stop_str_in_output": 1', "include_stop_str_in_output",
+     "include_stop_str_in_output must be a boolean, got 1"),
+    ('"min_tokens": true', "min_tokens", "min_tokens must be an integer, got True"),
+    ('"min_tokens": -1', "min_tokens", "min_tokens must be >= 0, got -1"),
+    ('"max_tokens": 1000000000000', "max_tokens", "max_tokens must be <= 4294967295, got 1000000000000"),
+    ('"skip_special_tokens": "yes"', "skip_special_tokens", "skip_special_tokens must be a boolean, got str"),
+    ('"skip_special_tokens": 1', "skip_special_tokens", "skip_special_tokens must be a boolean, got int"),
+    ('"use_beam_search": 0', "use_beam_search", "use_beam_search must be a boolean, got int"),
+])
+def test_http_fields_are_typed_strictly_and_named_with_their_limit(http, fields, param, message):
+    """vLLM's extra fields as strictly as the declared ones (``1`` is no boolean), and an integer
+    beyond its wire field named with the limit, not with protobuf's words."""
+    status, answer = _post(http, f'{{"model": "m", "prompt": "a", {fields}}}'.encode())
+    assert status == 400 and answer["error"]["param"] == param, answer
+    assert answer["error"]["message"] == message
+
+
+def test_a_negative_seed_is_taken_as_vllm_takes_it():
+    """vLLM takes any int64 seed: a negative one is the same bits as the wire's uint64 (distinct
+    seeds stay distinct); below int64 it is refused."""
+    core = FakeCore()
+    state = FrontDoorState(core=core, model_name="m", tokenizer=None, health=lambda: (True, ""), targets=list,
+                           metrics_registry=None, accepts_api_key=lambda key: True)
+    client = TestClient(build_app(state), raise_server_exceptions=False)
+    for seed, wire in ((-1, (1 << 64) - 1), (-(1 << 63), 1 << 63), (5, 5)):
+        _post(client, f'{{"model": "m", "prompt": "a", "seed": {seed}}}'.encode())  # what the core got
+        assert core.seen[-1].sampling.seed == wire
+    status, answer = _post(client, f'{{"model": "m", "prompt": "a", "seed": {-(1 << 63) - 1}}}'.encode())
+    assert status == 400 and answer["error"]["param"] == "seed"
+
+
 def test_neutral_values_of_unserved_openai_fields_pass():
     from router.openai.protocol import ChatCompletionRequest, CompletionRequest
     from router.openai.requests import refuse_unsupported

@@ -237,10 +237,23 @@ def test_every_float_range_refuses_nan():
 def test_a_value_protobuf_refuses_is_reported_with_its_parameters_name() -> None:
     from pdcluster.v1 import common_pb2
 
-    with pytest.raises(ValueError, match=r"^max_tokens: -1 does not fit the field"):
+    # an integer beyond its field's width, named with the limit (a declared range is the router's to check)
+    with pytest.raises(ValueError, match=r"^max_tokens must be >= 0, got -1$"):
         write_sampling(common_pb2.SamplingParams(), {"max_tokens": -1})
-    with pytest.raises(TypeError, match=r"^temperature: 'hot' does not fit the field"):
-        write_sampling(common_pb2.SamplingParams(), {"temperature": "hot"})
+    with pytest.raises(ValueError, match=r"^max_tokens must be <= 4294967295, got 1000000000000$"):
+        write_sampling(common_pb2.SamplingParams(), {"max_tokens": 10**12})
+    with pytest.raises(ValueError, match=r"^top_k must be >= -2147483648, got -2147483649$"):
+        write_sampling(common_pb2.SamplingParams(), {"top_k": -(1 << 31) - 1})
+    # types are strict, as in OpenAI's schema: a bool is no integer, nor 1 a bool; an integer is a float
+    for values, message in (({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
+                            ({"include_stop_str_in_output": 1}, "include_stop_str_in_output must be a boolean, got 1"),
+                            ({"max_tokens": True}, "max_tokens must be an integer, got True"),
+                            ({"stop_token_ids": [1, 2.0]}, r"stop_token_ids must be a list of integers, got \[1, 2.0\]"),
+                            ({"stop": [1]}, r"stop must be a list of strings, got \[1\]"),
+                            ({"logit_bias": {5: "x"}}, "logit_bias must be a map of token ids to numbers, got {5: 'x'}")):
+        with pytest.raises(TypeError, match=f"^{message}$"):
+            write_sampling(common_pb2.SamplingParams(), values)
+    write_sampling(common_pb2.SamplingParams(), {"temperature": 1, "stop": "x", "logit_bias": [(5, 1)]})
     # a ValueError subclass with other constructor arguments (UnicodeEncodeError), and a long value shortened
     with pytest.raises(ValueError, match=r"^stop: \['\\ud800', .*\.\.\.\] does not fit the field: .*surrogates"):
         write_sampling(common_pb2.SamplingParams(), {"stop": ["\ud800"] * 10_000})

@@ -132,8 +132,12 @@ def refuse_unsupported(body) -> None:
         OpenAIRequestError: 400 naming the first such field.
     """
     for name, neutral, why in _UNSUPPORTED:
-        if _field(body, name) not in neutral:
-            raise OpenAIRequestError(f"{name}: {why}", param=name, code="unsupported_parameter")
+        value = _field(body, name)
+        if any(type(value) is type(n) and value == n for n in neutral):  # typed: 1 is not True
+            continue
+        if isinstance(neutral[-1], bool) and not isinstance(value, bool):
+            raise OpenAIRequestError(f"{name} must be a boolean, got {type(value).__name__}", param=name)
+        raise OpenAIRequestError(f"{name}: {why}", param=name, code="unsupported_parameter")
 
 
 def _check_utf8(text: str, what: str, param: str) -> None:
@@ -144,11 +148,15 @@ def _check_utf8(text: str, what: str, param: str) -> None:
         raise OpenAIRequestError(f"{what} is not valid Unicode: {e.reason} at index {e.start}", param=param) from None
 
 
+INT64_MIN = -(1 << 63)
+
+
 def _sampling(body, logprobs: int, max_tokens: int | None) -> common_pb2.SamplingParams:
     """The proto sampling of ``body``: every declared parameter (:mod:`common.sampling_params`)
     is read under its own name, from the model's fields or from the extra fields the body
     carries, except the four whose OpenAI shape differs (``max_tokens``, ``logprobs``,
-    ``stop``, ``logit_bias``).
+    ``stop``, ``logit_bias``). A negative ``seed`` (vLLM takes any int64) is its two's complement
+    as the wire's uint64: distinct seeds stay distinct.
 
     Raises:
         OpenAIRequestError: a value that does not fit its field (naming it).
@@ -165,6 +173,8 @@ def _sampling(body, logprobs: int, max_tokens: int | None) -> common_pb2.Samplin
         raise OpenAIRequestError(f"{name} must be >= 1, got {max_tokens}", param=name)
     values.update(max_tokens=max_tokens, logprobs=logprobs, logit_bias=bias,
                   stop=[body.stop] if isinstance(body.stop, str) else body.stop)
+    if body.seed is not None and INT64_MIN <= body.seed < 0:  # vLLM takes any int64: the same bits as a uint64
+        values["seed"] = body.seed % (1 << 64)
     s = common_pb2.SamplingParams()
     for name, value in values.items():
         try:
