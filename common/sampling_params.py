@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 import operator
 import reprlib
 from collections.abc import Iterable, Mapping
@@ -288,11 +289,9 @@ _WIRE_RANGE = {1: (-(1 << 31), (1 << 31) - 1), 2: (-(1 << 63), (1 << 63) - 1), 3
 
 
 def _fits(kind: type, value: Any) -> bool:
-    if kind is bool:
-        return isinstance(value, bool)
-    if isinstance(value, bool):
-        return False
-    return isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
+    if kind is bool or isinstance(value, bool):  # a bool is no number, nor a number a bool
+        return kind is bool and isinstance(value, bool)
+    return isinstance(value, {int: numbers.Integral, float: numbers.Real}.get(kind, kind))  # numpy's numbers too
 
 
 def _pairs(value: Mapping | Iterable) -> Iterable[tuple[Any, Any]]:
