@@ -41,7 +41,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             active = self.core.start(request)
             if not context.add_callback(active.cancel):  # client cancelled or disconnected
                 log.info("request %s cancelled by the client before it was placed", active.request_id)
-                active.discard()  # a terminated call runs no callback it is given afterwards
+                # a terminated call runs no callback it is given afterwards; counted, as every request is
+                active.discard(RouterError(grpc.StatusCode.CANCELLED, "client cancelled"))
                 return
             yield from active.responses()
         except RouterError as e:

@@ -121,6 +121,17 @@ def test_the_router_refuses_before_validating_and_holds_nothing():
     assert _rejected(metrics, "queue_full") == 1
 
 
+def test_a_call_cancelled_before_placement_is_forgotten_and_counted():
+    """gRPC runs no callback a terminated call is given: the request leaves at once, counted
+    CANCELLED (every request counts once in request_success or request_errors)."""
+    adm, metrics = _admission(AdmissionConfig(max_queued_requests=1))
+    core = RequestRouter(_Validator(), None, None, LoadTracker(), metrics, None, adm)
+    context = types.SimpleNamespace(add_callback=lambda callback: False)
+    servicer = RouterServicer(core, router_pb2.ModelInfo(model_name="m"))
+    assert list(servicer.Generate(router_pb2.GenerateRequest(request_id="gone", text="x"), context)) == []
+    assert "gone" not in core._table and metrics.get("request_errors", code="CANCELLED")._value.get() == 1
+
+
 class _BlockingValidator(_Validator):
     """Holds request "slow" inside its start (tokenizing) until ``release`` is set."""
 
