@@ -20,7 +20,8 @@ ROLES = WORKER_ROLES
 
 def collect(state: dict) -> dict:
     """``{workers: [one dict per live worker], desired: {role: n}, live: {role: n},
-    missing: [{worker_id, role, reason, restarts}], controller: bool, controller_report_age_s:
+    missing: [{worker_id, role, reason, restarts}] (desired routers without a record too: role
+    ``router``, restarts ``None``), controller: bool, controller_report_age_s:
     seconds (None without a report; reports expire when the controller stops), routers: {desired: n,
     live: [{index, router_id, pid, address, metrics_address, started_at}]}}``.
 
@@ -49,6 +50,10 @@ def collect(state: dict) -> dict:
     missing = [{"worker_id": w["worker_id"], "role": w["role"],
                 "reason": w.get("reason") or "no heartbeat", "restarts": w.get("restarts", 0)}
                for w in desired_workers if w["worker_id"] not in live_ids]
+    live_routers = {r["index"] for r in routers}
+    missing += [{"worker_id": f"router-{i}", "role": "router", "reason": "no router record (its process died or "
+                 "Redis restarted; Ray restarts a router on the same address within seconds)", "restarts": None}
+                for i in range(state.get("num_routers", 1)) if i not in live_routers]
     return {"workers": rows, "missing": missing, "controller": report is not None,
             "controller_report_age_s": round(time.time() - report.get("updated_at", 0), 2) if report else None,
             "routers": {"desired": state.get("num_routers", 1), "live": routers},
@@ -78,7 +83,7 @@ def redis_down_message(state: dict, state_dir: str | None, error: Exception) -> 
 def print_status(state: dict, as_json: bool = False, state_dir: str | None = None) -> int:
     """Print the live workers against the desired ones (a table, or JSON); returns 0, 1 when
     the cluster's Redis cannot be reached (one line on stderr, :func:`redis_down_message`),
-    3 when a desired worker is missing."""
+    3 when a desired worker or router is missing."""
     try:
         st = collect(state)
     except RedisError as e:
@@ -110,7 +115,8 @@ def print_status(state: dict, as_json: bool = False, state_dir: str | None = Non
     for r in routers["live"]:
         console.print(f"{r['router_id']}: pid {r['pid']}, metrics at {r['metrics_address']}")
     for m in st["missing"]:
-        console.print(f"missing: {m['worker_id']} ({m['role']}): {m['reason']}; restarts {m['restarts']}")
+        restarts = f"; restarts {m['restarts']}" if m["restarts"] is not None else ""
+        console.print(f"missing: {m['worker_id']} ({m['role']}): {m['reason']}{restarts}")
     if _logs_dir(state):
         console.print(f"logs: {_logs_dir(state)} on each node; a process' lines are in "
                       "worker-*-<pid>.err (pid above; the controller's and a crashed process' too)", soft_wrap=True)

@@ -1,0 +1,33 @@
+"""``pdcluster status`` against a real Redis: a desired router without a live record (its process
+died, or Redis restarted) is missing, as a desired worker is: listed with why, exit status 3."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy import status as cluster_status
+from deploy.redis_server import LocalRedisServer
+from serving.registry import RouterRecord, WorkerRegistry
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    srv = LocalRedisServer(tmp_path / "redis").start(timeout_s=10.0)
+    yield srv.url
+    srv.stop()
+
+
+def test_a_router_without_a_record_is_missing(redis_url, capsys):
+    state = {"redis_url": redis_url, "cluster": "st", "num_routers": 2, "workers": [],
+             "router_address": "127.0.0.1:1"}
+    reg = WorkerRegistry(redis_url, "st")
+    try:
+        reg.put_router(RouterRecord(index=0, pid=11, address="127.0.0.1:1", metrics_address="127.0.0.1:2"), 30.0)
+    finally:
+        reg.close()
+    st = cluster_status.collect(state)
+    assert [r["index"] for r in st["routers"]["live"]] == [0]
+    assert [(m["worker_id"], m["role"], m["restarts"]) for m in st["missing"]] == [("router-1", "router", None)]
+    assert cluster_status.print_status(state) == 3
+    out = capsys.readouterr().out
+    assert "1/2 routers" in out and "missing: router-1 (router): no router record" in out and "; restarts" not in out
