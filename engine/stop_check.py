@@ -18,8 +18,7 @@ def check_finish(req: Request, eos_token_ids: tuple[int, ...], max_model_len: in
     EOS (unless ``ignore_eos``) and ``stop_token_ids`` give ``"stop"``;
     ``max_tokens`` new tokens or ``max_model_len`` total tokens give ``"length"``.
     """
-    last = req.output_token_ids[-1]
-    if (not req.params.ignore_eos and last in eos_token_ids) or last in req.params.stop_token_ids:
+    if req.output_token_ids[-1] in ending_ids(req, eos_token_ids):
         return STOP
     if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= max_model_len:
         return LENGTH
@@ -32,4 +31,9 @@ def early_stop_ids(req: Request, eos_token_ids: tuple[int, ...]) -> tuple[int, .
     or already reached (nothing to ban)."""
     if len(req.output_token_ids) >= req.params.sampling.min_tokens:
         return ()
+    return ending_ids(req, eos_token_ids)
+
+
+def ending_ids(req: Request, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The ids that end ``req`` when sampled: EOS unless ``ignore_eos``, and its ``stop_token_ids``."""
     return (() if req.params.ignore_eos else tuple(eos_token_ids)) + tuple(req.params.stop_token_ids)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import os
 import threading
 import time
@@ -68,6 +69,7 @@ from serving.registry import RouterRecord, WorkerInfo, WorkerRegistry
 from serving.rpc import GRPC_OPTIONS, SPARE_THREADS, add_health, keepalive_options, receive_limit, set_serving
 from serving.security import Plane, SecurityConfig, bind, internal_channel, make_server
 
+log = logging.getLogger(__name__)
 SERVICE = "pdcluster.v1.Router"
 PEER_PERIODS = 4
 """A router refreshes its record for the other routers, and its fleet gauges
@@ -292,7 +294,10 @@ class RouterServer:
                 set_serving(self.health, [SERVICE], serving=now)
                 serving = now
             if period % PEER_PERIODS == 0:  # the controller reports once per heartbeat
-                self.fleet.update()
+                try:
+                    self.fleet.update()
+                except Exception as e:  # noqa: BLE001 - a malformed report must not end the health thread
+                    log.warning("fleet gauges not updated: %r", e)
             self._stop.wait(self.cfg.view_period_s)
 
     def start(self) -> str:
