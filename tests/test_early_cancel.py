@@ -207,12 +207,13 @@ def test_prefill_cancelled_before_its_handler_registered_is_aborted():
 
 class _FakeActive:
     def __init__(self) -> None:
-        self.request_id, self.discarded, self.served = "early-r", threading.Event(), False
+        self.request_id, self.discarded, self.served, self.error = "early-r", threading.Event(), False, None
 
     def cancel(self) -> None:
         pass
 
-    def discard(self) -> None:
+    def discard(self, error=None) -> None:
+        self.error = error
         self.discarded.set()
 
     def responses(self):
@@ -236,5 +237,6 @@ def test_generate_cancelled_before_its_handler_registered_is_never_placed():
         call.cancel()
         assert servicer.finished.wait(5)
         assert active.discarded.is_set() and not active.served
+        assert active.error.code == grpc.StatusCode.CANCELLED  # counted as every request is
     finally:
         server.stop(grace=None)
