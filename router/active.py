@@ -76,13 +76,22 @@ class ActiveRequest:
         self.client_gone = True
         self.h.cancel_calls()
 
+    def cancel_calls_quietly(self) -> None:
+        """Cancel the current attempt's worker calls (both workers free the blocks) after a failure
+        on the router's side; a failure to cancel is logged, not raised."""
+        try:
+            self.h.cancel_calls()
+        except Exception:  # noqa: BLE001 - already failing: the original error is the one to report
+            log.exception("cancelling the worker calls of %s failed", self.request_id)
+
     def responses(self) -> Iterator[router_pb2.GenerateResponse]:
         """The request's responses: one per token delta when streaming, one in total otherwise.
 
         Raises:
             RouterError: UNAVAILABLE (no live worker, or a worker failed or a KV transfer
                 failed more often than ``max_migrations`` allows), CANCELLED (the client
-                went away), or a worker's refusal (e.g. RESOURCE_EXHAUSTED).
+                went away), a worker's refusal (e.g. RESOURCE_EXHAUSTED), or INTERNAL (an
+                unexpected error on the router's side, logged with its traceback).
         """
         with request_scope(self.request_id):
             try:
@@ -91,6 +100,12 @@ class ActiveRequest:
                 self.stats.failed(e.code.name)
                 log.info("request failed: %s", e)
                 raise
+            except Exception as e:  # a bug on the router's side: counted and answered, never a silent end
+                self.stats.failed(grpc.StatusCode.INTERNAL.name)
+                log.exception("request failed: INTERNAL: %s: %s", type(e).__name__, e)
+                self.cancel_calls_quietly()
+                raise RouterError(grpc.StatusCode.INTERNAL, f"internal error on the router: {type(e).__name__}: {e}") \
+                    from e
             except GeneratorExit:  # the front door stopped reading: its client went away mid-stream
                 self.cancel()  # also after the final message (a stop string's): the decode call may run on
                 if not self.stats.ended:
@@ -146,6 +161,9 @@ class ActiveRequest:
             WorkerFailure: a worker call failed.
         """
         prep, h = self.prep, self.h
+        if self.client_gone or h.aborted:  # before placing: a sibling's client left, or an abort came
+            yield from self._ended_by_client(out)
+            return
         tokens = prep.prompt_token_ids + out.token_ids
         # the first placement takes its turn in the start lane (refusals of the burst first); a
         # migration's may wait for a worker and is never deferred behind arrivals
@@ -156,6 +174,9 @@ class ActiveRequest:
                                                                            avoid),
                                           MIGRATION_WAIT_S if cause else 0.0, lambda: self.client_gone or h.aborted)
         except NoWorkerError as e:
+            if self.client_gone or h.aborted:  # the wait gave up for the client, not for want of a worker
+                yield from self._ended_by_client(out)
+                return
             if cause:
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{e} (migrating after {cause})") from None
             raise RouterError(grpc.StatusCode.UNAVAILABLE, str(e), NO_WORKER_RETRY_AFTER_MS) from None
@@ -217,6 +238,20 @@ class ActiveRequest:
         if not decode_finished:
             h.d_call.cancel()  # stopped here (stop string / abort): the decode worker frees
         if not prep.stream:
+            yield out.whole()
+
+    def _ended_by_client(self, out: OutputAssembler) -> Iterator[router_pb2.GenerateResponse]:
+        """End a request that was not placed (again) because its client went away (CANCELLED) or
+        aborted it (finish reason ABORT, counted as a success like any abort).
+
+        Raises:
+            RouterError: CANCELLED, the client went away.
+        """
+        if self.client_gone:
+            raise RouterError(grpc.StatusCode.CANCELLED, "client cancelled")
+        self.stats.finished("abort")
+        yield from self._final(out, common_pb2.FINISH_REASON_ABORT)
+        if not self.prep.stream:
             yield out.whole()
 
     def _remember_cached_tokens(self) -> None:

@@ -6,9 +6,11 @@ Per worker (keyed by its gRPC address, what the router's channels know):
 * **closed** (normal): every finished internal call is classified (:func:`classify`): a
   transport failure (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL or UNKNOWN with no status from a
   pdcluster handler: connection refused or lost, an unanswered keepalive ping, a router-set
-  deadline) counts; a success resets the count; anything else (a status the worker's handler
-  chose, e.g. INVALID_ARGUMENT or RESOURCE_EXHAUSTED, and a call the router or its client
-  cancelled) is neutral. ``failures`` consecutive failures open it (one log line, one
+  deadline) counts, and so does INTERNAL from the worker's own handler (its model step failed:
+  a worker whose steps keep failing answers fast and would otherwise draw the most requests
+  under ``least_loaded``); a success resets the count; anything else (a status the worker's
+  handler chose, e.g. INVALID_ARGUMENT or RESOURCE_EXHAUSTED, and a call the router or its
+  client cancelled) is neutral. ``failures`` consecutive failures open it (one log line, one
   ``circuit_breaker_trips`` count).
 * **open**: :meth:`CircuitBreaker.allows` says no, so placement skips the worker
   (:class:`router.placement.Placer`, besides the registry view's own
@@ -81,10 +83,13 @@ class Outcome(enum.Enum):
 
 def classify(code: grpc.StatusCode, from_handler: bool) -> Outcome:
     """The outcome of a call that ended with ``code``; ``from_handler``: the worker's handler set
-    the status (:func:`serving.rpc.handler_status`), so the worker answered whatever the code."""
+    the status (:func:`serving.rpc.handler_status`), so the worker answered: only its INTERNAL
+    (a failed model step, the worker's own fault) counts then."""
     if code == grpc.StatusCode.OK:
         return Outcome.SUCCESS
-    if from_handler or code not in TRANSPORT_FAILURES:
+    if from_handler:
+        return Outcome.FAILURE if code == grpc.StatusCode.INTERNAL else Outcome.NEUTRAL
+    if code not in TRANSPORT_FAILURES:
         return Outcome.NEUTRAL
     return Outcome.FAILURE
 

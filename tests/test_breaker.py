@@ -62,7 +62,10 @@ def test_classify():
     assert classify(C.OK, False) is Outcome.SUCCESS and classify(C.OK, True) is Outcome.SUCCESS
     for code in (C.UNAVAILABLE, C.DEADLINE_EXCEEDED, C.INTERNAL, C.UNKNOWN):
         assert classify(code, from_handler=False) is Outcome.FAILURE
+    for code in (C.UNAVAILABLE, C.DEADLINE_EXCEEDED, C.UNKNOWN, C.INVALID_ARGUMENT, C.RESOURCE_EXHAUSTED):
         assert classify(code, from_handler=True) is Outcome.NEUTRAL  # the worker answered
+    # a failed model step (the worker's handler says INTERNAL) is the worker's fault: it counts
+    assert classify(C.INTERNAL, from_handler=True) is Outcome.FAILURE
     for code in (C.INVALID_ARGUMENT, C.CANCELLED, C.RESOURCE_EXHAUSTED, C.ALREADY_EXISTS, C.UNAUTHENTICATED):
         assert classify(code, from_handler=False) is Outcome.NEUTRAL
 
@@ -200,16 +203,16 @@ def _prefill(channel, tokens: int = 64):
 def test_interceptor_tells_worker_statuses_from_transport_failures():
     b, clock, probes, metrics = _breaker(failures=2)
     rates = PrefillRates()
-    refusing = _Worker(C.INVALID_ARGUMENT)
-    failing = _Worker(C.INTERNAL)  # a handler's INTERNAL: the worker answered
+    refusing = _Worker(C.INVALID_ARGUMENT)  # the worker answered: never its fault
+    failing = _Worker(C.INTERNAL)  # the worker's handler says its model step failed: its fault
     ok = _Worker(C.OK)
     try:
-        for w in (refusing, failing):
+        for w, state in ((refusing, "closed"), (failing, "open")):
             channel = watched_channel(grpc.insecure_channel(w.address), w.address, b, rates)
             for _ in range(5):
                 with pytest.raises(grpc.RpcError):
                     _prefill(channel).result()
-            assert b.state(w.address) == "closed"
+            assert b.state(w.address) == state
         channel = watched_channel(grpc.insecure_channel(ok.address), ok.address, b, rates)
         assert _prefill(channel).result().cached_prompt_tokens == 16
         assert rates.rate(ok.address) > 0  # 48 uncached tokens over the call's time

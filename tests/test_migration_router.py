@@ -11,7 +11,9 @@ the request statistics count each token once; the migration metric and the limit
 refusals are not retried; the blame rules of :func:`router.migration.classify`; the
 placement avoids failed workers; the ``--max-migrations`` flag is validated. Also the endings
 around them: a stream closed after its stop string cancels the decode call; an abort before the
-reservation answers, streamed or not, and counts as ``abort``.
+reservation answers, streamed or not, and counts as ``abort``; an abort or a client gone while a
+migration waits for a worker (ABORT / CANCELLED, not UNAVAILABLE); an unexpected error on the router
+(INTERNAL, counted, its seat freed).
 """
 
 from __future__ import annotations
@@ -337,3 +339,45 @@ def test_an_abort_before_the_reservation_answers_and_counts_as_abort(cluster, to
     responses.close()
     assert _metric(router, "request_success", finished_reason="abort") == 1
     assert router.metrics.get("request_errors", code="CANCELLED")._value.get() == 0
+
+
+@pytest.mark.parametrize("ending", ["abort", "cancel"])
+def test_an_abort_or_cancel_during_a_migrations_wait_ends_it_as_the_client_asked(cluster, tokenizer, ending):
+    """The only decode worker died: the migration waits for a replacement. An abort meanwhile ends the
+    request with finish reason ABORT (a success), a client gone with CANCELLED, never UNAVAILABLE."""
+    seq = tokenizer.encode(TEXT, add_special_tokens=False)
+    kv = _Kv()
+    router = cluster([_Decode("d0", seq, kv, die_after=2)], [_Prefill(kv)])
+    active = router.start(router_pb2.GenerateRequest(request_id="req-1", text="Count:", stream=True,
+                                                     sampling=common_pb2.SamplingParams(max_tokens=len(seq))))
+    end = (lambda: router.abort("req-1")) if ending == "abort" else active.cancel
+    timer = threading.Timer(1.0, end)
+    timer.start()
+    msgs = []
+    try:
+        for m in active.responses():
+            msgs.append(m)
+    except RouterError as e:
+        assert ending == "cancel" and e.code == grpc.StatusCode.CANCELLED
+    else:
+        assert ending == "abort" and msgs[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+        assert [t for m in msgs for t in m.token_ids] == seq[:2]
+        assert _metric(router, "request_success", finished_reason="abort") == 1
+    timer.join()
+    assert _metric(router, "request_errors", code="UNAVAILABLE") == 0
+    assert router.load.in_flight("d0") == router.load.in_flight("p0") == 0
+
+
+def test_an_unexpected_error_on_the_router_is_internal_and_counted(cluster, tokenizer):
+    kv = _Kv()
+    router = cluster([_Decode("d0", [5, 6], kv)], [_Prefill(kv)])
+
+    def broken(*_a, **_k):
+        raise RuntimeError("policy bug")
+
+    router.placer.place = broken
+    with pytest.raises(RouterError) as exc:
+        _generate(router, "Count:", 2)
+    assert exc.value.code == grpc.StatusCode.INTERNAL and "policy bug" in exc.value.message
+    assert _metric(router, "request_errors", code="INTERNAL") == 1
+    assert not router._table  # forgotten: its seat is free
