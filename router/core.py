@@ -51,7 +51,7 @@ from router.admission import Admission, Refused
 from router.errors import RouterError
 from router.handle import RequestHandle
 from router.load import LoadTracker
-from router.migration import DEFAULT_MAX_MIGRATIONS, attempt_request_id, check_max_migrations
+from router.migration import DEFAULT_MAX_MIGRATIONS, attempt_request_id, check_max_migrations, first_attempt_id
 from router.placement import Placer
 from router.start_lane import StartLane
 from router.stats import RouterGauges
@@ -123,7 +123,7 @@ class RequestRouter:
             self._refused(self.admission.queue_full(request.request_id, held, capacity))
         try:
             prep = self._prepare(request)
-            handle = RequestHandle(prep.request_id)
+            handle = RequestHandle(first_attempt_id(prep.request_id))
             with self._lock:
                 duplicate = prep.request_id in self._table
                 if not duplicate:
@@ -181,7 +181,7 @@ class RequestRouter:
         """The handle of request ``request_id``'s attempt after its ``migration``-th
         migration (its workers see :func:`router.migration.attempt_request_id`), registered
         in place of ``old``; an abort of ``old`` carries over."""
-        new = RequestHandle(attempt_request_id(request_id, migration), old.fail_transfer_timeout_s)
+        new = RequestHandle(attempt_request_id(old.first_id, migration), old.fail_transfer_timeout_s, old.first_id)
         with self._lock:
             new.aborted = old.aborted
             self._table[request_id] = new

@@ -48,6 +48,8 @@ class RequestHandle:
 
     Attributes:
         request_id: the id its workers see (:func:`router.migration.attempt_request_id`).
+        first_id: the id the request's workers saw for its first attempt (migrations' ids
+            derive from it); ``request_id`` itself for a first attempt.
         aborted: the client aborted the request.
         decode / prefill: the chosen workers' registry entries.
         d_call: the decode worker's ``Reserve`` stream; ``p_future``: the ``Prefill`` call.
@@ -58,8 +60,9 @@ class RequestHandle:
         load: the request's share of the router's load (:class:`router.load.RequestLoad`).
     """
 
-    def __init__(self, request_id: str, fail_transfer_timeout_s: float = 10.0) -> None:
+    def __init__(self, request_id: str, fail_transfer_timeout_s: float = 10.0, first_id: str = "") -> None:
         self.request_id = request_id
+        self.first_id = first_id or request_id
         self.decode = None
         self.prefill = None
         self.d_call = None

@@ -30,14 +30,19 @@ A migrating request that finds no live worker of a role (the only decode worker 
 the cluster controller is restarting it) waits up to :data:`MIGRATION_WAIT_S` seconds for
 one to register (:func:`place_waiting`) instead of failing at once.
 
-Each migration runs under its own worker-side request id (:func:`attempt_request_id`),
-so a resumed request never collides with its own earlier attempt still being torn
-down on a worker that serves it again.
+Each attempt runs under its own worker-side request id (:func:`first_attempt_id`,
+:func:`attempt_request_id`): the client's id, a nonce of this admission and the
+migration's number, so a resumed request never collides with its own earlier attempt
+still being torn down on a worker that serves it again, nor a client that reuses an id at
+once (a retry after a cancel) with its earlier request (vLLM makes its internal request
+ids unique the same way). The workers' log lines carry the client's id (the
+``x-request-id`` metadata), so logs still join on it.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,10 +72,17 @@ def check_max_migrations(n: int) -> None:
         raise ValueError(f"max_migrations must be an integer in [0, {MAX_MIGRATIONS_LIMIT}], got {n!r}")
 
 
-def attempt_request_id(request_id: str, migration: int) -> str:
-    """The request id the workers see for the request's ``migration``-th migration (0:
-    the first attempt, which keeps the client's id)."""
-    return request_id if migration == 0 else f"{request_id}/migration-{migration}"
+def first_attempt_id(request_id: str) -> str:
+    """The request id the workers see for the first attempt of the client's ``request_id``:
+    ``<request_id>/<8 hex digits>``, new at every admission (at most 9 characters more than the
+    client's id)."""
+    return f"{request_id}/{uuid.uuid4().hex[:8]}"
+
+
+def attempt_request_id(first_id: str, migration: int) -> str:
+    """The request id the workers see for the request's ``migration``-th migration (0: the
+    first attempt's id, ``first_id`` from :func:`first_attempt_id`)."""
+    return first_id if migration == 0 else f"{first_id}/migration-{migration}"
 
 
 def attempt_request(wreq: worker_pb2.WorkerRequest, worker_request_id: str,

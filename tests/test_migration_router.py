@@ -18,6 +18,7 @@ migration waits for a worker (ABORT / CANCELLED, not UNAVAILABLE); an unexpected
 
 from __future__ import annotations
 
+import re
 import threading
 
 import grpc
@@ -179,7 +180,8 @@ def test_decode_death_resumes_on_another_decode_worker(cluster, tokenizer):
     streamed = [t for m in msgs for t in m.token_ids]
     assert streamed == seq, "a token was repeated or lost"
     assert "".join(m.text for m in msgs) == TEXT
-    assert healthy.requests[0].request_id == "req-1/migration-1"
+    assert re.fullmatch(r"req-1/[0-9a-f]{8}/migration-1", healthy.requests[0].request_id)
+    assert dying.requests[0].request_id == healthy.requests[0].request_id.removesuffix("/migration-1")
     assert list(healthy.requests[0].output_token_ids) == seq[:4]
     assert list(prefill.requests[1].request.output_token_ids) == seq[:4]
     usage = msgs[-1].usage
@@ -244,7 +246,7 @@ def test_failed_prefill_retries_on_another_prefill_worker(cluster, tokenizer):
     msgs = _generate(router, "Count:", len(seq))
     assert [t for m in msgs for t in m.token_ids] == seq
     assert len(dead.requests) == len(alive.requests) == 1
-    assert alive.requests[0].request.request_id == "req-1/migration-1"
+    assert re.fullmatch(r"req-1/[0-9a-f]{8}/migration-1", alive.requests[0].request.request_id)
     assert not alive.requests[0].request.output_token_ids
     assert _metric(router, "request_migrations", failed_role="prefill") == 1
     assert router.placer.view.marked == ["p0"]
@@ -381,3 +383,26 @@ def test_an_unexpected_error_on_the_router_is_internal_and_counted(cluster, toke
     assert exc.value.code == grpc.StatusCode.INTERNAL and "policy bug" in exc.value.message
     assert _metric(router, "request_errors", code="INTERNAL") == 1
     assert not router._table  # forgotten: its seat is free
+
+
+class _Holding(_Prefill):
+    """A prefill worker that never forgets a request id (as one still tearing down an aborted
+    request's KV send): the same worker-side id again is refused with ALREADY_EXISTS."""
+
+    def Prefill(self, request, context):
+        if any(r.request.request_id == request.request.request_id for r in self.requests):
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request.request_id} is running")
+        return super().Prefill(request, context)
+
+
+def test_a_client_reusing_a_request_id_at_once_never_meets_its_earlier_request(cluster, tokenizer):
+    """A client retries ``req-1`` right after its first ``req-1`` ended: the workers may still be
+    tearing the first one down, and each admission reaches them under an id of its own."""
+    seq = tokenizer.encode(TEXT, add_special_tokens=False)
+    kv = _Kv()
+    prefill = _Holding(kv)
+    router = cluster([_Decode("d0", seq, kv)], [prefill])
+    for _ in range(2):
+        assert [t for m in _generate(router, "Count:", 3) for t in m.token_ids] == seq[:3]
+    first, second = (r.request.request_id for r in prefill.requests)
+    assert first != second and first.startswith("req-1/") and second.startswith("req-1/")
