@@ -284,7 +284,8 @@ class TestPrefillKilledMidTransfer:
             assert outcome["at"] - t_kill < self.LEASE_S + 2.0
             # the registry drops the dead worker (key TTL 3 heartbeats), the router's view follows
             reg = WorkerRegistry(cluster["redis_url"], cluster["cluster"])
-            _wait_until(lambda: victim not in {w.worker_id for w, _ in reg.live_workers()}, 10,
+            # (by pid: Ray restarts the worker under the same id)
+            _wait_until(lambda: (victim, pid) not in {(w.worker_id, w.pid) for w, _ in reg.live_workers()}, 10,
                         "the registry to drop the killed prefill worker")
             time.sleep(0.5)  # four refreshes of the router's registry view (heartbeat / 4)
             res = client.generate(prompt, max_tokens=8, temperature=0)

@@ -36,12 +36,25 @@ def client(cluster):
 
 
 def _kill(cluster: dict, worker_id: str) -> None:
-    pid = next(w["pid"] for w in cluster["workers"] if w["worker_id"] == worker_id)
-    os.kill(pid, signal.SIGKILL)
+    os.kill(_pid(cluster, worker_id), signal.SIGKILL)
 
 
-def _live_ids(cluster: dict) -> set[str]:
-    return {w.worker_id for w, _ in WorkerRegistry(cluster["redis_url"], cluster["cluster"]).live_workers()}
+def _live(cluster: dict) -> set[tuple[str, int]]:
+    """``(worker_id, pid)`` of every live registered process: Ray restarts a killed worker under
+    the same id, so the killed process is told from its replacement by its pid."""
+    return {(w.worker_id, w.pid) for w, _ in WorkerRegistry(cluster["redis_url"], cluster["cluster"]).live_workers()}
+
+
+def _pid(cluster: dict, worker_id: str) -> int:
+    return next(w["pid"] for w in cluster["workers"] if w["worker_id"] == worker_id)
+
+
+def _wait_unlisted(cluster: dict, worker_id: str, t_kill: float, within_s: float) -> None:
+    """The killed process of ``worker_id`` leaves the registry within ``within_s`` of ``t_kill``."""
+    killed = (worker_id, _pid(cluster, worker_id))
+    while killed in _live(cluster):
+        assert time.monotonic() - t_kill < within_s, f"dead worker {worker_id} still listed"
+        time.sleep(0.05)
 
 
 def _expect_unavailable(fn) -> float:
@@ -73,9 +86,7 @@ def test_kill_decode_worker_mid_stream(cluster, client):
     elapsed = _expect_unavailable(lambda: list(it))
     assert elapsed < 5.0
     # the registry (and so the router) drops it within 2 heartbeat intervals
-    while victim in _live_ids(cluster):
-        assert time.monotonic() - t_kill < 2 * HEARTBEAT_S, "dead decode worker still listed"
-        time.sleep(0.05)
+    _wait_unlisted(cluster, victim, t_kill, 2 * HEARTBEAT_S)
     time.sleep(0.3)
     with ThreadPoolExecutor(6) as pool:
         results = list(pool.map(lambda i: client.generate(f"Say {i}.", max_tokens=4, temperature=0), range(6)))
@@ -102,6 +113,8 @@ def test_kill_prefill_worker_with_requests_in_flight(cluster, client):
             time.sleep(0.01)
         _kill(cluster, victim)
         t_kill = time.monotonic()
+        # watched while the requests run: once they end, Ray may have restarted the worker
+        _wait_unlisted(cluster, victim, t_kill, 2 * HEARTBEAT_S + 1.0)
         done = [f.result(timeout=60) for f in futs]
     outcomes = [o for o, _ in done]
     errors = [(o, t) for o, t in done if isinstance(o, grpc.RpcError)]
@@ -109,9 +122,6 @@ def test_kill_prefill_worker_with_requests_in_flight(cluster, client):
     assert all(e.code() == grpc.StatusCode.UNAVAILABLE for e, _ in errors), [e.code() for e, _ in errors]
     assert max(t for _, t in errors) - t_kill < 5.0, "a request on the dead prefill worker hung"
     assert all(o.usage.completion_tokens == 4 for o in outcomes if not isinstance(o, grpc.RpcError))
-    while victim in _live_ids(cluster):
-        assert time.monotonic() - t_kill < 2 * HEARTBEAT_S + 1.0, "dead prefill worker still listed"
-        time.sleep(0.05)
     res = client.generate("Hello there", max_tokens=3, temperature=0)
     assert res.usage.completion_tokens == 3
     assert_no_leak(cluster)
