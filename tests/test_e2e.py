@@ -221,12 +221,15 @@ def test_client_disconnect_frees_blocks(cluster, client):
 
 
 def test_abort_while_queued_and_prefilling(cluster, client):
-    """Cancel requests at once after sending (queued / prefilling / transferring)."""
+    """Cancel requests at once after sending (queued / prefilling / transferring). A request in the
+    prefill step that is running lets go of its blocks when the step ends (a step is never cut
+    short: tensor-parallel ranks run it in lockstep): ~0.8 s for this 300-token prompt at one
+    thread on this 2-core machine, so the bound leaves room for a machine a few times slower."""
     streams = [client.stream([11] * 300, max_tokens=50, temperature=0) for _ in range(6)]
     threading.Event().wait(0.05)
     for s in streams:
         s.cancel()
-    assert_no_leak(cluster, timeout_s=2.0)
+    assert_no_leak(cluster, timeout_s=8.0)
 
 
 @pytest.mark.parametrize("length", [63, 64, 65, 128])
