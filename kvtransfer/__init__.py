@@ -10,78 +10,74 @@ Senders can stream layer by layer while the KV is computed (:class:`LayerProgres
 Processes that move KV over gRPC keep freed message buffers mapped (:mod:`kvtransfer.memory`).
 
 Transports are registered by name and reached only through :mod:`kvtransfer.registry`
-(:func:`create_sender`, :func:`attach_receiver`): importing this package registers
-``"grpc"`` (:mod:`kvtransfer.grpc_transport`) and ``"torch_dist"``
-(:mod:`kvtransfer.dist_transport`); others register from the module
-:attr:`KvTransferConfig.transport_module` names.
+(:func:`create_sender`, :func:`attach_receiver`): the registry loads the built-in ``"grpc"``
+(:mod:`kvtransfer.grpc_transport`) and ``"torch_dist"`` (:mod:`kvtransfer.dist_transport`)
+at its first lookup; others register from the module :attr:`KvTransferConfig.transport_module`
+names.
+
+The names below are loaded on first use (PEP 562), so a process that needs only the
+configuration (:mod:`kvtransfer.config`: the router, the controller, the CLI) loads no torch.
 """
 
-from kvtransfer import dist_transport, grpc_transport  # noqa: F401 - importing them registers the built-ins
-from kvtransfer.blocks import HeadShards, check_kv_cache, gather_blocks, scatter_blocks
-from kvtransfer.config import DEFAULT_MAX_CHUNK_BYTES, KvConfigError, KvTransferConfig
-from kvtransfer.errors import KvDataPlaneError, KvIntegrityError, KvTransferError, StaleTransferError
-from kvtransfer.grpc_receiver import KvTransferServicer
-from kvtransfer.grpc_sender import GrpcKvSender
-from kvtransfer.grpc_transport import kv_server_options
-from kvtransfer.progress import LayerProgress
-from kvtransfer.reblock import check_same_tokens, dest_block_range, scatter_tokens
-from kvtransfer.registry import (
-    Transport,
-    attach_receiver,
-    create_sender,
-    get_transport,
-    load_transport,
-    register_transport,
-)
-from kvtransfer.states import TransferState, TransferStateTable
-from kvtransfer.transport import (
-    KvDestinationLike,
-    KvReceiver,
-    KvReceiverSink,
-    KvSender,
-    SendResult,
-)
-from kvtransfer.wire import (
-    KvChunkMeta,
-    decode_chunk,
-    encode_done_chunk,
-    encode_kv_chunk,
-)
+from __future__ import annotations
 
-__all__ = [
-    "DEFAULT_MAX_CHUNK_BYTES",
-    "GrpcKvSender",
-    "KvChunkMeta",
-    "KvConfigError",
-    "KvDataPlaneError",
-    "KvDestinationLike",
-    "KvIntegrityError",
-    "KvReceiver",
-    "KvReceiverSink",
-    "KvSender",
-    "KvTransferConfig",
-    "KvTransferError",
-    "KvTransferServicer",
-    "LayerProgress",
-    "SendResult",
-    "StaleTransferError",
-    "TransferState",
-    "TransferStateTable",
-    "Transport",
-    "attach_receiver",
-    "HeadShards",
-    "check_kv_cache",
-    "check_same_tokens",
-    "create_sender",
-    "decode_chunk",
-    "dest_block_range",
-    "encode_done_chunk",
-    "encode_kv_chunk",
-    "gather_blocks",
-    "get_transport",
-    "kv_server_options",
-    "load_transport",
-    "register_transport",
-    "scatter_blocks",
-    "scatter_tokens",
-]
+import importlib
+
+# name -> the module defining it
+_EXPORTS = {
+    "attach_receiver": "kvtransfer.registry",
+    "check_kv_cache": "kvtransfer.blocks",
+    "check_same_tokens": "kvtransfer.reblock",
+    "create_sender": "kvtransfer.registry",
+    "decode_chunk": "kvtransfer.wire",
+    "DEFAULT_MAX_CHUNK_BYTES": "kvtransfer.config",
+    "dest_block_range": "kvtransfer.reblock",
+    "encode_done_chunk": "kvtransfer.wire",
+    "encode_kv_chunk": "kvtransfer.wire",
+    "gather_blocks": "kvtransfer.blocks",
+    "get_transport": "kvtransfer.registry",
+    "GrpcKvSender": "kvtransfer.grpc_sender",
+    "HeadShards": "kvtransfer.blocks",
+    "kv_server_options": "kvtransfer.grpc_transport",
+    "KvChunkMeta": "kvtransfer.wire",
+    "KvConfigError": "kvtransfer.config",
+    "KvDataPlaneError": "kvtransfer.errors",
+    "KvDestinationLike": "kvtransfer.transport",
+    "KvIntegrityError": "kvtransfer.errors",
+    "KvReceiver": "kvtransfer.transport",
+    "KvReceiverSink": "kvtransfer.transport",
+    "KvSender": "kvtransfer.transport",
+    "KvTransferConfig": "kvtransfer.config",
+    "KvTransferError": "kvtransfer.errors",
+    "KvTransferServicer": "kvtransfer.grpc_receiver",
+    "LayerProgress": "kvtransfer.progress",
+    "load_transport": "kvtransfer.registry",
+    "register_transport": "kvtransfer.registry",
+    "scatter_blocks": "kvtransfer.blocks",
+    "scatter_tokens": "kvtransfer.reblock",
+    "SendResult": "kvtransfer.transport",
+    "StaleTransferError": "kvtransfer.errors",
+    "TransferState": "kvtransfer.states",
+    "TransferStateTable": "kvtransfer.states",
+    "Transport": "kvtransfer.registry",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """Load ``name`` from its module at first use (PEP 562).
+
+    Raises:
+        AttributeError: ``name`` is not one of the package's names.
+    """
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

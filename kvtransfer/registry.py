@@ -5,7 +5,7 @@ Lifecycle:
 1. A transport registers a sender factory and a receiver factory under its name
    (:func:`register_transport`) when its module is imported: the built-in ``"grpc"``
    (:mod:`kvtransfer.grpc_transport`) and ``"torch_dist"`` (:mod:`kvtransfer.dist_transport`)
-   when :mod:`kvtransfer` is; any other from the module that
+   at the registry's first lookup (:data:`BUILTIN_MODULES`); any other from the module that
    :attr:`~kvtransfer.config.KvTransferConfig.transport_module` names.
 2. A worker calls :func:`create_sender` (prefill, colocated) and :func:`attach_receiver`
    (decode, colocated) with the cluster's :class:`~kvtransfer.config.KvTransferConfig`;
@@ -100,6 +100,14 @@ class Transport:
 
 _REGISTRY: dict[str, Transport] = {}
 _REGISTRY_LOCK = threading.Lock()
+# the built-in transports' modules, imported (so registered) at the first lookup: a process
+# that only reads the KV configuration never loads them (nor torch)
+BUILTIN_MODULES = ("kvtransfer.grpc_transport", "kvtransfer.dist_transport")
+
+
+def _load_builtins() -> None:
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)  # once per process: later calls find it in sys.modules
 
 
 def register_transport(name: str, sender_factory: SenderFactory, receiver_factory: ReceiverFactory) -> None:
@@ -117,11 +125,13 @@ def register_transport(name: str, sender_factory: SenderFactory, receiver_factor
 
 
 def get_transport(name: str) -> Transport:
-    """Factories registered under ``name`` (no module is imported; see :func:`load_transport`).
+    """Factories registered under ``name`` (no module but the built-ins' is imported; see
+    :func:`load_transport`).
 
     Raises:
         KeyError: no such transport (the message lists the registered ones).
     """
+    _load_builtins()
     with _REGISTRY_LOCK:
         try:
             return _REGISTRY[name]

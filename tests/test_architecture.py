@@ -30,6 +30,18 @@ def test_router_loads_without_torch():
     assert out.returncode == 0, out.stderr
 
 
+def test_router_actor_process_loads_without_torch():
+    """A router's Ray actor process also imports :mod:`deploy.actors` (its actor class): it may
+    read the workers' configuration declarations, never torch or engine/KV code."""
+    code = ("import sys\nimport router.server, router.service, deploy.actors\n"
+            "config = {'engine', 'engine.config', 'kvtransfer', 'kvtransfer.config'}\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'engine', 'kvtransfer', "
+            "'prefill_worker', 'decode_worker', 'colocated_worker') and m not in config)\n"
+            "assert not bad, bad\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
 def test_no_source_file_over_400_lines():
     long = {str(p.relative_to(REPO)): n for p in _sources()
             if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES}

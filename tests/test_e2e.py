@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -59,6 +60,13 @@ def test_model_info(client):
     assert info.vocab_size == 49152
     assert list(info.eos_token_ids) == [2]
     assert info.block_size == 16
+
+
+def test_the_router_process_loads_no_torch(cluster):
+    """The deployed router (a Ray actor process) maps no torch library: the layering contract
+    holds for the process that runs, not only for the router's own modules."""
+    maps = Path(f"/proc/{cluster['router_pid']}/maps").read_text()
+    assert "libtorch" not in maps and "/torch/" not in maps
 
 
 def test_mt_bench_token_exact(cluster, client, hf_model, tokenizer):
