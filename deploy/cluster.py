@@ -23,7 +23,7 @@ from common.model_config import FieldError
 from deploy.actors import RouterActor, WorkerActor
 from deploy.placement import PlacementConfig, PlacementError, WorkerShape, decide_shape, reserve
 from engine.config import CacheConfig, SchedulerConfig
-from router.server import RouterConfig
+from router.config import RouterConfig
 from serving.registry import WORKER_ROLES
 from serving.worker_config import WorkerConfig
 

@@ -18,7 +18,7 @@ from kvtransfer.registry import load_transport
 from pdcluster.client import API_KEY_ENV
 from router.admission import AdmissionConfig
 from router.breaker import BreakerConfig
-from router.server import RouterConfig
+from router.config import RouterConfig
 from serving.certs import KeyPair
 from serving.logs import LogConfig
 from serving.security import SecurityConfig, check_credential

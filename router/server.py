@@ -28,7 +28,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from functools import partial
 
 from grpc_reflection.v1alpha import reflection
@@ -36,38 +35,30 @@ from grpc_reflection.v1alpha import reflection
 from common.model_config import ModelConfig
 from common.tokenizer import load_tokenizer
 from pdcluster.v1 import router_pb2
-from router.admission import Admission, AdmissionConfig
-from router.breaker import BreakerConfig, CircuitBreaker
+from router.admission import Admission
+from router.breaker import CircuitBreaker
 from router.cache_aware import cached_prefix_tokens
 from router.core import RequestRouter
 from router.fleet import FleetGauges
 from router.http import HttpServer
-from router.limits import (
-    DEFAULT_BODY_TIMEOUT_S,
-    DEFAULT_HEADER_TIMEOUT_S,
-    DEFAULT_HTTP_MAX_CONNECTIONS,
-    DEFAULT_MAX_REQUEST_BYTES,
-    Limits,
-)
+from router.config import RouterConfig
+from router.limits import Limits
 from router.load import LoadTracker, PrefillRates
-from router.migration import DEFAULT_MAX_MIGRATIONS, check_max_migrations
 from router.openai.app import FrontDoorState, build_app
 from router.peers import RouterPeers
 from router.placement import POLICIES, Placer, make_policy
 from router.policy import Signals
-from router.policy_names import DEFAULT_POLICY, check_policy
 from router.service import RouterServicer, add_router_service
 from router.stubs import StubCache
 from router.validation import RequestValidator, prompt_byte_cap
 from router.watch import health_probe, watched_channel
 from serving.cache_index import CacheIndexView
 from serving.discovery import RegistryView
-from serving.logs import LogConfig
 from serving.metrics import ProcessMetrics
 from serving.metrics_http import MetricsHttpServer
 from serving.registry import RouterRecord, WorkerInfo, WorkerRegistry
 from serving.rpc import GRPC_OPTIONS, SPARE_THREADS, add_health, keepalive_options, receive_limit, set_serving
-from serving.security import Plane, SecurityConfig, bind, internal_channel, make_server
+from serving.security import Plane, bind, internal_channel, make_server
 
 log = logging.getLogger(__name__)
 SERVICE = "pdcluster.v1.Router"
@@ -75,112 +66,6 @@ PEER_PERIODS = 4
 """A router refreshes its record for the other routers, and its fleet gauges
 (:mod:`router.fleet`), every ``PEER_PERIODS`` view periods (``pdcluster up`` sets the view
 period to a quarter of the heartbeat: once per heartbeat)."""
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """Router settings.
-
-    Attributes:
-        model: model name, as clients see it (``GetModelInfo``).
-        model_path: the model's resolved HF folder (``deploy`` resolves the spec once,
-            :func:`engine.model_loader.resolve_model`); the router reads only its
-            ``config.json`` and tokenizer, so it never loads torch.
-        redis_url / cluster: the worker registry.
-        host / port: where clients connect (port 0 = any free port).
-        max_model_len: prompt + max_tokens limit (tokens).
-        block_size: decode workers' KV block size, reported by GetModelInfo.
-        policy: the worker choice for every role, one of
-            :data:`router.policy_names.POLICY_NAMES` (``pdcluster up --router-policy``):
-            ``cache_aware`` (prefill workers by least expected prefill work given their
-            published prefix caches, decode and colocated workers least loaded),
-            ``least_loaded`` or ``round_robin``.
-        view_period_s: how often the registry view refreshes (seconds).
-        log: log format and level of the router process.
-        http_port: the OpenAI-compatible HTTP port on ``host`` (0 = any free port,
-            ``None`` = no HTTP server).
-        security: the API keys clients must present on both ports (none: open), the TLS
-            certificate both ports serve (none: plaintext), and the cluster secret and CA the
-            router's channels to the workers use (:mod:`serving.security`).
-        max_request_bytes: the largest gRPC message and HTTP body the public ports accept
-            (bytes; ``pdcluster up --max-request-bytes``); larger ones are refused with
-            RESOURCE_EXHAUSTED / HTTP 413.
-        http_body_timeout_s: seconds an HTTP request's whole body may take to arrive
-            (``pdcluster up --http-body-timeout``); later: 408 (:mod:`router.openai.body`).
-        http_header_timeout_s: seconds an HTTP request's head may take to arrive, from the
-            connection's start or the previous response's end (``pdcluster up
-            --http-header-timeout``); later: the connection is closed (:mod:`router.http_protocol`).
-        http_max_connections: open connections the HTTP port holds at most (``pdcluster up
-            --http-max-connections``); one more gets 503 and is closed.
-        max_prompt_bytes: a prompt's bytes (text, or chat roles and contents), checked
-            before tokenization; ``None``: :func:`router.validation.prompt_byte_cap`
-            (``max_model_len`` x the longest token), so a prompt that fits is never refused.
-        max_migrations: how often one request may resume on other workers after a worker
-            failed it (``pdcluster up --max-migrations``; :mod:`router.migration`); 0: never.
-        admission: the admission limits (:class:`router.admission.AdmissionConfig`); the gRPC
-            pool has ``admission.max_admitted_requests`` + :data:`serving.rpc.SPARE_THREADS` threads.
-        breaker: the circuit breaker's thresholds (:class:`router.breaker.BreakerConfig`).
-        index: this router's index among the cluster's routers (``pdcluster up --routers N``:
-            0 .. N-1); its id (metrics ``worker_id``, service discovery) is ``router-<index>``.
-        reuse_port: bind the public gRPC and HTTP ports with SO_REUSEPORT, so the cluster's
-            routers share them and the kernel spreads client connections over them (on with
-            ``--routers`` > 1 only: with it, a second cluster started on the same fixed port by
-            the same user would share the port silently instead of failing).
-        advertise_host: the host other processes reach this router's private ``/metrics`` at
-            (``""``: ``host``; the Ray actor gives its node's IP when ``host`` is ``0.0.0.0``).
-
-    Raises:
-        ValueError: a non-positive ``max_model_len``, ``view_period_s``, ``max_request_bytes``,
-            ``http_body_timeout_s``, ``http_header_timeout_s``, ``http_max_connections`` or
-            ``max_prompt_bytes``, an unregistered ``policy`` (the
-            message lists the registered names), ``max_migrations`` outside ``[0, 100]`` or a
-            negative ``index``.
-    """
-
-    model: str
-    model_path: str
-    redis_url: str
-    cluster: str = "default"
-    host: str = "127.0.0.1"
-    port: int = 50051
-    max_model_len: int = 2048
-    block_size: int = 16
-    policy: str = DEFAULT_POLICY
-    view_period_s: float = 0.25
-    http_port: int | None = None
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    http_body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
-    http_header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
-    http_max_connections: int = DEFAULT_HTTP_MAX_CONNECTIONS
-    max_prompt_bytes: int | None = None
-    max_migrations: int = DEFAULT_MAX_MIGRATIONS
-    log: LogConfig = field(default_factory=LogConfig)
-    security: SecurityConfig = field(default_factory=SecurityConfig)
-    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
-    breaker: BreakerConfig = field(default_factory=BreakerConfig)
-    index: int = 0
-    reuse_port: bool = False
-    advertise_host: str = ""
-
-    def __post_init__(self) -> None:
-        if self.index < 0:
-            raise ValueError(f"index must be >= 0, got {self.index}")
-        if self.max_model_len <= 0 or self.view_period_s <= 0:
-            raise ValueError("max_model_len and view_period_s must be positive")
-        if self.max_request_bytes <= 0 or (self.max_prompt_bytes is not None and self.max_prompt_bytes <= 0):
-            raise ValueError(f"max_request_bytes ({self.max_request_bytes}) and max_prompt_bytes "
-                             f"({self.max_prompt_bytes}) must be positive")
-        if not (self.http_body_timeout_s > 0 and self.http_header_timeout_s > 0):
-            raise ValueError(f"http_body_timeout_s ({self.http_body_timeout_s}) and http_header_timeout_s "
-                             f"({self.http_header_timeout_s}) must be positive")
-        if self.http_max_connections < 1:
-            raise ValueError(f"http_max_connections must be positive, got {self.http_max_connections}")
-        if self.http_port is not None and not 0 <= self.http_port <= 65535:
-            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
-        if self.http_port and self.http_port == self.port:
-            raise ValueError(f"http_port ({self.http_port}) must differ from port, the gRPC one")
-        check_policy(self.policy)
-        check_max_migrations(self.max_migrations)
 
 
 class RouterServer:
