@@ -64,8 +64,9 @@ def test_the_head_refuses_a_driver_without_the_cluster_token(tmp_path):
 
         def connect(env: dict) -> str:
             base = {k: v for k, v in os.environ.items() if k not in (ray_env.TOKEN_ENV, "RAY_AUTH_MODE")}
+            # a refused driver gives up after 3 tries of ~1 s (Ray's default is 20)
             out = subprocess.run([sys.executable, "-c", _CONNECT, state["ray_address"]], capture_output=True,
-                                 text=True, timeout=120, env={**base, **env})
+                                 text=True, timeout=120, env={**base, "RAY_gcs_server_port_wait_time_s": "3", **env})
             return out.stdout.strip() or out.stderr[-300:]
 
         assert connect({"RAY_AUTH_MODE": "token", ray_env.TOKEN_ENV: token}).startswith("connected True")
