@@ -213,9 +213,12 @@ class RouterActor:
         return self.result
 
     def status(self) -> dict:
-        """``{serving, pid, address, index}`` now."""
-        return {"serving": self.serving(), "pid": os.getpid(), "address": self.result.get("address", ""),
-                "index": self.cfg.index}
+        """``{phase, error, serving, pid, address, index}`` now; ``phase`` as a worker's
+        (``loading`` until its servers started, ``serving``, ``failed`` with ``error``), so the
+        cluster controller probes a router as it probes a worker."""
+        phase = "serving" if self.result else "failed" if self.error else "loading"
+        return {"phase": phase, "error": self.error[-2000:], "serving": self.serving(), "pid": os.getpid(),
+                "address": self.result.get("address", ""), "index": self.cfg.index}
 
     def serving(self) -> bool:
         """Whether the router can serve requests now (its health service says SERVING)."""

@@ -12,9 +12,10 @@ for the state file. Every period (the heartbeat period) it
 2. compares the desired workers with the live registry; each missing one is probed through
    its actor and healed by the rules of :mod:`deploy.heal` (Ray restarts crashed actors by
    itself; the controller restarts hung, paused or failed ones and recreates killed ones);
-3. keeps the desired routers (``pdcluster up --routers N``): Ray restarts a crashed router
-   actor in place; one whose actor is gone for good (killed without restart) is created
-   again with the same index, on the same shared ports (:func:`deploy.cluster.create_router_actor`);
+3. keeps the desired routers (``pdcluster up --routers N``) by the same rules: Ray restarts a
+   crashed router actor in place; a hung or paused one (no record, its actor silent) is killed
+   with restart; one whose actor is gone for good (killed without restart) is created again
+   with the same index, on the same shared ports (:func:`deploy.cluster.create_router_actor`);
 4. publishes a report (``state:controller``: desired counts, each worker's liveness and why
    it is missing, live routers, Redis restarts), which ``pdcluster status`` prints.
 
@@ -55,8 +56,9 @@ DESIRED_KEY = "desired"
 REPORT_KEY = CONTROLLER_REPORT_KEY
 
 
-def probe_worker(entry: dict, timeout_s: float) -> tuple[Probe, str]:
-    """Ask a worker's actor how it is; returns the probe and a detail (a start error's last line).
+def probe_actor(name: str, timeout_s: float) -> tuple[Probe, str]:
+    """Ask the actor ``name`` (a worker's or a router's) how it is; returns the probe and a detail
+    (a start error's last line).
 
     Only an actor whose name Ray no longer knows is ``DEAD`` (Ray frees the name of an actor
     that will not come back); a call that fails or times out means ``UNRESPONSIVE``: Ray
@@ -64,7 +66,7 @@ def probe_worker(entry: dict, timeout_s: float) -> tuple[Probe, str]:
     actor too.
     """
     try:
-        actor = ray.get_actor(entry["actor"], namespace=NAMESPACE)
+        actor = ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:
         return Probe.DEAD, "no such actor"
     try:
@@ -92,7 +94,7 @@ class ControllerActor:
             log.warning("controller restarted; desired state of %d workers", len(self.state["workers"]))
         self.redis = RedisSupervisor(redis, heal.redis_down_checks, heal.redis_ping_timeout_s) if redis else None
         self.router_cfg = router
-        self.router_acted: dict[int, float] = {}
+        self.router_watches: dict[int, WorkerWatch] = {}
         self.watches: dict[str, WorkerWatch] = {}
         self.report_now: dict = {}
         self._lock = threading.RLock()
@@ -155,7 +157,7 @@ class ControllerActor:
                     entry.update(address=info.address, pid=info.pid, generation=info.generation)
                     changed = True
                 continue
-            probe, detail = probe_worker(entry, self.cfg.probe_timeout_s)
+            probe, detail = probe_actor(entry["actor"], self.cfg.probe_timeout_s)
             now = time.monotonic()  # after the probe, which may take probe_timeout_s
             action = decide(watch, probe, now, self.cfg, detail)
             if action is not Action.NONE:
@@ -164,28 +166,36 @@ class ControllerActor:
             self._persist()
 
     def _heal_routers(self, live: set[int]) -> None:
-        """Create again every desired router missing from Redis whose actor Ray no longer knows
-        (at most once per ``restart_backoff_s`` each); a crashed one Ray restarts by itself."""
+        """Keep every desired router: one missing from Redis is probed through its actor and
+        healed by the workers' rules (:func:`deploy.heal.decide`): Ray restarts a crashed one by
+        itself; a hung or paused one (its record expired, its actor does not answer) is killed
+        with restart after ``hung_after_s``, on the same shared ports; one whose actor Ray no
+        longer knows is created again (at most once per ``restart_backoff_s``)."""
         if self.router_cfg is None:
             return
         cluster = self.state["cluster"]
         for index in range(self.state.get("num_routers", 1)):
+            watch = self.router_watches.setdefault(index, WorkerWatch(f"router-{index}", "router"))
             if index in live:
+                watch.seen_live()
                 continue
-            try:
-                ray.get_actor(router_actor_name(cluster, index), namespace=NAMESPACE)
-                continue  # starting, or restarting after a crash
-            except ValueError:
-                pass
+            name = router_actor_name(cluster, index)
+            probe, detail = probe_actor(name, self.cfg.probe_timeout_s)
             now = time.monotonic()
-            if now - self.router_acted.get(index, -1e9) < self.cfg.restart_backoff_s:
+            action = decide(watch, probe, now, self.cfg, detail)
+            if action is Action.NONE or (action is Action.RECREATE and
+                                         now - watch.acted_at < self.cfg.restart_backoff_s):
                 continue
-            self.router_acted[index] = now
-            log.warning("router-%d is gone (no actor, no record): creating it again", index)
+            log.warning("router-%d missing from the registry (%s): %s", index, watch.reason, action.value)
             try:
-                create_router_actor(cluster, replace(self.router_cfg, index=index), follow=True)
+                if action is Action.RESTART:
+                    ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=False)
+                else:
+                    create_router_actor(cluster, replace(self.router_cfg, index=index), follow=True)
             except Exception as e:  # noqa: BLE001 - retried next period
-                log.error("recreating router-%d failed: %s", index, e)
+                log.error("%s of router-%d failed: %s", action.value, index, e)
+            watch.acted_at = now
+            watch.restarts += 1
 
     def _act(self, entry: dict, watch: WorkerWatch, action: Action, now: float) -> None:
         wid = entry["worker_id"]
@@ -210,7 +220,9 @@ class ControllerActor:
                             "reason": watch.reason if watch else "", "restarts": watch.restarts if watch else 0})
         return {"updated_at": time.time(), "desired": desired, "workers": workers, "redis_up": redis_up,
                 "redis_restarts": self.redis.restarts if self.redis else 0,
-                "routers": {"desired": self.state.get("num_routers", 1), "live": sorted(routers)}}
+                "routers": {"desired": self.state.get("num_routers", 1), "live": sorted(routers),
+                            "missing": {str(i): {"reason": w.reason, "restarts": w.restarts}
+                                        for i, w in self.router_watches.items() if i not in routers}}}
 
     def report(self) -> dict:
         """The last report (as published to Redis)."""

@@ -15,6 +15,9 @@ probe                     action
 ``UNRESPONSIVE``          same (a paused / hung process, or Ray still restarting it)
 ========================  =====================================================
 
+The routers follow the same rules (a router is missing when its record in Redis expired;
+:meth:`deploy.actors.RouterActor.status` answers with the same phases).
+
 A crashed actor is restarted by Ray on its own (``max_restarts``); the controller covers
 what Ray cannot see: a process that is alive but hung or paused, a start that failed, an
 actor killed for good.

@@ -21,7 +21,8 @@ ROLES = WORKER_ROLES
 def collect(state: dict) -> dict:
     """``{workers: [one dict per live worker], desired: {role: n}, live: {role: n},
     missing: [{worker_id, role, reason, restarts}] (desired routers without a record too: role
-    ``router``, restarts ``None``), controller: bool, controller_report_age_s:
+    ``router``; reason and restarts from the controller's report, restarts ``None`` without one),
+    controller: bool, controller_report_age_s:
     seconds (None without a report; reports expire when the controller stops), routers: {desired: n,
     live: [{index, router_id, pid, address, metrics_address, started_at}]}}``.
 
@@ -51,8 +52,11 @@ def collect(state: dict) -> dict:
                 "reason": w.get("reason") or "no heartbeat", "restarts": w.get("restarts", 0)}
                for w in desired_workers if w["worker_id"] not in live_ids]
     live_routers = {r["index"] for r in routers}
-    missing += [{"worker_id": f"router-{i}", "role": "router", "reason": "no router record (its process died or "
-                 "Redis restarted; Ray restarts a router on the same address within seconds)", "restarts": None}
+    router_why = (report or {}).get("routers", {}).get("missing", {})  # the controller's reasons
+    missing += [{"worker_id": f"router-{i}", "role": "router",
+                 "reason": router_why.get(str(i), {}).get("reason") or "no router record (its process died or "
+                 "Redis restarted; Ray restarts a router on the same address within seconds)",
+                 "restarts": router_why.get(str(i), {}).get("restarts")}
                 for i in range(state.get("num_routers", 1)) if i not in live_routers]
     return {"workers": rows, "missing": missing, "controller": report is not None,
             "controller_report_age_s": round(time.time() - report.get("updated_at", 0), 2) if report else None,

@@ -8,13 +8,17 @@ cluster (real Ray, Redis, processes, ``kill -9``):
 - one router killed with ``kill -9`` mid-traffic: new connections to the same address succeed
   at once (the other router takes them), Ray restarts the killed one in place (new pid, same
   ports) and it serves again; no KV block leaks;
-- a router actor killed for good (no Ray restart) is created again by the cluster controller.
+- a router actor killed for good (no Ray restart) is created again by the cluster controller;
+- a paused router (SIGSTOP: its record expires, its actor does not answer) is killed and
+  restarted by the cluster controller after ``hung_after_s``, on the same address, with the
+  reason in ``status`` meanwhile.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 import urllib.request
@@ -200,6 +204,24 @@ def test_router_actor_gone_for_good_is_recreated_by_the_controller(cluster):
     new = _wait(lambda: (r := _routers(cluster).get(1)) and r.pid != old.pid and r, 60,
                 "router-1 recreated by the controller", 0.5)
     assert new.address == old.address
+    with PdclusterClient(cluster["router_address"], timeout_s=60) as client:
+        assert len(client.generate(PROMPT, max_tokens=2, temperature=0, ignore_eos=True).token_ids) == 2
+    assert_no_leak(cluster)
+
+
+def test_paused_router_is_restarted_by_the_controller(cluster):
+    old = _wait(lambda: _routers(cluster).get(1), 30, "router-1 live")
+    os.kill(old.pid, signal.SIGSTOP)
+    try:
+        _wait(lambda: any(m["worker_id"] == "router-1" and "not answering" in m["reason"]
+                          for m in cluster_status.collect(cluster)["missing"]), 30,
+              "status naming the silent router-1 with the controller's reason", 0.5)
+        new = _wait(lambda: (r := _routers(cluster).get(1)) and r.pid != old.pid and r, 60,
+                    "router-1 restarted by the controller", 0.5)
+    finally:
+        if not _gone(old.pid):
+            os.kill(old.pid, signal.SIGCONT)
+    assert new.address == old.address and _gone(old.pid)
     with PdclusterClient(cluster["router_address"], timeout_s=60) as client:
         assert len(client.generate(PROMPT, max_tokens=2, temperature=0, ignore_eos=True).token_ids) == 2
     assert_no_leak(cluster)
