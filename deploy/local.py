@@ -17,12 +17,15 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 import ray
+import redis
 
 from common.model_config import ConfigError
 from deploy.cluster import NAMESPACE, WORKER_ROLES, actor_name, head_node_id, launch, teardown
@@ -30,8 +33,9 @@ from deploy.controller import HealConfig, RedisSpec, start_controller
 from deploy.placement import PlacementError
 from deploy.ray_env import STATE_TOKEN_KEY, check_ray_reachable, ray_token
 from deploy.ray_node import start_ray_head, stop_ray_head
-from deploy.redis_control import stop_redis_at
+from deploy.redis_control import stop_redis_at, wait_pid_gone
 from deploy.redis_server import LocalRedisServer
+from deploy.redis_supervisor import server_process
 from deploy.spec import exposure_warning, spec_from_args
 from deploy.state import DEFAULT_STATE_DIR, AlreadyUpError, check_not_up, read_state, state_path, write_state
 from engine.kernels.cpu.build import build_in_parallel as build_cpu_kernels
@@ -246,9 +250,25 @@ def _cleanup(state: dict) -> None:
         stop_ray_head(state["ray_head_pid"], timeout_s=1.0 if connected else 10.0)
         forget_ray_address(state.get("ray_address"))
     if state.get("started_redis") and state.get("redis_url"):
-        stop_redis_at(state["redis_url"])
+        stop_local_redis(state["redis_url"], state.get("redis_pid"))
         if state.get("redis_dir"):  # its append-only file (for restarts while up) and log: one per random port
             shutil.rmtree(state["redis_dir"], ignore_errors=True)
+
+
+def stop_local_redis(url: str, pid: int | None) -> None:
+    """Stop the Redis ``up`` started: SHUTDOWN, or, when it does not answer (hung: paused, stuck),
+    SIGKILL to the redis/valkey process of this machine serving its port."""
+    try:
+        stop_redis_at(url)
+        return
+    except (redis.exceptions.RedisError, RuntimeError) as e:
+        error = f"{type(e).__name__}: {e}"
+    pid = server_process(urlparse(url).port, pid)
+    print(f"the cluster's Redis does not answer ({error}); killing its process"
+          f"{f' (pid {pid})' if pid else ': none serves its port'}", file=sys.stderr)
+    if pid:
+        os.kill(pid, signal.SIGKILL)
+        wait_pid_gone(pid, 5.0)
 
 
 def down(state_dir: Path | str | None = None) -> bool:

@@ -167,11 +167,7 @@ class RedisSupervisor:
         return True
 
     def _server_process(self) -> int | None:
-        """Pid of the live redis/valkey process serving the spec's port, ``None`` if none."""
-        port = self.spec.port
-        if self._pid and _serves_port(self._pid, port):
-            return self._pid
-        return next((pid for pid in _all_pids() if pid != self._pid and _serves_port(pid, port)), None)
+        return server_process(self.spec.port, self._pid)
 
     def _kill(self, pid: int) -> None:
         try:
@@ -190,6 +186,14 @@ class RedisSupervisor:
                 return False
             time.sleep(POLL_S)
         return True
+
+
+def server_process(port: int, believed: int | None = None) -> int | None:
+    """Pid of the live redis/valkey process of this machine serving ``port`` (``believed`` first:
+    the pid thought to serve it), ``None`` if none."""
+    if believed and _serves_port(believed, port):
+        return believed
+    return next((pid for pid in _all_pids() if pid != believed and _serves_port(pid, port)), None)
 
 
 def _ping(url: str, timeout_s: float) -> tuple[bool | None, str]:

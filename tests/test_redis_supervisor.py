@@ -175,3 +175,24 @@ def test_start_does_not_take_another_servers_pong(tmp_path, binary):
         assert _our_redis_children() == [other.pid]  # the failed one reaped
     finally:
         other.stop()
+
+
+def test_down_kills_a_hung_local_redis(tmp_path, capsys):
+    """``pdcluster down`` with the cluster's Redis paused (alive, not answering): SHUTDOWN cannot
+    reach it, so the redis/valkey process serving its port is killed (helper finding: a traceback,
+    and the server left running)."""
+    from deploy.local import stop_local_redis
+
+    server = LocalRedisServer(tmp_path / "redis", port=free_port(), detach=True, password="pw", persist=True).start()
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        stop_local_redis(server.url, None)  # the pid found by its port, as after a supervisor's restart
+        state = _state(server.pid)
+        assert state is None or state == "Z", f"hung server {server.pid} still there, state {state}"
+        assert "does not answer" in capsys.readouterr().err
+        assert not is_answering(server.url, timeout_s=0.5)
+    finally:
+        if _state(server.pid) not in (None, "Z"):
+            os.kill(server.pid, signal.SIGKILL)
+        server.stop()
+    stop_local_redis(server.url, None)  # nothing there any more: nothing to do, no error
