@@ -174,6 +174,8 @@ def test_a_request_being_validated_holds_its_seat_and_refusals_do_not_wait_for_i
 
 
 class _RefusingCore:
+    admission = None
+
     def start(self, request):
         raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the router is full", retry_after_ms=1500)
 
@@ -205,6 +207,21 @@ def test_http_refusal_is_429_with_retry_after():
     assert r.json() == {"error": {"message": "the router is full", "type": "rate_limit_error", "param": None,
                                   "code": "resource_exhausted"}}
 
+
+def test_http_choices_beyond_the_capacity_are_a_400_naming_n():
+    """n x prompts above what the router can ever hold at once is no overload: retrying cannot help
+    (helper finding: it was a 429 'retry later'); nothing is started."""
+    started = []
+    core = types.SimpleNamespace(admission=types.SimpleNamespace(capacity=lambda: 6), start=started.append,
+                                 abort=lambda request_id: False)
+    state = FrontDoorState(core=core, model_name="m", tokenizer=None, health=lambda: (True, ""),
+                           targets=list, metrics_registry=None, accepts_api_key=lambda key: True)
+    app = TestClient(build_app(state))
+    r = app.post("/v1/completions", json={"model": "m", "prompt": "hi", "n": 7})
+    assert r.status_code == 400 and not started
+    assert r.json()["error"]["param"] == "n" and "7 choices (prompts x n) exceed the 6 requests" in r.json()["error"]["message"]
+    r = app.post("/v1/completions", json={"model": "m", "prompt": ["a", "b", "c", "d", "e", "f", "g"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and not started
 
 
 def test_up_flags_reach_the_router_and_the_workers(capsys):

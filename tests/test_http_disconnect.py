@@ -23,6 +23,8 @@ from router.openai.app import FrontDoorState, build_app
 class BlockingCore:
     """Each request yields nothing until cancelled (like a long generation); records cancels."""
 
+    admission = None  # no admission control
+
     def __init__(self):
         self.started = threading.Event()
         self.cancelled = threading.Event()

@@ -105,6 +105,8 @@ def test_the_byte_cap_never_refuses_a_prompt_that_fits(tokenizer, text):
 class FakeCore:
     """Answers every request with one token; records what reached it."""
 
+    admission = None  # no admission control
+
     def __init__(self):
         self.seen = []
 

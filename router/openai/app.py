@@ -199,7 +199,7 @@ async def _generate(state: FrontDoorState, body, kind: str, expand, request: Req
         return _counted(state, request, _unknown_model(state, body.model))
     try:
         base, subs = expand(body)
-        actives = await run_in_threadpool(_start_all, state.core, subs)
+        actives = await run_in_threadpool(_start_all, state.core, subs, body.n)
     except OpenAIRequestError as e:
         return _counted(state, request, error_response(e.status, e.message, param=e.param, code=e.code))
     except RouterError as e:
@@ -289,12 +289,20 @@ async def _stream(events, builder: ResponseBuilder, request: Request, subs: list
     return EventSourceResponse(_sse(chained(), builder, subs, n, include_usage), ping=15)
 
 
-def _start_all(core: RequestRouter, subs: list[SubRequest]) -> list[ActiveRequest]:
+def _start_all(core: RequestRouter, subs: list[SubRequest], n: int) -> list[ActiveRequest]:
     """Validate and register every sub-request (all or none).
 
     Raises:
+        OpenAIRequestError: 400: more sub-requests (prompts x ``n``) than the router holds at once
+            now (its admission capacity): no retry could admit them.
         RouterError: the first one refused (the others are discarded).
     """
+    capacity = core.admission.capacity() if core.admission is not None else None
+    if capacity is not None and len(subs) > capacity:
+        raise OpenAIRequestError(
+            f"{len(subs)} choices (prompts x n) exceed the {capacity} requests this router holds at once "
+            "(the decode workers' max_num_seqs + max_queued_requests, shared by the routers)",
+            param="n" if n > 1 else "prompt")
     actives: list[ActiveRequest] = []
     try:
         for sub in subs:
