@@ -22,9 +22,9 @@ def collect(state: dict) -> dict:
     """``{workers: [one dict per live worker], desired: {role: n}, live: {role: n},
     missing: [{worker_id, role, reason, restarts}] (desired routers without a record too: role
     ``router``; reason and restarts from the controller's report, restarts ``None`` without one),
-    controller: bool, controller_report_age_s:
-    seconds (None without a report; reports expire when the controller stops), routers: {desired: n,
-    live: [{index, router_id, pid, address, metrics_address, started_at}]}}``.
+    controller: bool, controller_report_age_s: seconds (None without a report; reports expire
+    when the controller stops), ray_up: whether the Ray head answers (nothing heals without it),
+    routers: {desired: n, live: [{index, router_id, pid, address, metrics_address, started_at}]}}``.
 
     Raises:
         redis.exceptions.RedisError: the cluster's Redis cannot be reached.
@@ -58,11 +58,22 @@ def collect(state: dict) -> dict:
                  "Redis restarted; Ray restarts a router on the same address within seconds)",
                  "restarts": router_why.get(str(i), {}).get("restarts")}
                 for i in range(state.get("num_routers", 1)) if i not in live_routers]
-    return {"workers": rows, "missing": missing, "controller": report is not None,
+    return {"workers": rows, "missing": missing, "controller": report is not None, "ray_up": _ray_answers(state),
             "controller_report_age_s": round(time.time() - report.get("updated_at", 0), 2) if report else None,
             "routers": {"desired": state.get("num_routers", 1), "live": routers},
             "desired": {r: sum(w["role"] == r for w in desired_workers) for r in ROLES},
             "live": {r: sum(w["role"] == r for w in rows) for r in ROLES}}
+
+
+def _ray_answers(state: dict) -> bool:
+    """Whether the cluster's Ray head accepts a connection (without it nothing is healed)."""
+    from deploy.ray_env import check_ray_reachable
+
+    try:
+        check_ray_reachable(state["ray_address"], timeout_s=2.0)
+    except ConnectionError:
+        return False
+    return True
 
 
 def redis_down_message(state: dict, state_dir: str | None, error: Exception) -> str:
@@ -116,6 +127,11 @@ def print_status(state: dict, as_json: bool = False, state_dir: str | None = Non
     console.print(f"live/desired: {counts}")
     console.print(f"controller: last report {st['controller_report_age_s']:.1f}s ago" if st["controller"] else
                   "controller: no report (not running, or restarting): dead workers are not replaced meanwhile")
+    if not st["ray_up"]:
+        flag = f" --state-dir {shlex.quote(str(state_dir))}" if state_dir else ""
+        console.print(f"ray: the cluster's Ray head at {state['ray_address']} does not answer: the cluster is down "
+                      f"and nothing restarts its workers or routers; clear what is left of it with "
+                      f"`pdcluster down{flag}`", soft_wrap=True)
     for r in routers["live"]:
         console.print(f"{r['router_id']}: pid {r['pid']}, metrics at {r['metrics_address']}")
     for m in st["missing"]:
