@@ -233,13 +233,25 @@ def scale_from_state_dir(state_dir: Path | str | None, target: ScaleTarget) -> d
             new = ray.get(controller.scale.remote(asdict(target), target.start_timeout_s))
         except ray.exceptions.RayTaskError as e:  # the controller's own error, without Ray's wrapping
             raise (e.cause if isinstance(e.cause, Exception) else RuntimeError(str(e))) from None
-        except ray.exceptions.RayActorError:  # e.g. `pdcluster down` meanwhile
+        except ray.exceptions.ActorDiedError:  # e.g. `pdcluster down` meanwhile
             raise RuntimeError("the cluster's controller stopped during the scale (was `pdcluster down` run?); "
                                "see `pdcluster status`") from None
+        except ray.exceptions.RayActorError as e:  # unavailable: paused, hung, or restarting
+            raise RuntimeError(f"the cluster's controller stopped answering during the scale (hung, or restarting: "
+                               f"{type(e).__name__}); see `pdcluster status`") from None
         finally:
             ray.shutdown()
         write_state(state_dir, {**state, **new})
         return new
+
+
+def _drain_failure(summary: dict) -> str:
+    """Why a removed worker's drain did not finish, in words (``summary``: :func:`drain`'s entry)."""
+    if summary.get("error"):
+        return f"its drain failed ({summary['error'].splitlines()[0][:200]}): it died or stopped answering"
+    left = ", ".join(f"{summary.get(k, 0)} {k.removeprefix('num_').replace('_', ' ')}"
+                     for k in ("num_running", "num_waiting", "active_rpcs"))
+    return f"--drain-timeout-s ran out after {summary.get('waited_s', 0):.1f} s with {left}"
 
 
 _FLAGS = {"prefill": "--prefill", "decode": "--decode", "colocated": "--workers",
@@ -277,7 +289,7 @@ def cmd_scale(args) -> int:
           f"added {report['added'] or 'none'}; removed {sorted(report['removed']) or 'none'}")
     late = {wid: r for wid, r in report["removed"].items() if not r.get("drained")}
     for wid, r in late.items():
-        print(f"warning: {wid} did not drain in time and was stopped anyway: {r}", file=sys.stderr)
+        print(f"warning: {wid} was stopped before it drained: {_drain_failure(r)}", file=sys.stderr)
     short = {r: n - live.get(r, 0) for r, n in counts.items() if live.get(r, 0) < n}
     if short:
         print(f"warning: not every desired worker is live yet ({short} missing); see `pdcluster status`",

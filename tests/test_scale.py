@@ -185,3 +185,14 @@ def test_scale_up_and_down_while_serving(tmp_path):
         assert sorted(w["worker_id"] for w in final["workers"]) == ["decode-0", "prefill-0"]
         assert final["placement_groups"] == [state["placement_groups"][0]], "the emptied group was not removed"
         assert_no_leak(final)
+
+
+def test_a_failed_drain_is_said_in_words():
+    """``scale``'s warning for a removed worker says why its drain did not finish (helper finding: a raw
+    dict, and "did not drain in time" for a worker that had died)."""
+    from deploy.scale import _drain_failure
+
+    died = _drain_failure({"drained": False, "error": "ActorDiedError: The actor died unexpectedly\ntraceback"})
+    assert died == "its drain failed (ActorDiedError: The actor died unexpectedly): it died or stopped answering"
+    late = _drain_failure({"drained": False, "waited_s": 30.02, "num_running": 2, "num_waiting": 0, "active_rpcs": 3})
+    assert late == "--drain-timeout-s ran out after 30.0 s with 2 running, 0 waiting, 3 active rpcs"
