@@ -89,7 +89,7 @@ def test_generate_without_router(capsys, dead_address):
 def test_generate_with_a_value_the_client_refuses(capsys, dead_address):
     # refused before any call: one line naming the parameter, exit status 2 (no traceback)
     rc = cli.main(["generate", "--address", dead_address, "--max-tokens", "-1", "hi"])
-    _one_error_line(capsys, rc, "max_tokens must be >= 0, got -1")
+    _one_error_line(capsys, rc, "max_tokens must be >= 1, got -1")
     assert rc == 2
 
 

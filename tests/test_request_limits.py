@@ -276,6 +276,11 @@ def test_http_refuses_openai_and_vllm_fields_it_does_not_serve(http, fields, pat
     ('"skip_special_tokens": "yes"', "skip_special_tokens", "skip_special_tokens must be a boolean, got str"),
     ('"skip_special_tokens": 1', "skip_special_tokens", "skip_special_tokens must be a boolean, got int"),
     ('"use_beam_search": 0', "use_beam_search", "use_beam_search must be a boolean, got int"),
+    ('"seed": -9223372036854775809', "seed",
+     "seed must be in [-9223372036854775808, 18446744073709551615], got -9223372036854775809"),
+    ('"logit_bias": {" 5 ": 1.0}', "logit_bias", "logit_bias: key ' 5 ' is not a token id (decimal digits)"),
+    ('"logit_bias": {"\u0665": 1.0}', "logit_bias", "logit_bias: key '\u0665' is not a token id (decimal digits)"),
+    ('"logit_bias": {"-5": 1.0}', "logit_bias", "logit_bias: key '-5' is not a token id (decimal digits)"),
 ])
 def test_http_fields_are_typed_strictly_and_named_with_their_limit(http, fields, param, message):
     """vLLM's extra fields as strictly as the declared ones (``1`` is no boolean), and an integer

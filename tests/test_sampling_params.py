@@ -237,12 +237,13 @@ def test_every_float_range_refuses_nan():
 def test_a_value_protobuf_refuses_is_reported_with_its_parameters_name() -> None:
     from pdcluster.v1 import common_pb2
 
-    # an integer beyond its field's width, named with the limit (a declared range is the router's to check)
-    with pytest.raises(ValueError, match=r"^max_tokens must be >= 0, got -1$"):
+    # an integer beyond its field's width, named with the limit (a declared range is the router's to
+    # check, but where the value is outside both, the declared one is named: the one a user must meet)
+    with pytest.raises(ValueError, match=r"^max_tokens must be >= 1, got -1$"):
         write_sampling(common_pb2.SamplingParams(), {"max_tokens": -1})
     with pytest.raises(ValueError, match=r"^max_tokens must be <= 4294967295, got 1000000000000$"):
         write_sampling(common_pb2.SamplingParams(), {"max_tokens": 10**12})
-    with pytest.raises(ValueError, match=r"^top_k must be >= -2147483648, got -2147483649$"):
+    with pytest.raises(ValueError, match=r"^top_k must be >= 0, got -2147483649$"):
         write_sampling(common_pb2.SamplingParams(), {"top_k": -(1 << 31) - 1})
     # types are strict, as in OpenAI's schema: a bool is no integer, nor 1 a bool; an integer is a float
     for values, message in (({"temperature": "hot"}, "temperature must be a number, got 'hot'"),

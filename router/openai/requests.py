@@ -164,16 +164,19 @@ def _sampling(body, logprobs: int, max_tokens: int | None) -> common_pb2.Samplin
     values = {p.name: _field(body, p.name) for p in sampling_params() if p.name not in _OPENAI_SHAPED}
     bias = {}
     for key, value in (body.logit_bias or {}).items():
-        try:
-            bias[int(key)] = value
-        except (TypeError, ValueError):
-            raise OpenAIRequestError(f"logit_bias: key {key!r} is not a token id", param="logit_bias") from None
+        # a token id in ASCII digits, as OpenAI writes it (int() would also take " 5 ", "5_0" and other scripts' digits)
+        if not (key.isascii() and key.isdigit()):
+            raise OpenAIRequestError(f"logit_bias: key {key!r} is not a token id (decimal digits)",
+                                     param="logit_bias")
+        bias[int(key)] = value
     if max_tokens is not None and max_tokens < 1:
         name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
         raise OpenAIRequestError(f"{name} must be >= 1, got {max_tokens}", param=name)
     values.update(max_tokens=max_tokens, logprobs=logprobs, logit_bias=bias,
                   stop=[body.stop] if isinstance(body.stop, str) else body.stop)
-    if body.seed is not None and INT64_MIN <= body.seed < 0:  # vLLM takes any int64: the same bits as a uint64
+    if body.seed is not None and body.seed < 0:  # vLLM takes any int64: the same bits as a uint64
+        if body.seed < INT64_MIN:
+            raise OpenAIRequestError(f"seed must be in [{INT64_MIN}, {(1 << 64) - 1}], got {body.seed}", param="seed")
         values["seed"] = body.seed % (1 << 64)
     s = common_pb2.SamplingParams()
     for name, value in values.items():
