@@ -135,11 +135,19 @@ class CacheIndexView:
             return self._index.get(worker_id)
 
     def _run(self) -> None:
+        failures = 0  # in a row: the first is logged, then the recovery (not one line a period while Redis is down)
         while not self._stop.wait(self.period_s):
             try:
                 self.refresh()
             except redis.exceptions.RedisError as e:
-                log.warning("cache index refresh failed: %s", e)
+                if not failures:
+                    log.warning("cache index refresh failed: %s (retried every %.2f s; the last index is used "
+                                "meanwhile)", e, self.period_s)
+                failures += 1
+                continue
+            if failures:
+                log.warning("cache index refresh works again after %d failed tries", failures)
+                failures = 0
 
     def stop(self) -> None:
         self._stop.set()
