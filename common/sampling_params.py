@@ -369,8 +369,7 @@ def write_sampling(msg: Any, values: Mapping[str, Any]) -> None:
             (:meth:`SamplingParam.type_problem`; the message starts with the parameter's name).
         ValueError: a value its protobuf field cannot hold (an integer beyond the field's width,
             e.g. a negative seed; a float beyond float32; the message starts with the parameter's
-            name, and names the declared range when the value is outside it too). The declared
-            ranges are the router's to check.
+            name; the declared range when the value is outside it too: the router checks those).
     """
     params = {p.name: p for p in SAMPLING_PARAMS}
     unknown = sorted(set(values) - set(params))
@@ -385,9 +384,9 @@ def write_sampling(msg: Any, values: Mapping[str, Any]) -> None:
         field = getattr(getattr(msg, "DESCRIPTOR", None), "fields_by_name", {}).get(name)
         if isinstance(value, int) and field is not None and field.cpp_type in _WIRE_RANGE:
             low, high = _WIRE_RANGE[field.cpp_type]
-            if not low <= value <= high:  # the declared range when it is the tighter one (max_tokens >= 1)
-                raise ValueError(p.problem(value) or
-                                 f"{name} must be {f'>= {low}' if value < low else f'<= {high}'}, got {value}")
+            if not low <= value <= high:  # named by the declared range when it is the tighter one
+                limit = f">= {low}" if value < low else f"<= {high}"
+                raise ValueError(p.problem(value) or f"{name} must be {limit}, got {value}")
         try:
             p.write(msg, value)
             if isinstance(value, float) and math.isfinite(value) and math.isinf(getattr(msg, name)):
