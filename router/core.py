@@ -141,7 +141,8 @@ class RequestRouter:
         """Validate and tokenize ``request`` and check its predicted TTFT.
 
         Raises:
-            RouterError: INVALID_ARGUMENT or RESOURCE_EXHAUSTED (``ttft_slo``).
+            RouterError: INVALID_ARGUMENT or RESOURCE_EXHAUSTED (``ttft_slo``); INTERNAL for any
+                other exception (logged with its traceback).
         """
         try:
             prep = self.validator.prepare(request)
@@ -153,6 +154,11 @@ class RequestRouter:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except Refused as e:
             self._refused(e)
+        except Exception as e:  # noqa: BLE001 - a bug here answers INTERNAL, counted, never a raw exception
+            log.exception("request %s: preparing it failed", request.request_id)
+            self.metrics.inc("request_errors", code=grpc.StatusCode.INTERNAL.name)
+            raise RouterError(grpc.StatusCode.INTERNAL, f"internal error while preparing the request "
+                              f"({type(e).__name__}); the router's log has the details") from None
 
     def _refused(self, e: Refused) -> None:
         self.metrics.inc("request_errors", code=grpc.StatusCode.RESOURCE_EXHAUSTED.name)

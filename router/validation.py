@@ -169,6 +169,9 @@ class RequestValidator:
                 raise InvalidRequest(f"messages[{i}].role {_clip(m.role)} is not a chat role; "
                                      f"one of {', '.join(CHAT_ROLES)}")
         self._check_bytes("messages", sum(len(m.role.encode()) + len(m.content.encode()) for m in messages))
+        if not getattr(self.tokenizer, "chat_template", None):  # a base model: HF raises a ValueError
+            raise InvalidRequest("messages: this model has no chat template, so it serves no chat; "
+                                 "send a prompt (/v1/completions) instead")
         try:
             return render_chat(self.tokenizer, [{"role": m.role, "content": m.content} for m in messages])
         except TemplateError as e:

@@ -183,6 +183,28 @@ class _RefusingCore:
         return False
 
 
+def test_an_unexpected_error_while_preparing_is_internal_counted_and_frees_the_seat():
+    """A bug in validation (any exception but a refusal) answers INTERNAL over gRPC and a JSON 500
+    over HTTP, counted in ``request_errors``, not a raw exception (gRPC's UNKNOWN, Starlette's plain
+    text 500; helper finding), and the request holds no seat afterwards."""
+    class Broken(_Validator):
+        def prepare(self, request):
+            raise ValueError("boom")
+
+    adm, metrics = _admission(AdmissionConfig(max_queued_requests=1))
+    core = RequestRouter(Broken(), None, None, LoadTracker(), metrics, None, adm)
+    with pytest.raises(RouterError) as exc:
+        core.start(router_pb2.GenerateRequest(request_id="r", text="x"))
+    assert exc.value.code == grpc.StatusCode.INTERNAL and "ValueError" in exc.value.message
+    assert core._starting == 0 and not core._table
+    state = FrontDoorState(core=core, model_name="m", tokenizer=None, health=lambda: (True, ""),
+                           targets=list, metrics_registry=None, accepts_api_key=lambda key: True)
+    r = TestClient(build_app(state)).post("/v1/completions", json={"model": "m", "prompt": "hi"})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal", r.text
+    assert metrics.registry.get_sample_value("pdcluster:request_errors_total", {
+        "role": "router", "worker_id": "router", "model_name": "m", "code": "INTERNAL"}) == 2
+
+
 def test_grpc_refusal_carries_retry_after_ms():
     server = make_server(SecurityConfig(), Plane.PUBLIC, max_workers=2)
     add_router_service(RouterServicer(_RefusingCore(), router_pb2.ModelInfo(model_name="m")), server)

@@ -73,10 +73,18 @@ def test_a_template_refusal_is_an_invalid_request():
     def refuse(*a, **k):
         raise TemplateError("Conversation roles must alternate user/assistant")
 
-    tok = types.SimpleNamespace(apply_chat_template=refuse)
+    tok = types.SimpleNamespace(apply_chat_template=refuse, chat_template="{{ messages }}")
     v = RequestValidator(tok, Limits(max_model_len=64, vocab_size=1000))
     _refused(v, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
              "messages: the model's chat template refused them: 'Conversation roles must alternate")
+
+
+def test_a_model_without_a_chat_template_refuses_chats():
+    """A base model (Gemma 3 270M's GGUF) has no template: HF raises a ValueError, which reached the
+    client as a 500 / UNKNOWN (helper finding); it is a refusal naming what to send instead."""
+    bare = types.SimpleNamespace(chat_template=None, apply_chat_template=NoTokenizer().encode)
+    v = RequestValidator(bare, Limits(max_model_len=64, vocab_size=1000))
+    _refused(v, [{"role": "user", "content": "hi"}], "messages: this model has no chat template, so it serves no chat")
 
 
 def test_request_id_and_token_ids():
