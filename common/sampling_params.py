@@ -306,7 +306,7 @@ SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
                   presence=True, target=Target.REQUEST, context_limited=True),
     SamplingParam("temperature", float, 1.0, "softmax temperature, 0 = greedy", Range(0.0), presence=True),
     SamplingParam("top_p", float, 1.0, "nucleus mass, 1 disables", Range(0.0, 1.0, low_open=True), presence=True),
-    SamplingParam("top_k", int, 0, "keep the k most likely tokens, 0 disables", Range(0)),
+    SamplingParam("top_k", int, 0, "keep the k most likely tokens, 0 or -1 (vLLM's) disables", Range(-1)),
     SamplingParam("seed", int, None, "per-request RNG seed: same seed and parameters give the same tokens",
                   Range(0, UINT64_MAX), presence=True),
     SamplingParam("stop", str, (), "stop string: generation ends at it, the text excludes it",

@@ -82,7 +82,7 @@ class SamplingOptions:
     Attributes:
         temperature: softmax temperature, ``>= 0``; ``0`` (or below :data:`GREEDY_BELOW`) means greedy.
         top_p: nucleus mass in ``(0, 1]``; ``1`` disables.
-        top_k: keep the ``k`` most likely tokens; ``0`` disables.
+        top_k: keep the ``k`` most likely tokens; ``0`` or ``-1`` (vLLM's) disables.
         seed: per-request RNG seed (the caller owns the matching generator,
             see :func:`make_generator`), or ``None``.
         logprobs: number of top logprobs to return per token; ``0`` = none.

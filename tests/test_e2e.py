@@ -166,7 +166,7 @@ BAD = [
     (dict(prompt="hi", temperature=-0.5), "temperature"),
     (dict(prompt="hi", top_p=0.0), "top_p"),
     (dict(prompt="hi", top_p=1.5), "top_p"),
-    (dict(prompt="hi", top_k=-1), "top_k"),
+    (dict(prompt="hi", top_k=-2), "top_k"),
     (dict(prompt=[5, 49152]), "vocab_size"),
     (dict(prompt=[7] * MAX_MODEL_LEN, max_tokens=1), "max_model_len"),
     (dict(prompt=[7] * (MAX_MODEL_LEN - 10), max_tokens=11), "max_model_len"),

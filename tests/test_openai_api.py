@@ -164,7 +164,7 @@ BAD_BODIES = [
     ("completions", '"top_p": Infinity', "top_p"),
     ("completions", '"presence_penalty": -Infinity', "presence_penalty"),
     ("completions", '"min_p": -0.5', "min_p"),
-    ("completions", '"top_k": -1', "top_k"),
+    ("completions", '"top_k": -2', "top_k"),
     ("completions", '"logit_bias": {"5": NaN}', "logit_bias"),
     ("completions", '"logit_bias": {"-1": 1}', "logit_bias"),
     ("completions", '"stop_token_ids": [49152]', "stop_token_ids"),

@@ -286,6 +286,8 @@ def test_http_refuses_openai_and_vllm_fields_it_does_not_serve(http, fields, pat
     ('"use_beam_search": 0', "use_beam_search", "use_beam_search must be a boolean, got int"),
     ('"seed": -9223372036854775809', "seed",
      "seed must be in [-9223372036854775808, 18446744073709551615], got -9223372036854775809"),
+    ('"seed": 18446744073709551616', "seed",  # the same range both ways (it named [0, ...] above it)
+     "seed must be in [-9223372036854775808, 18446744073709551615], got 18446744073709551616"),
     ('"logit_bias": {" 5 ": 1.0}', "logit_bias", "logit_bias: key ' 5 ' is not a token id (decimal digits)"),
     ('"logit_bias": {"\u0665": 1.0}', "logit_bias", "logit_bias: key '\u0665' is not a token id (decimal digits)"),
     ('"logit_bias": {"-5": 1.0}', "logit_bias", "logit_bias: key '-5' is not a token id (decimal digits)"),

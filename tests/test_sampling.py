@@ -62,6 +62,15 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
             assert torch.equal(out.token_ids, logits.argmax(dim=-1))
 
 
+def test_top_k_minus_one_is_off_as_in_vllm():
+    """vLLM's clients send ``top_k: -1`` for "no top-k" (helper finding: it was refused): the same
+    draws as 0."""
+    logits = _logits(8, seed=5)
+    draws = [Sampler(seed=0).sample(logits, [SamplingOptions(temperature=1.0, top_k=k, seed=9)] * 8,
+                                    [make_generator(9) for _ in range(8)]).token_ids for k in (0, -1)]
+    assert torch.equal(draws[0], draws[1])
+
+
 def test_seeded_rows_reproducible_and_batch_independent():
     target = SamplingOptions(temperature=1.0, top_p=0.9, top_k=20, seed=1234)
     steps = [_logits(1, seed=100 + s)[0] for s in range(6)]

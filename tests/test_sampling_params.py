@@ -112,7 +112,7 @@ def test_range_bounds_and_words(rng, inside, outside, text):
     (dict(top_p=0.0), "sampling.top_p must be in (0, 1], got 0.0"),
     (dict(top_p=1.5), "sampling.top_p must be in (0, 1], got 1.5"),
     (dict(top_p=NAN), "sampling.top_p must be in (0, 1], got nan"),
-    (dict(top_k=-1), "sampling.top_k must be >= 0, got -1"),
+    (dict(top_k=-2), "sampling.top_k must be >= -1, got -2"),
     (dict(logprobs=MAX_LOGPROBS + 1), "sampling.logprobs must be in [0, 20], got 21"),
     (dict(stop=["a", ""]), "sampling.stop[1] must be non-empty"),
     (dict(stop=["s"] * (MAX_STOP_STRINGS + 1)), "sampling.stop has 17 entries; at most 16"),
@@ -183,7 +183,7 @@ def test_router_resolves_unset_fields():
 
 @pytest.mark.parametrize("kwargs", [
     dict(temperature=-1.0), dict(temperature=INF), dict(temperature=NAN), dict(top_p=0.0), dict(top_p=NAN),
-    dict(top_k=-1), dict(seed=-1), dict(seed=1 << 64), dict(logprobs=-1), dict(logprobs=21),
+    dict(top_k=-2), dict(seed=-1), dict(seed=1 << 64), dict(logprobs=-1), dict(logprobs=21),
     dict(min_p=NAN), dict(repetition_penalty=0.0), dict(presence_penalty=-2.5), dict(frequency_penalty=NAN),
     dict(logit_bias={-1: 0.0}), dict(logit_bias={1: 100.5}),
 ])
@@ -243,7 +243,7 @@ def test_a_value_protobuf_refuses_is_reported_with_its_parameters_name() -> None
         write_sampling(common_pb2.SamplingParams(), {"max_tokens": -1})
     with pytest.raises(ValueError, match=r"^max_tokens must be <= 4294967295, got 1000000000000$"):
         write_sampling(common_pb2.SamplingParams(), {"max_tokens": 10**12})
-    with pytest.raises(ValueError, match=r"^top_k must be >= 0, got -2147483649$"):
+    with pytest.raises(ValueError, match=r"^top_k must be >= -1, got -2147483649$"):
         write_sampling(common_pb2.SamplingParams(), {"top_k": -(1 << 31) - 1})
     # types are strict, as in OpenAI's schema: a bool is no integer, nor 1 a bool; an integer is a float
     for values, message in (({"temperature": "hot"}, "temperature must be a number, got 'hot'"),

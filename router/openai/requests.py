@@ -26,7 +26,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from common.sampling_params import sampling_params, write_sampling
+from common.sampling_params import UINT64_MAX, sampling_params, write_sampling
 from pdcluster.v1 import common_pb2, router_pb2
 from router.limits import MAX_CHOICES, MAX_N
 from router.openai.errors import request_aliases
@@ -174,9 +174,9 @@ def _sampling(body, logprobs: int, max_tokens: int | None) -> common_pb2.Samplin
         raise OpenAIRequestError(f"{name} must be >= 1, got {max_tokens}", param=name)
     values.update(max_tokens=max_tokens, logprobs=logprobs, logit_bias=bias,
                   stop=[body.stop] if isinstance(body.stop, str) else body.stop)
-    if body.seed is not None and body.seed < 0:  # vLLM takes any int64: the same bits as a uint64
-        if body.seed < INT64_MIN:
-            raise OpenAIRequestError(f"seed must be in [{INT64_MIN}, {(1 << 64) - 1}], got {body.seed}", param="seed")
+    if body.seed is not None and not 0 <= body.seed <= UINT64_MAX:  # vLLM takes any int64: as a uint64's bits
+        if not INT64_MIN <= body.seed <= UINT64_MAX:
+            raise OpenAIRequestError(f"seed must be in [{INT64_MIN}, {UINT64_MAX}], got {body.seed}", param="seed")
         values["seed"] = body.seed % (1 << 64)
     s = common_pb2.SamplingParams()
     for name, value in values.items():
