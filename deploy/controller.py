@@ -46,7 +46,7 @@ from deploy.cluster import (
     router_actor_name,
     worker_config_from_dict,
 )
-from deploy.heal import Action, HealConfig, Probe, WorkerWatch, decide
+from deploy.heal import Action, HealConfig, Probe, WorkerWatch, decide, worker_restarts
 from deploy.redis_supervisor import RedisSpec, RedisSupervisor
 from deploy.scale import ScaleTarget, scale
 from serving.registry import CONTROLLER_REPORT_KEY, WorkerRegistry
@@ -150,6 +150,9 @@ class ControllerActor:
         for entry in self.state["workers"]:
             wid = entry["worker_id"]
             watch = self.watches.setdefault(wid, WorkerWatch(wid, entry["role"]))
+            if "first_generation" not in entry and "generation" in entry:  # restarts count from it
+                entry["first_generation"] = entry["generation"]
+                changed = True
             info = live.get(wid)
             if info is not None:
                 watch.seen_live()
@@ -217,7 +220,7 @@ class ControllerActor:
             watch = self.watches.get(entry["worker_id"])
             workers.append({"worker_id": entry["worker_id"], "role": entry["role"],
                             "live": entry["worker_id"] in live if redis_up else None,
-                            "reason": watch.reason if watch else "", "restarts": watch.restarts if watch else 0})
+                            "reason": watch.reason if watch else "", "restarts": worker_restarts(entry, watch)})
         return {"updated_at": time.time(), "desired": desired, "workers": workers, "redis_up": redis_up,
                 "redis_restarts": self.redis.restarts if self.redis else 0,
                 "routers": {"desired": self.state.get("num_routers", 1), "live": sorted(routers),

@@ -104,6 +104,16 @@ class WorkerWatch:
         self.reason = ""
 
 
+def worker_restarts(entry: dict, watch: WorkerWatch | None) -> int:
+    """How often the desired worker ``entry`` (a cluster state's worker: its ``generation`` now and
+    ``first_generation``, the one it was placed with) was restarted: the processes that registered
+    under its id since it was placed (Ray's own restarts after a crash included, which the
+    controller never acts on), or the controller's restarts and recreations (``watch``) when more
+    (one not registered yet)."""
+    seen = entry.get("generation", 0) - entry.get("first_generation", entry.get("generation", 0))
+    return max(seen, watch.restarts if watch else 0)
+
+
 def decide(watch: WorkerWatch, probe: Probe, now: float, cfg: HealConfig, detail: str = "") -> Action:
     """The action for a worker missing from the registry; updates ``watch.reason``.
 

@@ -6,14 +6,15 @@ Every router exports, from its registry view and the cluster controller's report
 
 * ``workers_live{worker_role}``: the live workers of each role (registered, heartbeat fresh);
 * ``workers_desired{worker_role}``: the workers the controller keeps, by role;
-* ``worker_restarts{target_worker}``: how often the controller restarted or recreated each
-  desired worker (a worker Ray restarts in place after a crash is seen as a new generation in
-  the registry, not here).
+* ``worker_restarts{target_worker}``: how often each desired worker was restarted since it was
+  placed: Ray's restarts after a crash (each a new generation in the registry) and the
+  controller's restarts and recreations (:func:`deploy.heal.worker_restarts`); a count, exported
+  as a gauge since the controller's report holds it.
 
 Without a report (the controller is down, or the cluster was started without one) the desired
 and restart series are removed: ``absent(pdcluster:workers_desired)`` alerts on a cluster that
 nothing heals, ``pdcluster:workers_live < pdcluster:workers_desired`` on a missing worker and
-``increase(pdcluster:worker_restarts[10m]) > 3`` on a restart loop.
+``delta(pdcluster:worker_restarts[10m]) > 3`` on a restart loop.
 """
 
 from __future__ import annotations

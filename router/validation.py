@@ -73,7 +73,7 @@ class RequestValidator:
         _check_request_id(req.request_id)
         ids = self._prompt_ids(req)
         n = len(ids)
-        self._check_length(n)
+        self._check_length(n, "messages: the rendered chat" if req.WhichOneof("prompt") == "messages" else "prompt")
         s = req.sampling
         rid = req.request_id or uuid.uuid4().hex
         return PreparedRequest(
@@ -125,11 +125,11 @@ class RequestValidator:
                 f"exceeds max_model_len {max_model_len}")
         return value
 
-    def _check_length(self, n: int) -> None:
+    def _check_length(self, n: int, what: str = "prompt") -> None:
         max_model_len = self.limits.max_model_len
         if n >= max_model_len:
             raise InvalidRequest(
-                f"prompt has {n} tokens; max_model_len is {max_model_len} "
+                f"{what} has {n} tokens; max_model_len is {max_model_len} "
                 f"(prompt + max_tokens must be <= max_model_len)")
 
     def _check_bytes(self, what: str, size: int) -> None:

@@ -107,8 +107,8 @@ METRICS: tuple[MetricSpec, ...] = (
                (ROUTER,), labels=("worker_role",)),
     MetricSpec("workers_desired", "gauge", "Workers the cluster controller keeps, by role (absent: no controller "
                "report).", (ROUTER,), labels=("worker_role",)),
-    MetricSpec("worker_restarts", "gauge", "Times the cluster controller restarted or recreated a desired worker.",
-               (ROUTER,), labels=("target_worker",)),
+    MetricSpec("worker_restarts", "gauge", "Times a desired worker was restarted since it was placed (Ray after "
+               "a crash, or the cluster controller).", (ROUTER,), labels=("target_worker",)),
     MetricSpec("num_requests_running", "gauge", "Requests running (router: relayed; workers: in a batch).",
                (ROUTER, PREFILL, DECODE)),
     MetricSpec("num_requests_waiting", "gauge", "Requests waiting (router: for a worker; workers: for a step).",

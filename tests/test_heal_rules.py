@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.heal import Action, HealConfig, Probe, WorkerWatch, decide
+from deploy.heal import Action, HealConfig, Probe, WorkerWatch, decide, worker_restarts
 
 CFG = HealConfig(period_s=1.0, hung_after_s=20.0, start_timeout_s=100.0, restart_backoff_s=5.0)
 
@@ -51,3 +51,18 @@ def test_seen_live_clears_the_record():
 def test_config_is_validated():
     with pytest.raises(ValueError, match="hung_after_s"):
         HealConfig(hung_after_s=0)
+
+
+def test_restarts_count_every_new_generation_and_the_controllers_actions():
+    """Ray restarts a crashed worker in place without the controller acting: its new generation
+    counts (helper finding: ``worker_restarts`` stayed 0 through two kill -9s); a restart the
+    controller ordered that has not registered yet counts too."""
+    watch = WorkerWatch("decode-0", "decode")
+    assert worker_restarts({"generation": 4}, watch) == 0  # not yet stamped: nothing seen
+    entry = {"generation": 1, "first_generation": 1}
+    assert worker_restarts(entry, watch) == 0 and worker_restarts(entry, None) == 0
+    entry["generation"] = 3  # two crashes, Ray restarted it twice
+    assert worker_restarts(entry, watch) == 2
+    watch.restarts = 3  # the controller restarted it a third time; not registered yet
+    assert worker_restarts(entry, watch) == 3
+    assert worker_restarts({"generation": 9, "first_generation": 7}, None) == 2  # an id reused after a scale-down

@@ -69,6 +69,17 @@ def test_every_chat_role_renders_with_the_model_template(tokenizer):
     assert len(v.prepare(build_request(chat)).prompt_token_ids) > 10
 
 
+def test_a_chat_too_long_names_messages(tokenizer):
+    """A chat has no ``prompt`` field: its length refusal names ``messages`` (and so does the HTTP
+    error's ``param``; helper finding)."""
+    from router.openai.errors import router_error_response
+    v = RequestValidator(tokenizer, Limits(max_model_len=32, vocab_size=len(tokenizer)))
+    with pytest.raises(InvalidRequest, match=r"^messages: the rendered chat has \d+ tokens; max_model_len is 32") as e:
+        v.prepare(build_request([{"role": "user", "content": "hello " * 40}]))
+    body = router_error_response(RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e.value)), body_only=True)
+    assert body["error"]["param"] == "messages"
+
+
 def test_a_template_refusal_is_an_invalid_request():
     def refuse(*a, **k):
         raise TemplateError("Conversation roles must alternate user/assistant")

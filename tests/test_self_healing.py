@@ -24,7 +24,7 @@ import pytest
 from deploy import status as cluster_status
 from deploy.redis_control import is_answering
 from pdcluster import cli
-from serving.registry import WorkerRegistry
+from serving.registry import CONTROLLER_REPORT_KEY, WorkerRegistry
 
 from cluster_utils import assert_greedy_matches, assert_no_leak, hf_greedy, router_client, running_cluster
 
@@ -38,6 +38,14 @@ def cluster(tmp_path_factory):
     with running_cluster(state_dir, "--prefill", "1", "--decode", "1", "--max-model-len", "512",
                          "--num-kv-blocks", "200", "--heartbeat-s", str(HEARTBEAT_S)) as state:
         yield {**state, "state_dir": str(state_dir)}
+
+
+def _report(cluster: dict) -> dict:
+    reg = WorkerRegistry(cluster["redis_url"], cluster["cluster"])
+    try:
+        return reg.get_state(CONTROLLER_REPORT_KEY) or {"workers": []}
+    finally:
+        reg.close()
 
 
 def _live(cluster: dict) -> dict:
@@ -110,6 +118,9 @@ def test_killed_decode_worker_is_replaced(cluster, hf_model):
     assert_greedy_matches(list(res.token_ids), ref[:12], gaps, "after the replacement")
     st = cluster_status.collect(cluster)
     assert not st["missing"] and st["live"] == st["desired"] == {"prefill": 1, "decode": 1, "colocated": 0}
+    _wait(lambda: [w for w in _report(cluster)["workers"] if w["worker_id"] == "decode-0"
+                   and w["restarts"] >= after.generation - before.generation], 10,
+          "the controller's report counting Ray's restart (worker_restarts)", 0.2)
     assert_no_leak(cluster)
 
 
