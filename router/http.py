@@ -12,6 +12,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import uvicorn
 
@@ -80,6 +81,8 @@ class HttpServer:
             late is closed (:mod:`router.http_protocol`).
         max_connections: open connections at most; one more gets 503 and is closed (the process's
             open-file limit is raised to fit them: :func:`make_fd_room`).
+        answered: ``(status) ->`` called for each answer the connection guards give themselves (no
+            ASGI layer sees those: :mod:`router.http_protocol`).
 
     Raises:
         OSError: with ``reuse_port``, the port cannot be bound.
@@ -88,8 +91,9 @@ class HttpServer:
 
     def __init__(self, app, host: str, port: int, tls: tuple[bytes, bytes] | None = None,
                  reuse_port: bool = False, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
-                 max_connections: int = DEFAULT_HTTP_MAX_CONNECTIONS) -> None:
-        http = protocol(header_timeout_s, max_connections)
+                 max_connections: int = DEFAULT_HTTP_MAX_CONNECTIONS,
+                 answered: Callable[[int], None] | None = None) -> None:
+        http = protocol(header_timeout_s, max_connections, answered)
         make_fd_room(max_connections)
         self._tls_files = [_private_file(tls[0]), _private_file(tls[1])] if tls else []
         ssl = {"ssl_certfile": self._tls_files[0], "ssl_keyfile": self._tls_files[1]} if tls else {}

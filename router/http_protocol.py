@@ -16,7 +16,10 @@ protocol
   and close it, so the port never holds more descriptors than that (uvicorn's
   ``limit_concurrency`` answers 503 too, but only to requests, keeping every connection open);
 * answer a request h11 cannot parse (a bad request line or ``Content-Length``) with 400 in
-  OpenAI's error shape instead of uvicorn's plain text.
+  OpenAI's error shape instead of uvicorn's plain text;
+* report each of these answers (400, 408, 503: no ASGI layer sees them) to ``answered``, so
+  ``http_requests_total`` counts them with the app's own answers (``method`` and ``handler``
+  ``other``: no head was parsed).
 
 Lifecycle of one connection's head timer: armed at ``connection_made``; cancelled once h11 has
 parsed a request head (the request runs, with no head timeout, until its response completes);
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -46,6 +50,7 @@ class _GuardedH11(H11Protocol):
 
     head_timeout_s: float = 0.0
     max_connections: int = 0
+    answered = staticmethod(lambda status: None)
     _head_timer = None
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -56,6 +61,7 @@ class _GuardedH11(H11Protocol):
             transport.write(_response(503, f"the server holds max_connections ({self.max_connections}) "
                                            "connections; retry later", "too_many_connections", b"retry-after: 1\r\n"))
             transport.close()
+            self.answered(503)
             return
         self._arm()
 
@@ -77,6 +83,7 @@ class _GuardedH11(H11Protocol):
         """uvicorn's answer to a request h11 cannot parse, in OpenAI's error shape."""
         self.transport.write(_response(400, f"invalid HTTP request: {msg}", "invalid_http_request"))
         self.transport.close()
+        self.answered(400)
 
     def _arm(self) -> None:
         self._cancel()
@@ -97,6 +104,7 @@ class _GuardedH11(H11Protocol):
                              "(%d bytes came): 408, closed", _peer(self.client), self.head_timeout_s, came)
             self.transport.write(_response(408, f"the request head did not arrive within http_header_timeout_s "
                                                 f"({self.head_timeout_s:g} s; {came} bytes came)", "request_timeout"))
+            self.answered(408)
         self.transport.close()
 
 
@@ -115,10 +123,11 @@ def _response(status: int, message: str, code: str, extra_headers: bytes = b"") 
             b"content-length: %d\r\n\r\n%s" % (status, _REASONS[status], extra_headers, len(body), body))
 
 
-def protocol(head_timeout_s: float, max_connections: int) -> type[H11Protocol]:
+def protocol(head_timeout_s: float, max_connections: int,
+             answered: Callable[[int], None] | None = None) -> type[H11Protocol]:
     """uvicorn's h11 protocol class (``uvicorn.Config(http=...)``) with the module docstring's
     guards: request heads within ``head_timeout_s`` seconds, at most ``max_connections`` open
-    connections.
+    connections; ``answered(status)`` is called for each answer the protocol gives itself.
 
     Raises:
         ValueError: ``head_timeout_s`` or ``max_connections`` not positive.
@@ -126,5 +135,7 @@ def protocol(head_timeout_s: float, max_connections: int) -> type[H11Protocol]:
     if not head_timeout_s > 0 or max_connections < 1:
         raise ValueError(f"the HTTP header timeout ({head_timeout_s}) and max_connections ({max_connections}) "
                          "must be positive")
-    return type("GuardedH11", (_GuardedH11,), {"head_timeout_s": float(head_timeout_s),
-                                               "max_connections": int(max_connections)})
+    attrs = {"head_timeout_s": float(head_timeout_s), "max_connections": int(max_connections)}
+    if answered is not None:
+        attrs["answered"] = staticmethod(answered)
+    return type("GuardedH11", (_GuardedH11,), attrs)

@@ -128,7 +128,7 @@ class RouterServer:
                 cfg.security.accepts_api_key, int(time.time()), max_len, cfg.max_request_bytes,
                 cfg.http_body_timeout_s, self.metrics)), cfg.host,
                 cfg.http_port, tls=tls, reuse_port=cfg.reuse_port, header_timeout_s=cfg.http_header_timeout_s,
-                max_connections=cfg.http_max_connections)
+                max_connections=cfg.http_max_connections, answered=self._http_answered)
         self._stop = threading.Event()
         self._health_thread = threading.Thread(target=self._watch_health, name="router-health", daemon=True)
 
@@ -142,6 +142,10 @@ class RouterServer:
         """Prompt tokens ``worker`` holds in its published prefix cache (0 without a cache index)."""
         entry = self.cache_index.get(worker.worker_id) if self.cache_index is not None else None
         return cached_prefix_tokens(prompt, *entry) if entry else 0
+
+    def _http_answered(self, status: int) -> None:
+        """Counts an answer of the HTTP port's connection guards (no head parsed: ``other``)."""
+        self.metrics.inc("http_requests", method="other", handler="other", status=str(status))
 
     def serving_now(self) -> tuple[bool, str]:
         """Whether requests can be served now, and if not why (no live worker of a role)."""

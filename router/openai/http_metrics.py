@@ -1,6 +1,7 @@
 """HTTP requests by route and status on the router's HTTP port: the outermost ASGI layer, so every
 answer counts, also those the inner layers give before any route runs (413 over the size limit,
-401 without an API key, 408 for a slow body).
+401 without an API key, 408 for a slow body); the connection guards' answers below ASGI (400, 408
+for a late head, 503) are counted by :mod:`router.http_protocol`'s ``answered`` hook.
 
 ``pdcluster:http_requests_total{method, handler, status}`` (vLLM exposes the same figure through
 prometheus-fastapi-instrumentator as ``http_requests_total``): ``handler`` is the route's template
