@@ -280,6 +280,11 @@ def test_what_a_vllm_user_expects(oai, grpc_client):
     assert raw.headers["x-request-id"] == raw.parse().id
     streamed = oai.chat.completions.with_raw_response.create(model=MODEL, messages=CHAT, max_tokens=2, stream=True)
     assert streamed.headers["x-request-id"] == next(iter(streamed.parse())).id
+    mine = oai.completions.with_raw_response.create(model=MODEL, prompt="Once", max_tokens=2,
+                                                    extra_headers={"X-Request-Id": "trace-42"})
+    assert mine.parse().id == mine.headers["x-request-id"] == "cmpl-trace-42"  # vLLM's naming (helper finding)
+    with pytest.raises(openai.BadRequestError, match="X-Request-Id header must be 1 to 128 printable"):
+        oai.completions.create(model=MODEL, prompt="Once", max_tokens=2, extra_headers={"X-Request-Id": "a b"})
     short = oai.completions.create(model=MODEL, prompt="Write a long story about dragon number 1.", max_tokens=12,
                                    temperature=0, extra_body={"min_tokens": 5})
     assert short.usage.completion_tokens >= 5  # EOS at once without min_tokens (tests/test_e2e_sampling.py)

@@ -198,7 +198,7 @@ async def _generate(state: FrontDoorState, body, kind: str, expand, request: Req
     if body.model != state.model_name:
         return _counted(state, request, _unknown_model(state, body.model))
     try:
-        base, subs = expand(body)
+        base, subs = expand(body, request.headers.get(REQUEST_ID_HEADER))
         actives = await run_in_threadpool(_start_all, state.core, subs, body.n)
     except OpenAIRequestError as e:
         return _counted(state, request, error_response(e.status, e.message, param=e.param, code=e.code))

@@ -188,8 +188,30 @@ def _sampling(body, logprobs: int, max_tokens: int | None) -> common_pb2.Samplin
     return s
 
 
+MAX_CLIENT_REQUEST_ID_CHARS = 128
+"""Characters of a client's ``X-Request-Id`` (the choice index and a migrated attempt's suffix
+are added to it, within the router's request id limit)."""
+
+
+def _base_id(prefix: str, client_id: str | None) -> str:
+    """``<prefix>-<client_id>`` as vLLM names a request from its ``X-Request-Id`` header, else
+    ``<prefix>-<random hex>``.
+
+    Raises:
+        OpenAIRequestError: ``client_id`` is not 1 to :data:`MAX_CLIENT_REQUEST_ID_CHARS`
+            printable ASCII characters.
+    """
+    if client_id is None:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    if not 0 < len(client_id) <= MAX_CLIENT_REQUEST_ID_CHARS or not all("!" <= c <= "~" for c in client_id):
+        raise OpenAIRequestError(f"the X-Request-Id header must be 1 to {MAX_CLIENT_REQUEST_ID_CHARS} printable "
+                                 f"ASCII characters without spaces, got {len(client_id)} characters",
+                                 param="X-Request-Id")
+    return f"{prefix}-{client_id}"
+
+
 def _expand(prompts: list[dict], body, logprobs: int, top_logprobs: int,
-            max_tokens: int | None, prefix: str) -> tuple[str, list[SubRequest]]:
+            max_tokens: int | None, prefix: str, client_id: str | None) -> tuple[str, list[SubRequest]]:
     if body.stream_options is not None and not body.stream:  # as OpenAI and vLLM answer it
         raise OpenAIRequestError("stream_options is only allowed when stream is true", param="stream_options")
     if not 1 <= body.n <= MAX_N:
@@ -197,7 +219,7 @@ def _expand(prompts: list[dict], body, logprobs: int, top_logprobs: int,
     if len(prompts) * body.n > MAX_CHOICES:
         raise OpenAIRequestError(f"{len(prompts)} prompts x n {body.n} = {len(prompts) * body.n} choices; "
                                  f"at most {MAX_CHOICES} per request", param="prompt" if body.n == 1 else "n")
-    base = f"{prefix}-{uuid.uuid4().hex}"
+    base = _base_id(prefix, client_id)
     subs = []
     for p, prompt in enumerate(prompts):
         for j in range(body.n):
@@ -210,8 +232,9 @@ def _expand(prompts: list[dict], body, logprobs: int, top_logprobs: int,
     return base, subs
 
 
-def completion_requests(body: CompletionRequest) -> tuple[str, list[SubRequest]]:
-    """The sub-requests of a ``/v1/completions`` body (choice index = prompt x n + sample).
+def completion_requests(body: CompletionRequest, client_id: str | None = None) -> tuple[str, list[SubRequest]]:
+    """The sub-requests of a ``/v1/completions`` body (choice index = prompt x n + sample) and
+    their base id (``cmpl-<client_id>`` with the client's ``X-Request-Id``, as vLLM's).
 
     Raises:
         OpenAIRequestError: an empty prompt list, a token id out of range, a string that is
@@ -240,11 +263,12 @@ def completion_requests(body: CompletionRequest) -> tuple[str, list[SubRequest]]
         raise OpenAIRequestError(f"logprobs must be >= 0, got {top}", param="logprobs")
     # ``logprobs: 0`` still asks for the sampled tokens' logprobs (the top list then holds just that token)
     logprobs = 0 if body.logprobs is None else max(top, 1)
-    return _expand(prompts, body, logprobs, top, body.max_tokens, "cmpl")
+    return _expand(prompts, body, logprobs, top, body.max_tokens, "cmpl", client_id)
 
 
-def chat_requests(body: ChatCompletionRequest) -> tuple[str, list[SubRequest]]:
-    """The sub-requests of a ``/v1/chat/completions`` body (``n`` of them).
+def chat_requests(body: ChatCompletionRequest, client_id: str | None = None) -> tuple[str, list[SubRequest]]:
+    """The sub-requests of a ``/v1/chat/completions`` body (``n`` of them) and their base id
+    (``chatcmpl-<client_id>`` with the client's ``X-Request-Id``, as vLLM's).
 
     Raises:
         OpenAIRequestError: a non-text content part, ``n`` or ``top_logprobs`` out of shape.
@@ -258,4 +282,4 @@ def chat_requests(body: ChatCompletionRequest) -> tuple[str, list[SubRequest]]:
         raise OpenAIRequestError("top_logprobs requires logprobs: true", param="top_logprobs")
     logprobs = max(top, 1) if body.logprobs else 0
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return _expand([{"messages": messages}], body, logprobs, top, max_tokens, "chatcmpl")
+    return _expand([{"messages": messages}], body, logprobs, top, max_tokens, "chatcmpl", client_id)
