@@ -93,6 +93,12 @@ def test_chat_stream_equals_grpc_stream(oai, grpc_client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
     whole = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=32, temperature=0)
     assert whole.choices[0].message.content == ref and whole.object == "chat.completion"
+    running = list(oai.chat.completions.create(  # vLLM's continuous usage (helper finding: silently ignored)
+        model=MODEL, messages=CHAT, max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in running[:-1]]
+    assert counts == sorted(counts) and counts[-1] == 8 and running[-1].usage.completion_tokens == 8, counts
+    assert {c.usage.prompt_tokens for c in running} == {chunks[-1].usage.prompt_tokens}
 
 
 def test_async_client_and_parts(base_url):

@@ -48,7 +48,7 @@ from router.openai.errors import (UNREADABLE_BODY, error_response, request_alias
 from router.openai.http_metrics import CountRequests
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.openai.requests import OpenAIRequestError, SubRequest, chat_requests, completion_requests
-from router.openai.responses import ResponseBuilder, totals
+from router.openai.responses import ResponseBuilder, StreamUsage, totals
 from serving.logs import request_scope
 from serving.metrics import ProcessMetrics
 
@@ -211,8 +211,11 @@ async def _generate(state: FrontDoorState, body, kind: str, expand, request: Req
                               or subs[0].request.sampling.logprobs))
     events = _pump(subs, actives)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        response = await _stream(events, builder, request, subs, body.n, include_usage, aliases)
+        opts = body.stream_options
+        final = bool(opts and opts.include_usage)
+        usage = StreamUsage(final, [len(a.prep.prompt_token_ids) for a in actives]
+                            if final and opts.continuous_usage_stats else None)
+        response = await _stream(events, builder, request, subs, body.n, usage, aliases)
     else:
         response = await _whole(events, builder, request, subs[0].top_logprobs, body.n, aliases)
     response.headers[REQUEST_ID_HEADER] = base  # the log lines' request ids are it plus "-<choice>"
@@ -266,7 +269,7 @@ async def _whole(events, builder: ResponseBuilder, request: Request, top_logprob
 
 
 async def _stream(events, builder: ResponseBuilder, request: Request, subs: list[SubRequest], n: int,
-                  include_usage: bool, aliases: dict[str, str]):
+                  usage: StreamUsage, aliases: dict[str, str]):
     """The SSE answer, started once the first message is in: a request that fails before it (no
     live worker, refused on placement) gets its HTTP status (503, 429, ...) rather than a 200
     whose stream carries the error; a later failure ends the stream with an error event."""
@@ -286,7 +289,7 @@ async def _stream(events, builder: ResponseBuilder, request: Request, subs: list
         finally:
             await events.aclose()
 
-    return EventSourceResponse(_sse(chained(), builder, subs, n, include_usage), ping=15)
+    return EventSourceResponse(_sse(chained(), builder, subs, n, usage), ping=15)
 
 
 def _start_all(core: RequestRouter, subs: list[SubRequest], n: int) -> list[ActiveRequest]:
@@ -354,7 +357,7 @@ async def _pump(subs: list[SubRequest], actives: list[ActiveRequest]) -> AsyncIt
             first_token.set()
 
 
-async def _sse(events, builder: ResponseBuilder, subs: list[SubRequest], n: int, include_usage: bool):
+async def _sse(events, builder: ResponseBuilder, subs: list[SubRequest], n: int, usage: StreamUsage):
     offsets: dict[int, int] = {}
     usages = {}
     try:
@@ -363,14 +366,17 @@ async def _sse(events, builder: ResponseBuilder, subs: list[SubRequest], n: int,
                 yield {"data": json.dumps(router_error_response(item, body_only=True))}
                 break
             first = index not in offsets
+            so_far = usage.add(index, len(item.token_ids))
             if not (first or item.text or item.finish_reason or len(item.logprobs)):
                 continue  # tokens whose text is held back (a stop string may begin there): nothing to send
             chunk = builder.chunk(index, item, subs[0].top_logprobs, offsets.get(index, 0), first)
+            if so_far is not None:
+                chunk["usage"] = so_far
             offsets[index] = offsets.get(index, 0) + len(item.text)
             if item.HasField("usage") and item.finish_reason:
                 usages[index] = item.usage
             yield {"data": json.dumps(chunk)}
-        if include_usage:
+        if usage.final:
             yield {"data": json.dumps(builder.usage_chunk(*totals(usages, n)))}
         yield {"data": "[DONE]"}
     finally:

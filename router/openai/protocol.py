@@ -53,6 +53,7 @@ class _Extensible(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: every chunk carries its usage so far
 
 
 class _Sampling(_Extensible):

@@ -10,6 +10,7 @@ with ``token``, ``logprob``, ``bytes`` and ``top_logprobs``.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 from pdcluster.v1 import common_pb2
 
@@ -24,6 +25,29 @@ def finish_reason(msg) -> str | None:
 def usage(prompt: int, completion: int, cached: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+@dataclass
+class StreamUsage:
+    """What a stream reports of its usage.
+
+    Attributes:
+        final: a last chunk with the request's usage (``stream_options.include_usage``).
+        prompts: each choice's prompt tokens when every chunk carries its choice's usage so far
+            (vLLM's ``stream_options.continuous_usage_stats``, with ``include_usage``); ``None``: off.
+    """
+
+    final: bool = False
+    prompts: list[int] | None = None
+    _completion: dict[int, int] = field(default_factory=dict)
+
+    def add(self, index: int, tokens: int) -> dict | None:
+        """Count ``tokens`` more of choice ``index``; returns the usage its chunk carries (``None``: off)."""
+        self._completion[index] = done = self._completion.get(index, 0) + tokens
+        if self.prompts is None:
+            return None
+        prompt = self.prompts[index]
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
 def totals(usages: dict[int, common_pb2.Usage], n: int) -> tuple[int, int, int]:
