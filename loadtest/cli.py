@@ -125,6 +125,7 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
     from loadtest.driver import run_loadtest
     from loadtest.metrics import InvariantError
+    from pdcluster.client import rpc_error_text
 
     console = Console(stderr=False)
     try:
@@ -142,7 +143,10 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
     except ValueError as exc:  # WorkloadError (e.g. slice beyond the trace), malformed trace
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except (OSError, TimeoutError, grpc.RpcError) as exc:
+    except grpc.RpcError as exc:  # e.g. UNAUTHENTICATED without the cluster's API key
+        print(f"error: {rpc_error_text(exc)}", file=sys.stderr)
+        return 1
+    except (OSError, TimeoutError) as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     s = result.summary

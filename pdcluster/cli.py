@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 
 from common.sampling_params import Shape, sampling_params
-from pdcluster.client import API_KEY_ENV, GenerationResult, PdclusterClient, Usage, accumulate
+from pdcluster.client import API_KEY_ENV, GenerationResult, PdclusterClient, Usage, accumulate, rpc_error_text
 
 FALLBACK_ADDRESS = "127.0.0.1:50051"
 FALLBACK_HTTP = "127.0.0.1:8000"
@@ -222,9 +222,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 result = client.generate(prompt, **params)
                 print(result.text, flush=True)
     except grpc.RpcError as exc:
-        code = exc.code() if hasattr(exc, "code") else None
-        details = exc.details() if hasattr(exc, "details") else str(exc)
-        print(f"error: {code.name if code else 'UNKNOWN'}: {details}", file=sys.stderr)
+        print(f"error: {rpc_error_text(exc)}", file=sys.stderr)
         return 1
     except (TypeError, ValueError) as exc:  # refused by the client library before sending
         print(f"error: {exc}", file=sys.stderr)

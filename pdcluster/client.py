@@ -53,6 +53,13 @@ _HEALTH_POLL_S = 0.1
 _HEALTH_CALL_S = 1.0
 
 
+def rpc_error_text(exc: grpc.RpcError) -> str:
+    """``CODE: details`` of a failed call, as the CLI prints it (not the error object's repr)."""
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return f"{code.name if code else 'UNKNOWN'}: {details}"
+
+
 class GenerationStream:
     """Iterator over the ``GenerateResponse`` deltas of one streaming call.
 

@@ -248,3 +248,26 @@ def test_status_of_no_cluster_and_a_file_as_state_dir(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert exit_.value.code == 2 and f"{state_file} is a file, not a directory" in err and "Traceback" not in err
 
+
+
+def test_loadtest_refused_by_the_router_prints_the_status(capsys):
+    """A router that refuses the call (no API key given to a cluster that needs one) is one line
+    with the status and its details, not the gRPC error object's repr (helper finding)."""
+    import grpc
+    from concurrent import futures
+
+    class RefuseAll(grpc.GenericRpcHandler):
+        def service(self, handler_call_details):
+            def refuse(request, context):
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key")
+            return grpc.unary_unary_rpc_method_handler(refuse)
+
+    server = grpc.server(futures.ThreadPoolExecutor(2), handlers=[RefuseAll()])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        rc = cli.main(["loadtest", "--address", f"127.0.0.1:{port}", "--workload", "synthetic", "--num-requests", "2",
+                       "--no-progress", "--tokenizer", "smollm2-135m-instruct"])
+    finally:
+        server.stop(None)
+    _one_error_line(capsys, rc, "error: UNAUTHENTICATED: missing or invalid API key")
