@@ -256,7 +256,7 @@ class DecodeScheduler:
         self._preempted.appendleft(request_id)
         self.num_preemptions += 1
         log.info("preempted %s at %d tokens (%d preemptions so far)", request_id, req.num_tokens,
-                 self.num_preemptions)
+                 self.num_preemptions, extra={"request_id": request_id})
 
     def _plan(self) -> list[ScheduledSeq]:
         budget = self.sched.max_num_batched_tokens
@@ -348,7 +348,7 @@ class DecodeScheduler:
             self.transfers.close(req.transfer_id, None)
             outcome = self._transfer_lost(req.request_id, f"KV transfer failed: prefill side failed: {msg.reason}")
         log.info("prefill side of %s (transfer %s) failed (%s): %s", msg.request_id, msg.transfer_id,
-                 msg.reason, outcome.value)
+                 msg.reason, outcome.value, extra={"request_id": msg.request_id})
         msg.reply.set_result(outcome)
 
     def _transfer_lost(self, request_id: str, why: str) -> KvFailureOutcome:
@@ -366,7 +366,8 @@ class DecodeScheduler:
         self._ready.append(request_id)
         self.num_kv_recomputes += 1
         log.warning("%s; recomputing the %d-token prompt (+ %d earlier outputs) of %s here (%d recomputes so far)",
-                    why, len(req.prompt_token_ids), len(req.output_token_ids), request_id, self.num_kv_recomputes)
+                    why, len(req.prompt_token_ids), len(req.output_token_ids), request_id, self.num_kv_recomputes,
+                    extra={"request_id": request_id})
 
     # ---- endings -------------------------------------------------------------------
     def fail_request(self, request_id: str, code: grpc.StatusCode, message: str) -> None:

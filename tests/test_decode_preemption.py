@@ -19,9 +19,11 @@ from sched_helpers import (  # noqa: F401 - fixtures
 )
 
 
-def test_preemption_recomputes_and_matches_unpreempted(model, model_config, text_ids):
+def test_preemption_recomputes_and_matches_unpreempted(model, model_config, text_ids, caplog):
     """7 usable blocks, three requests growing to 4 blocks each: someone must be
-    preempted, and every output equals its unpreempted greedy run."""
+    preempted, and every output equals its unpreempted greedy run; the preemption's log line
+    carries the request's id as its ``request_id`` field (JSON logs; helper finding)."""
+    caplog.set_level("INFO", logger="decode_worker.scheduler")
     prompts = [text_ids[i:i + 20] for i in (0, 5, 10)]
     n = 30
     refs = [_colocated(model, model_config, p, n) for p in prompts]
@@ -51,6 +53,8 @@ def test_preemption_recomputes_and_matches_unpreempted(model, model_config, text
         sched.step()
     assert done == {0, 1, 2}
     assert sched.num_preemptions > 0
+    lines = [r for r in caplog.records if r.getMessage().startswith("preempted ")]
+    assert lines and all(getattr(r, "request_id", None) == r.args[0] for r in lines)
     for i in range(3):
         assert outs[i] == refs[i][1], f"request {i} differs after preemption"
     _no_decode_leak(sched)
