@@ -147,6 +147,8 @@ class RequestValidator:
             self._check_bytes("prompt: text", len(req.text.encode()))
             ids = self.tokenizer.encode(req.text, add_special_tokens=True)
         elif kind == "token_ids":
+            if not req.token_ids.ids:
+                raise InvalidRequest("prompt: token_ids is empty")
             self._check_length(len(req.token_ids.ids))
             ids = list(req.token_ids.ids)
             bad = [t for t in ids if t >= self.limits.vocab_size]

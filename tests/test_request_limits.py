@@ -106,6 +106,8 @@ def test_request_id_and_token_ids():
     assert v.prepare(build_request([1], request_id="~" * MAX_REQUEST_ID_CHARS)).request_id == "~" * 256
     _refused(v, [5] * 1_000_000, "prompt has 1000000 tokens; max_model_len is 64")
     _refused(v, [5, 1000], "prompt: token_ids: id 1000 >= vocab_size 1000")
+    with pytest.raises(InvalidRequest, match="^prompt: token_ids is empty$"):
+        v.prepare(router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds()))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -237,7 +239,9 @@ def test_http_bodies_over_max_request_bytes_are_413(http):
     (b'{"model": "m", "prompt": "\\ud800"}', "/v1/completions", "prompt", "prompt[0] is not valid Unicode"),
     (b'{"model": "m", "prompt": ["a", "b\\udfff"]}', "/v1/completions", "prompt", "prompt[1] is not valid Unicode"),
     (b'{"model": "m", "prompt": [1, 4294967296]}', "/v1/completions", "prompt", "token id 4294967296 is out of range"),
-    (b'{"model": "m", "prompt": [[1], [-1]]}', "/v1/completions", "prompt", "token id -1 is out of range"),
+    (b'{"model": "m", "prompt": [[1], [-1]]}', "/v1/completions", "prompt",
+     "prompt[1]: token id -1 is out of range: token ids are >= 0 and below the model's vocabulary size"),
+    (b'{"model": "m", "prompt": [[1], []]}', "/v1/completions", "prompt", "prompt[1] is an empty list of token ids"),
     (b'{"model": "m", "prompt": "a", "stop": ["\\ud800"]}', "/v1/completions", "stop", "surrogates not allowed"),
     (b'{"model": "m", "prompt": "a", "n": 17}', "/v1/completions", "n", "n must be in [1, 16], got 17"),
     (b'{"model": "m", "prompt": [' + b'"a", ' * 16 + b'"a"], "n": 16}', "/v1/completions", "n",

@@ -254,9 +254,13 @@ def completion_requests(body: CompletionRequest, client_id: str | None = None) -
             _check_utf8(x, f"prompt[{i}]", "prompt")
             prompts.append({"text": x})
         else:
+            where = f"prompt[{i}]" if len(prompt) > 1 else "prompt"
+            if not x:
+                raise OpenAIRequestError(f"{where} is an empty list of token ids", param="prompt")
             bad = [t for t in x if not 0 <= t < _UINT32_LIMIT]
             if bad:
-                raise OpenAIRequestError(f"prompt: token id {bad[0]} is out of range", param="prompt")
+                raise OpenAIRequestError(f"{where}: token id {bad[0]} is out of range: token ids are >= 0 and "
+                                         "below the model's vocabulary size", param="prompt")
             prompts.append({"token_ids": router_pb2.TokenIds(ids=x)})
     top = body.logprobs or 0
     if top < 0:
