@@ -149,6 +149,15 @@ def cmd_top(args: argparse.Namespace) -> int:
                    tls_ca=args.tls_ca)
 
 
+def _version() -> str:
+    """The installed distribution's version (``unknown`` when run from a tree never installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("pdcluster")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of all subcommands. ``$PDCLUSTER_API_KEY`` is read here, once: the
     default ``--api-key`` of ``generate``, ``top`` and ``loadtest``, and ``up``'s key when it is
@@ -159,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     env_api_key = os.environ.get(API_KEY_ENV) or None
     parser = argparse.ArgumentParser(prog="pdcluster", description="pdcluster serving cluster",
                                      allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"pdcluster {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     clients = [_add_generate(sub), _add_top(sub)]
     register_deploy(sub, env_api_key)
