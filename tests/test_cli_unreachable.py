@@ -6,7 +6,7 @@ on stderr and exits non-zero when what it talks to is unreachable: ``status`` (R
 So does an operator's mistake, found before anything starts: a flag out of range (exit
 status 2, naming the flag and its limit, not the config field behind it), ``up`` from a
 state directory a cluster is already up from (saying how to stop that one), a router port
-something already listens on, a ``--tls-ca`` that cannot be read."""
+something already listens on, a ``--tls-ca`` that cannot be read. (And ``--version``.)"""
 
 from __future__ import annotations
 
@@ -271,3 +271,11 @@ def test_loadtest_refused_by_the_router_prints_the_status(capsys):
     finally:
         server.stop(None)
     _one_error_line(capsys, rc, "error: UNAUTHENTICATED: missing or invalid API key")
+
+
+def test_version(capsys):
+    """``pdcluster --version``, as vLLM's CLI has (helper finding: it was a usage error)."""
+    from importlib.metadata import version
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"pdcluster {version('pdcluster')}"

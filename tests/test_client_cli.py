@@ -395,11 +395,3 @@ def test_cli_up_down_status_delegate(monkeypatch, tmp_path):
         1.0, 300, "default", "auto", "auto")
     assert cli.main(["down"]) == 3 and seen["down"].state_dir.name == ".pdcluster"
     assert cli.main(["status", "--json"]) == 0 and seen["status"].json
-
-
-def test_version(capsys):
-    """``pdcluster --version``, as vLLM's CLI has (helper finding: it was a usage error)."""
-    from importlib.metadata import version
-    with pytest.raises(SystemExit) as done:
-        cli.main(["--version"])
-    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"pdcluster {version('pdcluster')}"
