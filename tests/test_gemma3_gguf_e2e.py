@@ -67,3 +67,16 @@ def test_mt_bench_token_exact(cluster, folder):
         assert ids[0] == tokenizer.bos_token_id and res.usage.prompt_tokens == len(ids)
         ref, gaps = hf_greedy(hf, ids, NEW_TOKENS)
         assert_greedy_matches(res.token_ids, ref, gaps, label=prompt[:40])
+
+
+def test_a_chat_to_the_base_model_is_refused_naming_messages(cluster):
+    """This GGUF has no chat template: a chat is INVALID_ARGUMENT saying so (helper finding: HF's
+    ValueError reached the client as UNKNOWN, and over HTTP as a plain-text 500)."""
+    import grpc
+
+    with router_client(cluster) as client:
+        with pytest.raises(grpc.RpcError) as refused:
+            client.generate([{"role": "user", "content": "Hi"}], max_tokens=4)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith("messages: this model has no chat template"), refused.value.details()
+        assert client.generate("Hi", max_tokens=2, temperature=0).usage.completion_tokens == 2  # still serving
