@@ -73,14 +73,15 @@ class RequestValidator:
         _check_request_id(req.request_id)
         ids = self._prompt_ids(req)
         n = len(ids)
-        self._check_length(n, "messages: the rendered chat" if req.WhichOneof("prompt") == "messages" else "prompt")
+        chat = req.WhichOneof("prompt") == "messages"
+        self._check_length(n, "messages: the rendered chat" if chat else "prompt")
         s = req.sampling
         rid = req.request_id or uuid.uuid4().hex
         return PreparedRequest(
             request_id=rid, prompt_token_ids=ids,
             worker_request=worker_pb2.WorkerRequest(
                 request_id=rid, prompt_token_ids=ids,
-                sampling=self._resolve_sampling(s, n, chat=req.WhichOneof("prompt") == "messages")),
+                sampling=self._resolve_sampling(s, n, chat=chat)),
             stop=list(s.stop), logprobs=s.logprobs, stream=req.stream,
             include_stop_str_in_output=s.include_stop_str_in_output, min_tokens=s.min_tokens,
         )

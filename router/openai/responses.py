@@ -42,10 +42,11 @@ class StreamUsage:
     _completion: dict[int, int] = field(default_factory=dict)
 
     def add(self, index: int, tokens: int) -> dict | None:
-        """Count ``tokens`` more of choice ``index``; returns the usage its chunk carries (``None``: off)."""
-        self._completion[index] = done = self._completion.get(index, 0) + tokens
+        """Count ``tokens`` more of choice ``index``; returns the usage its chunk carries (``None``: off,
+        nothing counted)."""
         if self.prompts is None:
             return None
+        self._completion[index] = done = self._completion.get(index, 0) + tokens
         prompt = self.prompts[index]
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
