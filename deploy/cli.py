@@ -15,6 +15,7 @@ from engine.config import DTYPES, KV_FAILURE_POLICIES, QUANTIZATIONS
 from pdcluster.client import API_KEY_ENV
 from router.limits import (
     DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_GRPC_MAX_CONNECTIONS,
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_HTTP_MAX_CONNECTIONS,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -144,7 +145,10 @@ def _add_serving(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_HEADER_TIMEOUT_S:g})")
     p.add_argument("--http-max-connections", type=_positive, default=DEFAULT_HTTP_MAX_CONNECTIONS, metavar="N",
                    help="open connections one router's HTTP port holds at most; one more gets 503 and is closed "
-                        f"(default {DEFAULT_HTTP_MAX_CONNECTIONS})")
+                        f"(default {DEFAULT_HTTP_MAX_CONNECTIONS}; with TLS, as many more may be in their handshake)")
+    p.add_argument("--grpc-max-connections", type=_positive, default=DEFAULT_GRPC_MAX_CONNECTIONS, metavar="N",
+                   help="connections one router's gRPC port holds at once, handshakes included; one more is closed "
+                        f"at accept (default {DEFAULT_GRPC_MAX_CONNECTIONS})")
     p.add_argument("--max-prompt-bytes", type=_positive, default=None, metavar="BYTES",
                    help="largest prompt (text, or chat roles and contents) the router tokenizes "
                         "(default: max-model-len x the longest token of the vocabulary)")

@@ -10,6 +10,7 @@ from router.admission import AdmissionConfig
 from router.breaker import BreakerConfig
 from router.limits import (
     DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_GRPC_MAX_CONNECTIONS,
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_HTTP_MAX_CONNECTIONS,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -54,7 +55,10 @@ class RouterConfig:
             connection's start or the previous response's end (``pdcluster up
             --http-header-timeout``); later: the connection is closed (:mod:`router.http_protocol`).
         http_max_connections: open connections the HTTP port holds at most (``pdcluster up
-            --http-max-connections``); one more gets 503 and is closed.
+            --http-max-connections``); one more gets 503 and is closed. With TLS, connections
+            still in their handshake are held to the same number apart (:mod:`router.tls_gate`).
+        grpc_max_connections: connections the gRPC port holds at once, handshakes included
+            (``pdcluster up --grpc-max-connections``); one more is closed at accept.
         max_prompt_bytes: a prompt's bytes (text, or chat roles and contents), checked
             before tokenization; ``None``: :func:`router.validation.prompt_byte_cap`
             (``max_model_len`` x the longest token), so a prompt that fits is never refused.
@@ -95,6 +99,7 @@ class RouterConfig:
     http_body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     http_header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     http_max_connections: int = DEFAULT_HTTP_MAX_CONNECTIONS
+    grpc_max_connections: int = DEFAULT_GRPC_MAX_CONNECTIONS
     max_prompt_bytes: int | None = None
     max_migrations: int = DEFAULT_MAX_MIGRATIONS
     log: LogConfig = field(default_factory=LogConfig)
@@ -104,6 +109,14 @@ class RouterConfig:
     index: int = 0
     reuse_port: bool = False
     advertise_host: str = ""
+
+    @property
+    def port_connections(self) -> int:
+        """Connections the router's ports may hold at once (the process's open-file limit must fit
+        them): the gRPC port's, the HTTP port's and, with TLS, as many more HTTP ones in their
+        handshake (:mod:`router.tls_gate`)."""
+        http = 0 if self.http_port is None else self.http_max_connections * (2 if self.security.public_tls else 1)
+        return self.grpc_max_connections + http
 
     def __post_init__(self) -> None:
         if self.index < 0:
@@ -116,8 +129,9 @@ class RouterConfig:
         if not (self.http_body_timeout_s > 0 and self.http_header_timeout_s > 0):
             raise ValueError(f"http_body_timeout_s ({self.http_body_timeout_s}) and http_header_timeout_s "
                              f"({self.http_header_timeout_s}) must be positive")
-        if self.http_max_connections < 1:
-            raise ValueError(f"http_max_connections must be positive, got {self.http_max_connections}")
+        if min(self.http_max_connections, self.grpc_max_connections) < 1:
+            raise ValueError(f"http_max_connections ({self.http_max_connections}) and grpc_max_connections "
+                             f"({self.grpc_max_connections}) must be positive")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
         if self.http_port and self.http_port == self.port:

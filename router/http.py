@@ -5,40 +5,24 @@ kernel spreads connections over them (``pdcluster up --routers N``)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-import resource
 import socket
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 
 import uvicorn
 
 from router.http_protocol import protocol
 from router.limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_HTTP_MAX_CONNECTIONS
+from router.tls_gate import GatedLoop
+from serving.rpc import HANDSHAKE_TIMEOUT_S
 
 log = logging.getLogger(__name__)
-
-FD_HEADROOM = 1024
-"""Open files the router process keeps for everything but HTTP connections (gRPC, Redis, logs)."""
-
-
-def make_fd_room(max_connections: int) -> None:
-    """Raise this process's soft open-file limit (``RLIMIT_NOFILE``) to ``max_connections`` +
-    :data:`FD_HEADROOM` when it is lower, as far as the hard limit allows (logs a warning when
-    that is not enough: a flood of connections could then exhaust the process's descriptors)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = max_connections + FD_HEADROOM
-    if soft >= want or soft == resource.RLIM_INFINITY:
-        return
-    new = want if hard == resource.RLIM_INFINITY else min(want, hard)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-    if new < want:
-        log.warning("open-file limit %d (hard) is below max_connections %d + %d: lower --http-max-connections "
-                    "or raise the limit (ulimit -n)", hard, max_connections, FD_HEADROOM)
-
 
 def _private_file(data: bytes) -> str:
     """``data`` in a new temporary file readable by its owner only (mode 0600); returns its path."""
@@ -76,11 +60,13 @@ class HttpServer:
         host / port: where to listen (port 0 = any free port).
         tls: ``(certificate PEM, key PEM)`` to serve HTTPS with; ``None``: plain HTTP. uvicorn
             reads them from files: they are written to 0600 temporary files, removed once it listens.
+            Connections in their TLS handshake are bounded too: at most ``max_connections`` at once,
+            each for at most :data:`serving.rpc.HANDSHAKE_TIMEOUT_S` (:mod:`router.tls_gate`).
         reuse_port: listen with SO_REUSEPORT (other processes of this user may bind the port too).
         header_timeout_s: seconds each request head may take to arrive; a connection whose head is
             late is closed (:mod:`router.http_protocol`).
         max_connections: open connections at most; one more gets 503 and is closed (the process's
-            open-file limit is raised to fit them: :func:`make_fd_room`).
+            open-file limit must fit them, twice over with TLS: :func:`serving.fd_room.make_fd_room`).
         answered: ``(status) ->`` called for each answer the connection guards give themselves (no
             ASGI layer sees those: :mod:`router.http_protocol`).
 
@@ -94,7 +80,6 @@ class HttpServer:
                  max_connections: int = DEFAULT_HTTP_MAX_CONNECTIONS,
                  answered: Callable[[int], None] | None = None) -> None:
         http = protocol(header_timeout_s, max_connections, answered)
-        make_fd_room(max_connections)
         self._tls_files = [_private_file(tls[0]), _private_file(tls[1])] if tls else []
         ssl = {"ssl_certfile": self._tls_files[0], "ssl_keyfile": self._tls_files[1]} if tls else {}
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
@@ -103,7 +88,12 @@ class HttpServer:
         self.host = host
         self.port = port
         sockets = [reuse_port_socket(host, port)] if reuse_port else None
-        self._thread = threading.Thread(target=self.server.run, args=(sockets,), name="router-http", daemon=True)
+        loop = partial(GatedLoop, max_connections, HANDSHAKE_TIMEOUT_S) if tls else asyncio.SelectorEventLoop
+        self._thread = threading.Thread(target=self._run, args=(loop, sockets), name="router-http", daemon=True)
+
+    def _run(self, loop_factory: Callable[[], asyncio.AbstractEventLoop], sockets: list[socket.socket] | None) -> None:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(self.server.serve(sockets=sockets))
 
     def start(self, timeout_s: float = 30.0) -> int:
         """Start serving; returns the bound port.

@@ -22,6 +22,9 @@ DEFAULT_BODY_TIMEOUT_S = 60.0
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 #: Open connections one router's HTTP port holds at most (more: 503 and closed; :mod:`router.http_protocol`).
 DEFAULT_HTTP_MAX_CONNECTIONS = 4096
+#: Connections one router's gRPC port holds at once, TLS/HTTP2 handshakes included (more: closed
+#: at accept; :func:`serving.rpc.connection_options`).
+DEFAULT_GRPC_MAX_CONNECTIONS = 4096
 #: Cap on a prompt's bytes when the tokenizer gives none (:func:`router.validation.prompt_byte_cap`).
 DEFAULT_MAX_PROMPT_BYTES = 1024 * 1024
 MAX_CHAT_MESSAGES = 256

@@ -54,6 +54,7 @@ from router.validation import RequestValidator, prompt_byte_cap
 from router.watch import health_probe, watched_channel
 from serving.cache_index import CacheIndexView
 from serving.discovery import RegistryView
+from serving.fd_room import make_fd_room
 from serving.metrics import ProcessMetrics
 from serving.metrics_http import MetricsHttpServer
 from serving.registry import RouterRecord, WorkerInfo, WorkerRegistry
@@ -107,7 +108,8 @@ class RouterServer:
         self.server = make_server(cfg.security, Plane.PUBLIC,
                                   max_workers=cfg.admission.max_admitted_requests + SPARE_THREADS,
                                   options=[(k, int(cfg.reuse_port) if k == "grpc.so_reuseport" else v)
-                                           for k, v in receive_limit(cfg.max_request_bytes)], bounded=True)
+                                           for k, v in receive_limit(cfg.max_request_bytes)], bounded=True,
+                                  max_connections=cfg.grpc_max_connections)
         self.health = add_health(self.server)
         add_router_service(self.servicer, self.server)
         reflection.enable_server_reflection(
@@ -116,12 +118,12 @@ class RouterServer:
         self.port = bind(self.server, cfg.host, cfg.port, cfg.security, Plane.PUBLIC)
         self.address = f"{cfg.host}:{self.port}"
         tls = (cfg.security.tls_cert.encode(), cfg.security.tls_key.encode()) if cfg.security.public_tls else None
+        make_fd_room(cfg.port_connections)
         self.metrics_http = MetricsHttpServer(self.metrics.registry, cfg.host,
                                               cfg.security.accepts_api_key if cfg.security.api_keys else None, tls)
         self.metrics_address = f"{cfg.advertise_host or cfg.host}:{self.metrics_http.port}"
         self.started_at = 0.0
-        self.http = None
-        self.http_address = ""
+        self.http, self.http_address = None, ""
         if cfg.http_port is not None:
             self.http = HttpServer(build_app(FrontDoorState(
                 self.core, cfg.model, tokenizer, self.serving_now, self.scrape_targets, self.metrics.registry,

@@ -35,6 +35,13 @@ SPARE_THREADS = 16
 """Threads of a server beyond what it admits: fast refusals, aborts, loads and health checks."""
 RETRY_AFTER_METADATA = "retry-after-ms"
 """Trailing metadata of a RESOURCE_EXHAUSTED refusal: milliseconds after which a retry may succeed."""
+HANDSHAKE_TIMEOUT_S = 10.0
+"""Seconds a new connection may take to finish its handshake (TLS, and gRPC's HTTP/2 preface) on
+any pdcluster port; later it is closed (gRPC's own default is 120 s, asyncio's TLS one 60 s: a
+flood of connections that never start could hold a process's descriptors that long)."""
+MAX_INTERNAL_CONNECTIONS = 1024
+"""Connections a worker's internal gRPC port holds at once, handshakes included (its callers are
+the cluster's routers and peer workers); one more is closed at accept."""
 HANDLER_STATUS_METADATA = "x-pdcluster-handler-status"
 """Trailing metadata every pdcluster handler's status carries (:class:`MarkHandlerStatus`): the
 server answered, so the status is its decision, not a transport failure."""
@@ -45,6 +52,20 @@ def receive_limit(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str,
     one fails with RESOURCE_EXHAUSTED before any handler runs): the cluster's internal limit by
     default, the router's public ``max_request_bytes`` on its public port."""
     return [(k, max_receive_bytes if k == "grpc.max_receive_message_length" else v) for k, v in GRPC_OPTIONS]
+
+
+def connection_options(max_connections: int) -> list[tuple[str, int]]:
+    """Server options bounding a port's connections: at most ``max_connections`` open at once,
+    counted from accept (before any handshake), one more closed at once; each handshake within
+    :data:`HANDSHAKE_TIMEOUT_S`.
+
+    Raises:
+        ValueError: ``max_connections`` is not positive.
+    """
+    if max_connections < 1:
+        raise ValueError(f"max_connections must be positive, got {max_connections}")
+    return [("grpc.max_allowed_incoming_connections", max_connections),
+            ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000))]
 
 
 def keepalive_options(ping_s: float) -> list[tuple[str, int]]:

@@ -44,7 +44,7 @@ import grpc
 
 from common.grpc_metadata import AUTHORIZATION, bearer_token, metadata_value, with_metadata
 from serving.certs import KeyPair, issue
-from serving.rpc import GRPC_OPTIONS
+from serving.rpc import GRPC_OPTIONS, MAX_INTERNAL_CONNECTIONS, connection_options
 
 CLUSTER_SECRET_METADATA = "x-pdcluster-cluster-secret"
 """The metadata key internal callers send the cluster secret under."""
@@ -208,12 +208,16 @@ def credential_check(security: SecurityConfig, plane: Plane) -> RequireCredentia
 
 def make_server(security: SecurityConfig, plane: Plane, *, max_workers: int,
                 options: Sequence[tuple[str, Any]] = GRPC_OPTIONS,
-                interceptors: Sequence[grpc.ServerInterceptor] = (), bounded: bool = False) -> grpc.Server:
+                interceptors: Sequence[grpc.ServerInterceptor] = (), bounded: bool = False,
+                max_connections: int = MAX_INTERNAL_CONNECTIONS) -> grpc.Server:
     """A threaded gRPC server of ``plane`` (``max_workers`` threads): its credential check runs
     first, then ``interceptors``. ``bounded``: a call arriving while every thread is busy is
-    refused at once with RESOURCE_EXHAUSTED instead of waiting in gRPC's queue."""
+    refused at once with RESOURCE_EXHAUSTED instead of waiting in gRPC's queue. At most
+    ``max_connections`` connections at once, handshakes included, each handshake within
+    :data:`serving.rpc.HANDSHAKE_TIMEOUT_S` (:func:`serving.rpc.connection_options`)."""
     check = credential_check(security, plane)
-    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=list(options),
+    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                       options=[*options, *connection_options(max_connections)],
                        interceptors=[*([check] if check else []), *interceptors],
                        maximum_concurrent_rpcs=max_workers if bounded else None)
 

@@ -18,9 +18,10 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 from redis.exceptions import AuthenticationError, RedisError
 
+from serving.fd_room import make_fd_room
 from serving.heartbeat import Heartbeater
 from serving.registry import WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
-from serving.rpc import MarkHandlerStatus, add_health, pool_size, set_serving
+from serving.rpc import MAX_INTERNAL_CONNECTIONS, MarkHandlerStatus, add_health, pool_size, set_serving
 from serving.security import Plane, bind, make_server
 from serving.worker_config import WorkerConfig
 from serving.worker_metrics import WorkerMetrics
@@ -132,6 +133,7 @@ class WorkerHost:
         self.rpcs = ActiveRpcs()
         calls = 2 if cfg.role == "colocated" else 1  # a colocated request holds a Reserve and a Prefill
         threads = pool_size(calls * cfg.scheduler.max_num_seqs, calls * cfg.max_queued_requests)
+        make_fd_room(2 * MAX_INTERNAL_CONNECTIONS)  # its worker port and its KV port
         self.server = make_server(cfg.security, Plane.INTERNAL, max_workers=threads,
                                   interceptors=[self.rpcs, MarkHandlerStatus()], bounded=cfg.role != "prefill")
         self.health = add_health(self.server)
