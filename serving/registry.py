@@ -26,6 +26,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from serving.typed_json import typed_fields
+
 log = logging.getLogger(__name__)
 
 WORKER_ROLES = ("prefill", "decode", "colocated")
@@ -140,12 +142,9 @@ class WorkerLoadSnapshot:
 
         Raises:
             ValueError: ``text`` is not a JSON object.
+            TypeError: a field's value is not of its declared type.
         """
-        d = json.loads(text)
-        if not isinstance(d, dict):
-            raise ValueError(f"load snapshot must be a JSON object, got {text!r}")
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        return cls(**typed_fields(cls, text))
 
 
 @dataclass(frozen=True)
@@ -171,6 +170,13 @@ class RouterRecord:
     @property
     def router_id(self) -> str:
         return f"router-{self.index}"
+
+    @classmethod
+    def from_json(cls, text: str) -> "RouterRecord":
+        """The record stored as JSON text (unknown keys ignored). Raises ValueError (not a JSON
+        object) or TypeError (a field missing or of the wrong type: a bad record in Redis must not
+        break the routers that list them all)."""
+        return cls(**typed_fields(cls, text))
 
 
 class WorkerRegistry:
@@ -368,7 +374,7 @@ class WorkerRegistry:
             if raw is None:
                 continue  # expired between the scan and the read
             try:
-                out.append(RouterRecord(**json.loads(raw)))
+                out.append(RouterRecord.from_json(raw))
             except (TypeError, ValueError) as e:
                 log.warning("skipping malformed router record %r: %s", raw, e)
         return sorted(out, key=lambda r: r.index)

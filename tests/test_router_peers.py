@@ -3,6 +3,7 @@ view, admission's share, SO_REUSEPORT listening sockets and the router's private
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 import urllib.error
@@ -17,7 +18,7 @@ from router.load import LoadTracker, PrefillRates
 from router.peers import RouterPeers
 from serving.metrics import ProcessMetrics
 from serving.metrics_http import MetricsHttpServer
-from serving.registry import RouterRecord, WorkerInfo, WorkerRegistry
+from serving.registry import RouterRecord, WorkerInfo, WorkerLoadSnapshot, WorkerRegistry
 
 
 @pytest.fixture
@@ -37,6 +38,26 @@ def test_router_records_expire_and_are_listed_by_index(redis_url):
     assert [r.index for r in reg.live_routers()] == [0]
     reg.remove_router(0)
     assert reg.live_routers() == []
+    reg.close()
+
+
+def test_a_wrong_typed_router_or_load_record_is_skipped_not_fatal(redis_url):
+    """One router record with a string index (anyone with the Redis password can write one) made the
+    sort by index raise: the router's peers thread died and the router crash-looped."""
+    import redis
+
+    reg = WorkerRegistry(redis_url, "c")
+    reg.put_router(RouterRecord(0, 10, "h:1", "h:8"), ttl_s=30)
+    raw = redis.Redis.from_url(redis_url)
+    raw.set("pdcluster:c:router:evil", json.dumps({"index": "evil", "pid": 1, "address": "x", "metrics_address": "y"}))
+    raw.set("pdcluster:c:router:bool", json.dumps({"index": True, "pid": 1, "address": "x", "metrics_address": "y"}))
+    raw.set("pdcluster:c:router:short", json.dumps({"index": 3}))
+    raw.set("pdcluster:c:router:list", "[1, 2]")
+    assert [r.index for r in reg.live_routers()] == [0]
+    with pytest.raises(TypeError, match="num_free_blocks must be int"):
+        WorkerLoadSnapshot.from_json('{"num_free_blocks": "7"}')
+    assert WorkerLoadSnapshot.from_json('{"updated_at": 3, "extra": 1}').updated_at == 3
+    raw.close()
     reg.close()
 
 
