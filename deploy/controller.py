@@ -3,7 +3,8 @@
 One detached Ray actor per cluster (``pdcluster-<cluster>-controller``, zero CPUs, on the
 head node, itself restarted by Ray). It owns the cluster's **desired state**: the workers
 that should exist (id, role, placement-group bundle) and how to build them (template config,
-shape), kept in Redis (``state:desired``, in the append-only file) and returned to the CLI
+shape), kept in Redis (``state:desired``, in the append-only file; without the cluster's secrets,
+which a restarted controller takes from the arguments Ray gives it again) and returned to the CLI
 for the state file. Every period (the heartbeat period) it
 
 1. PINGs the cluster Redis where ``up`` started it, and after ``redis_down_checks`` failed PINGs
@@ -49,6 +50,7 @@ from deploy.cluster import (
 from deploy.heal import Action, HealConfig, Probe, WorkerWatch, decide, worker_restarts
 from deploy.redis_supervisor import RedisSpec, RedisSupervisor
 from deploy.scale import ScaleTarget, scale
+from deploy.state import with_secrets, without_secrets
 from serving.registry import CONTROLLER_REPORT_KEY, WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -103,15 +105,17 @@ class ControllerActor:
         threading.Thread(target=self._run, name="controller", daemon=True).start()
 
     def _stored_state(self) -> dict | None:
+        """The desired state saved in Redis, with the secrets of the one Ray gave again put back."""
         try:
-            return self.reg.get_state(DESIRED_KEY)
+            stored = self.reg.get_state(DESIRED_KEY)
+            return with_secrets(stored, self.state) if stored else None
         except RedisError as e:
             log.warning("desired state not readable from Redis (%s); using the one from `up`", e)
             return None
 
     def _persist(self) -> None:
         try:
-            self.reg.put_state(DESIRED_KEY, self.state)
+            self.reg.put_state(DESIRED_KEY, without_secrets(self.state))  # anyone with the Redis password reads it
         except RedisError as e:
             log.warning("desired state not saved to Redis (%s); saved on the next change", e)
 

@@ -11,6 +11,8 @@ import os
 import shlex
 from pathlib import Path
 
+from deploy.ray_env import STATE_TOKEN_KEY
+
 DEFAULT_STATE_DIR = Path.home() / ".pdcluster"
 
 
@@ -55,3 +57,28 @@ def write_state(state_dir: Path | str | None, state: dict) -> Path:
         os.fchmod(f.fileno(), 0o600)
         f.write(json.dumps(state, indent=2))
     return path
+
+
+SECRET_KEYS = ("cluster_secret", STATE_TOKEN_KEY, "internal_ca_key")
+"""Keys of the cluster state holding secrets (besides the worker template's ``security``): the
+cluster secret, the Ray token (:data:`deploy.ray_env.STATE_TOKEN_KEY`), the cluster CA's key."""
+
+
+def without_secrets(state: dict) -> dict:
+    """A copy of the cluster ``state`` for where more can read it than the state file's owner (the
+    controller's copy in Redis): no :data:`SECRET_KEYS`, and the worker template's ``security`` (API
+    keys, cluster secret, TLS keys) emptied. :func:`with_secrets` puts them back."""
+    out = {k: v for k, v in state.items() if k not in SECRET_KEYS}
+    if "worker_template" in out:
+        out["worker_template"] = {**out["worker_template"], "security": {}}
+    return out
+
+
+def with_secrets(stored: dict, original: dict) -> dict:
+    """``stored`` (from :func:`without_secrets`) with the secrets of ``original`` (the state they
+    were removed from, or one of the same cluster) put back."""
+    out = {**stored, **{k: original[k] for k in SECRET_KEYS if k in original}}
+    if "worker_template" in out and "worker_template" in original:
+        out["worker_template"] = {**out["worker_template"],
+                                  "security": original["worker_template"].get("security", {})}
+    return out

@@ -23,6 +23,7 @@ import pytest
 
 from deploy import status as cluster_status
 from deploy.redis_control import is_answering
+from deploy.state import with_secrets, without_secrets
 from pdcluster import cli
 from serving.registry import CONTROLLER_REPORT_KEY, WorkerRegistry
 
@@ -180,6 +181,38 @@ def test_killed_redis_is_restarted_and_nothing_fails(cluster):
     outcomes = [out for t, out in traffic.outcomes if t > t_kill]
     assert outcomes and all(out == 4 for _, out in traffic.outcomes), [o for _, o in traffic.outcomes if o != 4]
     assert_no_leak(cluster)
+
+
+def _controller_pids() -> list[int]:
+    return [int(p.parent.name) for p in Path("/proc").glob("[0-9]*/cmdline")
+            if _read(p).startswith("ray::ControllerActor")]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:  # exited meanwhile
+        return ""
+
+
+def test_desired_state_in_redis_holds_no_secret_and_a_restarted_controller_keeps_them(cluster):
+    """Anyone with the Redis password could read the cluster secret (and the Ray token, the CA key)
+    in the controller's copy of the desired state. A controller restarted by Ray reads that copy
+    and takes the secrets from its arguments: the scale test after this one adds a worker with them."""
+    reg = WorkerRegistry(cluster["redis_url"], cluster["cluster"])
+    try:
+        stored = reg.get_state("desired")
+        assert stored and cluster["cluster_secret"] not in str(stored) and stored["worker_template"]["security"] == {}
+        assert cluster.get("ray_auth_token") is None or cluster["ray_auth_token"] not in str(stored)
+        [pid] = _controller_pids()
+        os.kill(pid, signal.SIGKILL)
+        _wait(lambda: [p for p in _controller_pids() if p != pid], 60, "the controller restarted by Ray")
+        since = time.time()
+        _wait(lambda: _report(cluster).get("updated_at", 0) > since, 30, "a report of the restarted controller")
+        assert cluster["cluster_secret"] not in str(reg.get_state("desired"))
+    finally:
+        reg.close()
+    assert with_secrets(without_secrets(cluster), cluster) == cluster
 
 
 def test_scale_up_and_down_on_a_small_machine(cluster, capsys):
