@@ -107,9 +107,11 @@ def create_colocated_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "")
                                      HeadShards.of(runner.kv_parts),
                                      cfg.kv.layers_per_chunk))
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
-        PrefillWorkerServicer(prefill, route, cfg.worker_id, device, metrics=metrics), host.server)
+        PrefillWorkerServicer(prefill, route, cfg.worker_id, device, metrics=metrics,
+                              vocab_size=model_cfg.vocab_size), host.server)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
         DecodeWorkerServicer(decode, cfg.worker_id, host.kv_address, cfg.cache.block_size, cfg.cache.dtype, device,
-                             metrics=metrics, max_reserves=cfg.scheduler.max_num_seqs + cfg.max_queued_requests),
+                             metrics=metrics, max_reserves=cfg.scheduler.max_num_seqs + cfg.max_queued_requests,
+                             vocab_size=model_cfg.vocab_size),
         host.server)
     return host

@@ -34,11 +34,13 @@ class KvFailedMsg:
 
 @dataclass(frozen=True)
 class AbortMsg:
-    """End ``request_id``; with ``transfer_id``, only while it is that reservation (a
-    ``Reserve`` stream that ended aborts its own reservation, never a later one of the same id)."""
+    """End ``request_id``; with ``transfer_id``, only while it is that reservation, and with
+    ``stream``, only while its events go to that stream (a ``Reserve`` call that ended aborts its
+    own reservation, never a later one of the same id, nor one a refused duplicate collided with)."""
 
     request_id: str
     transfer_id: str | None = None
+    stream: object | None = None
 
 
 @dataclass(frozen=True)

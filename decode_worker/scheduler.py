@@ -5,7 +5,7 @@ on the loop thread, in :meth:`DecodeScheduler.step`:
 
 * ``reserve`` -> **WAITING** (``_pending``, FIFO): refused at once with
   INVALID_ARGUMENT if prompt + max_tokens could never fit the pool, or
-  ALREADY_EXISTS for a live request id.
+  ALREADY_EXISTS for a live request id or transfer id.
 * WAITING -> **TRANSFERRING**: the KV manager admits it (prompt blocks plus one
   token of growth fit above the watermark) and reserves its prompt blocks; a
   transfer lease opens and ``Reserved`` tells the prefill side where to write.
@@ -100,19 +100,17 @@ class DecodeScheduler:
         self._running: list[str] = []           # decoding, in admission order
         self._preempted: deque[str] = deque()   # blocks taken back, resume first
         self._recomputing: list[str] = []       # rebuilding KV (preempted, or its transfer failed)
-        self.num_preemptions = 0
-        self.num_finished = 0
-        self.step_count = 0
-        self.num_failed_transfers = 0
-        self.num_kv_recomputes = 0
+        self.num_preemptions = self.num_finished = self.step_count = 0
+        self.num_failed_transfers = self.num_kv_recomputes = 0
 
     # ---- called from other threads -------------------------------------------------
     def submit_reserve(self, request: Request, stream: queue.SimpleQueue[DecodeEventT]) -> None:
         self._inbox.put(ReserveMsg(request, stream))
 
-    def submit_abort(self, request_id: str, transfer_id: str | None = None) -> None:
-        """End ``request_id`` (no-op if unknown); with ``transfer_id``, only if it is that reservation."""
-        self._inbox.put(AbortMsg(request_id, transfer_id))
+    def submit_abort(self, request_id: str, transfer_id: str | None = None,
+                     stream: queue.SimpleQueue[DecodeEventT] | None = None) -> None:
+        """End ``request_id`` (no-op if unknown); ``transfer_id`` / ``stream`` narrow it (:class:`AbortMsg`)."""
+        self._inbox.put(AbortMsg(request_id, transfer_id, stream))
 
     def kv_complete(self, transfer_id: str, generation: int, first_token_id: int,
                     first_logprobs: TokenLogprobs | None) -> None:
@@ -178,7 +176,7 @@ class DecodeScheduler:
         elif isinstance(msg, KvFailedMsg):
             self._on_kv_failed(msg)
         elif isinstance(msg, AbortMsg):
-            self._on_abort(msg.request_id, msg.transfer_id)
+            self._on_abort(msg)
         elif isinstance(msg, FailTransferMsg):
             self._on_fail_transfer(msg)
 
@@ -186,6 +184,9 @@ class DecodeScheduler:
         req = msg.request
         if req.request_id in self._requests:
             msg.stream.put(Failed(grpc.StatusCode.ALREADY_EXISTS, f"request {req.request_id} is running"))
+            return
+        if req.transfer_id and any(r.transfer_id == req.transfer_id for r in self._requests.values()):
+            msg.stream.put(Failed(grpc.StatusCode.ALREADY_EXISTS, f"transfer {req.transfer_id} is in use"))
             return
         need = req.max_blocks(self.kv.block_size)
         if need > self.kv.num_usable:
@@ -228,12 +229,13 @@ class DecodeScheduler:
         else:
             self._ready.append(req.request_id)
 
-    def _on_abort(self, request_id: str, transfer_id: str | None) -> None:
-        req = self._requests.get(request_id)
-        if req is None or transfer_id not in (None, req.transfer_id):
+    def _on_abort(self, msg: AbortMsg) -> None:
+        req = self._requests.get(msg.request_id)
+        if req is None or msg.transfer_id not in (None, req.transfer_id) or \
+                msg.stream not in (None, self._streams[msg.request_id]):
             return
-        self._emit(request_id, Tokens([], [], "abort"))
-        self._release(request_id)
+        self._emit(msg.request_id, Tokens([], [], "abort"))
+        self._release(msg.request_id)
 
     def _resume_preempted(self) -> None:
         while self._preempted and self._num_scheduled() < self.sched.max_num_seqs:
@@ -267,9 +269,8 @@ class DecodeScheduler:
             if n <= 0:
                 break
             tokens = req.all_token_ids[req.num_computed:req.num_computed + n]
-            seqs.append(ScheduledSeq(rid, tokens, req.num_computed, req.block_table, False,
-                                     req.params.sampling, req.generator,
-                                     req.prompt_token_ids, req.output_token_ids))
+            seqs.append(ScheduledSeq(rid, tokens, req.num_computed, req.block_table, False, req.params.sampling,
+                                     req.generator, req.prompt_token_ids, req.output_token_ids))
             budget -= n
         for rid in list(self._running):
             if rid not in self._running:
@@ -371,8 +372,7 @@ class DecodeScheduler:
 
     # ---- endings -------------------------------------------------------------------
     def fail_request(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
-        """End a live request with ``code`` / ``message`` and free its blocks (no-op for an
-        unknown id; :class:`RecoveryActions`, loop thread only)."""
+        """End a live request with ``code`` / ``message``, freeing its blocks (no-op if unknown; loop thread only)."""
         if request_id in self._requests:
             self._emit(request_id, Failed(code, message))
             self._release(request_id)

@@ -50,11 +50,13 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             ``max_queued_requests``; each holds a server thread until its stream ends); one more
             is refused at once with RESOURCE_EXHAUSTED and a ``retry-after-ms`` hint, before
             anything is allocated. ``None``: no limit.
+        vocab_size: token ids of a ``Reserve`` must be below it (``None``: not checked).
     """
 
     def __init__(self, scheduler: DecodeScheduler, worker_id: str, kv_endpoint: str,
                  block_size: int, dtype: str, device: torch.device, reply_timeout_s: float = 10.0,
-                 metrics: WorkerMetrics | None = None, max_reserves: int | None = None) -> None:
+                 metrics: WorkerMetrics | None = None, max_reserves: int | None = None,
+                 vocab_size: int | None = None) -> None:
         if max_reserves is not None and max_reserves < 1:
             raise ValueError(f"max_reserves must be >= 1, got {max_reserves}")
         self.max_reserves = max_reserves
@@ -68,6 +70,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
+        self.vocab_size = vocab_size
 
     def Reserve(self, request, context):
         rid = request.request.request_id
@@ -95,7 +98,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _reserve(self, request, context):
         try:
-            req = request_from_proto(request.request, request.transfer_id, self.device)
+            if not request.transfer_id:
+                raise ValueError("transfer_id is empty")
+            req = request_from_proto(request.request, request.transfer_id, self.device, self.vocab_size)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         events: queue.SimpleQueue = queue.SimpleQueue()  # get() waits in C: less GIL per token than Queue
@@ -128,7 +133,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def _queue_reserve(self, req, events: queue.SimpleQueue, context) -> bool:
         """Queue ``req``'s reservation so that the end of its ``Reserve`` call, whenever it
         comes, aborts it: the call's termination callback queues an abort of this
-        reservation (its transfer id), which must reach the scheduler after the reservation.
+        reservation (its event stream: a refused duplicate ends no other call's request), which
+        must reach the scheduler after the reservation.
         Returns False when the caller cancelled the call meanwhile (nothing left to stream):
 
         * before the callback was registered (a terminated call runs no callback it is
@@ -137,14 +143,14 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
           first (a no-op there), so one more abort follows the reservation.
         """
         rid, transfer_id = req.request_id, req.transfer_id
-        if not context.add_callback(lambda: self.scheduler.submit_abort(rid, transfer_id)):
+        if not context.add_callback(lambda: self.scheduler.submit_abort(rid, transfer_id, events)):
             log.info("reserve of %s cancelled by the caller before it was queued: nothing reserved", rid)
             return False
         self.scheduler.submit_reserve(req, events)
         if context.is_active():
             return True
         log.info("reserve of %s cancelled by the caller while it was queued: aborting it", rid)
-        self.scheduler.submit_abort(rid, transfer_id)
+        self.scheduler.submit_abort(rid, transfer_id, events)
         return False
 
     @staticmethod

@@ -31,6 +31,7 @@ def create_decode_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") ->
                       node_id=node_id, metrics=metrics, on_stopped=runner.close)
     servicer = DecodeWorkerServicer(sched, cfg.worker_id, host.kv_address, cfg.cache.block_size,
                                     cfg.cache.dtype, runner.device, metrics=metrics,
-                                    max_reserves=cfg.scheduler.max_num_seqs + cfg.max_queued_requests)
+                                    max_reserves=cfg.scheduler.max_num_seqs + cfg.max_queued_requests,
+                                    vocab_size=model_cfg.vocab_size)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, host.server)
     return host

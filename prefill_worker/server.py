@@ -45,7 +45,8 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
     """``Prefill`` queues the request and waits until its KV was delivered (acknowledged)."""
 
     def __init__(self, scheduler: PrefillScheduler, route: Route, worker_id: str, device: torch.device,
-                 metrics: WorkerMetrics | None = None) -> None:
+                 metrics: WorkerMetrics | None = None, vocab_size: int | None = None) -> None:
+        self.vocab_size = vocab_size  # token ids are checked against it (None: not checked)
         self.scheduler = scheduler
         self.metrics = metrics
         self.route = route
@@ -55,7 +56,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def Prefill(self, request, context):
         with request_scope(request_id_from_metadata(context) or request.request.request_id):
             try:
-                req = request_from_proto(request.request, request.transfer_id, self.device)
+                req = request_from_proto(request.request, request.transfer_id, self.device, self.vocab_size)
             except ValueError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             log.debug("prefill: %d prompt tokens, KV to %s", len(req.prompt_token_ids), request.destination.worker_id)

@@ -36,7 +36,8 @@ def create_prefill_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -
                              eos_token_ids=model_cfg.eos_token_ids)
     sender = create_sender(cfg.kv, partial(internal_channel, cfg.security))
     route = remote_route(sender, HeadShards.of(runner.kv_parts), cfg.kv.layers_per_chunk)
-    servicer = PrefillWorkerServicer(sched, route, cfg.worker_id, runner.device, metrics=metrics)
+    servicer = PrefillWorkerServicer(sched, route, cfg.worker_id, runner.device, metrics=metrics,
+                                     vocab_size=model_cfg.vocab_size)
 
     def add(server):
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)

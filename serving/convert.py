@@ -24,7 +24,8 @@ from engine.step import TokenLogprobs
 from pdcluster.v1 import common_pb2, worker_pb2
 
 
-def request_from_proto(msg: worker_pb2.WorkerRequest, transfer_id: str, device: torch.device) -> Request:
+def request_from_proto(msg: worker_pb2.WorkerRequest, transfer_id: str, device: torch.device,
+                       vocab_size: int | None = None) -> Request:
     """Build a worker-side request from the router's resolved ``WorkerRequest``.
 
     Unset sampling fields resolve to their declared defaults; a seeded request gets
@@ -33,10 +34,25 @@ def request_from_proto(msg: worker_pb2.WorkerRequest, transfer_id: str, device: 
     generator has skipped their draws (:func:`engine.sampling.skip_draw`), so the next
     token is sampled as output position ``len(output_token_ids)`` of an uninterrupted run.
 
+    The router validates what clients send; these checks guard the internal plane itself (a
+    caller with the cluster secret), so a bad request fails alone with INVALID_ARGUMENT instead of
+    failing inside a model step.
+
     Raises:
-        ValueError: a sampling field is out of range (see :class:`SamplingOptions`), or
-            ``output_token_ids`` holds ``max_tokens`` tokens or more (nothing left to generate).
+        ValueError: an empty ``request_id`` or prompt; a prompt or output token id outside
+            ``[0, vocab_size)`` (when ``vocab_size`` is given); a sampling field out of range (see
+            :class:`SamplingOptions`); or ``output_token_ids`` holding ``max_tokens`` tokens or
+            more (nothing left to generate).
     """
+    if not msg.request_id:
+        raise ValueError("request_id is empty")
+    if not msg.prompt_token_ids:
+        raise ValueError("prompt_token_ids is empty")
+    if vocab_size is not None:
+        for name, ids in (("prompt_token_ids", msg.prompt_token_ids), ("output_token_ids", msg.output_token_ids)):
+            bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name}[{bad}] = {ids[bad]} is outside the vocabulary [0, {vocab_size})")
     options = SamplingOptions(**read_sampling(msg.sampling, Target.SAMPLER))
     params = RequestParams(sampling=options, **read_sampling(msg.sampling, Target.REQUEST))
     outputs = list(msg.output_token_ids)

@@ -53,3 +53,20 @@ def test_logprobs_conversions():
     assert (msg.token_id, msg.logprob) == (5, -0.25)
     assert [(t.token_id, t.logprob) for t in msg.top] == [(5, -0.25), (7, -2.0)]
     assert logprobs_to_proto(3, None) == common_pb2.TokenLogprob(token_id=3)
+
+
+def test_request_from_proto_guards_the_internal_plane():
+    """What the router never sends, a caller with the cluster secret could: refused as INVALID_ARGUMENT
+    (a ValueError at the server) before anything reaches a model step."""
+    ok = common_pb2.SamplingParams(max_tokens=2)
+    cases = [(worker_pb2.WorkerRequest(request_id="", prompt_token_ids=[1], sampling=ok), "request_id is empty"),
+             (worker_pb2.WorkerRequest(request_id="r", sampling=ok), "prompt_token_ids is empty"),
+             (worker_pb2.WorkerRequest(request_id="r", prompt_token_ids=[1, 100], sampling=ok),
+              r"prompt_token_ids\[1\] = 100 is outside the vocabulary \[0, 100\)"),
+             (worker_pb2.WorkerRequest(request_id="r", prompt_token_ids=[1], output_token_ids=[4_000_000_000],
+                                       sampling=common_pb2.SamplingParams(max_tokens=3)),
+              r"output_token_ids\[0\] = 4000000000")]
+    for msg, match in cases:
+        with pytest.raises(ValueError, match=match):
+            request_from_proto(msg, "t", CPU, vocab_size=100)
+    assert request_from_proto(cases[2][0], "t", CPU).prompt_token_ids == [1, 100]  # no vocabulary given: unchecked

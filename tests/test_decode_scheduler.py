@@ -124,7 +124,20 @@ def test_decode_request_that_never_fits_is_invalid_argument(model, model_config,
     (ev,) = _events(again)
     assert isinstance(ev, Failed) and ev.code == grpc.StatusCode.ALREADY_EXISTS
     assert sched.transfers.is_open(res.transfer_id, res.generation)
-    sched.submit_abort("twice")
+    # the refused call's end aborts its own reservation only, even under the same transfer id
+    sched.submit_abort("twice", res.transfer_id, again)
+    sched.step()
+    assert sched.transfers.is_open(res.transfer_id, res.generation) and _events(first) == []
+    # another request under a transfer id in use is refused: the first one's transfer stays its own
+    clash: queue.Queue = queue.Queue()
+    other = _req("other", text_ids[:10])
+    other.transfer_id = res.transfer_id
+    sched.submit_reserve(other, clash)
+    sched.step()
+    (ev,) = _events(clash)
+    assert isinstance(ev, Failed) and ev.code == grpc.StatusCode.ALREADY_EXISTS and "in use" in ev.message
+    assert sched.transfers.is_open(res.transfer_id, res.generation) and not sched.has_request("other")
+    sched.submit_abort("twice", stream=first)
     sched.step()
     assert _events(first) == [Tokens([], [], "abort")]
     _no_decode_leak(sched)
