@@ -10,7 +10,10 @@ Each connection is served on its own thread (prometheus-client's threading WSGI 
 socket timeout of :data:`IO_TIMEOUT_S` on every read and write, and with TLS the handshake happens
 on that thread too: a client that connects and stays silent, or never completes its handshake,
 holds one thread for at most that long and never the thread that accepts connections (with the
-handshake in ``accept``, one such client kept every scraper out).
+handshake in ``accept``, one such client kept every scraper out). A connection is closed
+:data:`CONNECTION_DEADLINE_S` after it was accepted whatever it is doing (a request trickling a
+byte per read timeout kept its thread for ever), and at most :data:`MAX_CONNECTIONS` are served at
+once: one more is closed at accept, so trickling clients cost a bounded number of threads.
 
 The body is prometheus-client's text format 0.0.4 whatever the scraper asks for: its
 OpenMetrics output rewrites the ``:`` of our names to ``_``, which would split a dashboard's
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import ssl
 import tempfile
 import threading
@@ -31,11 +35,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 
 from common.grpc_metadata import bearer_token
+from serving.logs import ThrottledLog
 
 log = logging.getLogger(__name__)
+_refused = ThrottledLog(log, "/metrics connections refused (MAX_CONNECTIONS)")
 
 IO_TIMEOUT_S = 10.0
 """Socket timeout of each read and write of a ``/metrics`` connection, TLS handshake included (seconds)."""
+CONNECTION_DEADLINE_S = 30.0
+"""A ``/metrics`` connection is closed this long after it was accepted (seconds; a scrape takes milliseconds)."""
+MAX_CONNECTIONS = 64
+"""``/metrics`` connections served at once (each on a thread of its own); one more is closed at accept."""
 
 
 class _Handler(_SilentHandler):
@@ -43,8 +53,23 @@ class _Handler(_SilentHandler):
 
     def setup(self) -> None:
         super().setup()  # applies the timeout
+        self._deadline = threading.Timer(CONNECTION_DEADLINE_S, _shut, (self.connection,))
+        self._deadline.daemon = True
+        self._deadline.start()
         if isinstance(self.connection, ssl.SSLSocket):
             self.connection.do_handshake()
+
+    def finish(self) -> None:
+        self._deadline.cancel()
+        super().finish()
+
+
+def _shut(sock: socket.socket) -> None:
+    """End a connection past its deadline: its thread's blocked read returns at once."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already closed
+        pass
 
 
 class _Server(ThreadingWSGIServer):
@@ -53,6 +78,25 @@ class _Server(ThreadingWSGIServer):
     # connection then waits for its SYN's retransmission, a second later (a full test run here once
     # saw a scrape take 1.03 s behind 10 slow clients; not reproduced in isolation)
     request_queue_size = 128
+    _active = 0
+    _active_lock = threading.Lock()
+
+    def verify_request(self, request, client_address) -> bool:
+        """Take a serving slot (False: :data:`MAX_CONNECTIONS` are taken; the connection is closed)."""
+        with self._active_lock:
+            if self._active >= MAX_CONNECTIONS:
+                _refused.info(str(client_address[0]), "/metrics connection from %s refused: %d served at once",
+                              client_address, MAX_CONNECTIONS)
+                return False
+            self._active += 1
+            return True
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._active_lock:
+                self._active -= 1
 
     def handle_error(self, request, client_address) -> None:
         """A client that timed out, failed its handshake or left: one debug line, no traceback."""

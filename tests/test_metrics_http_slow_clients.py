@@ -15,6 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from serving.certs import create_ca, issue
+from serving import metrics_http
 from serving.metrics_http import MetricsHttpServer
 
 IO_S = 1.0
@@ -61,6 +62,41 @@ def test_silent_and_half_sent_connections_do_not_keep_scrapers_out(server):
     finally:
         for c in silent + half:
             c.close()
+
+
+def test_trickling_connections_are_closed_at_their_deadline_and_bounded_in_number(monkeypatch):
+    """A request trickling a byte before each read timeout held its thread for ever, and nothing
+    bounded how many did."""
+    monkeypatch.setattr(metrics_http, "CONNECTION_DEADLINE_S", 1.5)
+    monkeypatch.setattr(metrics_http, "MAX_CONNECTIONS", 3)
+    srv = MetricsHttpServer(_registry(), "127.0.0.1", io_timeout_s=IO_S)
+    srv.start()
+    held = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(3)]
+    try:
+        time.sleep(0.2)
+        extra = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        assert extra.recv(1) == b"", "a connection beyond MAX_CONNECTIONS is closed at accept"
+        extra.close()
+        t0 = time.monotonic()
+        closed = False
+        while time.monotonic() - t0 < 5 and not closed:
+            try:
+                held[0].sendall(b"G")  # a byte well within each read's timeout
+                held[0].settimeout(IO_S / 2)
+                closed = held[0].recv(1) == b""
+            except TimeoutError:
+                pass
+            except OSError:  # reset
+                closed = True
+        assert closed and time.monotonic() - t0 < 3, "a trickling connection is closed at its deadline"
+        for c in held:
+            c.close()
+        time.sleep(0.2)
+        assert b"pdcluster:probe_total 1.0" in _scrape("http", srv.port)  # the slots came back
+    finally:
+        for c in held:
+            c.close()
+        srv.stop()
 
 
 def test_the_timeout_must_be_positive():
