@@ -68,7 +68,10 @@ class _Handshake(asyncio.Protocol):
         try:
             tls = await loop.start_tls(transport, self, self._context, server_side=True,
                                        ssl_handshake_timeout=loop.handshake_timeout_s)
-        except (OSError, ssl.SSLError, asyncio.TimeoutError, asyncio.CancelledError):
+        except asyncio.CancelledError:  # the server is shutting down
+            transport.abort()
+            raise
+        except Exception:  # noqa: BLE001 - late, failed or abandoned: whatever the error, the connection ends
             transport.abort()
             return
         finally:
