@@ -210,6 +210,7 @@ class WorkerRegistry:
             socket_connect_timeout=socket_timeout_s,
             retry=Retry(NoBackoff(), 1),
             decode_responses=True,
+            encoding_errors="replace",  # a value that is not UTF-8 fails its own record's parse, not the whole reply
         )
         self._prune = self._r.register_script(_PRUNE_LUA)
 
@@ -297,7 +298,7 @@ class WorkerRegistry:
             for wid in ids:
                 p.hgetall(self._info_key(wid))
                 p.get(self._hb_key(wid))
-            replies = p.execute()
+            replies = p.execute(raise_on_error=False)  # a key of the wrong type: its error fails its own parse
         out: list[tuple[WorkerInfo, WorkerLoadSnapshot]] = []
         for i, wid in enumerate(ids):
             info_h, hb = replies[2 * i], replies[2 * i + 1]

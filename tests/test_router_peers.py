@@ -53,7 +53,17 @@ def test_a_wrong_typed_router_or_load_record_is_skipped_not_fatal(redis_url):
     raw.set("pdcluster:c:router:bool", json.dumps({"index": True, "pid": 1, "address": "x", "metrics_address": "y"}))
     raw.set("pdcluster:c:router:short", json.dumps({"index": 3}))
     raw.set("pdcluster:c:router:list", "[1, 2]")
+    raw.set("pdcluster:c:router:bytes", b"\xff\xfenot json")  # not UTF-8: failed the whole MGET reply
     assert [r.index for r in reg.live_routers()] == [0]
+    # workers: a heartbeat that is not UTF-8, and an info key of the wrong Redis type, fail their own entry only
+    reg.register(WorkerInfo("w-ok", "decode", "h:1"), ttl_s=30)
+    reg.heartbeat("w-ok", WorkerLoadSnapshot(), ttl_s=30)
+    raw.sadd("pdcluster:c:workers", "w-bytes", "w-type")
+    raw.hset("pdcluster:c:worker:w-bytes:info", mapping={"worker_id": "w-bytes", "role": "decode", "address": "h:2"})
+    raw.set("pdcluster:c:worker:w-bytes:hb", b"\xff{")
+    raw.set("pdcluster:c:worker:w-type:info", "not a hash")
+    raw.set("pdcluster:c:worker:w-type:hb", WorkerLoadSnapshot().to_json())
+    assert [info.worker_id for info, _ in reg.live_workers()] == ["w-ok"]
     with pytest.raises(TypeError, match="num_free_blocks must be int"):
         WorkerLoadSnapshot.from_json('{"num_free_blocks": "7"}')
     assert WorkerLoadSnapshot.from_json('{"updated_at": 3, "extra": 1}').updated_at == 3
