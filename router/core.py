@@ -23,7 +23,8 @@ Lifecycle of one request (DESIGN.md "decode-led reservation, prefill push"):
    (:mod:`router.handle`): under "recompute" it rebuilds the KV itself and the stream
    goes on; under "error" its stream ends and the request migrates. At most
    ``max_migrations`` migrations, then UNAVAILABLE naming the cause;
-4. it ends finished (stop, length), aborted (:meth:`RequestRouter.abort`), cancelled
+4. it ends finished (stop, length), aborted (:meth:`RequestRouter.abort`: by its owner, the
+   API key that started it), cancelled
    (:meth:`ActiveRequest.cancel`: the client went away; never migrated) or failed
    (:class:`RouterError`). Abort, cancel and a failure cancel both calls, which makes
    both workers free the request's blocks.
@@ -98,14 +99,16 @@ class RequestRouter:
         self._lock = threading.Lock()
         self._table: dict[str, RequestHandle] = {}
         self._since: dict[str, float] = {}
+        self._owners: dict[str, str] = {}  # request id -> who started it (an API key's digest; "": anyone)
         self._starting = 0  # admitted requests holding a seat, not yet registered
         self.lane = StartLane()  # placements wait for bursts of arrivals to be refused first
 
-    def start(self, request: router_pb2.GenerateRequest) -> ActiveRequest:
+    def start(self, request: router_pb2.GenerateRequest, owner: str = "") -> ActiveRequest:
         """Admit, validate and register ``request``; nothing is allocated yet. A full router
         refuses it at once, before any work on it (registered requests and those being
         validated count); an admitted one holds its seat from then on. Its arrival is noted
-        for the start lane (:mod:`router.start_lane`), in which it is placed.
+        for the start lane (:mod:`router.start_lane`), in which it is placed. ``owner``: who
+        may abort it by id (:meth:`abort`).
 
         Raises:
             RouterError: RESOURCE_EXHAUSTED with ``retry_after_ms`` (refused by admission: the
@@ -129,6 +132,7 @@ class RequestRouter:
                 if not duplicate:
                     self._table[prep.request_id] = handle
                     self._since[prep.request_id] = time.monotonic()
+                    self._owners[prep.request_id] = owner
         finally:
             with self._lock:
                 self._starting -= 1
@@ -164,12 +168,13 @@ class RequestRouter:
         self.metrics.inc("request_errors", code=grpc.StatusCode.RESOURCE_EXHAUSTED.name)
         raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message, e.retry_after_ms) from None
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, owner: str | None = None) -> bool:
         """Abort a running request (its stream ends with finish reason ABORT); returns
-        whether it was found."""
+        whether it was found. With ``owner``, only a request that owner started: another
+        one is not found (a client learns nothing of other clients' requests)."""
         with self._lock:
             handle = self._table.get(request_id)
-            if handle is None:
+            if handle is None or owner not in (None, self._owners.get(request_id)):
                 return False
             handle.aborted = True
         calls = [(role, info, self.stubs.get(role, info.address).Abort.future(
@@ -197,5 +202,6 @@ class RequestRouter:
         with self._lock:
             self._table.pop(request_id, None)
             since = self._since.pop(request_id, None)
+            self._owners.pop(request_id, None)
         if since is not None and self.admission is not None:
             self.admission.left(time.monotonic() - since)

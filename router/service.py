@@ -10,11 +10,13 @@ field) is refused with INVALID_ARGUMENT naming the field.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 
 import grpc
 from google.protobuf import message_factory
 
+from common.grpc_metadata import AUTHORIZATION, bearer_token, metadata_value
 from pdcluster.v1 import router_pb2, router_pb2_grpc
 from router.core import RequestRouter
 from router.errors import RouterError
@@ -38,7 +40,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def Generate(self, request, context):
         try:
-            active = self.core.start(request)
+            active = self.core.start(request, owner_of(context))
             if not context.add_callback(active.cancel):  # client cancelled or disconnected
                 log.info("request %s cancelled by the client before it was placed", active.request_id)
                 # a terminated call runs no callback it is given afterwards; counted, as every request is
@@ -51,10 +53,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             context.abort(e.code, e.message)
 
     def Abort(self, request, context):
-        return router_pb2.AbortResponse(found=self.core.abort(request.request_id))
+        return router_pb2.AbortResponse(found=self.core.abort(request.request_id, owner_of(context)))
 
     def GetModelInfo(self, request, context):
         return self.model_info
+
+
+def owner_of(context: grpc.ServicerContext) -> str:
+    """Who a call comes from, for :meth:`router.core.RequestRouter.abort`: a digest of its API key
+    (the key itself is kept nowhere new), or "" without one (a cluster without API keys: anyone)."""
+    key = bearer_token(metadata_value(context.invocation_metadata(), AUTHORIZATION))
+    return hashlib.sha256(key.encode()).hexdigest()[:32] if key else ""
 
 
 def add_router_service(servicer: RouterServicer, server: grpc.Server) -> None:

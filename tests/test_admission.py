@@ -126,7 +126,7 @@ def test_a_call_cancelled_before_placement_is_forgotten_and_counted():
     CANCELLED (every request counts once in request_success or request_errors)."""
     adm, metrics = _admission(AdmissionConfig(max_queued_requests=1))
     core = RequestRouter(_Validator(), None, None, LoadTracker(), metrics, None, adm)
-    context = types.SimpleNamespace(add_callback=lambda callback: False)
+    context = types.SimpleNamespace(add_callback=lambda callback: False, invocation_metadata=lambda: ())
     servicer = RouterServicer(core, router_pb2.ModelInfo(model_name="m"))
     assert list(servicer.Generate(router_pb2.GenerateRequest(request_id="gone", text="x"), context)) == []
     assert "gone" not in core._table and metrics.get("request_errors", code="CANCELLED")._value.get() == 1
@@ -176,10 +176,10 @@ def test_a_request_being_validated_holds_its_seat_and_refusals_do_not_wait_for_i
 class _RefusingCore:
     admission = None
 
-    def start(self, request):
+    def start(self, request, owner=""):
         raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the router is full", retry_after_ms=1500)
 
-    def abort(self, request_id):
+    def abort(self, request_id, owner=None):
         return False
 
 

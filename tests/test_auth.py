@@ -1,8 +1,8 @@
 """Authentication on a real local cluster started with two API keys: requests without a valid key
 are refused (gRPC UNAUTHENTICATED, HTTP 401 / ``openai.AuthenticationError``) and nothing is
-queued; with either key greedy output is token-exact with HF on both front doors; worker RPCs and
-KV pushes without the cluster secret are refused before anything is allocated or written; health
-answers without credentials; ``top``, ``loadtest`` (both backends) and Prometheus use the key."""
+queued; with either key greedy output is token-exact with HF on both front doors; a key aborts only
+its own requests; worker RPCs and KV pushes without the cluster secret are refused before anything
+is allocated or written; health answers without credentials; ``top``, ``loadtest`` (both backends) and Prometheus use the key."""
 
 from __future__ import annotations
 
@@ -151,6 +151,18 @@ def test_with_either_key_both_front_doors_are_token_exact(cluster, hf_model, tok
         chat_text = oai.chat.completions.create(model=MODEL, messages=chat, max_tokens=16,
                                                 temperature=0).choices[0].message.content
     assert (text, chat_text) == (res.text, chat_res.text)
+
+
+def test_abort_ends_only_requests_started_with_the_same_key(cluster):
+    """Any valid key could abort any request id; another key's requests are now not found."""
+    with router_client(cluster, api_key=KEYS[0]) as mine, router_client(cluster, api_key=KEYS[1]) as other:
+        it = iter(mine.stream("Tell me a long story.", max_tokens=200, temperature=0, ignore_eos=True,
+                              request_id="owned"))
+        next(it)
+        assert not other.abort("owned")
+        next(it)  # still streaming
+        assert mine.abort("owned")
+        assert list(it)[-1].finish_reason == 3  # ABORT
 
 
 def test_worker_rpcs_without_the_cluster_secret_are_refused_before_anything_is_allocated(cluster, tokenizer):

@@ -228,7 +228,7 @@ class _LateRouter(_Late, RouterServicer):
 
 def test_generate_cancelled_before_its_handler_registered_is_never_placed():
     active = _FakeActive()
-    core = type("Core", (), {"start": lambda self, request: active})()
+    core = type("Core", (), {"start": lambda self, request, owner="": active})()
     servicer = _LateRouter(core, router_pb2.ModelInfo())
     server, channel = _serve(lambda s, srv: router_pb2_grpc.add_RouterServicer_to_server(s, srv), servicer)
     try:

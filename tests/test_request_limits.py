@@ -131,14 +131,14 @@ class FakeCore:
     def __init__(self):
         self.seen = []
 
-    def start(self, request):
+    def start(self, request, owner=""):
         self.seen.append(request)
         if request.text == "refuse":
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: refused")
         return types.SimpleNamespace(cancel=lambda: None, responses=lambda: iter([
             router_pb2.GenerateResponse(request_id="r", token_ids=[7], finish_reason=common_pb2.FINISH_REASON_LENGTH)]))
 
-    def abort(self, request_id):
+    def abort(self, request_id, owner=None):
         return request_id == "known"
 
 
