@@ -211,7 +211,17 @@ def test_token_exact_through_a_fully_tls_cluster(tmp_path, hf_model, tokenizer):
         with router_client(state, tls_ca=CA.cert_pem) as client:
             out = client.generate(prompt, max_tokens=12, temperature=0)
         assert_greedy_matches(list(out.token_ids), ref, gaps, "fully TLS cluster")
-        assert_no_leak(state)  # GetLoad of every worker over the cluster's mutual TLS
+        ca_file = tmp_path / "ca.pem"
+        ca_file.write_bytes(CA.cert_pem)
+        with openai_client(f"https://{state['router_http_address']}", None, 300, 0, tls_ca=str(ca_file)) as oai:
+            model = oai.models.list().data[0].id  # HTTPS through the port's TLS gate (router.tls_gate)
+            chunks = oai.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == out.text
+            stream = oai.completions.create(model=model, prompt=prompt, max_tokens=400, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+            next(iter(stream))
+            stream.close()  # a client that leaves mid-stream: the request ends, its blocks go back
+        assert_no_leak(state, timeout_s=3.0)  # GetLoad of every worker over the cluster's mutual TLS
         plaintext = SecurityConfig(cluster_secret=state["cluster_secret"])  # the secret, but no certificate
         for info, _ in WorkerRegistry(state["redis_url"], state["cluster"]).live_workers():
             for address in filter(None, (info.address, info.kv_endpoint)):
