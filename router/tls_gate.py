@@ -40,7 +40,7 @@ class _Handshake(asyncio.Protocol):
 
     asyncio's TLS layer may pass on application data that came with the handshake's last message
     before ``start_tls`` returns: it is kept here and handed to the application's protocol after
-    its ``connection_made``."""
+    its ``connection_made``, unless that refused the connection (then it never runs)."""
 
     def __init__(self, loop: GatedLoop, make_app: Callable[[], asyncio.Protocol], context: ssl.SSLContext) -> None:
         self._loop = loop
@@ -76,23 +76,23 @@ class _Handshake(asyncio.Protocol):
             return
         finally:
             loop.pending -= 1
-        if tls is None or self._lost or tls.is_closing():  # the peer left as the handshake ended
+        if tls is None or self._lost or self._eof or tls.is_closing():  # the peer left as the handshake ended
             transport.abort()
             return
         app = self._make_app()
         tls.set_protocol(app)
         app.connection_made(tls)
         for data in self._early:
+            if tls.is_closing():  # refused (e.g. over max_connections) or closed: what came early must not run
+                return
             app.data_received(data)  # type: ignore[attr-defined]
-        if self._eof and not app.eof_received():  # type: ignore[attr-defined]
-            tls.close()
 
     def data_received(self, data: bytes) -> None:
         self._early.append(data)
 
-    def eof_received(self) -> bool:
+    def eof_received(self) -> None:
+        """The peer closed as the handshake ended (asyncio's TLS layer closes the connection)."""
         self._eof = True
-        return True  # keep the transport open until the application's protocol decides
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True

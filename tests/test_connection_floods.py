@@ -88,6 +88,65 @@ def test_https_port_bounds_connections_in_their_handshake():
         server.stop()
 
 
+def _request_with_the_finished(port: int, path: str) -> bytes:
+    """A TLS client whose request leaves in the same packet as its handshake's Finished (as a TLS 1.3
+    client may send it); returns what the server sends within a second of the request."""
+    raw = socket.create_connection(("127.0.0.1", port), timeout=5)
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ssl.create_default_context(cadata=CA.cert_pem.decode()).wrap_bio(incoming, outgoing,
+                                                                            server_hostname="127.0.0.1")
+    while True:
+        try:
+            tls.do_handshake()
+            break
+        except ssl.SSLWantReadError:
+            if outgoing.pending:
+                raw.sendall(outgoing.read())
+            incoming.write(raw.recv(65536))
+    tls.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+    raw.sendall(outgoing.read())
+    raw.settimeout(1.0)  # a TLS close waits for the client's close_notify: stop reading once the answer came
+    got = b""
+    try:
+        while data := raw.recv(65536):
+            incoming.write(data)
+            try:
+                while chunk := tls.read(65536):
+                    got += chunk
+            except (ssl.SSLWantReadError, ssl.SSLZeroReturnError):
+                pass
+    except TimeoutError:
+        pass
+    raw.close()
+    return got
+
+
+def test_a_connection_refused_after_its_handshake_runs_no_request_that_came_with_it():
+    """The gate hands what came with the handshake to the application's protocol after its
+    ``connection_made``; a connection that refused (503 over max_connections) must not run it."""
+    paths: list[str] = []
+
+    async def app(scope, receive, send):
+        paths.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    server = HttpServer(app, "127.0.0.1", 0, tls=(LEAF.cert_pem, LEAF.key_pem), max_connections=1)
+    port = server.start()
+    try:
+        assert _request_with_the_finished(port, "/first").startswith(b"HTTP/1.1 200")  # served as usual
+        held = ssl.create_default_context(cadata=CA.cert_pem.decode()).wrap_socket(_raw(port),
+                                                                                   server_hostname="127.0.0.1")
+        held.sendall(b"GET /held HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert held.recv(4096).startswith(b"HTTP/1.1 200")
+        assert _request_with_the_finished(port, "/refused").startswith(b"HTTP/1.1 503")
+        time.sleep(0.3)
+        assert paths == ["/first", "/held"]
+        held.close()
+    finally:
+        server.stop()
+
+
 def test_gated_loop_times_handshakes_out_and_keeps_data_sent_with_the_handshake():
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(*_pem_files())
