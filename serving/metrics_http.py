@@ -57,7 +57,11 @@ class _Handler(_SilentHandler):
         self._deadline.daemon = True
         self._deadline.start()
         if isinstance(self.connection, ssl.SSLSocket):
-            self.connection.do_handshake()
+            try:
+                self.connection.do_handshake()
+            except BaseException:  # no finish() follows a failed setup(): the timer must not outlive it
+                self._deadline.cancel()
+                raise
 
     def finish(self) -> None:
         self._deadline.cancel()
@@ -78,8 +82,11 @@ class _Server(ThreadingWSGIServer):
     # connection then waits for its SYN's retransmission, a second later (a full test run here once
     # saw a scrape take 1.03 s behind 10 slow clients; not reproduced in isolation)
     request_queue_size = 128
-    _active = 0
-    _active_lock = threading.Lock()
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._active = 0  # connections being served (verify_request .. process_request_thread's end)
+        self._active_lock = threading.Lock()
 
     def verify_request(self, request, client_address) -> bool:
         """Take a serving slot (False: :data:`MAX_CONNECTIONS` are taken; the connection is closed)."""

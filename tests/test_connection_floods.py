@@ -147,9 +147,12 @@ def test_a_connection_refused_after_its_handshake_runs_no_request_that_came_with
         server.stop()
 
 
-def test_gated_loop_times_handshakes_out_and_keeps_data_sent_with_the_handshake():
+def test_gated_loop_times_handshakes_out_and_keeps_data_sent_with_the_handshake(tmp_path):
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_bytes(LEAF.cert_pem)
+    key.write_bytes(LEAF.key_pem)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(*_pem_files())
+    context.load_cert_chain(cert, key)
     got: list[bytes] = []
     ready = threading.Event()
     loop_box: list[asyncio.AbstractEventLoop] = []
@@ -189,15 +192,6 @@ def _run_quietly(runner: asyncio.Runner, coro) -> None:
         runner.run(coro)
     finally:
         runner.close()
-
-
-def _pem_files() -> tuple[str, str]:
-    import tempfile
-    folder = tempfile.mkdtemp()
-    cert, key = f"{folder}/c.pem", f"{folder}/k.pem"
-    open(cert, "wb").write(LEAF.cert_pem)
-    open(key, "wb").write(LEAF.key_pem)
-    return cert, key
 
 
 def test_grpc_server_bounds_connections_from_accept_and_times_handshakes_out():
