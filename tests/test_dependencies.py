@@ -27,7 +27,7 @@ NOT_IMPORTED = {
     "jinja2": "transformers renders chat templates with it",
     "pytest-timeout": "pytest plugin: the suite's `timeout` ini option",
     "import-linter": "the `lint-imports` command of scripts/test.sh",
-    "grpcio-tools": "tests/test_proto_sync.py runs `python -m grpc_tools.protoc`",
+    "grpcio-tools": "tests/test_proto_sync.py runs scripts/gen_proto.py (`python -m grpc_tools.protoc`)",
 }
 # imported, deliberately not declared
 NOT_DECLARED = {"vllm": "bench/_decode_vllm.py runs in its own venv (bench/README.md)"}

@@ -1,8 +1,10 @@
 """The committed generated code in ``pdcluster/v1/`` matches ``proto/pdcluster/v1/*.proto``.
 
-Regenerates every .proto with the pinned ``grpcio-tools`` into a temporary folder
-and compares byte for byte, so a .proto edit without regeneration (or a stale
-stub left behind after a .proto was deleted) fails here instead of at runtime.
+Regenerates every .proto with ``scripts/gen_proto.py`` (the pinned ``grpcio-tools``, then the
+servicer bases' placeholder bodies rewritten) into a temporary folder and compares byte for byte,
+so a .proto edit without regeneration (or a stale stub left behind after a .proto was deleted)
+fails here instead of at runtime. Every method of every service is implemented by pdcluster's own
+servicer, so the generated bases' UNIMPLEMENTED answers are never what a pdcluster server gives.
 """
 
 from __future__ import annotations
@@ -18,10 +20,7 @@ pytest.importorskip("grpc_tools", reason="grpcio-tools is needed to regenerate t
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto" / "pdcluster" / "v1"
 GEN_DIR = ROOT / "pdcluster" / "v1"
-REGEN = (
-    "scripts/gen_proto.sh  (= python -m grpc_tools.protoc -I proto --python_out=. "
-    "--grpc_python_out=. --pyi_out=. proto/pdcluster/v1/*.proto, run in the repo root)"
-)
+REGEN = "scripts/gen_proto.sh  (= python scripts/gen_proto.py, run in the repo root)"
 SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
 
@@ -32,13 +31,8 @@ def _protos() -> list[Path]:
 
 
 def _generate(out: Path) -> None:
-    cmd = [
-        sys.executable, "-m", "grpc_tools.protoc", "-I", "proto",
-        f"--python_out={out}", f"--grpc_python_out={out}", f"--pyi_out={out}",
-        *(str(p.relative_to(ROOT)) for p in _protos()),
-    ]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    assert res.returncode == 0, f"protoc failed ({res.returncode}):\n{res.stderr}"
+    res = subprocess.run([sys.executable, "scripts/gen_proto.py", str(out)], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, f"scripts/gen_proto.py failed ({res.returncode}):\n{res.stderr}"
 
 
 def test_generated_code_matches_protos(tmp_path):
@@ -76,3 +70,32 @@ def test_generated_modules_import_and_name_their_proto():
     for mod, proto in ((common_pb2, "common"), (kv_pb2, "kv"), (router_pb2, "router"), (worker_pb2, "worker")):
         assert mod.DESCRIPTOR.name == f"pdcluster/v1/{proto}.proto"
         assert mod.DESCRIPTOR.package == "pdcluster.v1"
+
+
+def test_pdclusters_servicers_implement_every_method_of_their_service():
+    from decode_worker.server import DecodeWorkerServicer
+    from kvtransfer.grpc_receiver import KvTransferServicer
+    from pdcluster.v1 import kv_pb2, router_pb2, worker_pb2
+    from prefill_worker.server import PrefillWorkerServicer
+    from router.service import RouterServicer
+
+    for cls, service in ((RouterServicer, router_pb2.DESCRIPTOR.services_by_name["Router"]),
+                         (DecodeWorkerServicer, worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"]),
+                         (PrefillWorkerServicer, worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"]),
+                         (KvTransferServicer, kv_pb2.DESCRIPTOR.services_by_name["KvTransfer"])):
+        base = next((b for b in cls.__mro__ if b.__module__.startswith("pdcluster.v1.")), None)
+        missing = [m.name for m in service.methods
+                   if not callable(getattr(cls, m.name, None)) or getattr(cls, m.name) is getattr(base, m.name, None)]
+        assert not missing, f"{cls.__name__} leaves {missing} to the generated base (UNIMPLEMENTED)"
+
+
+def test_the_servicer_bases_answer_unimplemented_naming_the_method():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from gen_proto import PLACEHOLDER, answer_unimplemented
+    finally:
+        sys.path.pop(0)
+    source = f"class RouterServicer:\n    def Abort(self, request, context):\n{PLACEHOLDER}"
+    assert "'pdcluster.v1.Router/Abort is not served here'" in answer_unimplemented(source)
+    with pytest.raises(ValueError, match="outside a servicer method"):
+        answer_unimplemented(PLACEHOLDER)

@@ -51,9 +51,7 @@ class KvTransferServicer:
         (transfer_id, generation, layer_start, layer_end, block_ids, dtype,
         shape, checksum, kind) and its payload the raw tensor bytes.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, 'pdcluster.v1.KvTransfer/PushKv is not served here')
 
 
 def add_KvTransferServicer_to_server(servicer, server):

@@ -60,23 +60,17 @@ class RouterServicer:
         """Generate tokens for one prompt. With stream=true one message per step
         (token deltas); with stream=false exactly one message with the whole result.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, 'pdcluster.v1.Router/Generate is not served here')
 
     def Abort(self, request, context):
         """Abort a running request by id; its KV blocks are freed on every worker.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, 'pdcluster.v1.Router/Abort is not served here')
 
     def GetModelInfo(self, request, context):
         """The served model: name, max_model_len, vocab size, EOS token ids, KV block size.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, 'pdcluster.v1.Router/GetModelInfo is not served here')
 
 
 def add_RouterServicer_to_server(servicer, server):

@@ -70,24 +70,18 @@ class DecodeWorkerServicer:
         under "recompute" the worker rebuilds the prompt's KV itself instead and
         the stream goes on; RESOURCE_EXHAUSTED when the request can never fit).
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, 'pdcluster.v1.DecodeWorker/Reserve is not served here')
 
     def Abort(self, request, context):
         """Abort a request by id: its Reserve stream ends with FINISH_REASON_ABORT and
         its KV blocks return to the pool.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, 'pdcluster.v1.DecodeWorker/Abort is not served here')
 
     def GetLoad(self, request, context):
         """The worker's load now (free / total KV blocks, running and waiting requests).
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, 'pdcluster.v1.DecodeWorker/GetLoad is not served here')
 
     def FailTransfer(self, request, context):
         """The prefill side of a transfer failed (the router saw the Prefill call
@@ -96,9 +90,7 @@ class DecodeWorkerServicer:
         UNAVAILABLE; "recompute": it rebuilds the prompt's KV itself and decodes
         on) and answers what became of the request.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, 'pdcluster.v1.DecodeWorker/FailTransfer is not served here')
 
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
@@ -279,24 +271,18 @@ class PrefillWorkerServicer:
         """Prefill the prompt, sample its first token, push the KV to the
         destination decode worker and return after the decode side acknowledged.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, 'pdcluster.v1.PrefillWorker/Prefill is not served here')
 
     def Abort(self, request, context):
         """Abort a request by id: its Prefill call ends with CANCELLED and its KV
         blocks return to the pool.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, 'pdcluster.v1.PrefillWorker/Abort is not served here')
 
     def GetLoad(self, request, context):
         """The worker's load now (free / total KV blocks, running and waiting requests).
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, 'pdcluster.v1.PrefillWorker/GetLoad is not served here')
 
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
