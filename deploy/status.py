@@ -9,7 +9,7 @@ import shlex
 import sys
 import time
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 from rich.console import Console
 from rich.table import Table
 
@@ -101,6 +101,10 @@ def print_status(state: dict, as_json: bool = False, state_dir: str | None = Non
     3 when a desired worker or router is missing."""
     try:
         st = collect(state)
+    except ResponseError as e:  # Redis answers, with an error: not "unreachable"
+        print(f"error: the cluster's Redis answered with an error ({e}); a key under the cluster's prefix "
+              f"'pdcluster:{state['cluster']}:' may hold a value of another type than pdcluster wrote", file=sys.stderr)
+        return 1
     except RedisError as e:
         print(redis_down_message(state, state_dir, e), file=sys.stderr)
         return 1

@@ -50,3 +50,17 @@ def test_a_missing_router_shows_the_controllers_reason(redis_url, capsys):
         ("router-0", "not answering (restarting or hung) for 7s", 1)]
     assert cluster_status.print_status(state) == 3
     assert "missing: router-0 (router): not answering (restarting or hung) for 7s; restarts 1" in capsys.readouterr().out
+
+
+def test_a_key_of_the_wrong_type_is_named_not_called_unreachable(redis_url, capsys):
+    import redis
+    state = {"redis_url": redis_url, "cluster": "st", "num_routers": 0, "workers": [],
+             "router_address": "127.0.0.1:1", "ray_address": "127.0.0.1:1"}
+    r = redis.Redis.from_url(redis_url)
+    try:
+        r.lpush(f"pdcluster:st:state:{CONTROLLER_REPORT_KEY}", "x")  # a list where pdcluster keeps a string
+    finally:
+        r.close()
+    assert cluster_status.print_status(state) == 1
+    err = capsys.readouterr().err
+    assert "answered with an error (WRONGTYPE" in err and "'pdcluster:st:'" in err and "cannot reach" not in err
