@@ -117,6 +117,8 @@ class StopStringMatcher:
         self._held = ""
         self._context = 0  # leading characters of _held that no stop string may end in
         self._stopped = False
+        self.matched: str | None = None
+        """The stop string that matched (``None`` until one did)."""
 
     @property
     def stopped(self) -> bool:
@@ -155,13 +157,17 @@ class StopStringMatcher:
 
     def _first_stop(self, buf: str, min_end: int) -> int | None:
         """Where ``buf`` is cut at the earliest-ending stop occurrence that ends after its first
-        ``min_end`` characters (its start; with ``include`` its end), or None."""
-        best: tuple[int, int] | None = None
+        ``min_end`` characters (its start; with ``include`` its end), or None; the string is kept in
+        :attr:`matched`."""
+        best: tuple[int, int, str] | None = None
         for s in self._stops:
             start = buf.find(s, max(0, min_end - len(s) + 1))
-            if start >= 0 and (best is None or (start + len(s), start) < best):
-                best = (start + len(s), start)
-        return None if best is None else best[0 if self._include else 1]
+            if start >= 0 and (best is None or (start + len(s), start) < best[:2]):
+                best = (start + len(s), start, s)
+        if best is None:
+            return None
+        self.matched = best[2]
+        return best[0 if self._include else 1]
 
     def _partial_tail(self, buf: str) -> int:
         """Length of the longest suffix of ``buf`` that is a proper prefix of a stop string."""

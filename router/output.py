@@ -5,7 +5,9 @@ the start of one) and builds ``GenerateResponse`` messages: one per delta when
 streaming, one in total otherwise. The concatenated streamed text equals the
 non-streamed text and never contains a stop string. As in vLLM, the text also leaves
 out the stop token id that ended generation (its id stays in ``token_ids`` and counts
-in the usage); ``include_stop_str_in_output`` keeps both in the text.
+in the usage); ``include_stop_str_in_output`` keeps both in the text. The last message names
+the stop that ended generation (``stop_string`` or ``stop_token_id``: vLLM's ``stop_reason``;
+an id of the request's ``stop_token_ids`` is named even when it is also an EOS id).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class OutputAssembler:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self.stops = StopStringMatcher(stop, include_stop) if stop else None
         self.stop_token_ids = frozenset(() if include_stop else stop_token_ids)
+        self.request_stop_ids = frozenset(stop_token_ids)
+        self.stop_reason: dict[str, str | int] = {}  # GenerateResponse's stop_reason field, once one stop ended it
         self.min_tokens = min_tokens
         self.token_ids: list[int] = []
         self.text_parts: list[str] = []
@@ -71,14 +75,17 @@ class OutputAssembler:
             text = early + text
             if stopped:
                 reason = common_pb2.FINISH_REASON_STOP
+                self.stop_reason = {"stop_string": self.stops.matched}
             elif reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 text += self.stops.flush()
         else:
             text = early + text
+        if reason == common_pb2.FINISH_REASON_STOP and not self.stop_reason and ids and ids[-1] in self.request_stop_ids:
+            self.stop_reason = {"stop_token_id": ids[-1]}
         self.text_parts.append(text)
         self.finish_reason = reason
         msg = router_pb2.GenerateResponse(request_id=self.request_id, token_ids=ids, text=text,
-                                          finish_reason=reason, logprobs=delta.logprobs)
+                                          finish_reason=reason, logprobs=delta.logprobs, **self.stop_reason)
         if self.finished:
             msg.usage.CopyFrom(self.usage())
         return msg
@@ -91,4 +98,4 @@ class OutputAssembler:
         """The single message of a non-streamed request."""
         return router_pb2.GenerateResponse(
             request_id=self.request_id, token_ids=self.token_ids, text="".join(self.text_parts),
-            finish_reason=self.finish_reason, usage=self.usage(), logprobs=self.logprobs)
+            finish_reason=self.finish_reason, usage=self.usage(), logprobs=self.logprobs, **self.stop_reason)

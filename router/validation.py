@@ -86,6 +86,16 @@ class RequestValidator:
             include_stop_str_in_output=s.include_stop_str_in_output, min_tokens=s.min_tokens,
         )
 
+    def tokenize(self, req: router_pb2.GenerateRequest, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids as :meth:`prepare` computes them (text with the tokenizer's special
+        tokens unless ``add_special_tokens`` is false, or the rendered chat), without the length check.
+
+        Raises:
+            InvalidRequest: an empty prompt, one over ``max_prompt_bytes``, or messages the chat
+                checks refuse.
+        """
+        return self._prompt_ids(req, add_special_tokens)
+
     def _resolve_sampling(self, s: common_pb2.SamplingParams, prompt_len: int,
                           chat: bool = False) -> common_pb2.SamplingParams:
         """Check every declared parameter (:data:`common.sampling_params.SAMPLING_PARAMS`)
@@ -138,7 +148,7 @@ class RequestValidator:
         if size > cap:
             raise InvalidRequest(f"{what} is {size} bytes; max_prompt_bytes is {cap} (checked before tokenization)")
 
-    def _prompt_ids(self, req: router_pb2.GenerateRequest) -> list[int]:
+    def _prompt_ids(self, req: router_pb2.GenerateRequest, add_special_tokens: bool = True) -> list[int]:
         kind = req.WhichOneof("prompt")
         if kind is None:
             raise InvalidRequest("prompt: one of text, token_ids or messages is required")
@@ -146,7 +156,7 @@ class RequestValidator:
             if not req.text:
                 raise InvalidRequest("prompt: text is empty")
             self._check_bytes("prompt: text", len(req.text.encode()))
-            ids = self.tokenizer.encode(req.text, add_special_tokens=True)
+            ids = self.tokenizer.encode(req.text, add_special_tokens=add_special_tokens)
         elif kind == "token_ids":
             if not req.token_ids.ids:
                 raise InvalidRequest("prompt: token_ids is empty")

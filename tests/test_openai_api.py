@@ -87,9 +87,8 @@ def test_chat_stream_equals_grpc_stream(oai, grpc_client):
     ref = "".join(c.text for c in grpc_client.stream(CHAT, max_tokens=32, temperature=0))
     chunks = list(oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=32, temperature=0, stream=True,
                                               stream_options={"include_usage": True}))
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == ref
-    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
     whole = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=32, temperature=0)
     assert whole.choices[0].message.content == ref and whole.object == "chat.completion"
@@ -131,6 +130,9 @@ def test_n2_logprobs_seed_stop(oai):
     zl = z.choices[0].logprobs  # logprobs 0: the sampled tokens' logprobs, each top list only the sampled token
     assert zl.tokens == c.choices[0].logprobs.tokens and zl.token_logprobs == c.choices[0].logprobs.token_logprobs
     assert zl.top_logprobs == [{t: lp} for t, lp in zip(zl.tokens, zl.token_logprobs)]
+    h = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.5, seed=3,
+                               logprobs=1).choices[0].logprobs  # sampled: the token is not always the top one
+    assert all(top.get(t) == lp and len(top) <= 2 for t, lp, top in zip(h.tokens, h.token_logprobs, h.top_logprobs))
     s1 = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=7)
     s2 = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=7)
     assert s1.choices[0].text == s2.choices[0].text
@@ -139,10 +141,12 @@ def test_n2_logprobs_seed_stop(oai):
     cut = oai.completions.create(model=MODEL, prompt="Count: one, two, three,", max_tokens=16, temperature=0,
                                  stop=[word])
     assert word not in cut.choices[0].text and cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].stop_reason == word and full.choices[0].stop_reason is None  # vLLM's field
     chunks = list(oai.completions.create(model=MODEL, prompt="Count: one, two, three,", max_tokens=16, temperature=0,
                                          stop=[word], stream=True))
     assert "".join(c.choices[0].text for c in chunks) == cut.choices[0].text
     assert all(c.choices[0].text or c.choices[0].finish_reason for c in chunks)  # held-back text: no empty chunks
+    assert chunks[-1].choices[0].stop_reason == word
 
 
 @pytest.mark.parametrize("kwargs, status, param", [
@@ -275,10 +279,12 @@ def test_what_a_vllm_user_expects(oai, grpc_client):
         for stream in (False, True):
             got = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=stream,
                                          extra_body={"stop_token_ids": [comma], **extra})
+            got = list(got) if stream else got
             out = "".join(ch.choices[0].text for ch in got) if stream else got.choices[0].text
             assert out == text, (extra, stream, out)
-            if not stream:
-                assert got.usage.completion_tokens == 3 and got.choices[0].finish_reason == "stop"
+            last = got[-1] if stream else got
+            assert (last.choices[0].finish_reason, last.choices[0].stop_reason) == ("stop", comma)
+            assert stream or got.usage.completion_tokens == 3
     kept = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stop=[" 7"],
                                   extra_body={"include_stop_str_in_output": True})
     assert kept.choices[0].text == " 6, 7" and kept.choices[0].finish_reason == "stop"
@@ -381,3 +387,14 @@ def test_loadtest_openai_backend(base_url, tmp_path):
     assert summary["total_output_tokens"] == 6 * 8 and summary["output_token_mismatches"] == 0
     for key in ("median_ttft_ms", "p99_itl_ms", "mean_e2el_ms", "total_token_throughput", "duration"):
         assert summary[key] is not None and summary[key] > 0, key
+
+
+def test_vllm_shapes_sse_events_role_chunk_and_default_model(base_url):
+    body = json.dumps({"messages": CHAT, "max_tokens": 3, "stream": True}).encode()  # no "model": the served one
+    with urllib.request.urlopen(urllib.request.Request(f"{base_url}/v1/chat/completions", data=body, headers={
+            "content-type": "application/json"}), timeout=60) as r:
+        raw = r.read()
+    events = raw.decode().split("\n\n")
+    assert b"\r" not in raw and events[-2:] == ["data: [DONE]", ""], raw  # each event ends "\n\n", as vLLM's
+    first = json.loads(events[0].removeprefix("data: "))
+    assert first["model"] == MODEL and first["choices"][0]["delta"] == {"role": "assistant", "content": ""}

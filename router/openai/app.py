@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP front door (FastAPI): the router's request path behind OpenAI's API.
 
 Routes: ``GET /v1/models`` (and ``/v1/models/{model}``), ``POST /v1/completions``, ``POST /v1/chat/completions``,
+vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /version`` (:mod:`router.openai.tokenize`),
 ``GET /health`` (503 while no live prefill or decode worker), ``GET /metrics`` (the router's
 Prometheus metrics) and ``GET /v1/prometheus/targets`` (Prometheus HTTP service discovery of
 every process' ``/metrics``). With API keys, every route but ``/health`` needs one
@@ -49,6 +50,7 @@ from router.openai.http_metrics import CountRequests
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.openai.requests import OpenAIRequestError, SubRequest, chat_requests, completion_requests
 from router.openai.responses import ResponseBuilder, StreamUsage, totals
+from router.openai.tokenize import add_tokenizer_routes
 from serving.logs import request_scope
 from serving.metrics import ProcessMetrics
 
@@ -170,6 +172,8 @@ def build_app(state: FrontDoorState):
     async def chat(body: ChatCompletionRequest, request: Request):
         return await _generate(state, body, "chat", chat_requests, request)
 
+    add_tokenizer_routes(app, state)
+
     body_read = BodyDeadline(app, state.max_request_bytes, state.body_timeout_s)
     outer = DeclaredSizeLimit(RequireApiKey(body_read, accepts=state.accepts_api_key), state.max_request_bytes)
     return CountRequests(outer, state.metrics, app.routes) if state.metrics is not None else outer
@@ -195,7 +199,7 @@ def _unknown_model(state: FrontDoorState, name: str) -> Response:
 
 
 async def _generate(state: FrontDoorState, body, kind: str, expand, request: Request):
-    if body.model != state.model_name:
+    if body.model is not None and body.model != state.model_name:
         return _counted(state, request, _unknown_model(state, body.model))
     try:
         base, subs = expand(body, request.headers.get(REQUEST_ID_HEADER))
@@ -289,7 +293,8 @@ async def _stream(events, builder: ResponseBuilder, request: Request, subs: list
         finally:
             await events.aclose()
 
-    return EventSourceResponse(_sse(chained(), builder, subs, n, usage), ping=15)
+    # sep: each event ends with "\n\n", as vLLM's (sse-starlette writes "\r\n\r\n" by default)
+    return EventSourceResponse(_sse(chained(), builder, subs, n, usage), ping=15, sep="\n")
 
 
 def _start_all(core: RequestRouter, subs: list[SubRequest], n: int) -> list[ActiveRequest]:
@@ -366,10 +371,16 @@ async def _sse(events, builder: ResponseBuilder, subs: list[SubRequest], n: int,
                 yield {"data": json.dumps(router_error_response(item, body_only=True))}
                 break
             first = index not in offsets
+            if first and builder.kind == "chat":
+                role = builder.role_chunk(index)
+                if usage.prompts is not None:
+                    role["usage"] = usage.add(index, 0)
+                yield {"data": json.dumps(role)}
             so_far = usage.add(index, len(item.token_ids))
-            if not (first or item.text or item.finish_reason or len(item.logprobs)):
+            if not ((first and builder.kind != "chat") or item.text or item.finish_reason or len(item.logprobs)):
+                offsets.setdefault(index, 0)
                 continue  # tokens whose text is held back (a stop string may begin there): nothing to send
-            chunk = builder.chunk(index, item, subs[0].top_logprobs, offsets.get(index, 0), first)
+            chunk = builder.chunk(index, item, subs[0].top_logprobs, offsets.get(index, 0))
             if so_far is not None:
                 chunk["usage"] = so_far
             offsets[index] = offsets.get(index, 0) + len(item.text)

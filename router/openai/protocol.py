@@ -59,7 +59,7 @@ class StreamOptions(_Body):
 class _Sampling(_Extensible):
     """Fields both endpoints share (OpenAI names; vLLM's extras)."""
 
-    model: str
+    model: str | None = None  # vLLM's: left out, the served model (OpenAI requires it)
     max_tokens: StrictInt | None = None
     temperature: StrictFloat | None = None
     top_p: StrictFloat | None = None

@@ -1,7 +1,7 @@
 """The router's ``GenerateResponse`` messages -> OpenAI response and stream-chunk bodies.
 
 Shapes from the OpenAI API reference: ``text_completion`` / ``chat.completion`` objects,
-``chat.completion.chunk`` stream chunks (the first carrying ``role``), ``usage`` with
+``chat.completion.chunk`` stream chunks (the first of each choice carrying only ``role``), ``usage`` with
 ``prompt_tokens_details.cached_tokens``, completions ``logprobs`` as ``tokens`` /
 ``token_logprobs`` / ``top_logprobs`` / ``text_offset``, chat ``logprobs.content`` entries
 with ``token``, ``logprob``, ``bytes`` and ``top_logprobs``.
@@ -20,6 +20,13 @@ FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH
 
 def finish_reason(msg) -> str | None:
     return FINISH.get(msg.finish_reason)
+
+
+def stop_reason(msg) -> str | int | None:
+    """vLLM's ``stop_reason`` of a choice: the stop string or stop token id that ended it, ``None``
+    otherwise (an EOS token, a length limit, a message before the last)."""
+    which = msg.WhichOneof("stop_reason")
+    return None if which is None else getattr(msg, which)
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict:
@@ -85,15 +92,17 @@ class LogprobText:
 
     def completion(self, logprobs, offset: int, top_n: int) -> dict:
         """Completions-style ``logprobs`` for ``TokenLogprob`` messages whose text starts at ``offset``;
-        each ``top_logprobs`` entry holds the ``top_n`` most likely tokens, or with ``top_n`` 0 the
-        sampled one (as OpenAI and vLLM answer ``logprobs: 0``)."""
+        each ``top_logprobs`` entry holds the ``top_n`` most likely tokens and the sampled one (``top_n``
+        + 1 entries when it is not among them; with ``top_n`` 0 the sampled one alone), as OpenAI's API
+        defines it and vLLM answers (``serving_completion.py``, ``_create_completion_logprobs``)."""
         tokens, lps, tops, offsets = [], [], [], []
         for lp in logprobs:
             text = self.token(lp.token_id)
             tokens.append(text)
             lps.append(lp.logprob)
-            tops.append({self.token(x.token_id): x.logprob for x in list(lp.top)[:top_n]} if top_n
-                        else {text: lp.logprob})
+            top = {self.token(x.token_id): x.logprob for x in list(lp.top)[:top_n]}
+            top.setdefault(text, lp.logprob)
+            tops.append(top)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
@@ -127,7 +136,8 @@ class ResponseBuilder:
         for index in sorted(choices):
             msgs = choices[index]
             text = "".join(m.text for m in msgs)
-            body = {"index": index, "logprobs": self._logprobs(msgs, top_n), "finish_reason": finish_reason(msgs[-1])}
+            body = {"index": index, "logprobs": self._logprobs(msgs, top_n), "finish_reason": finish_reason(msgs[-1]),
+                    "stop_reason": stop_reason(msgs[-1])}
             if self.kind == "chat":
                 body["message"] = {"role": "assistant", "content": text}
             else:
@@ -137,17 +147,23 @@ class ResponseBuilder:
         doc["usage"] = usage(*totals({i: msgs[-1].usage for i, msgs in choices.items()}, n))
         return doc
 
-    def chunk(self, index: int, msg, top_n: int, offset: int, first: bool) -> dict:
-        """One stream chunk for ``msg`` of choice ``index`` (``first``: its first chunk)."""
+    def chunk(self, index: int, msg, top_n: int, offset: int) -> dict:
+        """One stream chunk for ``msg`` of choice ``index``."""
         if self.kind == "chat":
-            delta = {"role": "assistant", "content": msg.text} if first else (
-                {"content": msg.text} if msg.text else {})
-            choice = {"index": index, "delta": delta}
+            choice = {"index": index, "delta": {"content": msg.text} if msg.text else {}}
         else:
             choice = {"index": index, "text": msg.text}
         choice["logprobs"] = self._logprobs([msg], top_n, offset)
         choice["finish_reason"] = finish_reason(msg)
+        choice["stop_reason"] = stop_reason(msg)
         return self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion", [choice])
+
+    def role_chunk(self, index: int) -> dict:
+        """The first chunk of chat choice ``index``: the role and empty content, before any token
+        (as OpenAI and vLLM stream a chat answer)."""
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
+        return self._envelope("chat.completion.chunk", [choice])
 
     def usage_chunk(self, prompt: int, completion: int, cached: int) -> dict:
         """The final chunk of ``stream_options.include_usage``: no choices, the request's usage."""

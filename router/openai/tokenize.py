@@ -1,0 +1,115 @@
+"""vLLM's tokenizer routes of the OpenAI-compatible server: ``POST /tokenize``, ``POST /detokenize``
+and ``GET /version`` (shapes from vLLM's ``TokenizeRequest`` / ``DetokenizeRequest`` and their
+responses in ``vllm/entrypoints/openai/protocol.py``).
+
+``/tokenize`` takes a ``prompt`` (tokenized as ``/v1/completions`` tokenizes it: with the tokenizer's
+special tokens unless ``add_special_tokens`` is false) or chat ``messages`` (rendered and tokenized
+as ``/v1/chat/completions`` renders them, generation prompt included), and answers
+``{count, max_model_len, tokens, token_strs}`` (``token_strs``: the vocabulary entries, with
+``return_token_strs``). A prompt longer than ``max_model_len`` is counted, not refused (a client
+uses the count to decide). ``/detokenize`` answers ``{prompt}``: the text of ``tokens`` (every id
+in the vocabulary), special tokens included, as vLLM decodes it.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import Union
+
+from fastapi import FastAPI
+from pydantic import StrictBool, StrictInt
+from starlette.concurrency import run_in_threadpool
+
+from pdcluster.v1 import router_pb2
+from router.openai.errors import error_response
+from router.openai.protocol import ChatMessageIn, _Body
+from router.openai.requests import OpenAIRequestError, _check_utf8, chat_text, refuse_unsupported
+from router.validation import InvalidRequest
+
+
+class TokenizeRequest(_Body):
+    """``POST /tokenize``: exactly one of ``prompt`` and ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_special_tokens: StrictBool | None = None
+    return_token_strs: StrictBool = False
+    add_generation_prompt: StrictBool | None = None
+    continue_final_message: StrictBool | None = None
+    chat_template: Union[str, None] = None
+    chat_template_kwargs: dict | None = None
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+def _server_version() -> str:
+    try:
+        return version("pdcluster")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        return "unknown"
+
+
+def add_tokenizer_routes(app: FastAPI, state) -> None:
+    """Add ``/tokenize``, ``/detokenize`` and ``/version`` to ``app``; ``state`` is the
+    :class:`router.openai.app.FrontDoorState`."""
+
+    def unknown_model(name: str):
+        return error_response(404, f"model {name!r} does not exist; this server serves {state.model_name!r}",
+                              param="model", code="model_not_found")
+
+    @app.get("/version")
+    async def server_version():
+        return {"version": _server_version()}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if body.model is not None and body.model != state.model_name:
+            return unknown_model(body.model)
+        try:
+            ids = await run_in_threadpool(_tokenize, state, body)
+        except OpenAIRequestError as e:
+            return error_response(e.status, e.message, param=e.param, code=e.code)
+        except InvalidRequest as e:
+            return error_response(400, str(e), param="messages" if body.messages is not None else "prompt")
+        strs = state.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        if body.model is not None and body.model != state.model_name:
+            return unknown_model(body.model)
+        vocab = state.core.validator.limits.vocab_size
+        bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            return error_response(400, f"tokens[{bad}]: id {body.tokens[bad]} is not in [0, {vocab}) (the vocabulary)",
+                                  param="tokens")
+        return {"prompt": await run_in_threadpool(state.tokenizer.decode, body.tokens)}
+
+
+def _tokenize(state, body: TokenizeRequest) -> list[int]:
+    """The token ids ``/v1/completions`` or ``/v1/chat/completions`` would compute for ``body``.
+
+    Raises:
+        OpenAIRequestError: neither or both of ``prompt`` and ``messages``; a field this server does
+            not serve (``add_special_tokens`` with messages, a chat template of the request's own ...).
+        InvalidRequest: the router's prompt checks (empty, over ``max_prompt_bytes``, bad messages).
+    """
+    if (body.prompt is None) == (body.messages is None):
+        raise OpenAIRequestError("exactly one of prompt and messages is required", param="prompt")
+    refuse_unsupported(body)
+    if body.messages is not None:
+        if body.add_special_tokens:
+            raise OpenAIRequestError("add_special_tokens: true is not supported with messages (the chat "
+                                     "template places the special tokens)", param="add_special_tokens",
+                                     code="unsupported_parameter")
+        req = router_pb2.GenerateRequest(messages=router_pb2.MessageList(messages=chat_text(body)))
+        return state.core.validator.tokenize(req)
+    _check_utf8(body.prompt, "prompt", "prompt")
+    return state.core.validator.tokenize(router_pb2.GenerateRequest(text=body.prompt),
+                                         add_special_tokens=body.add_special_tokens is not False)
