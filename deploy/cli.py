@@ -21,6 +21,7 @@ from router.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
 )
 from router.migration import DEFAULT_MAX_MIGRATIONS, check_max_migrations
+from router.openai.cors import check_origins
 from router.policy_names import DEFAULT_POLICY, POLICY_NAMES
 from serving.logs import LOG_FORMATS, LOG_LEVELS
 from serving.rpc import DEFAULT_MAX_QUEUED_REQUESTS
@@ -51,6 +52,16 @@ def _positive(value: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
     return n
+
+
+def _origins(value: str) -> tuple[str, ...]:
+    """argparse type: comma-separated CORS origins (:func:`router.openai.cors.check_origins`)."""
+    origins = tuple(o.strip() for o in value.split(",") if o.strip())
+    try:
+        check_origins(origins)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return origins
 
 
 def _max_migrations(value: str) -> int:
@@ -146,6 +157,9 @@ def _add_serving(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-max-connections", type=_positive, default=DEFAULT_HTTP_MAX_CONNECTIONS, metavar="N",
                    help="open connections one router's HTTP port holds at most; one more gets 503 and is closed "
                         f"(default {DEFAULT_HTTP_MAX_CONNECTIONS}; with TLS, as many more may be in their handshake)")
+    p.add_argument("--allowed-origins", type=_origins, default=(), metavar="ORIGINS",
+                   help="comma-separated origins (scheme://host[:port]) whose browser pages may call the HTTP API "
+                        "(CORS), or '*' for any (vLLM's default); default: none (CORS off)")
     p.add_argument("--grpc-max-connections", type=_positive, default=DEFAULT_GRPC_MAX_CONNECTIONS, metavar="N",
                    help="connections one router's gRPC port holds at once, handshakes included; one more is closed "
                         f"at accept (default {DEFAULT_GRPC_MAX_CONNECTIONS})")

@@ -250,7 +250,7 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
                           security=security, admission=AdmissionConfig(max_queued_requests=args.max_queued_requests,
                                                                        ttft_slo_ms=args.ttft_slo_ms),
                           breaker=BreakerConfig(failures=args.breaker_failures, cooldown_s=args.breaker_cooldown_s),
-                          reuse_port=args.routers > 1)
+                          reuse_port=args.routers > 1, allowed_origins=args.allowed_origins)
     return cluster_from_args(args, worker, router)
 
 

@@ -16,6 +16,7 @@ from router.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
 )
 from router.migration import DEFAULT_MAX_MIGRATIONS, check_max_migrations
+from router.openai.cors import check_origins
 from router.policy_names import DEFAULT_POLICY, check_policy
 from serving.logs import LogConfig
 from serving.security import SecurityConfig
@@ -59,6 +60,8 @@ class RouterConfig:
             still in their handshake are held to the same number apart (:mod:`router.tls_gate`).
         grpc_max_connections: connections the gRPC port holds at once, handshakes included
             (``pdcluster up --grpc-max-connections``); one more is closed at accept.
+        allowed_origins: origins browser pages may call the HTTP port from (CORS; ``pdcluster up
+            --allowed-origins``; ``*``: any; none: CORS off): :mod:`router.openai.cors`.
         max_prompt_bytes: a prompt's bytes (text, or chat roles and contents), checked
             before tokenization; ``None``: :func:`router.validation.prompt_byte_cap`
             (``max_model_len`` x the longest token), so a prompt that fits is never refused.
@@ -80,8 +83,8 @@ class RouterConfig:
         ValueError: a non-positive ``max_model_len``, ``view_period_s``, ``max_request_bytes``,
             ``http_body_timeout_s``, ``http_header_timeout_s``, ``http_max_connections`` or
             ``max_prompt_bytes``, an unregistered ``policy`` (the
-            message lists the registered names), ``max_migrations`` outside ``[0, 100]`` or a
-            negative ``index``.
+            message lists the registered names), ``max_migrations`` outside ``[0, 100]``, a
+            negative ``index`` or an allowed origin that is not one.
     """
 
     model: str
@@ -100,6 +103,7 @@ class RouterConfig:
     http_header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     http_max_connections: int = DEFAULT_HTTP_MAX_CONNECTIONS
     grpc_max_connections: int = DEFAULT_GRPC_MAX_CONNECTIONS
+    allowed_origins: tuple[str, ...] = ()
     max_prompt_bytes: int | None = None
     max_migrations: int = DEFAULT_MAX_MIGRATIONS
     log: LogConfig = field(default_factory=LogConfig)
@@ -138,3 +142,4 @@ class RouterConfig:
             raise ValueError(f"http_port ({self.http_port}) must differ from port, the gRPC one")
         check_policy(self.policy)
         check_max_migrations(self.max_migrations)
+        check_origins(self.allowed_origins)

@@ -75,3 +75,36 @@ def test_detokenize_and_version(http, tokenizer):
     assert http.post("/detokenize", json={"tokens": ["a"]}).status_code == 400
     v = http.get("/version")
     assert v.status_code == 200 and isinstance(v.json()["version"], str) and v.json()["version"]
+
+
+def _app(tokenizer, origins):
+    validator = RequestValidator(tokenizer, Limits(max_model_len=64, vocab_size=len(tokenizer)))
+    state = FrontDoorState(core=types.SimpleNamespace(validator=validator, admission=None), model_name=MODEL,
+                           tokenizer=tokenizer, health=lambda: (True, ""), targets=list, metrics_registry=None,
+                           accepts_api_key=lambda key: key == "sk-1", max_model_len=64, allowed_origins=origins)
+    return TestClient(build_app(state), raise_server_exceptions=False)
+
+
+def test_cors_is_off_by_default_and_allowed_origins_pass_preflights_without_a_key(tokenizer):
+    preflight = {"origin": "https://ui.example", "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type"}
+    off = _app(tokenizer, ())
+    r = off.options("/tokenize", headers=preflight)
+    assert r.status_code == 401 and "access-control-allow-origin" not in r.headers  # no CORS: the key check answers
+    on = _app(tokenizer, ("https://ui.example",))
+    r = on.options("/tokenize", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example"
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    assert on.options("/tokenize", headers={**preflight, "origin": "https://evil.example"}).status_code == 400
+    r = on.post("/tokenize", json={"prompt": "hi"}, headers={"origin": "https://ui.example"})
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "https://ui.example"  # readable
+    r = on.post("/tokenize", json={"prompt": "hi"},
+                headers={"origin": "https://ui.example", "authorization": "Bearer sk-1"})
+    assert r.status_code == 200 and "x-request-id" in r.headers["access-control-expose-headers"].lower()
+
+
+@pytest.mark.parametrize("origins", [("ui.example",), ("https://ui.example/path",), ("ftp://ui.example",)])
+def test_a_bad_allowed_origin_is_refused_at_start(origins):
+    from router.openai.cors import check_origins
+    with pytest.raises(ValueError, match="must be '\\*' or scheme://host"):
+        check_origins(origins)

@@ -44,6 +44,7 @@ from router.errors import RouterError
 from router.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from router.openai.auth import RequireApiKey
 from router.openai.body import BodyDeadline, too_large
+from router.openai.cors import with_cors
 from router.openai.errors import (UNREADABLE_BODY, error_response, request_aliases, router_error_response,
                                   unreadable_body_response, validation_error_response)
 from router.openai.http_metrics import CountRequests
@@ -85,6 +86,7 @@ class FrontDoorState:
             :class:`router.openai.body.BodyDeadline`).
         metrics: the router's metrics, where a generation request the HTTP layer refuses
             itself counts in ``request_errors`` (``None``: not counted).
+        allowed_origins: origins browsers may call from (CORS, :mod:`router.openai.cors`; none: off).
     """
 
     core: RequestRouter
@@ -99,6 +101,7 @@ class FrontDoorState:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     metrics: ProcessMetrics | None = None
+    allowed_origins: tuple[str, ...] = ()
 
 
 class DeclaredSizeLimit:
@@ -120,7 +123,8 @@ class DeclaredSizeLimit:
 
 def build_app(state: FrontDoorState):
     """The ASGI application of the router's HTTP port, outermost first: with ``state.metrics``
-    :class:`router.openai.http_metrics.CountRequests`, :class:`DeclaredSizeLimit`,
+    :class:`router.openai.http_metrics.CountRequests`, CORS (:mod:`router.openai.cors`, with
+    ``state.allowed_origins``: preflights are answered before the key check), :class:`DeclaredSizeLimit`,
     :class:`router.openai.auth.RequireApiKey` (before any body is read),
     :class:`router.openai.body.BodyDeadline` (the body read in time and within its size), the
     FastAPI app."""
@@ -171,11 +175,11 @@ def build_app(state: FrontDoorState):
     @app.post(CHAT_ROUTE)
     async def chat(body: ChatCompletionRequest, request: Request):
         return await _generate(state, body, "chat", chat_requests, request)
-
-    add_tokenizer_routes(app, state)
+    add_tokenizer_routes(app, state)  # /tokenize, /detokenize, /version
 
     body_read = BodyDeadline(app, state.max_request_bytes, state.body_timeout_s)
-    outer = DeclaredSizeLimit(RequireApiKey(body_read, accepts=state.accepts_api_key), state.max_request_bytes)
+    outer = with_cors(DeclaredSizeLimit(RequireApiKey(body_read, accepts=state.accepts_api_key),
+                                        state.max_request_bytes), state.allowed_origins)
     return CountRequests(outer, state.metrics, app.routes) if state.metrics is not None else outer
 
 
