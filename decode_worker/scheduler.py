@@ -123,10 +123,10 @@ class DecodeScheduler:
         return request_id in self._requests
 
     def load(self) -> dict:
-        """Counters for heartbeats and GetLoad (racy reads of ints are fine)."""
-        return {
-            "num_waiting": len(self._pending),
-            "num_running": len(self._requests) - len(self._pending),
+        """Counters for heartbeats, GetLoad, metrics (racy int reads): running = in the batch, as vLLM's;
+        waiting = every other request held (for blocks, its KV or a seat, or preempted)."""
+        running = self._num_scheduled()
+        return {"num_waiting": max(0, len(self._requests) - running), "num_running": running,
             "num_free_blocks": self.kv.num_free,
             "num_total_blocks": self.kv.num_usable,
             "num_finished": self.num_finished,

@@ -117,8 +117,9 @@ class WorkerLoadSnapshot:
     """Load reported with each heartbeat.
 
     Attributes:
-        num_waiting: requests queued, not yet scheduled.
-        num_running: requests holding KV blocks.
+        num_waiting: requests held, not in the batch (a decode worker's: waiting for blocks,
+            for their KV or a seat, or preempted).
+        num_running: requests in the batch.
         num_free_blocks: free KV blocks.
         num_total_blocks: KV blocks in the pool.
         draining: the worker accepts no new requests.

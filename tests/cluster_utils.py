@@ -110,8 +110,8 @@ def assert_no_leak(state: dict, timeout_s: float = 2.0) -> None:
                 raise
             time.sleep(0.2)
             continue
-        held = {w.worker_id: (w.num_total_blocks - w.num_free_blocks, w.num_running) for w in loads
-                if w.num_free_blocks != w.num_total_blocks or w.num_running}
+        held = {w.worker_id: (w.num_total_blocks - w.num_free_blocks, w.num_running, w.num_waiting) for w in loads
+                if w.num_free_blocks != w.num_total_blocks or w.num_running or w.num_waiting}
         if not held:
             assert loads, "no live worker to check"
             return

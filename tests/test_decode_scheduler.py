@@ -90,7 +90,8 @@ def test_decode_admission_backpressure(model, model_config, text_ids):
     sched.step()
     assert _events(sb) == []  # waits: 2 + 6 > 7
     assert b.status == RequestStatus.WAITING and b.block_table == []
-    assert sched.load()["num_waiting"] == 1
+    load = sched.load()  # a awaits its KV, b blocks: neither is in the batch (running means in the batch, as vLLM's)
+    assert (load["num_waiting"], load["num_running"]) == (2, 0)
     _deliver(sched, ra, kv_a, want_a[0])
     events = _collect_tokens(sched, sa)
     assert [t for e in events for t in e.token_ids] == want_a
@@ -99,7 +100,7 @@ def test_decode_admission_backpressure(model, model_config, text_ids):
     ev = _events(sb)
     assert len(ev) == 1 and isinstance(ev[0], Reserved)
     assert len(ev[0].block_ids) == blocks_needed(90, BS) == 6
-    assert sched.load()["num_waiting"] == 0
+    assert (sched.load()["num_waiting"], sched.load()["num_running"]) == (1, 0)  # b awaits its KV
     sched.submit_abort("b")
     sched.step()
     assert _events(sb) == [Tokens([], [], "abort")]
