@@ -34,6 +34,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -107,6 +108,9 @@ class PrefillScheduler:
         layerwise: start a request's transfer with its last prefill step and stream
             the KV layer by layer (requests writing into external blocks never stream).
         on_step: called with every executed step's :class:`engine.step_stats.StepStats`.
+        on_computed: called as each request's prefill ends (before its KV is sent, so a request
+            cancelled meanwhile counts too) with its prompt tokens, the tokens the prefix cache held,
+            its queue time and its prefill compute time (seconds).
         eos_token_ids: the model's EOS ids, which a request's first token cannot be while it
             asks for ``min_tokens`` (:func:`engine.stop_check.early_stop_ids`).
     """
@@ -114,10 +118,11 @@ class PrefillScheduler:
     def __init__(self, runner: ModelRunner, cache: CacheConfig, sched: SchedulerConfig,
                  sender_threads: int = 4, wake: threading.Event | None = None, model_id: str = "",
                  layerwise: bool = False, on_step: StepObserver | None = None,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (),
+                 on_computed: Callable[[int, int, float, float], None] | None = None) -> None:
         self.runner = runner
         self.eos = eos_token_ids
-        self.on_step = on_step
+        self.on_step, self.on_computed = on_step, on_computed
         self.layerwise = layerwise
         self.num_layers = runner.kv_cache.shape[0]
         self.block_size = cache.block_size
@@ -314,6 +319,8 @@ class PrefillScheduler:
             entry.first_token, entry.first_logprobs = tok, lp
             entry.computed_at = now
             entry.request.status = RequestStatus.TRANSFERRING
+            if self.on_computed is not None:
+                self.on_computed(entry.request.num_tokens, entry.cached_tokens, entry.queue_s, entry.prefill_s)
             self._queue.remove(rid)
             if rid in streams:
                 streams[rid].finish(tok, logprobs_to_dict(lp))

@@ -74,9 +74,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 log.info("prefill failed: %s", e)
                 context.abort(e.code, str(e))
             if self.metrics is not None:
-                self.metrics.prefill_done(prompt_tokens=req.num_tokens, cached_tokens=res.cached_tokens,
-                                          queue_s=res.queue_s, prefill_s=res.prefill_s, kv_bytes=res.kv_bytes_sent,
-                                          transfer_s=res.transfer_total_s)
+                self.metrics.kv_sent(kv_bytes=res.kv_bytes_sent, transfer_s=res.transfer_total_s)
             return worker_pb2.PrefillResponse(
                 first_token_id=res.first_token_id, cached_prompt_tokens=res.cached_tokens,
                 kv_bytes_sent=res.kv_bytes_sent, prefill_seconds=res.prefill_s, transfer_seconds=res.transfer_s)

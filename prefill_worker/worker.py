@@ -33,7 +33,7 @@ def create_prefill_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -
     metrics = WorkerMetrics(cfg, lambda: sched.load())
     sched = PrefillScheduler(runner, cfg.cache, cfg.scheduler, model_id=_model_id(model_cfg.name, cfg),
                              layerwise=cfg.kv.layerwise, on_step=metrics.on_step,
-                             eos_token_ids=model_cfg.eos_token_ids)
+                             eos_token_ids=model_cfg.eos_token_ids, on_computed=metrics.prefill_computed)
     sender = create_sender(cfg.kv, partial(internal_channel, cfg.security))
     route = remote_route(sender, HeadShards.of(runner.kv_parts), cfg.kv.layers_per_chunk)
     servicer = PrefillWorkerServicer(sched, route, cfg.worker_id, runner.device, metrics=metrics,

@@ -58,10 +58,11 @@ from router.start_lane import StartLane
 from router.stats import RouterGauges
 from router.stubs import StubCache
 from router.validation import InvalidRequest, PreparedRequest, RequestValidator
-from serving.logs import REQUEST_ID_METADATA
+from serving.logs import REQUEST_ID_METADATA, ThrottledLog
 from serving.metrics import ProcessMetrics
 
 log = logging.getLogger(__name__)
+_invalid = ThrottledLog(log, "requests refused (invalid)")  # one line a second under a storm of bad requests
 
 
 class RequestRouter:
@@ -138,6 +139,8 @@ class RequestRouter:
                 self._starting -= 1
         if duplicate:
             self.metrics.inc("request_errors", code=grpc.StatusCode.ALREADY_EXISTS.name)
+            _invalid.info(prep.request_id, "request %s refused: ALREADY_EXISTS (a running request has its id)",
+                          prep.request_id)
             raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {prep.request_id!r} is already running")
         return ActiveRequest(self, prep, handle, arrival)
 
@@ -155,6 +158,7 @@ class RequestRouter:
             return prep
         except InvalidRequest as e:
             self.metrics.inc("request_errors", code=grpc.StatusCode.INVALID_ARGUMENT.name)
+            _invalid.info(request.request_id, "request %s refused: INVALID_ARGUMENT: %s", request.request_id, e)
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except Refused as e:
             self._refused(e)

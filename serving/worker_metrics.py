@@ -73,16 +73,18 @@ class WorkerMetrics:
                         self.m.inc(key, delta)
                         self._totals_seen[key] = load[key]
 
-    def prefill_done(self, *, prompt_tokens: int, cached_tokens: int, queue_s: float, prefill_s: float,
-                     kv_bytes: int, transfer_s: float) -> None:
-        """A prefill finished and its KV reached the decode worker (tokens, seconds, bytes)."""
+    def prefill_computed(self, prompt_tokens: int, cached_tokens: int, queue_s: float, prefill_s: float) -> None:
+        """A request's prefill ended (tokens, seconds), whatever becomes of its KV transfer."""
         m = self.m
         m.observe("prefill_time_seconds", prefill_s)
         m.observe("request_queue_time_seconds", queue_s)
         m.inc("prefix_cache_queries", prompt_tokens)
         m.inc("prefix_cache_hits", cached_tokens)
-        m.inc("kv_transfer_bytes", kv_bytes)
-        m.observe("kv_transfer_seconds", transfer_s)
+
+    def kv_sent(self, *, kv_bytes: int, transfer_s: float) -> None:
+        """A request's KV reached the decode worker (bytes: whole blocks; seconds)."""
+        self.m.inc("kv_transfer_bytes", kv_bytes)
+        self.m.observe("kv_transfer_seconds", transfer_s)
 
     def kv_failed(self, reason: str) -> None:
         """A KV transfer failed; ``reason`` is a short class (``checksum``, ``timeout``, ...)."""

@@ -255,6 +255,20 @@ def test_prefill_send_failure_is_unavailable_and_frees(prefill_env, text_ids):
     _no_leak(sched)
 
 
+def test_a_prefill_is_reported_computed_whatever_becomes_of_its_kv(prefill_env, text_ids):
+    """The metrics' prefill time, queue time and prefix-cache counters come from ``on_computed``, called as
+    the prefill ends: a request whose transfer then fails (its client cancelled, the decode worker died)
+    counts as one that delivered its KV."""
+    runner, sched = prefill_env()
+    computed = []
+    sched.on_computed = lambda *args: computed.append(args)
+    for rid, error in (("ok", None), ("lost", ConnectionError("decode worker gone"))):
+        fut = sched.submit(_req(rid, text_ids[:20]), FakeSend(runner, error=error))
+        _pump(sched, fut.done)
+    assert [c[0] for c in computed] == [20, 20] and all(c[1] == 0 and c[2] >= 0 and c[3] > 0 for c in computed)
+    _no_leak(sched)
+
+
 def test_prefill_waits_for_blocks_held_by_a_transfer(prefill_env, text_ids):
     # 7 usable blocks: a (64 tokens, 4 blocks) in flight leaves 3, b needs 4
     runner, sched = prefill_env(num_blocks=8)

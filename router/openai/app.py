@@ -16,7 +16,7 @@ that fails before it gets its HTTP status, not a 200 with an error event); a cli
 disconnects cancels every sub-request on both workers, before its first message or its
 non-streamed answer too (the router checks every ``DISCONNECT_POLL_S`` seconds). Errors use OpenAI's body
 ``{"error": {message, type, param, code}}``; a body over ``max_request_bytes`` is refused with 413
-before it is parsed (by its ``Content-Length``, :class:`DeclaredSizeLimit`, else as it arrives),
+before it is parsed (by its ``Content-Length``, :class:`router.openai.body.DeclaredSizeLimit`, else as it arrives),
 and one that takes longer than ``body_timeout_s`` to arrive with 408 (:mod:`router.openai.body`).
 """
 
@@ -43,13 +43,15 @@ from router.core import RequestRouter
 from router.errors import RouterError
 from router.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from router.openai.auth import RequireApiKey
-from router.openai.body import BodyDeadline, too_large
+from router.openai.body import BodyDeadline, DeclaredSizeLimit
 from router.openai.cors import with_cors
 from router.openai.errors import (UNREADABLE_BODY, error_response, request_aliases, router_error_response,
                                   unreadable_body_response, validation_error_response)
 from router.openai.http_metrics import CountRequests
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
-from router.openai.requests import OpenAIRequestError, SubRequest, chat_requests, completion_requests
+from router.openai.request_ids import RequestIds
+from router.openai.requests import (CHAT_ROUTE, COMPLETIONS_ROUTE, OpenAIRequestError, SubRequest, chat_requests,
+                                    completion_requests)
 from router.openai.responses import ResponseBuilder, StreamUsage, totals
 from router.openai.tokenize import add_tokenizer_routes
 from serving.logs import request_scope
@@ -59,7 +61,6 @@ FIRST_SAMPLE_WAIT_S = 600.0
 DISCONNECT_POLL_S = 0.25
 """How often (seconds) a non-streamed request checks whether its client is still connected."""
 REQUEST_ID_HEADER = "X-Request-Id"
-COMPLETIONS_ROUTE, CHAT_ROUTE = "/v1/completions", "/v1/chat/completions"
 GENERATION_ROUTES = (COMPLETIONS_ROUTE, CHAT_ROUTE)
 """Response header naming the request's id (the body's ``id``), as vLLM's with request-id headers on;
 the router's and workers' log lines about choice ``i`` carry ``<id>-<i>``."""
@@ -104,27 +105,10 @@ class FrontDoorState:
     allowed_origins: tuple[str, ...] = ()
 
 
-class DeclaredSizeLimit:
-    """The outermost ASGI layer: a request whose ``Content-Length`` exceeds ``limit`` bytes gets the
-    413 in OpenAI's error shape before anything reads it (FastAPI's own limit, which still counts
-    the bytes of a body sent without a length, answers this case in plain text)."""
-
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            length = dict(scope.get("headers", ())).get(b"content-length", b"")
-            if length.isdigit() and int(length) > self.limit:
-                await too_large(self.limit)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def build_app(state: FrontDoorState):
     """The ASGI application of the router's HTTP port, outermost first: with ``state.metrics``
     :class:`router.openai.http_metrics.CountRequests`, CORS (:mod:`router.openai.cors`, with
-    ``state.allowed_origins``: preflights are answered before the key check), :class:`DeclaredSizeLimit`,
+    ``state.allowed_origins``: preflights are answered before the key check), :class:`router.openai.body.DeclaredSizeLimit`,
     :class:`router.openai.auth.RequireApiKey` (before any body is read),
     :class:`router.openai.body.BodyDeadline` (the body read in time and within its size), the
     FastAPI app."""
@@ -178,9 +162,9 @@ def build_app(state: FrontDoorState):
     add_tokenizer_routes(app, state)  # /tokenize, /detokenize, /version
 
     body_read = BodyDeadline(app, state.max_request_bytes, state.body_timeout_s)
-    outer = with_cors(DeclaredSizeLimit(RequireApiKey(body_read, accepts=state.accepts_api_key),
-                                        state.max_request_bytes), state.allowed_origins)
-    return CountRequests(outer, state.metrics, app.routes) if state.metrics is not None else outer
+    outer = with_cors(RequestIds(DeclaredSizeLimit(RequireApiKey(body_read, accepts=state.accepts_api_key),
+                                                   state.max_request_bytes)), state.allowed_origins)
+    return CountRequests(outer, state.metrics, app.routes, GENERATION_ROUTES) if state.metrics is not None else outer
 
 
 _REFUSAL_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT.name, 404: grpc.StatusCode.NOT_FOUND.name}
@@ -207,8 +191,19 @@ async def _generate(state: FrontDoorState, body, kind: str, expand, request: Req
         return _counted(state, request, _unknown_model(state, body.model))
     try:
         base, subs = expand(body, request.headers.get(REQUEST_ID_HEADER))
+    except OpenAIRequestError as e:  # before the request has an id: router.openai.request_ids names it
+        return _counted(state, request, error_response(e.status, e.message, param=e.param, code=e.code))
+    response = await _answer(state, body, kind, base, subs, request)
+    response.headers[REQUEST_ID_HEADER] = base  # the log lines' request ids are it plus "-<choice>"
+    return response
+
+
+async def _answer(state: FrontDoorState, body, kind: str, base: str, subs: list[SubRequest], request: Request):
+    try:
         actives = await run_in_threadpool(_start_all, state.core, subs, body.n)
     except OpenAIRequestError as e:
+        with request_scope(base):
+            log.info("request refused: HTTP %d: %s", e.status, e.message)
         return _counted(state, request, error_response(e.status, e.message, param=e.param, code=e.code))
     except RouterError as e:
         return router_error_response(e, aliases=request_aliases(body))
@@ -226,7 +221,6 @@ async def _generate(state: FrontDoorState, body, kind: str, expand, request: Req
         response = await _stream(events, builder, request, subs, body.n, usage, aliases)
     else:
         response = await _whole(events, builder, request, subs[0].top_logprobs, body.n, aliases)
-    response.headers[REQUEST_ID_HEADER] = base  # the log lines' request ids are it plus "-<choice>"
     return response
 
 

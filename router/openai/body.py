@@ -8,7 +8,7 @@ sees the request, within ``timeout_s`` seconds of the request's start, and answe
 error shape when it does not arrive (vLLM and SGLang leave this to a proxy in front of them; the
 router is the front door here). A body without a ``Content-Length`` that grows past
 ``max_bytes`` is refused with 413 as it arrives (one with a larger length never gets here:
-:class:`router.openai.app.DeclaredSizeLimit`).
+:class:`DeclaredSizeLimit`).
 """
 
 from __future__ import annotations
@@ -86,3 +86,20 @@ def _replay(body: bytes, receive):
         return pending.pop() if pending else await receive()
 
     return replayed
+
+
+class DeclaredSizeLimit:
+    """The outermost ASGI layer: a request whose ``Content-Length`` exceeds ``limit`` bytes gets the
+    413 in OpenAI's error shape before anything reads it (FastAPI's own limit, which still counts
+    the bytes of a body sent without a length, answers this case in plain text)."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            length = dict(scope.get("headers", ())).get(b"content-length", b"")
+            if length.isdigit() and int(length) > self.limit:
+                await too_large(self.limit)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

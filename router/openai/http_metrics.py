@@ -23,6 +23,10 @@ METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
 """The ``method`` label's values besides ``other``: HTTP's parser takes any token as a method, and a
 label per token would let a client without a key grow the series without bound."""
 CLIENT_CLOSED = 499
+BODY_REFUSALS = {413: "RESOURCE_EXHAUSTED", 408: "DEADLINE_EXCEEDED"}
+"""A generation request refused for its body (too large, too slow: :mod:`router.openai.body`) before any
+route saw it counts in ``request_errors`` with this code, so every generation request counts once in
+``request_success`` or ``request_errors`` (gRPC's own status for the same refusals)."""
 _CONVERTER = re.compile(r"{(\w+):\w+}")
 
 
@@ -51,14 +55,17 @@ class CountRequests:
 
     Args:
         app: the wrapped ASGI application.
-        metrics: the router's metrics (``http_requests``).
+        metrics: the router's metrics (``http_requests``; ``request_errors`` for :data:`BODY_REFUSALS`).
         routes: the routes of the application's router (``FastAPI.routes``), for the ``handler`` label.
+        generation_routes: the routes whose body refusals count in ``request_errors``.
     """
 
-    def __init__(self, app, metrics: ProcessMetrics, routes: Sequence[BaseRoute]) -> None:
+    def __init__(self, app, metrics: ProcessMetrics, routes: Sequence[BaseRoute],
+                 generation_routes: Sequence[str] = ()) -> None:
         self.app = app
         self._m = metrics
         self._routes = routes
+        self._generation = frozenset(generation_routes)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -75,5 +82,7 @@ class CountRequests:
         try:
             await self.app(scope, receive, send_counted)
         finally:
-            self._m.inc("http_requests", method=method_of(scope), handler=handler_of(self._routes, scope),
-                        status=str(status))
+            handler = handler_of(self._routes, scope)
+            self._m.inc("http_requests", method=method_of(scope), handler=handler, status=str(status))
+            if status in BODY_REFUSALS and handler in self._generation:
+                self._m.inc("request_errors", code=BODY_REFUSALS[status])

@@ -188,6 +188,9 @@ def _sampling(body, logprobs: int, max_tokens: int | None) -> common_pb2.Samplin
     return s
 
 
+COMPLETIONS_ROUTE, CHAT_ROUTE = "/v1/completions", "/v1/chat/completions"
+ID_PREFIXES = {COMPLETIONS_ROUTE: "cmpl", CHAT_ROUTE: "chatcmpl"}
+"""The generation routes and the prefix of their requests' ids (``cmpl-<id>``, ``chatcmpl-<id>``, as vLLM's)."""
 MAX_CLIENT_REQUEST_ID_CHARS = 128
 """Characters of a client's ``X-Request-Id`` (the choice index and a migrated attempt's suffix
 are added to it, within the router's request id limit)."""
@@ -267,7 +270,7 @@ def completion_requests(body: CompletionRequest, client_id: str | None = None) -
         raise OpenAIRequestError(f"logprobs must be >= 0, got {top}", param="logprobs")
     # ``logprobs: 0`` still asks for the sampled tokens' logprobs (the top list then holds just that token)
     logprobs = 0 if body.logprobs is None else max(top, 1)
-    return _expand(prompts, body, logprobs, top, body.max_tokens, "cmpl", client_id)
+    return _expand(prompts, body, logprobs, top, body.max_tokens, ID_PREFIXES[COMPLETIONS_ROUTE], client_id)
 
 
 def chat_requests(body: ChatCompletionRequest, client_id: str | None = None) -> tuple[str, list[SubRequest]]:
@@ -286,4 +289,4 @@ def chat_requests(body: ChatCompletionRequest, client_id: str | None = None) -> 
         raise OpenAIRequestError("top_logprobs requires logprobs: true", param="top_logprobs")
     logprobs = max(top, 1) if body.logprobs else 0
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return _expand([{"messages": messages}], body, logprobs, top, max_tokens, "chatcmpl", client_id)
+    return _expand([{"messages": messages}], body, logprobs, top, max_tokens, ID_PREFIXES[CHAT_ROUTE], client_id)
