@@ -97,16 +97,20 @@ def redis_down_message(state: dict, state_dir: str | None, error: Exception) -> 
 
 def print_status(state: dict, as_json: bool = False, state_dir: str | None = None) -> int:
     """Print the live workers against the desired ones (a table, or JSON); returns 0, 1 when
-    the cluster's Redis cannot be reached (one line on stderr, :func:`redis_down_message`),
-    3 when a desired worker or router is missing."""
+    the cluster's Redis cannot be reached (one line on stderr, :func:`redis_down_message`; with
+    ``as_json`` also ``{"up": true, "redis_ok": false, "error": ...}`` on stdout), 3 when a desired
+    worker or router is missing."""
     try:
         st = collect(state)
-    except ResponseError as e:  # Redis answers, with an error: not "unreachable"
-        print(f"error: the cluster's Redis answered with an error ({e}); a key under the cluster's prefix "
-              f"'pdcluster:{state['cluster']}:' may hold a value of another type than pdcluster wrote", file=sys.stderr)
-        return 1
     except RedisError as e:
-        print(redis_down_message(state, state_dir, e), file=sys.stderr)
+        if isinstance(e, ResponseError):  # Redis answers, with an error: not "unreachable"
+            message = (f"error: the cluster's Redis answered with an error ({e}); a key under the cluster's prefix "
+                       f"'pdcluster:{state['cluster']}:' may hold a value of another type than pdcluster wrote")
+        else:
+            message = redis_down_message(state, state_dir, e)
+        print(message, file=sys.stderr)
+        if as_json:  # a script reading stdout gets a document too
+            print(json.dumps({"up": True, "redis_ok": False, "error": message.removeprefix("error: ")}, indent=2))
         return 1
     if as_json:
         print(json.dumps({"up": True, "router_address": state["router_address"],

@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from common.grpc_metadata import AUTHORIZATION, bearer
 from pdcluster.client import API_KEY_ENV, read_ca
@@ -131,8 +132,17 @@ def _step_ratio(now: Scrape, before: Scrape | None) -> float | None:
     return prefill / decode if prefill and decode else None
 
 
+def _restarted(now: Scrape, before: Scrape) -> bool:
+    """Whether a counter of ``now`` is below ``before``'s: the process restarted in between (a worker
+    replaced under the same id), so no rate over the interval can be taken."""
+    return any(now.total(n) < before.total(n) for n, _ in before.values if n.endswith(("_total", "_sum", "_count")))
+
+
 def render(scrapes: list[Scrape], previous: dict[str, Scrape]) -> Group:
-    """The tables for one refresh (``previous``: the last scrape of each worker id)."""
+    """The tables for one refresh (``previous``: the last scrape of each worker id; one whose process
+    restarted since gives no rates this time, as Prometheus' ``rate`` treats a counter reset)."""
+    now_by_id = {s.worker_id: s for s in scrapes}
+    previous = {w: b for w, b in previous.items() if w not in now_by_id or not _restarted(now_by_id[w], b)}
     workers = Table(title="workers", expand=True)
     for col in ("worker", "role", "run", "wait", "KV used", "prefill ms", "decode step ms", "P/D",
                 "tok/s", "KV MB/s", "prefix hit", "preempt"):
@@ -224,12 +234,14 @@ def run_top(base_url: str, interval_s: float = 1.0, iterations: int | None = Non
             while iterations is None or done < iterations:
                 time.sleep(interval_s)
                 previous = {s.worker_id: s for s in scrapes}
+                done += 1
                 try:
                     scrapes = snapshot(base_url, api_key, context)
-                except OSError:
+                except OSError as e:  # the last view stays, marked stale, until the router answers again
+                    live.update(Group(Text(f"cannot reach the router's HTTP server at {base_url}: {e}; the view "
+                                           "below is from the last answer", style="bold red"), render(scrapes, {})))
                     continue
                 live.update(render(scrapes, previous))
-                done += 1
         except KeyboardInterrupt:
             pass
     if not console.is_terminal:  # rich ends a terminal's last frame with a newline, a piped one without
