@@ -48,7 +48,8 @@ UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     with running_cluster(tmp_path_factory.mktemp("state"), "--api-key", KEYS[0], "--api-key", KEYS[1],
-                         "--max-model-len", "512", "--num-kv-blocks", "300", "--heartbeat-s", "0.5") as state:
+                         "--max-model-len", "512", "--num-kv-blocks", "300", "--heartbeat-s", "0.5",
+                         "--allowed-origins", "https://ui.example") as state:
         yield state
 
 
@@ -93,6 +94,12 @@ def test_health_answers_without_credentials(cluster):
         pass
     with urllib.request.urlopen(f"http://{cluster['router_http_address']}/health", timeout=10) as r:
         assert r.status == 200
+    preflight = urllib.request.Request(  # a browser's CORS preflight carries no key (up --allowed-origins)
+        f"http://{cluster['router_http_address']}/v1/chat/completions", method="OPTIONS", headers={
+            "Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+    with urllib.request.urlopen(preflight, timeout=10) as r:
+        assert r.status == 200 and r.headers["access-control-allow-origin"] == "https://ui.example"
     kv = {i.worker_id: i.kv_endpoint for i, _ in WorkerRegistry(cluster["redis_url"], cluster["cluster"]).live_workers()}
     for address in [w["address"] for w in cluster["workers"]] + [e for e in kv.values() if e]:
         with grpc.insecure_channel(address) as channel:
