@@ -72,6 +72,8 @@ def test_detokenize_and_version(http, tokenizer):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
     assert f"tokens[1]: id {len(tokenizer)} is not in [0, {len(tokenizer)})" in r.json()["error"]["message"]
     assert http.post("/detokenize", json={"tokens": [-1]}).status_code == 400
+    long = http.post("/detokenize", json={"tokens": [1] * 65})
+    assert long.status_code == 400 and "at most max_model_len (64)" in long.json()["error"]["message"]
     assert http.post("/detokenize", json={"tokens": ["a"]}).status_code == 400
     v = http.get("/version")
     assert v.status_code == 200 and isinstance(v.json()["version"], str) and v.json()["version"]

@@ -8,7 +8,7 @@ as ``/v1/chat/completions`` renders them, generation prompt included), and answe
 ``{count, max_model_len, tokens, token_strs}`` (``token_strs``: the vocabulary entries, with
 ``return_token_strs``). A prompt longer than ``max_model_len`` is counted, not refused (a client
 uses the count to decide). ``/detokenize`` answers ``{prompt}``: the text of ``tokens`` (every id
-in the vocabulary), special tokens included, as vLLM decodes it.
+in the vocabulary, at most ``max_model_len`` of them), special tokens included, as vLLM decodes it.
 """
 
 from __future__ import annotations
@@ -84,6 +84,9 @@ def add_tokenizer_routes(app: FastAPI, state) -> None:
     async def detokenize(body: DetokenizeRequest):
         if body.model is not None and body.model != state.model_name:
             return unknown_model(body.model)
+        if len(body.tokens) > state.max_model_len:  # no sequence of this model is longer
+            return error_response(400, f"tokens has {len(body.tokens)} ids; at most max_model_len "
+                                       f"({state.max_model_len})", param="tokens")
         vocab = state.core.validator.limits.vocab_size
         bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < vocab), None)
         if bad is not None:
