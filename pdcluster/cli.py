@@ -182,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _summary(result: GenerationResult, elapsed_s: float) -> str:
     u = result.usage
     rate = u.completion_tokens / elapsed_s if elapsed_s > 0 else 0.0
-    return (f"[finish={result.finish_reason} prompt_tokens={u.prompt_tokens} "
+    stop = f" stop_reason={result.stop_reason!r}" if result.stop_reason is not None else ""
+    return (f"[finish={result.finish_reason}{stop} prompt_tokens={u.prompt_tokens} "
             f"completion_tokens={u.completion_tokens} cached_prompt_tokens={u.cached_prompt_tokens} "
             f"elapsed={elapsed_s:.3f}s tokens/s={rate:.1f} request_id={result.request_id}]")
 

@@ -53,6 +53,8 @@ class GenerationResult:
     ``finish_reason`` is the enum name without its prefix: ``"STOP"``,
     ``"LENGTH"``, ``"ABORT"`` (``"UNSPECIFIED"`` if the server never set it).
     ``logprobs`` is ``None`` unless the server returned log-probabilities.
+    ``stop_reason`` is the stop string (``str``) or stop token id (``int``) that ended the
+    request, as vLLM's; ``None`` when an EOS token or a limit ended it.
     """
 
     request_id: str
@@ -61,6 +63,7 @@ class GenerationResult:
     finish_reason: str
     usage: Usage
     logprobs: list[TokenLogprob] | None = None
+    stop_reason: str | int | None = None
 
 
 def finish_reason_name(value: int) -> str:
@@ -84,7 +87,7 @@ def accumulate(chunks: Iterable[router_pb2.GenerateResponse]) -> GenerationResul
     """
     request_id, text_parts, token_ids = "", [], []
     logprobs: list[TokenLogprob] = []
-    finish, usage, seen = 0, Usage(), False
+    finish, usage, seen, stop = 0, Usage(), False, None
     for chunk in chunks:
         seen = True
         request_id = chunk.request_id or request_id
@@ -96,6 +99,8 @@ def accumulate(chunks: Iterable[router_pb2.GenerateResponse]) -> GenerationResul
         )
         if chunk.finish_reason:
             finish = chunk.finish_reason
+        if chunk.WhichOneof("stop_reason"):
+            stop = getattr(chunk, chunk.WhichOneof("stop_reason"))
         if chunk.HasField("usage"):
             u = chunk.usage
             usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
@@ -108,6 +113,7 @@ def accumulate(chunks: Iterable[router_pb2.GenerateResponse]) -> GenerationResul
         finish_reason=finish_reason_name(finish),
         usage=usage,
         logprobs=logprobs or None,
+        stop_reason=stop,
     )
 
 
