@@ -51,12 +51,14 @@ def test_an_unreachable_router_keeps_the_last_view_and_the_iterations_count():
             pass
 
     server = http.server.HTTPServer(("127.0.0.1", 0), Targets)
-    thread = threading.Thread(target=server.handle_request, daemon=True)  # answers once, then the port closes
-    thread.start()
+    def once():  # answers once, then the port closes
+        server.handle_request()
+        server.server_close()
+
+    threading.Thread(target=once, daemon=True).start()
     out = io.StringIO()
     t0 = time.monotonic()
     rc = run_top(f"http://127.0.0.1:{server.server_port}", interval_s=0.1, iterations=2,
                  console=Console(file=out, width=200))
-    server.server_close()
     assert rc == 0 and time.monotonic() - t0 < 20
     assert "cannot reach the router's HTTP server" in out.getvalue()
