@@ -46,7 +46,7 @@ from router.openai.auth import RequireApiKey
 from router.openai.body import BodyDeadline, DeclaredSizeLimit
 from router.openai.cors import with_cors
 from router.openai.errors import (UNREADABLE_BODY, error_response, request_aliases, router_error_response,
-                                  unreadable_body_response, validation_error_response)
+                                  unknown_model, unreadable_body_response, validation_error_response)
 from router.openai.http_metrics import CountRequests
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.openai.request_ids import RequestIds
@@ -108,10 +108,10 @@ class FrontDoorState:
 def build_app(state: FrontDoorState):
     """The ASGI application of the router's HTTP port, outermost first: with ``state.metrics``
     :class:`router.openai.http_metrics.CountRequests`, CORS (:mod:`router.openai.cors`, with
-    ``state.allowed_origins``: preflights are answered before the key check), :class:`router.openai.body.DeclaredSizeLimit`,
-    :class:`router.openai.auth.RequireApiKey` (before any body is read),
-    :class:`router.openai.body.BodyDeadline` (the body read in time and within its size), the
-    FastAPI app."""
+    ``state.allowed_origins``: preflights are answered before the key check),
+    :class:`router.openai.request_ids.RequestIds` (refusals named and logged),
+    :class:`router.openai.body.DeclaredSizeLimit`, :class:`router.openai.auth.RequireApiKey` (before any body is read),
+    :class:`router.openai.body.BodyDeadline` (the body read in time and within its size), the FastAPI app."""
     app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)  # bodies: sized and timed by BodyDeadline
 
     @app.exception_handler(HTTPException)
@@ -150,7 +150,7 @@ def build_app(state: FrontDoorState):
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
-        return model_card() if model == state.model_name else _unknown_model(state, model)
+        return model_card() if model == state.model_name else unknown_model(model, state.model_name)
 
     @app.post(COMPLETIONS_ROUTE)
     async def completions(body: CompletionRequest, request: Request):
@@ -181,14 +181,9 @@ def _counted(state: FrontDoorState, request: Request, response: Response) -> Res
     return response
 
 
-def _unknown_model(state: FrontDoorState, name: str) -> Response:
-    return error_response(404, f"model {name!r} does not exist; this server serves {state.model_name!r}",
-                          param="model", code="model_not_found")
-
-
 async def _generate(state: FrontDoorState, body, kind: str, expand, request: Request):
     if body.model is not None and body.model != state.model_name:
-        return _counted(state, request, _unknown_model(state, body.model))
+        return _counted(state, request, unknown_model(body.model, state.model_name))
     try:
         base, subs = expand(body, request.headers.get(REQUEST_ID_HEADER))
     except OpenAIRequestError as e:  # before the request has an id: router.openai.request_ids names it

@@ -121,6 +121,12 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return json_response(error_body(status, message, param, code), status)
 
 
+def unknown_model(name: str, served: str) -> Response:
+    """The 404 (OpenAI's ``model_not_found``) to a request naming model ``name`` when ``served`` is served."""
+    return error_response(404, f"model {name!r} does not exist; this server serves {served!r}",
+                          param="model", code="model_not_found")
+
+
 def request_aliases(body) -> dict[str, str]:
     """The router's parameter names a chat request sent under OpenAI's other names: ``max_tokens``
     as ``max_completion_tokens``, the number of top ``logprobs`` as ``top_logprobs``."""

@@ -21,7 +21,7 @@ from pydantic import StrictBool, StrictInt
 from starlette.concurrency import run_in_threadpool
 
 from pdcluster.v1 import router_pb2
-from router.openai.errors import error_response
+from router.openai.errors import error_response, unknown_model
 from router.openai.protocol import ChatMessageIn, _Body
 from router.openai.requests import OpenAIRequestError, _check_utf8, chat_text, refuse_unsupported
 from router.validation import InvalidRequest
@@ -59,10 +59,6 @@ def add_tokenizer_routes(app: FastAPI, state) -> None:
     """Add ``/tokenize``, ``/detokenize`` and ``/version`` to ``app``; ``state`` is the
     :class:`router.openai.app.FrontDoorState`."""
 
-    def unknown_model(name: str):
-        return error_response(404, f"model {name!r} does not exist; this server serves {state.model_name!r}",
-                              param="model", code="model_not_found")
-
     @app.get("/version")
     async def server_version():
         return {"version": _server_version()}
@@ -70,7 +66,7 @@ def add_tokenizer_routes(app: FastAPI, state) -> None:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         if body.model is not None and body.model != state.model_name:
-            return unknown_model(body.model)
+            return unknown_model(body.model, state.model_name)
         try:
             ids = await run_in_threadpool(_tokenize, state, body)
         except OpenAIRequestError as e:
@@ -83,7 +79,7 @@ def add_tokenizer_routes(app: FastAPI, state) -> None:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         if body.model is not None and body.model != state.model_name:
-            return unknown_model(body.model)
+            return unknown_model(body.model, state.model_name)
         if len(body.tokens) > state.max_model_len:  # no sequence of this model is longer
             return error_response(400, f"tokens has {len(body.tokens)} ids; at most max_model_len "
                                        f"({state.max_model_len})", param="tokens")
