@@ -142,7 +142,7 @@ def build_app(state: FrontDoorState):
 
     def model_card() -> dict:
         return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "pdcluster",
-                "root": state.model_name, "max_model_len": state.max_model_len}
+                "root": state.model_name, "parent": None, "max_model_len": state.max_model_len}  # vLLM's card
 
     @app.get("/v1/models")
     async def models():
