@@ -15,13 +15,14 @@ LENGTH = "length"
 def check_finish(req: Request, eos_token_ids: tuple[int, ...], max_model_len: int) -> str | None:
     """Finish reason after ``req``'s newest output token, or None to keep going.
 
-    EOS (unless ``ignore_eos``) and ``stop_token_ids`` give ``"stop"``;
-    ``max_tokens`` new tokens or ``max_model_len`` total tokens give ``"length"``.
+    ``max_tokens`` new tokens or ``max_model_len`` total tokens give ``"length"``, checked first (as
+    vLLM v1's ``check_stop``: a stop token sampled as the last token allowed ends by length); then EOS
+    (unless ``ignore_eos``) and ``stop_token_ids`` give ``"stop"``.
     """
-    if req.output_token_ids[-1] in ending_ids(req, eos_token_ids):
-        return STOP
     if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= max_model_len:
         return LENGTH
+    if req.output_token_ids[-1] in ending_ids(req, eos_token_ids):
+        return STOP
     return None
 
 

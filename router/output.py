@@ -7,7 +7,7 @@ non-streamed text and never contains a stop string. As in vLLM, the text also le
 out the stop token id that ended generation (its id stays in ``token_ids`` and counts
 in the usage); ``include_stop_str_in_output`` keeps both in the text. The last message names
 the stop that ended generation (``stop_string`` or ``stop_token_id``: vLLM's ``stop_reason``;
-an id of the request's ``stop_token_ids`` is named even when it is also an EOS id).
+the tokenizer's EOS id is not named, also when ``stop_token_ids`` lists it, unless ``ignore_eos``).
 """
 
 from __future__ import annotations
@@ -28,19 +28,22 @@ class OutputAssembler:
         stop: stop strings.
         stop_token_ids: the request's stop token ids.
         include_stop: keep the stop string or stop token that ended generation in the text.
+        ignore_eos: the request ignores EOS (then an EOS id of ``stop_token_ids`` is named as a stop).
         min_tokens: a stop string ends generation only where it ends in the text of a token after
             the first ``min_tokens`` (vLLM's ``min_tokens``: it may begin earlier; one completed
             earlier is text).
     """
 
     def __init__(self, tokenizer, request_id: str, prompt_token_ids: list[int], stop: list[str],
-                 stop_token_ids: Collection[int] = (), include_stop: bool = False, min_tokens: int = 0) -> None:
+                 stop_token_ids: Collection[int] = (), include_stop: bool = False, min_tokens: int = 0,
+                 ignore_eos: bool = False) -> None:
         self.request_id = request_id
         self.num_prompt = len(prompt_token_ids)
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self.stops = StopStringMatcher(stop, include_stop) if stop else None
         self.stop_token_ids = frozenset(() if include_stop else stop_token_ids)
-        self.request_stop_ids = frozenset(stop_token_ids)
+        eos = None if ignore_eos else getattr(tokenizer, "eos_token_id", None)
+        self.request_stop_ids = frozenset(stop_token_ids) - {eos}  # EOS first, as vLLM's check_stop: no stop_reason
         self.stop_reason: dict[str, str | int] = {}  # GenerateResponse's stop_reason field, once one stop ended it
         self.min_tokens = min_tokens
         self.token_ids: list[int] = []

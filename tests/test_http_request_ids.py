@@ -41,6 +41,9 @@ def test_refusals_before_the_route_are_named_with_the_clients_id_and_logged(app,
     bad = http.post("/v1/completions", json={"prompt": "x"}, headers={**KEY, "X-Request-Id": "a b"})
     assert re.fullmatch(r"cmpl-[0-9a-f]{32}", bad.headers["x-request-id"])  # an invalid client id is not echoed
     assert "x-request-id" not in http.get("/v1/models", headers=KEY).headers  # other routes: as before
+    two = http.post("/v1/completions", json={"model": "other", "prompt": "x"},
+                    headers=[("authorization", "Bearer sk-1"), ("x-request-id", "first"), ("x-request-id", "second")])
+    assert two.headers["x-request-id"] == "cmpl-first"  # the first, as the route takes it
 
 
 def test_an_oversized_body_counts_once_in_request_errors(app):
@@ -52,4 +55,6 @@ def test_an_oversized_body_counts_once_in_request_errors(app):
     assert metrics.get("request_errors", code="RESOURCE_EXHAUSTED")._value.get() == 1
     assert metrics.get("http_requests", method="POST", handler="/v1/completions", status="413")._value.get() == 1
     http.post("/v1/models", content=body, headers={**KEY, "content-type": "application/json"})  # not a generation
+    anonymous = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert anonymous.status_code == 401  # the key is checked first: no key, no count in request_errors
     assert metrics.get("request_errors", code="RESOURCE_EXHAUSTED")._value.get() == 1

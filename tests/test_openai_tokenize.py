@@ -34,6 +34,7 @@ def test_tokenize_a_prompt_as_completions_do(http, tokenizer):
                         "token_strs": tokenizer.convert_ids_to_tokens(ids)}
     bare = http.post("/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}).json()
     assert bare["tokens"] == tokenizer.encode("Hello world", add_special_tokens=False) and bare["token_strs"] is None
+    assert http.post("/tokenize", json={"model": "", "prompt": "Hello world"}).json()["tokens"] == ids  # "": served
     long = http.post("/tokenize", json={"prompt": "word " * 100}).json()  # counted, not refused
     assert long["count"] > 64
 
@@ -97,6 +98,8 @@ def test_cors_is_off_by_default_and_allowed_origins_pass_preflights_without_a_ke
     r = on.options("/tokenize", headers=preflight)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example"
     assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    r = on.options("/tokenize", headers={**preflight, "access-control-request-headers": "x-stainless-os, openai-project"})
+    assert r.status_code == 200  # the openai SDK's own headers, as vLLM allows any
     assert on.options("/tokenize", headers={**preflight, "origin": "https://evil.example"}).status_code == 400
     r = on.post("/tokenize", json={"prompt": "hi"}, headers={"origin": "https://ui.example"})
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "https://ui.example"  # readable
@@ -105,8 +108,11 @@ def test_cors_is_off_by_default_and_allowed_origins_pass_preflights_without_a_ke
     assert r.status_code == 200 and "x-request-id" in r.headers["access-control-expose-headers"].lower()
 
 
-@pytest.mark.parametrize("origins", [("ui.example",), ("https://ui.example/path",), ("ftp://ui.example",)])
-def test_a_bad_allowed_origin_is_refused_at_start(origins):
+@pytest.mark.parametrize("origin", ["ui.example", "https://ui.example/path", "ftp://ui.example", "HTTPS://UI.example",
+                                    "https://ui.example:443", "https://user:pw@ui.example", "https://*.example",
+                                    "https://ui.example:99999", "https://ui.example/"])
+def test_an_allowed_origin_no_browser_sends_is_refused_at_start(origin):
     from router.openai.cors import check_origins
     with pytest.raises(ValueError, match="must be '\\*' or scheme://host"):
-        check_origins(origins)
+        check_origins((origin,))
+    check_origins(("*", "https://ui.example", "http://localhost:3000", "http://[::1]:8080"))

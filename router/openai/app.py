@@ -110,7 +110,7 @@ def build_app(state: FrontDoorState):
     :class:`router.openai.http_metrics.CountRequests`, CORS (:mod:`router.openai.cors`, with
     ``state.allowed_origins``: preflights are answered before the key check),
     :class:`router.openai.request_ids.RequestIds` (refusals named and logged),
-    :class:`router.openai.body.DeclaredSizeLimit`, :class:`router.openai.auth.RequireApiKey` (before any body is read),
+    :class:`router.openai.auth.RequireApiKey` (before any body is read), :class:`router.openai.body.DeclaredSizeLimit`,
     :class:`router.openai.body.BodyDeadline` (the body read in time and within its size), the FastAPI app."""
     app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)  # bodies: sized and timed by BodyDeadline
 
@@ -162,8 +162,8 @@ def build_app(state: FrontDoorState):
     add_tokenizer_routes(app, state)  # /tokenize, /detokenize, /version
 
     body_read = BodyDeadline(app, state.max_request_bytes, state.body_timeout_s)
-    outer = with_cors(RequestIds(DeclaredSizeLimit(RequireApiKey(body_read, accepts=state.accepts_api_key),
-                                                   state.max_request_bytes)), state.allowed_origins)
+    outer = with_cors(RequestIds(RequireApiKey(DeclaredSizeLimit(body_read, state.max_request_bytes),
+                                               accepts=state.accepts_api_key)), state.allowed_origins)
     return CountRequests(outer, state.metrics, app.routes, GENERATION_ROUTES) if state.metrics is not None else outer
 
 
@@ -182,7 +182,7 @@ def _counted(state: FrontDoorState, request: Request, response: Response) -> Res
 
 
 async def _generate(state: FrontDoorState, body, kind: str, expand, request: Request):
-    if body.model is not None and body.model != state.model_name:
+    if body.model and body.model != state.model_name:  # left out or "": the served model, as vLLM
         return _counted(state, request, unknown_model(body.model, state.model_name))
     try:
         base, subs = expand(body, request.headers.get(REQUEST_ID_HEADER))

@@ -61,7 +61,8 @@ class RequestIds:
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", ()))
                 if not any(k.lower() == HEADER for k, _ in headers):
-                    named = request_id_for(prefix, dict(scope.get("headers", ())).get(HEADER))
+                    client = next((v for k, v in scope.get("headers", ()) if k == HEADER), None)  # the first
+                    named = request_id_for(prefix, client)
                     message = {**message, "headers": [*headers, (HEADER, named.encode())]}
                 status = message["status"]
             elif message["type"] == "http.response.body" and named is not None and len(body) < _MAX_LOGGED_BODY:

@@ -65,7 +65,7 @@ def add_tokenizer_routes(app: FastAPI, state) -> None:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        if body.model is not None and body.model != state.model_name:
+        if body.model and body.model != state.model_name:
             return unknown_model(body.model, state.model_name)
         try:
             ids = await run_in_threadpool(_tokenize, state, body)
@@ -78,7 +78,7 @@ def add_tokenizer_routes(app: FastAPI, state) -> None:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        if body.model is not None and body.model != state.model_name:
+        if body.model and body.model != state.model_name:
             return unknown_model(body.model, state.model_name)
         if len(body.tokens) > state.max_model_len:  # no sequence of this model is longer
             return error_response(400, f"tokens has {len(body.tokens)} ids; at most max_model_len "
