@@ -12,7 +12,9 @@ import types
 import pytest
 from fastapi.testclient import TestClient
 
+from router.openai import request_ids
 from router.openai.app import FrontDoorState, build_app
+from serving.logs import ThrottledLog
 from serving.metrics import ProcessMetrics
 
 
@@ -28,8 +30,10 @@ def app():
 KEY = {"authorization": "Bearer sk-1"}
 
 
-def test_refusals_before_the_route_are_named_with_the_clients_id_and_logged(app, caplog):
+def test_refusals_before_the_route_are_named_with_the_clients_id_and_logged(app, caplog, monkeypatch):
     http, _ = app
+    # a fresh throttle: an earlier test's refusal must not make this one's first line a counted one
+    monkeypatch.setattr(request_ids, "_refused", ThrottledLog(request_ids.log, "refused"))
     caplog.set_level(logging.INFO, logger="router.openai.request_ids")
     r = http.post("/v1/completions", json={"model": "other", "prompt": "x"}, headers={**KEY, "X-Request-Id": "op-1"})
     assert r.status_code == 404 and r.headers["x-request-id"] == "cmpl-op-1"
