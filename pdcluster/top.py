@@ -175,6 +175,9 @@ def render(scrapes: list[Scrape], previous: dict[str, Scrape]) -> Group:
                         _fmt(tok), _fmt(kv_rate / 1e6 if kv_rate is not None else None, ".2f"),
                         _fmt(100 * hits / queries if queries else None, ".0f") + ("%" if queries else ""),
                         _fmt(s.total("num_preemptions_total"), ".0f"))
+    for gone in sorted(set(previous) - set(now_by_id)):  # listed before, not answering now (dead or restarting)
+        table = router if previous[gone].role == "router" else workers
+        table.add_row(gone, *(["not answering"] if table is router else [previous[gone].role, "not answering"]))
     return Group(router, workers)
 
 
@@ -197,6 +200,9 @@ def snapshot(base_url: str, api_key: str | None = None, context: ssl.SSLContext 
     return out
 
 
+GONE_SHOWN_S = 30.0
+"""Seconds a target that stopped answering stays listed as "not answering" (a dead or restarting
+worker; one scaled away leaves the view after this)."""
 PIPED_WIDTH = 160
 """Columns of the view when stdout is no terminal and ``$COLUMNS`` is unset (the whole workers table)."""
 
@@ -233,7 +239,9 @@ def run_top(base_url: str, interval_s: float = 1.0, iterations: int | None = Non
         try:
             while iterations is None or done < iterations:
                 time.sleep(interval_s)
-                previous = {s.worker_id: s for s in scrapes}
+                current, now = {s.worker_id: s for s in scrapes}, time.monotonic()
+                previous = {w: b for w, b in previous.items()  # a target gone shows "not answering" a while
+                            if w not in current and now - b.at < GONE_SHOWN_S} | current
                 done += 1
                 try:
                     scrapes = snapshot(base_url, api_key, context)

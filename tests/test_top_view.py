@@ -37,6 +37,11 @@ def test_a_restarted_worker_shows_no_negative_rate():
     assert "decode-0" in restarted and not re.search(r"(?<![\w-])-\d", restarted)  # no negative figure
 
 
+def test_a_worker_that_stopped_answering_is_listed_as_such():
+    view = _text(render([], {"decode-0": _decode(10.0, 5000.0, 9e8)}))
+    assert "decode-0" in view and "not answering" in view
+
+
 def test_an_unreachable_router_keeps_the_last_view_and_the_iterations_count():
     class Targets(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
@@ -62,3 +67,13 @@ def test_an_unreachable_router_keeps_the_last_view_and_the_iterations_count():
                  console=Console(file=out, width=200))
     assert rc == 0 and time.monotonic() - t0 < 20
     assert "cannot reach the router's HTTP server" in out.getvalue()
+
+
+def test_a_target_that_left_stays_listed_a_while(monkeypatch):
+    from pdcluster import top
+    answers = iter([[_decode(time.monotonic(), 1.0, 1.0)], [], []])
+    monkeypatch.setattr(top, "snapshot", lambda *a, **k: next(answers))
+    out = io.StringIO()
+    assert run_top("http://127.0.0.1:1", interval_s=0.01, iterations=2, console=Console(file=out, width=200)) == 0
+    last = out.getvalue().rsplit("router", 1)[-1]  # the final frame
+    assert "decode-0" in last and "not answering" in last
