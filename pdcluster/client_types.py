@@ -99,8 +99,8 @@ def accumulate(chunks: Iterable[router_pb2.GenerateResponse]) -> GenerationResul
         )
         if chunk.finish_reason:
             finish = chunk.finish_reason
-        if chunk.WhichOneof("stop_reason"):
-            stop = getattr(chunk, chunk.WhichOneof("stop_reason"))
+        if which := chunk.WhichOneof("stop_reason"):
+            stop = getattr(chunk, which)
         if chunk.HasField("usage"):
             u = chunk.usage
             usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)

@@ -132,10 +132,20 @@ def _step_ratio(now: Scrape, before: Scrape | None) -> float | None:
     return prefill / decode if prefill and decode else None
 
 
+def _counter_sums(s: Scrape) -> dict[str, float]:
+    """Each counter-like series of ``s`` (``_total``, ``_sum``, ``_count``) summed over its label sets."""
+    sums: dict[str, float] = {}
+    for (name, _), value in s.values.items():
+        if name.endswith(("_total", "_sum", "_count")):
+            sums[name] = sums.get(name, 0.0) + value
+    return sums
+
+
 def _restarted(now: Scrape, before: Scrape) -> bool:
     """Whether a counter of ``now`` is below ``before``'s: the process restarted in between (a worker
     replaced under the same id), so no rate over the interval can be taken."""
-    return any(now.total(n) < before.total(n) for n, _ in before.values if n.endswith(("_total", "_sum", "_count")))
+    now_sums = _counter_sums(now)
+    return any(now_sums.get(name, 0.0) < value for name, value in _counter_sums(before).items())
 
 
 def render(scrapes: list[Scrape], previous: dict[str, Scrape]) -> Group:

@@ -36,7 +36,6 @@ class PrefillResult:
     transfer_s: float  # exposed transfer time: from the end of compute to the ack (seconds)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     transfer_total_s: float = 0.0  # whole send, start to ack (seconds); > transfer_s when streamed
-    queue_s: float = 0.0  # arrival -> its first prefill step began (seconds)
 
 
 # send_fn(request, progress) -> KV payload bytes sent; blocking; raises on failure. The

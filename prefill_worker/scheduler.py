@@ -356,7 +356,7 @@ class PrefillScheduler:
             exposed = msg.ended_at - max(msg.started_at, entry.computed_at)
             entry.future.set_result(PrefillResult(entry.first_token, entry.first_logprobs, msg.kv_bytes,
                                                   entry.prefill_s, exposed, entry.cached_tokens,
-                                                  msg.ended_at - msg.started_at, entry.queue_s))
+                                                  msg.ended_at - msg.started_at))
 
     def _on_abort(self, request_id: str) -> None:
         entry = self._entries.get(request_id)

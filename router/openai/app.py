@@ -50,8 +50,8 @@ from router.openai.errors import (UNREADABLE_BODY, error_response, request_alias
 from router.openai.http_metrics import CountRequests
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.openai.request_ids import RequestIds
-from router.openai.requests import (CHAT_ROUTE, COMPLETIONS_ROUTE, OpenAIRequestError, SubRequest, chat_requests,
-                                    completion_requests)
+from router.openai.requests import (CHAT_ROUTE, COMPLETIONS_ROUTE, ID_PREFIXES, REQUEST_ID_HEADER, OpenAIRequestError,
+                                    SubRequest, chat_requests, completion_requests)
 from router.openai.responses import ResponseBuilder, StreamUsage, totals
 from router.openai.tokenize import add_tokenizer_routes
 from serving.logs import request_scope
@@ -60,10 +60,7 @@ from serving.metrics import ProcessMetrics
 FIRST_SAMPLE_WAIT_S = 600.0
 DISCONNECT_POLL_S = 0.25
 """How often (seconds) a non-streamed request checks whether its client is still connected."""
-REQUEST_ID_HEADER = "X-Request-Id"
-GENERATION_ROUTES = (COMPLETIONS_ROUTE, CHAT_ROUTE)
-"""Response header naming the request's id (the body's ``id``), as vLLM's with request-id headers on;
-the router's and workers' log lines about choice ``i`` carry ``<id>-<i>``."""
+GENERATION_ROUTES = tuple(ID_PREFIXES)
 log = logging.getLogger(__name__)
 
 

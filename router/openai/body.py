@@ -89,7 +89,7 @@ def _replay(body: bytes, receive):
 
 
 class DeclaredSizeLimit:
-    """The outermost ASGI layer: a request whose ``Content-Length`` exceeds ``limit`` bytes gets the
+    """ASGI layer: a request whose ``Content-Length`` exceeds ``limit`` bytes gets the
     413 in OpenAI's error shape before anything reads it (FastAPI's own limit, which still counts
     the bytes of a body sent without a length, answers this case in plain text)."""
 

@@ -12,23 +12,24 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
 
-from router.openai.requests import ID_PREFIXES, MAX_CLIENT_REQUEST_ID_CHARS
+from router.openai.requests import ID_PREFIXES, REQUEST_ID_HEADER, OpenAIRequestError, base_id
 from serving.logs import ThrottledLog
 
 log = logging.getLogger(__name__)
 _refused = ThrottledLog(log, "HTTP requests refused before they had an id")
-HEADER = b"x-request-id"
+HEADER = REQUEST_ID_HEADER.lower().encode()
+"""The header's name as ASGI carries it."""
 _MAX_LOGGED_BODY = 4096
 
 
 def request_id_for(prefix: str, client_id: bytes | None) -> str:
-    """``<prefix>-<client id>`` for a valid client id (1 to 128 printable ASCII characters without
-    spaces, as the routes accept it), else ``<prefix>-<random hex>``."""
-    if client_id and len(client_id) <= MAX_CLIENT_REQUEST_ID_CHARS and all(0x21 <= c <= 0x7E for c in client_id):
-        return f"{prefix}-{client_id.decode()}"
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """The id the route gives (:func:`router.openai.requests.base_id`) from the client's id, or a random
+    one where the route would refuse the client's id."""
+    try:
+        return base_id(prefix, None if client_id is None else client_id.decode("latin-1"))
+    except OpenAIRequestError:
+        return base_id(prefix, None)
 
 
 def _message(body: bytes) -> str:

@@ -191,12 +191,16 @@ def _sampling(body, logprobs: int, max_tokens: int | None) -> common_pb2.Samplin
 COMPLETIONS_ROUTE, CHAT_ROUTE = "/v1/completions", "/v1/chat/completions"
 ID_PREFIXES = {COMPLETIONS_ROUTE: "cmpl", CHAT_ROUTE: "chatcmpl"}
 """The generation routes and the prefix of their requests' ids (``cmpl-<id>``, ``chatcmpl-<id>``, as vLLM's)."""
+REQUEST_ID_HEADER = "X-Request-Id"
+"""Request header with the client's id for a request, and response header naming the request's id (the
+body's ``id``), as vLLM's with request-id headers on; the router's and workers' log lines about choice
+``i`` carry ``<id>-<i>``."""
 MAX_CLIENT_REQUEST_ID_CHARS = 128
 """Characters of a client's ``X-Request-Id`` (the choice index and a migrated attempt's suffix
 are added to it, within the router's request id limit)."""
 
 
-def _base_id(prefix: str, client_id: str | None) -> str:
+def base_id(prefix: str, client_id: str | None) -> str:
     """``<prefix>-<client_id>`` as vLLM names a request from its ``X-Request-Id`` header, else
     ``<prefix>-<random hex>``.
 
@@ -207,9 +211,9 @@ def _base_id(prefix: str, client_id: str | None) -> str:
     if client_id is None:
         return f"{prefix}-{uuid.uuid4().hex}"
     if not 0 < len(client_id) <= MAX_CLIENT_REQUEST_ID_CHARS or not all("!" <= c <= "~" for c in client_id):
-        raise OpenAIRequestError(f"the X-Request-Id header must be 1 to {MAX_CLIENT_REQUEST_ID_CHARS} printable "
+        raise OpenAIRequestError(f"the {REQUEST_ID_HEADER} header must be 1 to {MAX_CLIENT_REQUEST_ID_CHARS} printable "
                                  f"ASCII characters without spaces, got {len(client_id)} characters",
-                                 param="X-Request-Id")
+                                 param=REQUEST_ID_HEADER)
     return f"{prefix}-{client_id}"
 
 
@@ -222,7 +226,7 @@ def _expand(prompts: list[dict], body, logprobs: int, top_logprobs: int,
     if len(prompts) * body.n > MAX_CHOICES:
         raise OpenAIRequestError(f"{len(prompts)} prompts x n {body.n} = {len(prompts) * body.n} choices; "
                                  f"at most {MAX_CHOICES} per request", param="prompt" if body.n == 1 else "n")
-    base = _base_id(prefix, client_id)
+    base = base_id(prefix, client_id)
     subs = []
     for p, prompt in enumerate(prompts):
         for j in range(body.n):
