@@ -165,6 +165,7 @@ class PdclusterClient:
 
         ``sampling``: one keyword per declared sampling parameter, as in
         :func:`build_request`; ``None`` leaves a field unset (server default).
+        A chat prompt also takes ``chat_options`` (:func:`build_request`).
         ``request_id`` empty: server-minted.
 
         Raises:

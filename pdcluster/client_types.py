@@ -11,6 +11,7 @@ these names.
 
 from __future__ import annotations
 
+import json
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -148,7 +149,8 @@ def _set_prompt(req: router_pb2.GenerateRequest, prompt: Prompt) -> None:
 
 
 def build_request(
-    prompt: Prompt, *, request_id: str = "", stream: bool = False, **sampling: Any
+    prompt: Prompt, *, request_id: str = "", stream: bool = False, chat_options: Mapping[str, Any] | None = None,
+    **sampling: Any
 ) -> router_pb2.GenerateRequest:
     """Build a ``GenerateRequest``.
 
@@ -166,13 +168,36 @@ def build_request(
     ``logit_bias`` maps token id to bias. Value ranges are checked by the server
     (``INVALID_ARGUMENT`` naming the field).
 
+    ``chat_options`` (chat messages only): vLLM's ``add_generation_prompt`` (bool,
+    default true), ``continue_final_message`` (bool) and ``chat_template_kwargs``
+    (a JSON-serializable dict of template variables), checked by the server.
+
     Raises:
         TypeError: the prompt or a message/token has the wrong type, a sampling
             keyword is not a declared parameter, or a value has the wrong type.
-        ValueError: the prompt list is empty, a message lacks role/content, or
-            a number does not fit its protobuf field (e.g. a negative seed).
+        ValueError: the prompt list is empty, a message lacks role/content, a
+            number does not fit its protobuf field (e.g. a negative seed), or
+            ``chat_options`` has an unknown key or comes with a prompt that is no chat.
     """
     req = router_pb2.GenerateRequest(request_id=request_id, stream=stream)
     _set_prompt(req, prompt)
+    if chat_options:
+        _set_chat_options(req, chat_options)
     write_sampling(req.sampling, sampling)
     return req
+
+
+_CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+
+
+def _set_chat_options(req: router_pb2.GenerateRequest, options: Mapping[str, Any]) -> None:
+    if req.WhichOneof("prompt") != "messages":
+        raise ValueError("chat_options need a prompt of chat messages")
+    unknown = sorted(set(options) - set(_CHAT_OPTIONS))
+    if unknown:
+        raise ValueError(f"chat_options: unknown option {unknown[0]!r}; known: {', '.join(_CHAT_OPTIONS)}")
+    for flag in _CHAT_OPTIONS[:2]:
+        if options.get(flag) is not None:
+            setattr(req.messages, flag, options[flag])
+    if options.get("chat_template_kwargs"):
+        req.messages.chat_template_kwargs = json.dumps(options["chat_template_kwargs"])

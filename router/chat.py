@@ -9,33 +9,77 @@ does: when a content holds a special token's string, the template is rendered ar
 per message, the template's own text is tokenized with special tokens parsed and each content with
 them split into ordinary tokens (``split_special_tokens``). Chats without such strings (nearly all)
 are tokenized as one rendered string, exactly as HF's ``apply_chat_template(..., tokenize=True)``.
+
+:class:`ChatOptions` carries vLLM's chat options: the generation prompt, continuing the final
+message, and extra template variables (``chat_template_kwargs``).
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 import uuid
+from dataclasses import dataclass, field
+from typing import Any
 
 from jinja2.exceptions import TemplateError
 
 
-def render_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """Render ``messages`` (``{"role", "content"}`` dicts) with the model's chat template
-    (generation prompt added) and tokenize without adding special tokens again (the template has
-    them); a special token's string inside a content stays ordinary text (module docstring).
+@dataclass(frozen=True)
+class ChatOptions:
+    """How the chat template renders a chat (vLLM's chat fields).
+
+    Attributes:
+        add_generation_prompt: end the prompt with the template's opening of an assistant turn.
+        continue_final_message: leave the final message open for the model to continue (HF's
+            ``continue_final_message``: the rendered chat is cut right after its content).
+        template_kwargs: extra variables the template reads (vLLM's ``chat_template_kwargs``).
 
     Raises:
-        jinja2.exceptions.TemplateError: the template refused the messages, or it does not write
-            a content that holds a special token's string as given (it dropped or changed it), so
-            that content cannot be kept as text.
+        ValueError: both ``add_generation_prompt`` and ``continue_final_message`` are true (a
+            continued message gets no new turn), as vLLM refuses it.
     """
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
+                             "(a continued final message gets no new assistant turn)")
+
+
+def renderer_arguments(tokenizer) -> frozenset[str]:
+    """The names ``template_kwargs`` may not use: ``apply_chat_template``'s own arguments
+    (``tokenize``, ``chat_template``, ``tools`` ...) and the template's ``messages``."""
+    params = inspect.signature(tokenizer.apply_chat_template).parameters
+    named = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return frozenset(named | {"messages", "conversation"})
+
+
+def render_chat(tokenizer, messages: list[dict], options: ChatOptions = ChatOptions()) -> list[int]:
+    """Render ``messages`` (``{"role", "content"}`` dicts) with the model's chat template as
+    ``options`` ask (by default with the generation prompt) and tokenize without adding special
+    tokens again (the template has them); a special token's string inside a content stays
+    ordinary text (module docstring).
+
+    Raises:
+        jinja2.exceptions.TemplateError: the template refused the messages or the variables, or it
+            does not write a content that holds a special token's string as given (it dropped or
+            changed it), so that content cannot be kept as text.
+        ValueError: ``continue_final_message`` and the template does not write the final message's
+            content (HF's check).
+        TypeError: the template used a variable of ``template_kwargs`` with the wrong type.
+    """
+    render = dict(options.template_kwargs, add_generation_prompt=options.add_generation_prompt,
+                  continue_final_message=options.continue_final_message, tokenize=False)
     controls = _special_pattern(tokenizer)
     if controls is None or not any(controls.search(m["content"]) for m in messages):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, **render)
         return tokenizer.encode(text, add_special_tokens=False)
     marks = [f"\ue000{uuid.uuid4().hex}\ue001" for _ in messages]
-    rest = tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
-                                         add_generation_prompt=True, tokenize=False)
+    rest = tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)], **render)
     ids: list[int] = []
     for i, (m, mark) in enumerate(zip(messages, marks)):
         before, found, after = rest.partition(mark)

@@ -30,6 +30,9 @@ DEFAULT_MAX_PROMPT_BYTES = 1024 * 1024
 MAX_CHAT_MESSAGES = 256
 #: A request id travels to the workers as gRPC metadata: printable ASCII, at most this long.
 MAX_REQUEST_ID_CHARS = 256
+#: How deep a chat's ``chat_template_kwargs`` (JSON) may nest: the template renderer copies the
+#: values recursively, and a template variable is a flag or a small structure.
+MAX_TEMPLATE_KWARGS_DEPTH = 16
 #: The chat roles the router accepts: OpenAI's (``developer`` is its newer name of
 #: ``system``); the model's chat template renders them.
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")

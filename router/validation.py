@@ -10,23 +10,26 @@ ends when the model ends it), clamped to what ``max_model_len`` leaves; ``temper
 strings of at most 256 characters, at most 1024 ``logit_bias`` entries).
 
 Limits checked here, before anything is tokenized: the prompt's size in bytes
-(``max_prompt_bytes``: the text, or the chat messages' roles and contents together),
+(``max_prompt_bytes``: the text, or the chat messages' roles and contents with the chat's
+template variables),
 the number of chat messages (:data:`MAX_CHAT_MESSAGES`), their roles (:data:`CHAT_ROLES`)
-and the request id (declared in :mod:`router.limits`).
+and the request id (declared in :mod:`router.limits`). A chat's options (vLLM's
+``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``) become a
+:class:`router.chat.ChatOptions`.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from jinja2.exceptions import TemplateError
 
 from common.sampling_params import SamplingParam, Target, sampling_params
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
-from router.chat import render_chat
-from router.limits import CHAT_ROLES, MAX_REQUEST_ID_CHARS, Limits
+from router.chat import ChatOptions, render_chat, renderer_arguments
+from router.limits import CHAT_ROLES, MAX_REQUEST_ID_CHARS, MAX_TEMPLATE_KWARGS_DEPTH, Limits
 
 
 class InvalidRequest(ValueError):
@@ -166,13 +169,15 @@ class RequestValidator:
             if bad:
                 raise InvalidRequest(f"prompt: token_ids: id {bad[0]} >= vocab_size {self.limits.vocab_size}")
         else:
-            ids = self._chat_ids(req.messages.messages)
+            ids = self._chat_ids(req.messages)
         if not ids:
             raise InvalidRequest("prompt: empty after tokenization")
         return ids
 
-    def _chat_ids(self, messages: Sequence[common_pb2.ChatMessage]) -> list[int]:
-        """The rendered chat's token ids, after the count, role and size checks."""
+    def _chat_ids(self, chat: router_pb2.MessageList) -> list[int]:
+        """The rendered chat's token ids, after the count, role and size checks (the template
+        variables count in the messages' bytes)."""
+        messages = chat.messages
         if not messages:
             raise InvalidRequest("messages is empty (a chat needs at least one message)")
         if len(messages) > self.limits.max_messages:
@@ -181,14 +186,70 @@ class RequestValidator:
             if m.role not in CHAT_ROLES:
                 raise InvalidRequest(f"messages[{i}].role {_clip(m.role)} is not a chat role; "
                                      f"one of {', '.join(CHAT_ROLES)}")
-        self._check_bytes("messages", sum(len(m.role.encode()) + len(m.content.encode()) for m in messages))
+        self._check_bytes("messages", sum(len(m.role.encode()) + len(m.content.encode()) for m in messages)
+                          + len(chat.chat_template_kwargs.encode()))
         if not getattr(self.tokenizer, "chat_template", None):  # a base model: HF raises a ValueError
             raise InvalidRequest("messages: this model has no chat template, so it serves no chat; "
                                  "send a prompt (/v1/completions) instead")
+        options = self._chat_options(chat)
         try:
-            return render_chat(self.tokenizer, [{"role": m.role, "content": m.content} for m in messages])
-        except TemplateError as e:
+            return render_chat(self.tokenizer, [{"role": m.role, "content": m.content} for m in messages], options)
+        except (TemplateError, ValueError, TypeError) as e:
             raise InvalidRequest(f"messages: the model's chat template refused them: {_clip(str(e), 200)}") from None
+
+    def _chat_options(self, chat: router_pb2.MessageList) -> ChatOptions:
+        """The chat's :class:`ChatOptions`. As in vLLM, ``add_generation_prompt`` and
+        ``continue_final_message`` given inside ``chat_template_kwargs`` override the fields."""
+        kwargs = _template_kwargs(chat.chat_template_kwargs, self.tokenizer)
+        flags = {"add_generation_prompt": chat.add_generation_prompt if chat.HasField("add_generation_prompt")
+                 else True, "continue_final_message": chat.continue_final_message}
+        for name in flags:
+            if name in kwargs:
+                if not isinstance(kwargs[name], bool):
+                    raise InvalidRequest(f"chat_template_kwargs.{name} must be a boolean, "
+                                         f"got {type(kwargs[name]).__name__}")
+                flags[name] = kwargs.pop(name)
+        try:
+            return ChatOptions(**flags, template_kwargs=kwargs)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+
+
+def _template_kwargs(text: str, tokenizer) -> dict:
+    """``chat_template_kwargs`` (a JSON object; empty: none) as a dict.
+
+    Raises:
+        InvalidRequest: not JSON, not an object, or a key naming an argument of the renderer itself.
+    """
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise InvalidRequest(f"chat_template_kwargs is not valid JSON: {_clip(str(e), 80)}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"chat_template_kwargs must be a JSON object, got {type(value).__name__}")
+    if _depth(value) > MAX_TEMPLATE_KWARGS_DEPTH:  # the template renderer copies values recursively
+        raise InvalidRequest(f"chat_template_kwargs nests deeper than {MAX_TEMPLATE_KWARGS_DEPTH} levels")
+    reserved = renderer_arguments(tokenizer) - {"add_generation_prompt", "continue_final_message"} if value else ()
+    bad = sorted(k for k in value if k in reserved)
+    if bad:
+        raise InvalidRequest(f"chat_template_kwargs.{bad[0]}: an argument of the chat template renderer, "
+                             "not a template variable")
+    return value
+
+
+def _depth(value) -> int:
+    """How deep JSON ``value`` nests (a scalar: 0), without recursion."""
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        item, level = todo.pop()
+        deepest = max(deepest, level)
+        if isinstance(item, dict):
+            todo.extend((v, level + 1) for v in item.values())
+        elif isinstance(item, list):
+            todo.extend((v, level + 1) for v in item)
+    return deepest
 
 
 def _check_request_id(rid: str) -> None:

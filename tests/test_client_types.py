@@ -3,7 +3,11 @@ last ``GenerateResponse``) reaches :class:`pdcluster.client.GenerationResult`.""
 
 from __future__ import annotations
 
-from pdcluster.client_types import accumulate
+import json
+
+import pytest
+
+from pdcluster.client_types import accumulate, build_request
 from pdcluster.v1 import common_pb2, router_pb2
 
 STOP = common_pb2.FINISH_REASON_STOP
@@ -17,3 +21,17 @@ def test_stop_reason_is_kept_from_the_last_message():
     assert by_token.stop_reason == 7
     eos = accumulate([router_pb2.GenerateResponse(token_ids=[2], finish_reason=STOP)])
     assert eos.stop_reason is None
+
+
+def test_chat_options_set_the_message_list():
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    req = build_request(chat, chat_options={"add_generation_prompt": False, "continue_final_message": True,
+                                            "chat_template_kwargs": {"enable_thinking": False}})
+    assert not req.messages.add_generation_prompt and req.messages.HasField("add_generation_prompt")
+    assert req.messages.continue_final_message and json.loads(req.messages.chat_template_kwargs) == {
+        "enable_thinking": False}
+    assert not build_request(chat).messages.HasField("add_generation_prompt")  # unset: the server's true
+    with pytest.raises(ValueError, match="need a prompt of chat messages"):
+        build_request("text", chat_options={"continue_final_message": True})
+    with pytest.raises(ValueError, match="unknown option 'tools'"):
+        build_request(chat, chat_options={"tools": []})

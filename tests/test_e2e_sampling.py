@@ -1,15 +1,19 @@
-"""The new sampling knobs end to end: client -> router (validation) -> prefill worker (first
-token) -> KV transfer -> decode worker (the rest), on a real local cluster."""
+"""The new sampling knobs and vLLM's chat options end to end: client -> router (validation) ->
+prefill worker (first token) -> KV transfer -> decode worker (the rest), on a real local cluster."""
 
 from __future__ import annotations
 
+import json
+import urllib.request
+
 import grpc
+import openai
 import pytest
 import torch
 
 from pdcluster.client import PdclusterClient
 
-from cluster_utils import assert_no_leak, running_cluster
+from cluster_utils import assert_greedy_matches, assert_no_leak, hf_greedy, running_cluster
 
 VOCAB = 49152
 LOOP_PROMPT = "one two three one two three one two three one two three"
@@ -29,41 +33,46 @@ def _repeats(tokens: list[int]) -> int:
     return len(tokens) - len(set(tokens))
 
 
-def test_sampling_knobs_end_to_end(tmp_path, tokenizer, hf_model):
-    with running_cluster(tmp_path / "state", "--max-model-len", "256", "--block-size", "16",
+@pytest.fixture(scope="module")
+def state(tmp_path_factory):
+    with running_cluster(tmp_path_factory.mktemp("state"), "--max-model-len", "256", "--block-size", "16",
                          "--num-kv-blocks", "64", "--heartbeat-s", "0.5") as state:
-        with PdclusterClient(state["router_address"], timeout_s=300) as client:
-            client.wait_ready(30)
-            # logit_bias forces a token on both workers (first token: prefill; the rest: decode),
-            # greedy and sampled; logprobs stay those of the raw model distribution (< 0).
-            forced = tokenizer.encode(" banana", add_special_tokens=False)[0]
-            for kwargs in (dict(temperature=0), dict(temperature=1.0, seed=3, top_k=5, min_p=0.1)):
-                res = client.generate("Name a colour:", max_tokens=5, ignore_eos=True, logprobs=1,
-                                      logit_bias={forced: 100.0}, **kwargs)
-                assert res.token_ids == [forced] * 5, kwargs
-                assert all(lp.logprob < 0 for lp in res.logprobs)
-            # penalties: the plain greedy loop repeats; presence / frequency (output tokens, decode
-            # side history) and repetition (prompt + output) penalties repeat less.
-            plain = client.generate(LOOP_PROMPT, max_tokens=16, temperature=0, ignore_eos=True).token_ids
-            pen = client.generate(LOOP_PROMPT, max_tokens=16, temperature=0, ignore_eos=True,
-                                  presence_penalty=0.5, frequency_penalty=1.0).token_ids
-            rep = client.generate(LOOP_PROMPT, max_tokens=16, temperature=0, ignore_eos=True,
-                                  repetition_penalty=1.5).token_ids
-            assert _repeats(plain) >= 6, tokenizer.decode(plain)
-            assert _repeats(pen) < _repeats(plain) and _repeats(rep) < _repeats(plain)
-            # streamed with penalties equals non-streamed
-            chunks = list(client.stream(LOOP_PROMPT, max_tokens=16, temperature=0, ignore_eos=True,
-                                        presence_penalty=0.5, frequency_penalty=1.0))
-            assert [t for c in chunks for t in c.token_ids] == pen
-            # every new field is validated by the router, naming the field
-            for kwargs, needle in BAD:
-                with pytest.raises(grpc.RpcError) as exc:
-                    client.generate("hi", max_tokens=2, **kwargs)
-                assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, kwargs
-                assert needle in exc.value.details(), (kwargs, exc.value.details())
-            assert client.generate("Hello", max_tokens=2, temperature=0).usage.completion_tokens == 2
-            _min_tokens(client, hf_model, tokenizer)
-        assert_no_leak(state)
+        yield state
+
+
+def test_sampling_knobs_end_to_end(state, tokenizer, hf_model):
+    with PdclusterClient(state["router_address"], timeout_s=300) as client:
+        client.wait_ready(30)
+        # logit_bias forces a token on both workers (first token: prefill; the rest: decode),
+        # greedy and sampled; logprobs stay those of the raw model distribution (< 0).
+        forced = tokenizer.encode(" banana", add_special_tokens=False)[0]
+        for kwargs in (dict(temperature=0), dict(temperature=1.0, seed=3, top_k=5, min_p=0.1)):
+            res = client.generate("Name a colour:", max_tokens=5, ignore_eos=True, logprobs=1,
+                                  logit_bias={forced: 100.0}, **kwargs)
+            assert res.token_ids == [forced] * 5, kwargs
+            assert all(lp.logprob < 0 for lp in res.logprobs)
+        # penalties: the plain greedy loop repeats; presence / frequency (output tokens, decode
+        # side history) and repetition (prompt + output) penalties repeat less.
+        plain = client.generate(LOOP_PROMPT, max_tokens=16, temperature=0, ignore_eos=True).token_ids
+        pen = client.generate(LOOP_PROMPT, max_tokens=16, temperature=0, ignore_eos=True,
+                              presence_penalty=0.5, frequency_penalty=1.0).token_ids
+        rep = client.generate(LOOP_PROMPT, max_tokens=16, temperature=0, ignore_eos=True,
+                              repetition_penalty=1.5).token_ids
+        assert _repeats(plain) >= 6, tokenizer.decode(plain)
+        assert _repeats(pen) < _repeats(plain) and _repeats(rep) < _repeats(plain)
+        # streamed with penalties equals non-streamed
+        chunks = list(client.stream(LOOP_PROMPT, max_tokens=16, temperature=0, ignore_eos=True,
+                                    presence_penalty=0.5, frequency_penalty=1.0))
+        assert [t for c in chunks for t in c.token_ids] == pen
+        # every new field is validated by the router, naming the field
+        for kwargs, needle in BAD:
+            with pytest.raises(grpc.RpcError) as exc:
+                client.generate("hi", max_tokens=2, **kwargs)
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, kwargs
+            assert needle in exc.value.details(), (kwargs, exc.value.details())
+        assert client.generate("Hello", max_tokens=2, temperature=0).usage.completion_tokens == 2
+        _min_tokens(client, hf_model, tokenizer)
+    assert_no_leak(state)
 
 
 def _min_tokens(client, hf_model, tokenizer) -> None:
@@ -92,3 +101,42 @@ def _min_tokens(client, hf_model, tokenizer) -> None:
         client.generate(prompt, max_tokens=4, min_tokens=5)
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert exc.value.details() == "sampling.min_tokens must be <= max_tokens (4), got 5"
+
+
+ANSWER_START = [{"role": "user", "content": "Name three rivers in Europe."},
+                {"role": "assistant", "content": "The three rivers are the Danube,"}]
+
+
+def test_chat_options_end_to_end(state, tokenizer, hf_model):
+    """vLLM's ``continue_final_message`` through both front doors: the model continues the partial
+    answer, token-exact with HF on HF's own rendering; ``/tokenize`` counts the same prompt; a bad
+    template variable is a 400 / INVALID_ARGUMENT naming it."""
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(ANSWER_START, continue_final_message=True, tokenize=False),
+                              add_special_tokens=False)
+    ref, gaps = hf_greedy(hf_model, prompt, 8)
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    with PdclusterClient(state["router_address"], timeout_s=300) as client:
+        res = client.generate(ANSWER_START, chat_options=options, max_tokens=8, temperature=0, ignore_eos=True)
+        assert_greedy_matches(res.token_ids, ref, gaps, "gRPC continue_final_message")
+        assert res.usage.prompt_tokens == len(prompt)
+        with pytest.raises(grpc.RpcError) as exc:
+            client.generate(ANSWER_START, chat_options={"chat_template_kwargs": {"tokenize": True}}, max_tokens=2)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "chat_template_kwargs.tokenize" in \
+            exc.value.details()
+    base = f"http://{state['router_http_address']}"
+    body = {"messages": ANSWER_START, **options}
+    post = urllib.request.Request(f"{base}/tokenize", data=json.dumps(body).encode(),
+                                  headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(post, timeout=60) as r:
+        assert json.loads(r.read())["tokens"] == prompt
+    with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300) as oai:
+        answer = oai.chat.completions.create(model="", messages=ANSWER_START, max_tokens=8, temperature=0,
+                                             extra_body={**options, "ignore_eos": True,
+                                                         "chat_template_kwargs": {"unused": 1}})
+        assert answer.choices[0].message.content == tokenizer.decode(res.token_ids, skip_special_tokens=True)
+        assert answer.usage.prompt_tokens == len(prompt)
+        with pytest.raises(openai.BadRequestError) as bad:
+            oai.chat.completions.create(model="", messages=ANSWER_START, max_tokens=2,
+                                        extra_body={"continue_final_message": True})
+        assert bad.value.body["param"] == "continue_final_message", bad.value.body
+    assert_no_leak(state)

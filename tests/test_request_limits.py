@@ -277,8 +277,8 @@ def test_http_error_bodies_render_lone_surrogates(http):
      "/v1/chat/completions", "response_format"),
     ('"prompt": "a", "use_beam_search": true', "/v1/completions", "use_beam_search"),
     ('"prompt": "a", "guided_choice": ["yes", "no"]', "/v1/completions", "guided_choice"),
-    ('"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": false', "/v1/chat/completions",
-     "add_generation_prompt"),
+    ('"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ messages }}"', "/v1/chat/completions",
+     "chat_template"),
     ('"messages": [{"role": "user", "content": "x"}], "skip_special_tokens": false', "/v1/chat/completions",
      "skip_special_tokens"),
 ])

@@ -138,14 +138,19 @@ def request_aliases(body) -> dict[str, str]:
     return aliases
 
 
+def named_param(message: str) -> str | None:
+    """The request field a validation message names first (``sampling.`` left out), if any."""
+    match = _PARAM.match(message)
+    return match.group(1) if match else None
+
+
 def router_error_response(e: RouterError, body_only: bool = False, aliases: dict[str, str] | None = None):
     """The response (or with ``body_only`` the body) of a :class:`RouterError`; ``param`` is the field
     its message names, under the name the request used (``aliases``: :func:`request_aliases`), and a
     sampling field's message names it so too (``sampling.logprobs must be ...`` of a chat request
     with ``top_logprobs`` reads ``top_logprobs must be ...``)."""
     status = http_status(e.code)
-    match = _PARAM.match(e.message) if status == 400 else None
-    param = match.group(1) if match else None
+    param = named_param(e.message) if status == 400 else None
     field = (aliases or {}).get(param, param)
     message = e.message
     if param is not None and message.startswith(f"sampling.{param}"):  # named as the body wrote it

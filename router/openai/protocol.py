@@ -19,7 +19,7 @@ Sources: OpenAI API reference (``/v1/completions``, ``/v1/chat/completions``), v
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, model_validator
 
@@ -110,3 +110,6 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool | None = None  # vLLM's chat options (router.chat.ChatOptions)
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None

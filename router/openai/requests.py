@@ -23,6 +23,7 @@ that does not fit the wire's ``uint32`` are refused here with 400, naming the fi
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 
@@ -51,6 +52,22 @@ class SubRequest:
     index: int
     request: router_pb2.GenerateRequest
     top_logprobs: int
+
+
+def chat_prompt(request) -> router_pb2.MessageList:
+    """The chat of ``request`` (a chat completion or a ``/tokenize`` body) with vLLM's chat
+    options: ``add_generation_prompt`` (unset: true), ``continue_final_message`` and
+    ``chat_template_kwargs`` (sent as JSON text; the router checks them).
+
+    Raises:
+        OpenAIRequestError: as :func:`chat_text`.
+    """
+    kwargs = request.chat_template_kwargs
+    chat = router_pb2.MessageList(messages=chat_text(request), continue_final_message=bool(request.continue_final_message),
+                                  chat_template_kwargs=json.dumps(kwargs) if kwargs else "")
+    if request.add_generation_prompt is not None:
+        chat.add_generation_prompt = request.add_generation_prompt
+    return chat
 
 
 def chat_text(request: ChatCompletionRequest) -> list[common_pb2.ChatMessage]:
@@ -107,11 +124,7 @@ _UNSUPPORTED = (  # (field, the values that ask for nothing, why another value i
     ("guided_regex", (None,), "guided decoding is not supported"),
     ("guided_choice", (None,), "guided decoding is not supported"),
     ("guided_grammar", (None,), "guided decoding is not supported"),
-    ("add_generation_prompt", (None, True), "add_generation_prompt (vLLM's) false is not supported: the "
-                                            "generation prompt is always added"),
-    ("continue_final_message", (None, False), "continue_final_message (vLLM's) is not supported"),
     ("chat_template", (None,), "chat_template (vLLM's) is not supported: the model's own template is used"),
-    ("chat_template_kwargs", (None, {}), "chat_template_kwargs (vLLM's) is not supported"),
     ("skip_special_tokens", (None, True), "skip_special_tokens (vLLM's) false is not supported: special "
                                           "tokens are always left out of the text"),
     ("return_tokens_as_token_ids", (None, False), "return_tokens_as_token_ids (vLLM's) is not supported"),
@@ -285,7 +298,7 @@ def chat_requests(body: ChatCompletionRequest, client_id: str | None = None) -> 
         OpenAIRequestError: a non-text content part, ``n`` or ``top_logprobs`` out of shape.
     """
     refuse_unsupported(body)
-    messages = router_pb2.MessageList(messages=chat_text(body))
+    messages = chat_prompt(body)
     top = body.top_logprobs or 0
     if top < 0:
         raise OpenAIRequestError(f"top_logprobs must be >= 0, got {top}", param="top_logprobs")

@@ -4,7 +4,8 @@ responses in ``vllm/entrypoints/openai/protocol.py``).
 
 ``/tokenize`` takes a ``prompt`` (tokenized as ``/v1/completions`` tokenizes it: with the tokenizer's
 special tokens unless ``add_special_tokens`` is false) or chat ``messages`` (rendered and tokenized
-as ``/v1/chat/completions`` renders them, generation prompt included), and answers
+as ``/v1/chat/completions`` renders them, with the same chat options: ``add_generation_prompt``,
+``continue_final_message``, ``chat_template_kwargs``), and answers
 ``{count, max_model_len, tokens, token_strs}`` (``token_strs``: the vocabulary entries, with
 ``return_token_strs``). A prompt longer than ``max_model_len`` is counted, not refused (a client
 uses the count to decide). ``/detokenize`` answers ``{prompt}``: the text of ``tokens`` (every id
@@ -14,16 +15,16 @@ in the vocabulary, at most ``max_model_len`` of them), special tokens included, 
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
-from typing import Union
+from typing import Any, Union
 
 from fastapi import FastAPI
 from pydantic import StrictBool, StrictInt
 from starlette.concurrency import run_in_threadpool
 
 from pdcluster.v1 import router_pb2
-from router.openai.errors import error_response, unknown_model
+from router.openai.errors import error_response, named_param, unknown_model
 from router.openai.protocol import ChatMessageIn, _Body
-from router.openai.requests import OpenAIRequestError, _check_utf8, chat_text, refuse_unsupported
+from router.openai.requests import OpenAIRequestError, _check_utf8, chat_prompt, refuse_unsupported
 from router.validation import InvalidRequest
 
 
@@ -38,7 +39,7 @@ class TokenizeRequest(_Body):
     add_generation_prompt: StrictBool | None = None
     continue_final_message: StrictBool | None = None
     chat_template: Union[str, None] = None
-    chat_template_kwargs: dict | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):
@@ -72,7 +73,7 @@ def add_tokenizer_routes(app: FastAPI, state) -> None:
         except OpenAIRequestError as e:
             return error_response(e.status, e.message, param=e.param, code=e.code)
         except InvalidRequest as e:
-            return error_response(400, str(e), param="messages" if body.messages is not None else "prompt")
+            return error_response(400, str(e), param=named_param(str(e)) or ("messages" if body.messages else "prompt"))
         strs = state.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -107,7 +108,7 @@ def _tokenize(state, body: TokenizeRequest) -> list[int]:
             raise OpenAIRequestError("add_special_tokens: true is not supported with messages (the chat "
                                      "template places the special tokens)", param="add_special_tokens",
                                      code="unsupported_parameter")
-        req = router_pb2.GenerateRequest(messages=router_pb2.MessageList(messages=chat_text(body)))
+        req = router_pb2.GenerateRequest(messages=chat_prompt(body))
         return state.core.validator.tokenize(req)
     _check_utf8(body.prompt, "prompt", "prompt")
     return state.core.validator.tokenize(router_pb2.GenerateRequest(text=body.prompt),
