@@ -1,11 +1,9 @@
 """The one declaration of every sampling / generation parameter of a request.
 
-Each :class:`SamplingParam` in :data:`SAMPLING_PARAMS` describes one field of
-``pdcluster.v1.SamplingParams`` (``proto/pdcluster/v1/common.proto``): its Python
-type, what an unset field resolves to, its valid range, its help text, its shape
-(scalar, repeated, token-id map), whether the proto field is ``optional`` (has
-presence, so an explicit ``0`` differs from unset) and which engine type consumes
-it. Everything else derives from this declaration:
+Each :class:`SamplingParam` in :data:`SAMPLING_PARAMS` describes one field of ``pdcluster.v1.SamplingParams``
+(``proto/pdcluster/v1/common.proto``): its Python type, what an unset field resolves to, its valid range, its
+help text, its shape (scalar, repeated, token-id map), whether the proto field is ``optional`` (has presence,
+so an explicit ``0`` differs from unset) and which engine type consumes it. Everything else derives from it:
 
 * the router's checks and resolved defaults (:mod:`router.validation`);
 * the Python client's keyword arguments (:func:`pdcluster.client_types.build_request`);
@@ -38,7 +36,7 @@ MAX_ABS_LOGIT_BIAS = 100.0  # logit_bias value range (OpenAI)
 MAX_STOP_STRINGS = 16       # stop strings per request
 MAX_STOP_CHARS = 256        # characters per stop string
 MAX_LOGIT_BIAS = 1024       # logit_bias entries per request
-MAX_STOP_TOKEN_IDS = 1024   # stop_token_ids per request
+MAX_STOP_TOKEN_IDS, MAX_ALLOWED_TOKEN_IDS = 1024, 16384  # stop_token_ids / allowed_token_ids per request
 UINT64_MAX = (1 << 64) - 1
 
 
@@ -151,8 +149,7 @@ class SamplingParam:
             raise ValueError(f"{self.name}: a map is keyed by token id and has no CLI flag")
         if self.max_items is not None and (self.shape is Shape.SCALAR or self.max_items < 1):
             raise ValueError(f"{self.name}: max_items is a positive limit of a repeated field or a map")
-        if self.max_len is not None and (self.shape is not Shape.REPEATED or self.type is not str
-                                         or self.max_len < 1):
+        if self.max_len is not None and (self.shape is not Shape.REPEATED or self.type is not str or self.max_len < 1):
             raise ValueError(f"{self.name}: max_len is a positive limit of repeated strings")
 
     @property
@@ -335,6 +332,8 @@ SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
                   target=Target.ROUTER),
     SamplingParam("min_tokens", int, 0, "tokens generated before EOS, a stop token id or a stop string may end "
                   "generation (vLLM's), 0 disables", Range(0)),
+    SamplingParam("allowed_token_ids", int, (), "token id that may be sampled: given any, only those are (vLLM's)",
+                  shape=Shape.REPEATED, token_ids=True, flag="--allowed-token-id", max_items=MAX_ALLOWED_TOKEN_IDS),
 )
 
 

@@ -1,5 +1,6 @@
-"""Logits processors applied before sampling: logit bias, repetition penalty,
-frequency / presence penalties (steps 1-3 of the order in :mod:`engine.sampling`).
+"""Logits processors applied before sampling: allowed token ids, logit bias, repetition
+penalty, frequency / presence penalties (steps 0-3 of the order in :mod:`engine.sampling`),
+and the ``min_tokens`` ban of early stops.
 
 :func:`apply_logits_processors` applies them, vectorized over the batch, only on
 the rows whose :class:`~engine.sampling.SamplingOptions` ask for them;
@@ -52,8 +53,8 @@ def apply_logits_processors(
     options: Sequence[SamplingOptions],
     histories: Sequence[History] | None,
 ) -> torch.Tensor:
-    """Steps 1-3 of the :mod:`engine.sampling` docstring: logit bias, repetition
-    penalty, then frequency / presence penalties, each only on the rows that use it.
+    """Steps 0-3 of the :mod:`engine.sampling` docstring: allowed token ids, logit bias,
+    repetition penalty, then frequency / presence penalties, each only on the rows that use it.
 
     Args:
         logits: ``[num_seqs, vocab]`` float32; not modified.
@@ -63,24 +64,27 @@ def apply_logits_processors(
 
     Returns:
         ``[num_seqs, vocab]`` float32 on ``logits.device``: ``logits`` itself
-        when no row has a bias or penalty, else a processed copy.
+        when no row has allowed ids, a bias or a penalty, else a processed copy.
 
     Raises:
         ValueError: a row has a penalty but ``histories`` is missing or of the
-            wrong length, a ``logit_bias`` token id is ``>= vocab``, or a
+            wrong length, a ``logit_bias`` or allowed token id is ``>= vocab``, or a
             history token id is outside ``[0, vocab)``.
     """
     num_seqs, vocab = logits.shape
     device = logits.device
+    allow_rows = [i for i, o in enumerate(options) if o.allowed_token_ids]
     bias_rows = [i for i, o in enumerate(options) if o.logit_bias]
     rep_rows = [i for i, o in enumerate(options) if o.repetition_penalty != 1.0]
     out_rows = [i for i, o in enumerate(options) if o.presence_penalty != 0.0 or o.frequency_penalty != 0.0]
-    if not (bias_rows or rep_rows or out_rows):
+    if not (allow_rows or bias_rows or rep_rows or out_rows):
         return logits
     if (rep_rows or out_rows) and (histories is None or len(histories) != num_seqs):
         raise ValueError(f"rows with penalties need {num_seqs} histories, got "
                          f"{None if histories is None else len(histories)}")
     logits = logits.clone()
+    if allow_rows:
+        _keep_allowed(logits, allow_rows, options)
     if bias_rows:
         pairs = [(i, t, b) for i in bias_rows for t, b in options[i].logit_bias]
         if max(t for _, t, _ in pairs) >= vocab:
@@ -103,6 +107,19 @@ def apply_logits_processors(
     return logits
 
 
+def _keep_allowed(logits: torch.Tensor, rows: list[int], options: Sequence[SamplingOptions]) -> None:
+    """Every id but a row's ``allowed_token_ids`` gets ``-inf`` (in place), on ``rows``."""
+    vocab = logits.shape[1]
+    pairs = [(j, t) for j, i in enumerate(rows) for t in options[i].allowed_token_ids]
+    if max(t for _, t in pairs) >= vocab:
+        raise ValueError(f"allowed token id {max(t for _, t in pairs)} >= vocab {vocab}")
+    r, t = zip(*pairs)
+    keep = torch.zeros(len(rows), vocab, dtype=torch.bool, device=logits.device)
+    keep[torch.tensor(r, device=logits.device), torch.tensor(t, device=logits.device)] = True
+    idx = torch.tensor(rows, device=logits.device)
+    logits[idx] = logits[idx].masked_fill(~keep, float("-inf"))
+
+
 def ban_early_stops(
     logits: torch.Tensor,
     options: Sequence[SamplingOptions],
@@ -111,7 +128,9 @@ def ban_early_stops(
 ) -> torch.Tensor:
     """vLLM's ``min_tokens`` (HF's ``MinNewTokensLengthLogitsProcessor``): on a row whose request
     has generated fewer than ``min_tokens`` tokens, the ids that would end it (EOS unless
-    ``ignore_eos``, its stop token ids: ``stop_ids``) get logit ``-inf``.
+    ``ignore_eos``, its stop token ids: ``stop_ids``) get logit ``-inf``; except on a row whose
+    ``allowed_token_ids`` are all such ids (the ban would leave nothing to sample: the request
+    may only end).
 
     Args:
         logits: ``[num_seqs, vocab]`` float32; modified in place where a row bans ids.
@@ -133,7 +152,9 @@ def ban_early_stops(
         return logits
     if histories is None or stop_ids is None or len(histories) != num_seqs or len(stop_ids) != num_seqs:
         raise ValueError(f"rows with min_tokens need {num_seqs} histories and stop id lists")
-    pairs = [(i, t) for i in rows if len(histories[i][1]) < options[i].min_tokens for t in stop_ids[i]]
+    pairs = [(i, t) for i in rows if len(histories[i][1]) < options[i].min_tokens
+             and not (options[i].allowed_token_ids and set(options[i].allowed_token_ids) <= set(stop_ids[i]))
+             for t in stop_ids[i]]
     if pairs:
         if not all(0 <= t < vocab for _, t in pairs):
             raise ValueError(f"a stop id is outside [0, {vocab})")

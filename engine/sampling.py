@@ -11,6 +11,8 @@ greedy/temperature, ``vllm/model_executor/layers/sampler.py`` (v0) for
 top-k/top-p then min-p; penalty formulas from ``vllm/model_executor/layers/
 utils.py`` ``apply_penalties`` and HF ``RepetitionPenaltyLogitsProcessor``):
 
+0. **allowed token ids** (vLLM's ``allowed_token_ids``): on a row that gives any, every
+   other id gets ``-inf``;
 1. **logit bias**: ``logits[t] += bias[t]``;
 2. **repetition penalty** ``r`` over every token in prompt + output (HF
    semantics): a seen token's logit ``x`` becomes ``x / r`` if ``x > 0`` else
@@ -32,8 +34,8 @@ utils.py`` ``apply_penalties`` and HF ``RepetitionPenaltyLogitsProcessor``):
    sampling; vLLM uses the equivalent exponential race, which needs a
    vocab-sized draw per row).
 
-Rows whose options have no bias and no penalty skip steps 1-3 (no history is
-read); a batch where no row has one never copies the logits.
+Rows whose options have no allowed ids, bias or penalty skip steps 0-3 (no history
+is read); a batch where no row has one never copies the logits.
 
 Batch composition: every step above is row-local, and every row always goes
 through the same sorted path, so a seeded row's token is a function of its own
@@ -101,6 +103,8 @@ class SamplingOptions:
         min_tokens: ``>= 0``; while the request has generated fewer tokens, the ids that
             would end it cannot be sampled (:func:`engine.logits_processors.ban_early_stops`);
             ``0`` disables.
+        allowed_token_ids: when not empty, the only ids that can be sampled (sorted, unique;
+            checked against the vocabulary by :meth:`Sampler.sample`); empty: every id.
 
     Defaults and ranges come from :mod:`common.sampling_params` (every parameter
     declared there with target ``SAMPLER`` is a field here).
@@ -121,8 +125,10 @@ class SamplingOptions:
     frequency_penalty: float = _default("frequency_penalty")
     logit_bias: tuple[tuple[int, float], ...] = _default("logit_bias")
     min_tokens: int = _default("min_tokens")
+    allowed_token_ids: tuple[int, ...] = _default("allowed_token_ids")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in self.allowed_token_ids})))
         if 0.0 < self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)
         pairs = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias

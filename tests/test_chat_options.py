@@ -40,7 +40,8 @@ def shouting(tokenizer):
 def test_options_render_as_hf_does(tokenizer, shouting):
     assert render_chat(tokenizer, ANSWER_START[:1], ChatOptions(add_generation_prompt=False)) == \
         _hf(tokenizer, ANSWER_START[:1], add_generation_prompt=False)
-    continued = render_chat(tokenizer, ANSWER_START, ChatOptions(add_generation_prompt=False, continue_final_message=True))
+    continuing = ChatOptions(add_generation_prompt=False, continue_final_message=True)
+    continued = render_chat(tokenizer, ANSWER_START, continuing)
     assert continued == _hf(tokenizer, ANSWER_START, continue_final_message=True)
     assert tokenizer.decode(continued).endswith("The three rivers are")  # left open: no end of turn
     assert render_chat(tokenizer, ANSWER_START) != continued
@@ -85,7 +86,8 @@ def test_the_validator_reads_the_options_from_the_wire(tokenizer, shouting):
     loud = _validator(shouting).tokenize(_chat(ANSWER_START[:1], chat_template_kwargs='{"shout": true}'))
     assert "NAME THREE RIVERS." in shouting.decode(loud)
     prepared = v.prepare(_chat(add_generation_prompt=False, continue_final_message=True))
-    assert prepared.prompt_token_ids == continued and prepared.worker_request.sampling.max_tokens == 512 - len(continued)
+    assert prepared.prompt_token_ids == continued
+    assert prepared.worker_request.sampling.max_tokens == 512 - len(continued)
 
 
 @pytest.mark.parametrize(("options", "needle"), [

@@ -140,3 +140,30 @@ def test_chat_options_end_to_end(state, tokenizer, hf_model):
                                         extra_body={"continue_final_message": True})
         assert bad.value.body["param"] == "continue_final_message", bad.value.body
     assert_no_leak(state)
+
+
+def test_allowed_token_ids_end_to_end(state, tokenizer, hf_model):
+    """vLLM's ``allowed_token_ids`` on both workers (first token: prefill; the rest: decode) and both
+    front doors, token-exact with HF's greedy choice among the allowed ids."""
+    prompt = "The colours of the flag are"
+    allowed = sorted({tokenizer.encode(w, add_special_tokens=False)[0] for w in (" red", " green", " blue", " and")})
+    ids = tokenizer.encode(prompt)
+    ref = []
+    with torch.no_grad():
+        for _ in range(6):
+            logits = hf_model(torch.tensor([ids + ref])).logits[0, -1]
+            ref.append(allowed[int(logits[allowed].argmax())])
+    with PdclusterClient(state["router_address"], timeout_s=300) as client:
+        res = client.generate(prompt, allowed_token_ids=allowed, max_tokens=6, temperature=0, ignore_eos=True)
+        assert res.token_ids == ref, (res.token_ids, ref)
+        sampled = client.generate(prompt, allowed_token_ids=allowed, max_tokens=6, temperature=1.0, seed=5)
+        assert set(sampled.token_ids) <= set(allowed), sampled.token_ids
+    with openai.OpenAI(base_url=f"http://{state['router_http_address']}/v1", api_key="unused", max_retries=0,
+                       timeout=300) as oai:
+        answer = oai.completions.create(model="", prompt=prompt, max_tokens=6, temperature=0,
+                                        extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+        assert answer.choices[0].text == tokenizer.decode(ref)
+        with pytest.raises(openai.BadRequestError) as bad:
+            oai.completions.create(model="", prompt=prompt, max_tokens=2, extra_body={"allowed_token_ids": [VOCAB]})
+        assert bad.value.body["param"] == "allowed_token_ids", bad.value.body
+    assert_no_leak(state)

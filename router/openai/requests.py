@@ -63,7 +63,8 @@ def chat_prompt(request) -> router_pb2.MessageList:
         OpenAIRequestError: as :func:`chat_text`.
     """
     kwargs = request.chat_template_kwargs
-    chat = router_pb2.MessageList(messages=chat_text(request), continue_final_message=bool(request.continue_final_message),
+    chat = router_pb2.MessageList(messages=chat_text(request),
+                                  continue_final_message=bool(request.continue_final_message),
                                   chat_template_kwargs=json.dumps(kwargs) if kwargs else "")
     if request.add_generation_prompt is not None:
         chat.add_generation_prompt = request.add_generation_prompt
@@ -116,7 +117,6 @@ _UNSUPPORTED = (  # (field, the values that ask for nothing, why another value i
     # changes the answer, so asking for one is refused rather than silently ignored
     ("use_beam_search", (None, False), "beam search is not supported"),
     ("prompt_logprobs", (None,), "prompt_logprobs (vLLM's) is not supported"),
-    ("allowed_token_ids", (None, []), "allowed_token_ids (vLLM's) is not supported; use logit_bias"),
     ("bad_words", (None, []), "bad_words (vLLM's) is not supported; use logit_bias"),
     ("truncate_prompt_tokens", (None,), "truncate_prompt_tokens (vLLM's) is not supported"),
     ("structured_outputs", (None,), "structured outputs are not supported"),
