@@ -327,13 +327,14 @@ SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
     SamplingParam("logit_bias", float, (), "token id -> bias added to its logit before every other step",
                   Range(-MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS), shape=Shape.MAP, token_ids=True, cli=False,
                   max_items=MAX_LOGIT_BIAS),
-    SamplingParam("include_stop_str_in_output", bool, False,
-                  "keep the stop string or stop token text that ended generation in the text (vLLM's)",
-                  target=Target.ROUTER),
+    SamplingParam("include_stop_str_in_output", bool, False, "keep the stop string or stop token text that ended "
+                  "generation in the text (vLLM's)", target=Target.ROUTER),
     SamplingParam("min_tokens", int, 0, "tokens generated before EOS, a stop token id or a stop string may end "
                   "generation (vLLM's), 0 disables", Range(0)),
     SamplingParam("allowed_token_ids", int, (), "token id that may be sampled: given any, only those are (vLLM's)",
                   shape=Shape.REPEATED, token_ids=True, flag="--allowed-token-id", max_items=MAX_ALLOWED_TOKEN_IDS),
+    SamplingParam("truncate_prompt_tokens", int, None, "keep only the prompt's last k tokens (vLLM's); -1: as many "
+                  "as leave room for max_tokens", Range(-1), presence=True, target=Target.ROUTER),
 )
 
 

@@ -74,7 +74,10 @@ class RequestValidator:
             InvalidRequest: naming the offending field or limit.
         """
         _check_request_id(req.request_id)
-        ids = self._prompt_ids(req)
+        keep = self._truncation(req.sampling)
+        ids = self._prompt_ids(req, truncating=keep is not None)
+        if keep is not None:  # left truncation, as vLLM's
+            ids = ids[-keep:]
         n = len(ids)
         chat = req.WhichOneof("prompt") == "messages"
         self._check_length(n, "messages: the rendered chat" if chat else "prompt")
@@ -151,7 +154,26 @@ class RequestValidator:
         if size > cap:
             raise InvalidRequest(f"{what} is {size} bytes; max_prompt_bytes is {cap} (checked before tokenization)")
 
-    def _prompt_ids(self, req: router_pb2.GenerateRequest, add_special_tokens: bool = True) -> list[int]:
+    def _truncation(self, s: common_pb2.SamplingParams) -> int | None:
+        """How many of the prompt's last tokens ``truncate_prompt_tokens`` keeps (``None``: all).
+
+        Raises:
+            InvalidRequest: 0, below -1, or not below ``max_model_len`` (the output needs room).
+        """
+        if not s.HasField("truncate_prompt_tokens"):
+            return None
+        k, max_model_len = s.truncate_prompt_tokens, self.limits.max_model_len
+        if k == 0 or k < -1:
+            raise InvalidRequest(f"sampling.truncate_prompt_tokens must be >= 1 or -1, got {k}")
+        if k >= max_model_len:
+            raise InvalidRequest(f"sampling.truncate_prompt_tokens ({k}) must be < max_model_len {max_model_len} "
+                                 "(the output needs room)")
+        if k == -1:  # vLLM's "the model's length", less the room the output needs
+            return max(1, max_model_len - (s.max_tokens if s.HasField("max_tokens") else 1))
+        return k
+
+    def _prompt_ids(self, req: router_pb2.GenerateRequest, add_special_tokens: bool = True,
+                    truncating: bool = False) -> list[int]:
         kind = req.WhichOneof("prompt")
         if kind is None:
             raise InvalidRequest("prompt: one of text, token_ids or messages is required")
@@ -163,7 +185,8 @@ class RequestValidator:
         elif kind == "token_ids":
             if not req.token_ids.ids:
                 raise InvalidRequest("prompt: token_ids is empty")
-            self._check_length(len(req.token_ids.ids))
+            if not truncating:
+                self._check_length(len(req.token_ids.ids))
             ids = list(req.token_ids.ids)
             bad = [t for t in ids if t >= self.limits.vocab_size]
             if bad:

@@ -167,3 +167,22 @@ def test_allowed_token_ids_end_to_end(state, tokenizer, hf_model):
             oai.completions.create(model="", prompt=prompt, max_tokens=2, extra_body={"allowed_token_ids": [VOCAB]})
         assert bad.value.body["param"] == "allowed_token_ids", bad.value.body
     assert_no_leak(state)
+
+
+def test_truncate_prompt_tokens_end_to_end(state, tokenizer):
+    """vLLM's ``truncate_prompt_tokens``: a prompt longer than the context is served from its last k
+    tokens, as the same k tokens sent as ids are."""
+    text = " ".join(f"item {i}," for i in range(150))
+    ids = tokenizer.encode(text)
+    assert len(ids) > 256
+    with openai.OpenAI(base_url=f"http://{state['router_http_address']}/v1", api_key="unused", max_retries=0,
+                       timeout=300) as oai:
+        cut = oai.completions.create(model="", prompt=text, max_tokens=6, temperature=0,
+                                     extra_body={"truncate_prompt_tokens": 40, "ignore_eos": True})
+        same = oai.completions.create(model="", prompt=ids[-40:], max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert cut.choices[0].text == same.choices[0].text and cut.usage.prompt_tokens == 40
+        with pytest.raises(openai.BadRequestError) as bad:
+            oai.completions.create(model="", prompt=text, max_tokens=2, extra_body={"truncate_prompt_tokens": 0})
+        assert bad.value.body["param"] == "truncate_prompt_tokens", bad.value.body
+    assert_no_leak(state)

@@ -71,7 +71,8 @@ def test_declaration_matches_the_engine_types():
     assert all(options[p.name] == p.default for p in sampling_params(Target.SAMPLER))
     request = {f.name for f in dataclasses.fields(RequestParams)} - {"sampling"}
     assert request == {p.name for p in sampling_params(Target.REQUEST)}
-    assert [p.name for p in sampling_params(Target.ROUTER)] == ["stop", "include_stop_str_in_output"]
+    assert [p.name for p in sampling_params(Target.ROUTER)] == ["stop", "include_stop_str_in_output",
+                                                              "truncate_prompt_tokens"]
     assert sampling_param("logprobs").range == Range(0, MAX_LOGPROBS)
     with pytest.raises(KeyError):
         sampling_param("nope")

@@ -118,7 +118,6 @@ _UNSUPPORTED = (  # (field, the values that ask for nothing, why another value i
     ("use_beam_search", (None, False), "beam search is not supported"),
     ("prompt_logprobs", (None,), "prompt_logprobs (vLLM's) is not supported"),
     ("bad_words", (None, []), "bad_words (vLLM's) is not supported; use logit_bias"),
-    ("truncate_prompt_tokens", (None,), "truncate_prompt_tokens (vLLM's) is not supported"),
     ("structured_outputs", (None,), "structured outputs are not supported"),
     ("guided_json", (None,), "guided decoding is not supported"),
     ("guided_regex", (None,), "guided decoding is not supported"),
