@@ -29,6 +29,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from common.param_range import Range, format_number
+
 DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20
 MAX_ABS_PENALTY = 2.0       # presence / frequency penalty range (OpenAI)
@@ -54,44 +56,6 @@ class Target(enum.Enum):
     SAMPLER = "sampler"  # a field of engine.sampling.SamplingOptions
     REQUEST = "request"  # a field of engine.request.RequestParams (limits, stop ids)
     ROUTER = "router"    # read by the router only, never sent to the workers
-
-
-def _num(x: float) -> str:
-    return str(x) if isinstance(x, int) else f"{x:g}"
-
-
-@dataclass(frozen=True)
-class Range:
-    """Valid numbers: ``low``/``high`` bounds (``None``: unbounded), inclusive
-    unless ``*_open``; with ``finite`` a float must be finite (NaN and infinities
-    are refused, NaN also by every bound)."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-    finite: bool = True
-
-    def contains(self, value: float) -> bool:
-        if isinstance(value, float) and (math.isnan(value) or (self.finite and math.isinf(value))):
-            return False
-        if self.low is not None and not (value > self.low if self.low_open else value >= self.low):
-            return False
-        return self.high is None or (value < self.high if self.high_open else value <= self.high)
-
-    def describe(self, floating: bool) -> str:
-        """``"in (0, 1]"``, ``">= 0"``, ``"> 0 and finite"`` (the last for a float
-        with an unbounded side)."""
-        if self.low is not None and self.high is not None:
-            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
-            return f"in {left}{_num(self.low)}, {_num(self.high)}{right}"
-        if self.low is not None:
-            text = f"{'>' if self.low_open else '>='} {_num(self.low)}"
-        elif self.high is not None:
-            text = f"{'<' if self.high_open else '<='} {_num(self.high)}"
-        else:
-            text = "any number"
-        return f"{text} and finite" if floating and self.finite else text
 
 
 @dataclass(frozen=True)
@@ -174,7 +138,7 @@ class SamplingParam:
         """``help`` with the range, the unset value and repeatability, for the CLI and docs."""
         notes = [self.requirement] if self.requirement else []
         if self.shape is Shape.SCALAR and self.default is not None and self.type is not bool:
-            unset = f"unset: {_num(self.default)}"
+            unset = f"unset: {format_number(self.default)}"
             notes.append(unset + ", clamped to what max_model_len leaves" if self.context_limited else unset)
         if self.shape is Shape.REPEATED:
             notes.append("repeatable")
@@ -335,6 +299,8 @@ SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
                   shape=Shape.REPEATED, token_ids=True, flag="--allowed-token-id", max_items=MAX_ALLOWED_TOKEN_IDS),
     SamplingParam("truncate_prompt_tokens", int, None, "keep only the prompt's last k tokens (vLLM's); -1: as many "
                   "as leave room for max_tokens", Range(-1), presence=True, target=Target.ROUTER),
+    SamplingParam("skip_special_tokens", bool, True, "leave special tokens (EOS, chat markers) out of the text "
+                  "(vLLM's)", presence=True, target=Target.ROUTER),
 )
 
 

@@ -82,8 +82,8 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
         if not param.cli:
             continue
         kwargs: dict = {"dest": param.name, "default": None, "help": param.describe()}
-        if param.type is bool:
-            kwargs["action"] = "store_true"
+        if param.type is bool:  # an optional one defaults to true: --name / --no-name
+            kwargs["action"] = argparse.BooleanOptionalAction if param.presence else "store_true"
         elif param.shape is Shape.REPEATED:
             kwargs.update(action="append", type=param.type, metavar="ID" if param.token_ids else "STR")
         else:

@@ -123,7 +123,8 @@ class ActiveRequest:
         out = OutputAssembler(self.router.tokenizer, prep.request_id, prep.prompt_token_ids, prep.stop,
                               stop_token_ids=prep.worker_request.sampling.stop_token_ids,
                               include_stop=prep.include_stop_str_in_output, min_tokens=prep.min_tokens,
-                              ignore_eos=prep.worker_request.sampling.ignore_eos)
+                              ignore_eos=prep.worker_request.sampling.ignore_eos,
+                              skip_special_tokens=prep.skip_special_tokens)
         avoid: set[str] = set()
         cause = ""
         for migration in itertools.count():

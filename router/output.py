@@ -3,9 +3,10 @@
 Detokenizes incrementally, matches stop strings (holding back text that may be
 the start of one) and builds ``GenerateResponse`` messages: one per delta when
 streaming, one in total otherwise. The concatenated streamed text equals the
-non-streamed text and never contains a stop string. As in vLLM, the text also leaves
-out the stop token id that ended generation (its id stays in ``token_ids`` and counts
-in the usage); ``include_stop_str_in_output`` keeps both in the text. The last message names
+non-streamed text and never contains a stop string. As in vLLM v1, the text also leaves
+out the token that ended generation on the worker (EOS or a stop token id: its id stays in
+``token_ids`` and counts in the usage); ``include_stop_str_in_output`` keeps both in the text.
+Special tokens are left out of the text unless ``skip_special_tokens`` is false (vLLM's). The last message names
 the stop that ended generation (``stop_string`` or ``stop_token_id``: vLLM's ``stop_reason``;
 the tokenizer's EOS id is not named, also when ``stop_token_ids`` lists it, unless ``ignore_eos``).
 """
@@ -32,16 +33,17 @@ class OutputAssembler:
         min_tokens: a stop string ends generation only where it ends in the text of a token after
             the first ``min_tokens`` (vLLM's ``min_tokens``: it may begin earlier; one completed
             earlier is text).
+        skip_special_tokens: leave special tokens out of the text.
     """
 
     def __init__(self, tokenizer, request_id: str, prompt_token_ids: list[int], stop: list[str],
                  stop_token_ids: Collection[int] = (), include_stop: bool = False, min_tokens: int = 0,
-                 ignore_eos: bool = False) -> None:
+                 ignore_eos: bool = False, skip_special_tokens: bool = True) -> None:
         self.request_id = request_id
         self.num_prompt = len(prompt_token_ids)
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self.stops = StopStringMatcher(stop, include_stop) if stop else None
-        self.stop_token_ids = frozenset(() if include_stop else stop_token_ids)
+        self.include_stop = include_stop
         eos = None if ignore_eos else getattr(tokenizer, "eos_token_id", None)
         self.request_stop_ids = frozenset(stop_token_ids) - {eos}  # EOS first, as vLLM's check_stop: no stop_reason
         self.stop_reason: dict[str, str | int] = {}  # GenerateResponse's stop_reason field, once one stop ended it
@@ -67,8 +69,8 @@ class OutputAssembler:
         self.token_ids.extend(ids)
         self.logprobs.extend(delta.logprobs)
         reason = delta.finish_reason
-        shown = ids[:-1] if reason == common_pb2.FINISH_REASON_STOP and ids and ids[-1] in self.stop_token_ids \
-            else ids
+        # a worker's STOP is its last token's (EOS or a stop token id; stop strings are matched here)
+        shown = ids[:-1] if reason == common_pb2.FINISH_REASON_STOP and not self.include_stop else ids
         early, text = self.detok.add(shown[:context]), self.detok.add(shown[context:])
         if reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             text += self.detok.finish()

@@ -55,6 +55,7 @@ class PreparedRequest:
     stream: bool
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
+    skip_special_tokens: bool = True
 
 
 class RequestValidator:
@@ -90,6 +91,7 @@ class RequestValidator:
                 sampling=self._resolve_sampling(s, n, chat=chat)),
             stop=list(s.stop), logprobs=s.logprobs, stream=req.stream,
             include_stop_str_in_output=s.include_stop_str_in_output, min_tokens=s.min_tokens,
+            skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True,
         )
 
     def tokenize(self, req: router_pb2.GenerateRequest, add_special_tokens: bool = True) -> list[int]:

@@ -186,3 +186,21 @@ def test_truncate_prompt_tokens_end_to_end(state, tokenizer):
             oai.completions.create(model="", prompt=text, max_tokens=2, extra_body={"truncate_prompt_tokens": 0})
         assert bad.value.body["param"] == "truncate_prompt_tokens", bad.value.body
     assert_no_leak(state)
+
+
+def test_skip_special_tokens_end_to_end(state, tokenizer):
+    """vLLM's ``skip_special_tokens`` false: a special token the model samples (forced here by
+    ``logit_bias``, on both workers) is text on both front doors; by default it is left out."""
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    with PdclusterClient(state["router_address"], timeout_s=300) as client:
+        kwargs = dict(max_tokens=3, temperature=0, ignore_eos=True, logit_bias={start: 100.0})
+        assert client.generate("Hi", **kwargs).text == ""
+        shown = client.generate("Hi", skip_special_tokens=False, **kwargs)
+        assert shown.token_ids == [start] * 3 and shown.text == "<|im_start|>" * 3
+    with openai.OpenAI(base_url=f"http://{state['router_http_address']}/v1", api_key="unused", max_retries=0,
+                       timeout=300) as oai:
+        answer = oai.chat.completions.create(model="", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                             temperature=0, logit_bias={str(start): 100},
+                                             extra_body={"skip_special_tokens": False, "ignore_eos": True})
+        assert answer.choices[0].message.content == "<|im_start|>" * 3
+    assert_no_leak(state)

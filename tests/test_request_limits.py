@@ -279,8 +279,7 @@ def test_http_error_bodies_render_lone_surrogates(http):
     ('"prompt": "a", "guided_choice": ["yes", "no"]', "/v1/completions", "guided_choice"),
     ('"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ messages }}"', "/v1/chat/completions",
      "chat_template"),
-    ('"messages": [{"role": "user", "content": "x"}], "skip_special_tokens": false', "/v1/chat/completions",
-     "skip_special_tokens"),
+    ('"messages": [{"role": "user", "content": "x"}], "bad_words": ["x"]', "/v1/chat/completions", "bad_words"),
 ])
 def test_http_refuses_openai_and_vllm_fields_it_does_not_serve(http, fields, path, param):
     status, answer = _post(http, f'{{"model": "m", {fields}}}'.encode(), path)
@@ -296,8 +295,8 @@ def test_http_refuses_openai_and_vllm_fields_it_does_not_serve(http, fields, pat
     ('"min_tokens": true', "min_tokens", "min_tokens must be an integer, got True"),
     ('"min_tokens": -1', "min_tokens", "min_tokens must be >= 0, got -1"),
     ('"max_tokens": 1000000000000', "max_tokens", "max_tokens must be <= 4294967295, got 1000000000000"),
-    ('"skip_special_tokens": "yes"', "skip_special_tokens", "skip_special_tokens must be a boolean, got str"),
-    ('"skip_special_tokens": 1', "skip_special_tokens", "skip_special_tokens must be a boolean, got int"),
+    ('"skip_special_tokens": "yes"', "skip_special_tokens", "skip_special_tokens must be a boolean, got 'yes'"),
+    ('"skip_special_tokens": 1', "skip_special_tokens", "skip_special_tokens must be a boolean, got 1"),
     ('"use_beam_search": 0', "use_beam_search", "use_beam_search must be a boolean, got int"),
     ('"seed": -9223372036854775809', "seed",
      "seed must be in [-9223372036854775808, 18446744073709551615], got -9223372036854775809"),
@@ -336,8 +335,7 @@ def test_neutral_values_of_unserved_openai_fields_pass():
     refuse_unsupported(CompletionRequest(model="m", prompt="a", echo=False, best_of=1, suffix=None))
     refuse_unsupported(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
                                              tool_choice="none", tools=[], response_format={"type": "text"},
-                                             use_beam_search=False, add_generation_prompt=True,
-                                             skip_special_tokens=True))
+                                             use_beam_search=False, bad_words=[]))
 
 
 def test_an_unset_max_tokens_is_16_for_text_and_the_rest_of_the_context_for_a_chat(tokenizer):

@@ -1,7 +1,8 @@
 """vLLM's ``stop_reason`` and finish order: the length limit is checked before the stop tokens (a stop
 token sampled as the last token allowed ends by length, as vLLM v1's ``check_stop``), and the tokenizer's
 EOS ends a request without a ``stop_reason`` even when ``stop_token_ids`` lists it (EOS is checked first
-there too), unless the request ignores EOS."""
+there too), unless the request ignores EOS; ``skip_special_tokens`` false keeps special tokens in the text
+but the one that ended the request."""
 
 from __future__ import annotations
 
@@ -46,3 +47,22 @@ def test_eos_names_no_stop_reason_unless_eos_is_ignored(tokenizer):
     assert _last(tokenizer, [eos, other], True, eos).stop_token_id == eos
     assert _last(tokenizer, [eos, other], False, other).stop_token_id == other
     assert _last(tokenizer, [], False, eos).WhichOneof("stop_reason") is None
+
+
+def _text(tokenizer, deltas, **kwargs) -> str:
+    out = OutputAssembler(tokenizer, "r", tokenizer.encode("Say:"), [], **kwargs)
+    return "".join(out.add(worker_pb2.TokenDelta(token_ids=ids, finish_reason=reason)).text for ids, reason in deltas)
+
+
+def test_skip_special_tokens_false_shows_them_but_not_the_token_that_ended_it(tokenizer):
+    """vLLM v1: special tokens are text with ``skip_special_tokens`` false; the token that ended the
+    request on the worker (EOS, a stop token id) stays out of the text unless ``include_stop``."""
+    start, eos = tokenizer.convert_tokens_to_ids("<|im_start|>"), tokenizer.eos_token_id
+    hi = tokenizer.encode(" hi", add_special_tokens=False)
+    deltas = [(hi + [start], common_pb2.FINISH_REASON_UNSPECIFIED), ([eos], common_pb2.FINISH_REASON_STOP)]
+    assert _text(tokenizer, deltas) == " hi"
+    assert _text(tokenizer, deltas, skip_special_tokens=False) == " hi<|im_start|>"
+    assert _text(tokenizer, deltas, skip_special_tokens=False, include_stop=True) == " hi<|im_start|><|im_end|>"
+    by_id = [(hi, common_pb2.FINISH_REASON_UNSPECIFIED), (hi, common_pb2.FINISH_REASON_STOP)]  # a stop token id
+    assert _text(tokenizer, by_id, stop_token_ids=hi) == " hi"
+    assert _text(tokenizer, by_id, stop_token_ids=hi, include_stop=True) == " hi hi"
