@@ -204,3 +204,24 @@ def test_skip_special_tokens_end_to_end(state, tokenizer):
                                              extra_body={"skip_special_tokens": False, "ignore_eos": True})
         assert answer.choices[0].message.content == "<|im_start|>" * 3
     assert_no_leak(state)
+
+
+def test_return_tokens_as_token_ids(state, tokenizer):
+    """vLLM's ``return_tokens_as_token_ids``: logprobs name each token ``token_id:<id>`` (chat and
+    completions, top entries too); completions' ``text_offset`` still counts characters of the text."""
+    base = f"http://{state['router_http_address']}/v1"
+    with openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300) as oai:
+        plain = oai.completions.create(model="", prompt="Once upon", max_tokens=4, temperature=0, logprobs=2,
+                                       extra_body={"ignore_eos": True})
+        ids = oai.completions.create(model="", prompt="Once upon", max_tokens=4, temperature=0, logprobs=2,
+                                     extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        got, ref = ids.choices[0].logprobs, plain.choices[0].logprobs
+        tokens = [int(t.removeprefix("token_id:")) for t in got.tokens]
+        assert [tokenizer.decode([t]) for t in tokens] == ref.tokens and got.text_offset == ref.text_offset
+        assert all(k.startswith("token_id:") for top in got.top_logprobs for k in top)
+        chat = oai.chat.completions.create(model="", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                           logprobs=True, top_logprobs=1,
+                                           extra_body={"return_tokens_as_token_ids": True})
+        entry = chat.choices[0].logprobs.content[0]
+        assert entry.token.startswith("token_id:") and entry.top_logprobs[0].token.startswith("token_id:")
+    assert_no_leak(state)

@@ -203,7 +203,7 @@ async def _answer(state: FrontDoorState, body, kind: str, base: str, subs: list[
     with request_scope(base):
         log.info("%s request: %d sub-request(s), stream=%s, user=%r", kind, len(subs), body.stream, body.user)
     builder = ResponseBuilder(kind, base, state.model_name, state.tokenizer, logprobs=bool(subs[0].top_logprobs
-                              or subs[0].request.sampling.logprobs))
+                              or subs[0].request.sampling.logprobs), token_ids=body.return_tokens_as_token_ids)
     events = _pump(subs, actives)
     if body.stream:
         opts = body.stream_options

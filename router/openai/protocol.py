@@ -77,6 +77,7 @@ class _Sampling(_Extensible):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    return_tokens_as_token_ids: StrictBool = False  # vLLM's: logprobs name tokens "token_id:<id>"
 
 
 class CompletionRequest(_Sampling):

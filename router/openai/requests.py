@@ -124,7 +124,6 @@ _UNSUPPORTED = (  # (field, the values that ask for nothing, why another value i
     ("guided_choice", (None,), "guided decoding is not supported"),
     ("guided_grammar", (None,), "guided decoding is not supported"),
     ("chat_template", (None,), "chat_template (vLLM's) is not supported: the model's own template is used"),
-    ("return_tokens_as_token_ids", (None, False), "return_tokens_as_token_ids (vLLM's) is not supported"),
 )
 
 

@@ -72,13 +72,16 @@ def totals(usages: dict[int, common_pb2.Usage], n: int) -> tuple[int, int, int]:
 
 
 class LogprobText:
-    """Token strings for logprobs (each token decoded alone, as vLLM reports them)."""
+    """Token strings for logprobs: each token decoded alone, as vLLM reports them, or with
+    ``token_ids`` as ``"token_id:<id>"`` (vLLM's ``return_tokens_as_token_ids``, for clients that
+    need the ids of tokens that do not decode alone)."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, token_ids: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.token_ids = token_ids
 
     def token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return f"token_id:{token_id}" if self.token_ids else self.tokenizer.decode([token_id])
 
     def chat(self, logprobs, top_n: int) -> list[dict]:
         """``logprobs.content`` entries of chat for ``TokenLogprob`` messages."""
@@ -104,18 +107,19 @@ class LogprobText:
             top.setdefault(text, lp.logprob)
             tops.append(top)
             offsets.append(offset)
-            offset += len(text)
+            offset += len(self.tokenizer.decode([lp.token_id])) if self.token_ids else len(text)  # in the text
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 class ResponseBuilder:
     """Bodies of one HTTP request (``kind``: ``"chat"`` or ``"completion"``)."""
 
-    def __init__(self, kind: str, request_id: str, model: str, tokenizer, logprobs: bool) -> None:
+    def __init__(self, kind: str, request_id: str, model: str, tokenizer, logprobs: bool,
+                 token_ids: bool = False) -> None:
         self.kind, self.id, self.model = kind, request_id, model
         self.created = int(time.time())
         self.logprobs = logprobs
-        self.text = LogprobText(tokenizer)
+        self.text = LogprobText(tokenizer, token_ids)
         self.object = "chat.completion" if kind == "chat" else "text_completion"
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
