@@ -128,6 +128,8 @@ def _valid(p: SamplingParam) -> st.SearchStrategy:
         return st.integers(1, 3)
     if p.name == "min_tokens":  # at most max_tokens
         return st.integers(0, 1)
+    if p.name == "truncate_prompt_tokens":  # -1, or 1 .. max_model_len - 1 (0 is refused, as vLLM does)
+        return st.one_of(st.just(-1), st.integers(1, MAX_MODEL_LEN - 1))
     if p.type is bool:
         return st.booleans()
     if p.shape is Shape.MAP:
