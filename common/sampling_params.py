@@ -139,7 +139,8 @@ class SamplingParam:
         notes = [self.requirement] if self.requirement else []
         if self.shape is Shape.SCALAR and self.default is not None and self.type is not bool:
             unset = f"unset: {format_number(self.default)}"
-            notes.append(unset + ", clamped to what max_model_len leaves" if self.context_limited else unset)
+            limited = ", clamped to what max_model_len leaves; a chat's: all it leaves"
+            notes.append(unset + limited if self.context_limited else unset)
         if self.shape is Shape.REPEATED:
             notes.append("repeatable")
         return f"{self.help} ({'; '.join(notes)})" if notes else self.help

@@ -93,7 +93,7 @@ def check_ports_free(host: str, ports: dict[str, int]) -> None:
                 s.bind((host, port))
             except OSError as e:
                 raise ConfigError(f"{flag} {port}: {host}:{port} is in use ({e.strerror}; another pdcluster "
-                                  f"started without its own --port?); stop what listens there or choose another "
+                                  f"started without its own {flag}?); stop what listens there or choose another "
                                   f"port ({flag} 0: any free port)") from None
 
 

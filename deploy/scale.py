@@ -102,7 +102,8 @@ def plan(state: dict, target: ScaleTarget) -> tuple[list[tuple[str, str]], list[
         raise ValueError("this cluster is disaggregated: scale it with --prefill and --decode (--workers is for a "
                          "colocated one, `pdcluster up --colocated`)")
     elif wanted["prefill"] < 1 or wanted["decode"] < 1:
-        raise ValueError(f"need at least one prefill and one decode worker; asked for {wanted}")
+        raise ValueError(f"need at least one prefill and one decode worker; asked for {wanted['prefill']} prefill "
+                         f"and {wanted['decode']} decode")
     add: list[tuple[str, str]] = []
     remove: list[dict] = []
     next_index = dict(state.get("next_index", {}))
@@ -274,7 +275,7 @@ def cmd_scale(args) -> int:
     try:
         state = scale_from_state_dir(args.state_dir, target)
     except FileNotFoundError:
-        print("no pdcluster is up", file=sys.stderr)
+        print(f"no pdcluster is up from state dir {args.state_dir or '~/.pdcluster'}", file=sys.stderr)
         return 1
     except (ValueError, RuntimeError, ConnectionError) as e:  # bad counts, placement failure, busy lock, no Ray
         print(f"error: {e}", file=sys.stderr)

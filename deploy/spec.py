@@ -34,10 +34,11 @@ def num_kv_blocks(model: ModelConfig, block_size: int, dtype: str, kv_cache_gb: 
     return max(2, int(kv_cache_gb * (1 << 30) // per_block))
 
 
-def fitted_max_model_len(flag: int | None, num_blocks: int, block_size: int) -> int:
+def fitted_max_model_len(flag: int | None, num_blocks: int, block_size: int, context_len: int | None = None) -> int:
     """The cluster's ``max_model_len`` (tokens): ``--max-model-len`` when one worker's KV pool holds
-    a request that long, else a :class:`ConfigError`; unset, :data:`DEFAULT_MAX_MODEL_LEN` lowered to
-    what the pool holds. As vLLM refuses to start with a ``max_model_len`` its KV cache cannot hold:
+    a request that long and the model's context does too, else a :class:`ConfigError`; unset,
+    :data:`DEFAULT_MAX_MODEL_LEN` lowered to what the pool and the context hold. As vLLM refuses to
+    start with a ``max_model_len`` above the model's context or one its KV cache cannot hold:
     every request the router admits can then finish on one worker (preempted at worst), and a chat
     without ``max_tokens`` (the rest of the context) is never refused by the decode worker's pool.
 
@@ -45,13 +46,18 @@ def fitted_max_model_len(flag: int | None, num_blocks: int, block_size: int) -> 
         flag: ``--max-model-len`` (tokens), ``None`` when not given.
         num_blocks: KV blocks of one worker's pool (the null block among them, never allocated).
         block_size: tokens per block.
+        context_len: the model's context (``max_position_embeddings``; ``None``: unbounded).
 
     Raises:
-        ConfigError: ``flag`` above the ``(num_blocks - 1) * block_size`` tokens the pool holds.
+        ConfigError: ``flag`` above the model's context, or above the ``(num_blocks - 1) * block_size``
+            tokens the pool holds.
     """
     room = (num_blocks - 1) * block_size
     if flag is None:
-        return min(DEFAULT_MAX_MODEL_LEN, room)
+        return min(DEFAULT_MAX_MODEL_LEN, room, context_len or room)
+    if context_len is not None and flag > context_len:
+        raise ConfigError(f"--max-model-len {flag} exceeds the model's context of {context_len} tokens "
+                          "(max_position_embeddings in its config.json)")
     if flag > room:
         raise ConfigError(f"--max-model-len {flag} does not fit one worker's KV pool: {num_blocks - 1} usable blocks "
                           f"of {block_size} tokens hold {room} tokens (raise --num-kv-blocks or --kv-cache-gb, or "
@@ -219,7 +225,7 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
     kv_dtype = "float32" if args.dtype in ("auto", "float32") and not use_cuda else (
         "bfloat16" if args.dtype == "auto" else args.dtype)
     blocks = args.num_kv_blocks or num_kv_blocks(model_cfg, args.block_size, kv_dtype, args.kv_cache_gb)
-    max_model_len = fitted_max_model_len(args.max_model_len, blocks, args.block_size)
+    max_model_len = fitted_max_model_len(args.max_model_len, blocks, args.block_size, model_cfg.context_len)
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_model_len=max_model_len, lease_s=args.kv_lease_s,
                             kv_failure_policy=args.kv_failure_policy)

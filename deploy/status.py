@@ -166,6 +166,6 @@ def cmd_status(args) -> int:
     except FileNotFoundError:
         if args.json:  # a script reading stdout gets JSON either way
             print(json.dumps({"up": False}))
-        print("no pdcluster is up", file=sys.stderr)
+        print(f"no pdcluster is up from state dir {args.state_dir or '~/.pdcluster'}", file=sys.stderr)
         return 1
     return print_status(state, as_json=args.json, state_dir=args.state_dir)

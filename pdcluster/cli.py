@@ -67,6 +67,20 @@ def _address(args: argparse.Namespace, key: str, fallback: str) -> str | None:
         return None
 
 
+def _fallback_hint(args: argparse.Namespace, address: str, fallback: str) -> str:
+    """What to add to "unreachable" when ``address`` is the ``fallback`` tried because no ``--address``
+    was given and no cluster is up from the default state directory ("" otherwise)."""
+    if args.address or args.state_dir is not None or address != fallback:
+        return ""
+    try:
+        from deploy.state import read_state
+
+        read_state(None)
+        return ""
+    except (ImportError, FileNotFoundError):
+        return f" (no pdcluster is up from ~/.pdcluster, so {fallback} was tried: give --state-dir DIR or --address)"
+
+
 def _add_state_dir(p: argparse.ArgumentParser) -> None:
     """``--state-dir`` of a command that calls the router: where its default ``--address`` comes from."""
     p.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
@@ -146,7 +160,7 @@ def cmd_top(args: argparse.Namespace) -> int:
         return 1
     base = address if address.startswith("http") else f"{'https' if args.tls_ca else 'http'}://{address}"
     return run_top(base, interval_s=args.interval, iterations=args.iterations, api_key=args.api_key,
-                   tls_ca=args.tls_ca)
+                   tls_ca=args.tls_ca, unreachable_hint=_fallback_hint(args, address, FALLBACK_HTTP))
 
 
 def _version() -> str:
@@ -233,12 +247,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 result = client.generate(prompt, **params)
                 print(result.text, flush=True)
     except grpc.RpcError as exc:
-        print(f"error: {rpc_error_text(exc)}", file=sys.stderr)
+        hint = _fallback_hint(args, address, FALLBACK_ADDRESS) if exc.code() == grpc.StatusCode.UNAVAILABLE else ""
+        print(f"error: {rpc_error_text(exc)}{hint}", file=sys.stderr)
         return 1
     except (TypeError, ValueError) as exc:  # refused by the client library before sending
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        if args.stream:  # end the streamed text's line first
+            print(flush=True)
         print("error: interrupted", file=sys.stderr)
         return 130
     print(_summary(result, time.monotonic() - start), file=sys.stderr)

@@ -16,6 +16,7 @@ stay plain HTTP.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import ssl
@@ -205,7 +206,7 @@ def snapshot(base_url: str, api_key: str | None = None, context: ssl.SSLContext 
             try:
                 out.append(scrape(target, labels, api_key=api_key,
                                   context=context if labels.get("role") == "router" else None))
-            except OSError:
+            except (OSError, http.client.HTTPException):
                 continue
     return out
 
@@ -218,9 +219,11 @@ PIPED_WIDTH = 160
 
 
 def run_top(base_url: str, interval_s: float = 1.0, iterations: int | None = None,
-            console: Console | None = None, api_key: str | None = None, tls_ca: str | bytes | None = None) -> int:
+            console: Console | None = None, api_key: str | None = None, tls_ca: str | bytes | None = None,
+            unreachable_hint: str = "") -> int:
     """Refresh the view every ``interval_s`` seconds until interrupted (or ``iterations`` times);
-    ``tls_ca``: the CA verifying the router's HTTPS certificate (:func:`tls_context`).
+    ``tls_ca``: the CA verifying the router's HTTPS certificate (:func:`tls_context`);
+    ``unreachable_hint``: added to the error when the router cannot be reached at first.
 
     Returns:
         0, or 1 when ``tls_ca`` cannot be read, or the router's HTTP server cannot be reached or
@@ -242,7 +245,11 @@ def run_top(base_url: str, interval_s: float = 1.0, iterations: int | None = Non
         Console(stderr=True).print(f"error: the router's HTTP server at {base_url} answered {e.code} {e.reason}{hint}")
         return 1
     except OSError as e:
-        print(f"error: cannot reach the router's HTTP server at {base_url}: {e}", file=sys.stderr)
+        print(f"error: cannot reach the router's HTTP server at {base_url}: {e}{unreachable_hint}", file=sys.stderr)
+        return 1
+    except http.client.HTTPException as e:  # something answered, not in HTTP: a gRPC port, most likely
+        print(f"error: {base_url} does not answer HTTP ({type(e).__name__}); is it the router's gRPC port? "
+              "give its HTTP port (up's --http-port, default 8000)", file=sys.stderr)
         return 1
     with Live(render(scrapes, previous), console=console, refresh_per_second=4, transient=False) as live:
         done = 0
@@ -255,7 +262,7 @@ def run_top(base_url: str, interval_s: float = 1.0, iterations: int | None = Non
                 done += 1
                 try:
                     scrapes = snapshot(base_url, api_key, context)
-                except OSError as e:  # the last view stays, marked stale, until the router answers again
+                except (OSError, http.client.HTTPException) as e:  # the last view stays, marked stale
                     live.update(Group(Text(f"cannot reach the router's HTTP server at {base_url}: {e}; the view "
                                            "below is from the last answer", style="bold red"), render(scrapes, {})))
                     continue

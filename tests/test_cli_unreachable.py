@@ -96,6 +96,19 @@ def test_generate_with_a_value_the_client_refuses(capsys, dead_address):
     assert rc == 2
 
 
+def test_top_on_the_grpc_port_says_so(capsys):
+    """Something that answers, not in HTTP (the router's gRPC port, say): one line, no traceback."""
+    import threading
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        threading.Thread(target=lambda: server.accept()[0].sendall(b"\x00\x00\x12\x04garbage\r\n\r\n"),
+                         daemon=True).start()
+        rc = cli.main(["top", "--address", f"127.0.0.1:{server.getsockname()[1]}", "--iterations", "1"])
+    _one_error_line(capsys, rc, "does not answer HTTP (BadStatusLine); is it the router's gRPC port?")
+
+
 def test_top_without_router(capsys, dead_address):
     rc = cli.main(["top", "--address", dead_address, "--iterations", "1"])
     _one_error_line(capsys, rc, f"cannot reach the router's HTTP server at http://{dead_address}")
@@ -200,7 +213,7 @@ def test_up_on_a_port_in_use(tmp_path, capsys, flag):
         other = "--http-port" if flag == "--port" else "--port"
         rc = cli.main(["up", "--local", flag, str(port), other, "0", "--state-dir", str(tmp_path)])
     _one_usage_line(capsys, rc, f"pdcluster up: error: {flag} {port}: 127.0.0.1:{port} is in use (Address already "
-                                f"in use; another pdcluster started without its own --port?); stop what listens "
+                                f"in use; another pdcluster started without its own {flag}?); stop what listens "
                                 f"there or choose another port ({flag} 0: any free port)")
     assert not (tmp_path / "cluster.json").exists()
 
@@ -243,7 +256,7 @@ def test_status_of_no_cluster_and_a_file_as_state_dir(tmp_path, capsys):
     ``--state-dir`` is one usage line, not a traceback."""
     assert cli.main(["status", "--json", "--state-dir", str(tmp_path / "none")]) == 1
     out, err = capsys.readouterr()
-    assert json.loads(out) == {"up": False} and err.strip() == "no pdcluster is up"
+    assert json.loads(out) == {"up": False} and err.strip() == f"no pdcluster is up from state dir {tmp_path / 'none'}"
     state_file = tmp_path / "cluster.json"
     state_file.write_text("{}")
     with pytest.raises(SystemExit) as exit_:
@@ -282,3 +295,19 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as done:
         cli.main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.strip() == f"pdcluster {version('pdcluster')}"
+
+
+def test_the_fallback_address_names_why_it_was_tried(tmp_path, monkeypatch):
+    """No ``--address`` and no cluster up from ``~/.pdcluster``: an unreachable 127.0.0.1:50051 says that
+    it was only the fallback; with a cluster up from there, or an address given, nothing is added."""
+    import argparse
+
+    from deploy import state
+
+    monkeypatch.setattr(state, "DEFAULT_STATE_DIR", tmp_path)
+    bare = argparse.Namespace(address=None, state_dir=None)
+    assert "no pdcluster is up from ~/.pdcluster, so 127.0.0.1:50051 was tried" in cli._fallback_hint(
+        bare, cli.FALLBACK_ADDRESS, cli.FALLBACK_ADDRESS)
+    assert cli._fallback_hint(argparse.Namespace(address="h:1", state_dir=None), "h:1", cli.FALLBACK_ADDRESS) == ""
+    (tmp_path / "cluster.json").write_text(json.dumps({"router_address": cli.FALLBACK_ADDRESS}))
+    assert cli._fallback_hint(bare, cli.FALLBACK_ADDRESS, cli.FALLBACK_ADDRESS) == ""

@@ -1,5 +1,5 @@
-"""``--max-model-len`` must fit one worker's KV pool (as vLLM refuses to start otherwise); left
-out, it is 2048 or what the pool holds when less. Every admitted request can then finish on one
+"""``--max-model-len`` must fit one worker's KV pool and the model's context (as vLLM refuses to
+start otherwise); left out, it is 2048 or what the pool or the context holds when less. Every admitted request can then finish on one
 worker, and a chat without ``max_tokens`` (the rest of the context) is never too long for it."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from cli_helpers import parse_up
 def test_unset_is_the_default_or_what_the_pool_holds():
     assert fitted_max_model_len(None, 1000, 16) == DEFAULT_MAX_MODEL_LEN
     assert fitted_max_model_len(None, 65, 16) == 64 * 16  # the null block holds no tokens
+    assert fitted_max_model_len(None, 1000, 16, context_len=512) == 512  # nor past the model's context
 
 
 def test_a_set_value_that_fits_is_kept_and_one_that_does_not_is_refused():
@@ -22,6 +23,8 @@ def test_a_set_value_that_fits_is_kept_and_one_that_does_not_is_refused():
     with pytest.raises(ConfigError, match=r"--max-model-len 1025 does not fit one worker's KV pool: 64 usable "
                                           r"blocks of 16 tokens hold 1024 tokens"):
         fitted_max_model_len(1025, 65, 16)
+    with pytest.raises(ConfigError, match=r"--max-model-len 9000 exceeds the model's context of 8192 tokens"):
+        fitted_max_model_len(9000, 10000, 16, context_len=8192)  # as vLLM refuses it (newcomer finding)
 
 
 def test_up_gives_the_router_and_the_workers_the_fitted_length():
