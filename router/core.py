@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 
 import grpc
 
@@ -116,6 +117,8 @@ class RequestRouter:
                 router is full, or the predicted TTFT exceeds the SLO), INVALID_ARGUMENT (the
                 message names the field or limit), ALREADY_EXISTS (a running request has this id).
         """
+        if not request.request_id:  # minted here, so every refusal's log line names it too
+            request.request_id = uuid.uuid4().hex
         arrival = self.lane.arrived()
         capacity = self.admission.capacity() if self.admission is not None else None
         with self._lock:
@@ -167,6 +170,14 @@ class RequestRouter:
             self.metrics.inc("request_errors", code=grpc.StatusCode.INTERNAL.name)
             raise RouterError(grpc.StatusCode.INTERNAL, f"internal error while preparing the request "
                               f"({type(e).__name__}); the router's log has the details") from None
+
+    def refuse_unparsable(self, reason: str) -> str:
+        """Count and log a ``Generate`` request gRPC could not parse (refused with INVALID_ARGUMENT
+        before it reached :meth:`start`); returns the id minted to name it."""
+        request_id = uuid.uuid4().hex
+        self.metrics.inc("request_errors", code=grpc.StatusCode.INVALID_ARGUMENT.name)
+        _invalid.info(request_id, "request %s refused: INVALID_ARGUMENT: %s", request_id, reason)
+        return request_id
 
     def _refused(self, e: Refused) -> None:
         self.metrics.inc("request_errors", code=grpc.StatusCode.RESOURCE_EXHAUSTED.name)

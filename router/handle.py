@@ -110,7 +110,9 @@ class RequestHandle:
         try:
             outcome = call.result().outcome
         except Exception as e:  # noqa: BLE001 - decode unreachable: fall back to cancelling
-            log.warning("FailTransfer for %s failed (%s); cancelling the decode call", self.request_id, e)
+            code, details = status_of(e)  # one line: the status, not the call's multi-line repr
+            log.warning("FailTransfer for %s failed (%s: %s); cancelling the decode call", self.request_id,
+                        code.name, " ".join(details.split()))
             self.d_call.cancel()
             return
         if outcome in _DECODE_GOES_ON:

@@ -5,7 +5,9 @@ call's status (code and message unchanged, a retry-after hint as ``retry-after-m
 metadata); a client that cancels or disconnects cancels the request on both workers.
 :func:`add_router_service` registers the service with deserializers that never fail
 (:mod:`router.decoding`): a request protobuf cannot parse (e.g. invalid UTF-8 in a ``string``
-field) is refused with INVALID_ARGUMENT naming the field.
+field) is refused with INVALID_ARGUMENT naming the field, counted and logged as the router's own refusals
+are. A refused ``Generate`` carries its request id (the client's, or the one minted for it) as
+``x-request-id`` trailing metadata.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from common.grpc_metadata import AUTHORIZATION, bearer_token, metadata_value
 from pdcluster.v1 import router_pb2, router_pb2_grpc
 from router.core import RequestRouter
 from router.errors import RouterError
+from router.limits import MAX_REQUEST_ID_CHARS
 from router.decoding import Unparsable, parse_or_refusal
+from serving.logs import REQUEST_ID_METADATA
 from serving.rpc import RETRY_AFTER_METADATA
 
 log = logging.getLogger(__name__)
@@ -48,9 +52,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 return
             yield from active.responses()
         except RouterError as e:
+            rid = request.request_id  # echoed only when it can be metadata (an invalid one is what was refused)
+            echo = rid and len(rid) <= MAX_REQUEST_ID_CHARS and rid.isascii() and rid.isprintable()
+            trailing = [(REQUEST_ID_METADATA, rid)] if echo else []
             if e.retry_after_ms is not None:
-                context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(e.retry_after_ms)),))
+                trailing.append((RETRY_AFTER_METADATA, str(e.retry_after_ms)))
+            context.set_trailing_metadata(tuple(trailing))
             context.abort(e.code, e.message)
+
+    def refuse_unparsable(self, method: str, request: Unparsable, context) -> None:
+        """Refuse a request gRPC could not parse: INVALID_ARGUMENT naming the field; a ``Generate``
+        one is counted and logged as a refused request, with a minted id."""
+        if method == "Generate":
+            context.set_trailing_metadata(((REQUEST_ID_METADATA, self.core.refuse_unparsable(request.message())),))
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message())
 
     def Abort(self, request, context):
         return router_pb2.AbortResponse(found=self.core.abort(request.request_id, owner_of(context)))
@@ -76,24 +91,26 @@ def add_router_service(servicer: RouterServicer, server: grpc.Server) -> None:
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
-        handlers[method.name] = make(_refusing(getattr(servicer, method.name), method.server_streaming),
+        handlers[method.name] = make(_refusing(servicer, method.name, method.server_streaming),
                                      request_deserializer=parse_or_refusal(request_cls),
                                      response_serializer=response_cls.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)
 
 
-def _refusing(handler, streaming: bool):
-    """``handler``, refusing an :class:`Unparsable` request with INVALID_ARGUMENT first."""
+def _refusing(servicer: RouterServicer, method: str, streaming: bool):
+    """The servicer's handler of ``method``, refusing an :class:`Unparsable` request first
+    (:meth:`RouterServicer.refuse_unparsable`)."""
+    handler = getattr(servicer, method)
     if streaming:
         def stream(request, context):
             if isinstance(request, Unparsable):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message())
+                servicer.refuse_unparsable(method, request, context)
             yield from handler(request, context)
         return stream
 
     def unary(request, context):
         if isinstance(request, Unparsable):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message())
+            servicer.refuse_unparsable(method, request, context)
         return handler(request, context)
     return unary

@@ -123,6 +123,7 @@ def test_chat_options_end_to_end(state, tokenizer, hf_model):
             client.generate(ANSWER_START, chat_options={"chat_template_kwargs": {"tokenize": True}}, max_tokens=2)
         assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "chat_template_kwargs.tokenize" in \
             exc.value.details()
+        assert len(dict(exc.value.trailing_metadata())["x-request-id"]) == 32  # minted, so the log names it
     base = f"http://{state['router_http_address']}"
     body = {"messages": ANSWER_START, **options}
     post = urllib.request.Request(f"{base}/tokenize", data=json.dumps(body).encode(),

@@ -130,6 +130,11 @@ class FakeCore:
 
     def __init__(self):
         self.seen = []
+        self.unparsable = []
+
+    def refuse_unparsable(self, reason):
+        self.unparsable.append(reason)
+        return f"minted-{len(self.unparsable)}"
 
     def start(self, request, owner=""):
         self.seen.append(request)
@@ -177,6 +182,9 @@ def test_invalid_utf8_is_invalid_argument_naming_the_field(router_server, reques
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert exc.value.details() == f"the request is not a valid pdcluster.v1.GenerateRequest: {field} is not valid UTF-8"
     assert request_ not in core.seen
+    # counted and logged by the core as its own refusals are, under an id the client gets back
+    assert core.unparsable[-1] == exc.value.details()
+    assert dict(exc.value.trailing_metadata())["x-request-id"] == f"minted-{len(core.unparsable)}"
 
 
 def test_other_methods_and_garbage_are_refused_too(router_server):
@@ -185,6 +193,7 @@ def test_other_methods_and_garbage_are_refused_too(router_server):
         _raw_call(channel, "Abort", router_pb2.AbortRequest(request_id="kno").SerializeToString()[:-1] + b"\xff",
                   streaming=False)
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id is not valid UTF-8" in exc.value.details()
+    assert not any("AbortRequest" in reason for reason in core.unparsable)  # an Abort is no request
     with pytest.raises(grpc.RpcError) as exc:
         _raw_call(channel, "Generate", b"\x12\xff\xff", streaming=True)
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "GenerateRequest" in exc.value.details()
@@ -384,3 +393,15 @@ def test_every_http_request_is_counted_by_route_and_status():
     assert count(method="DELETE", handler="/v1/completions", status="405") == 1
     assert metrics.get("request_errors", code="INVALID_ARGUMENT")._value.get() == 1
     assert metrics.get("request_errors", code="NOT_FOUND")._value.get() == 1
+
+
+def test_a_refusal_echoes_only_an_id_metadata_can_carry(router_server):
+    """A refused ``Generate`` carries its id as ``x-request-id``, unless the id is what was wrong with
+    it (too long or not printable ASCII: no metadata could carry it)."""
+    _, channel = router_server
+    stub = router_pb2_grpc.RouterStub(channel)
+    for rid, echoed in (("mine-1", True), ("x" * 300, False), ("a\x1fb", False)):
+        with pytest.raises(grpc.RpcError) as exc:
+            list(stub.Generate(router_pb2.GenerateRequest(request_id=rid, text="refuse"), timeout=10))
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert dict(exc.value.trailing_metadata()).get("x-request-id") == (rid if echoed else None)
