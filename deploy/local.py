@@ -106,12 +106,12 @@ def _preflight(args) -> Path:
         raise ConfigError("give --local (start Ray here) or --ray-address ADDR")
     if args.local and args.ray_address:
         raise ConfigError("give --local (start Ray here) or --ray-address ADDR, not both")
-    checked = spec_from_args(args, "redis://127.0.0.1:0", use_cuda=args.device == "cuda")  # flag errors first
+    state_dir = Path(args.state_dir or DEFAULT_STATE_DIR).expanduser()
+    check_not_up(state_dir)  # at once: the spec below loads the model's config (seconds on a busy machine)
+    checked = spec_from_args(args, "redis://127.0.0.1:0", use_cuda=args.device == "cuda")  # flag errors next
     warning = exposure_warning(checked.router)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
-    state_dir = Path(args.state_dir or DEFAULT_STATE_DIR).expanduser()
-    check_not_up(state_dir)
     if args.local:  # the router binds here: say so now, not after Ray, Redis and the workers started
         check_ports_free(args.host, {"--port": args.port, "--http-port": args.http_port if args.http else 0})
         build_cpu_kernels()

@@ -18,6 +18,7 @@ for a missing or wrong API key.
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any
 
@@ -257,8 +258,21 @@ class PdclusterClient:
                 break
             time.sleep(max(0.0, min(_HEALTH_POLL_S, deadline - time.monotonic())))
         if not _connects(self._channel):
-            last = "nothing answers there: connection refused, or the address unreachable"
+            last = ("something listens there but does not speak gRPC: an HTTP port? give the router's gRPC "
+                    "address (its HTTP API takes HTTP clients, e.g. `loadtest --backend openai --base-url`)"
+                    if _tcp_open(self.address)
+                    else "nothing answers there: connection refused, or the address unreachable")
         raise TimeoutError(f"router at {self.address} not SERVING after {timeout_s}s ({last})")
+
+
+def _tcp_open(address: str, timeout_s: float = 0.5) -> bool:
+    """Whether a TCP connection to ``HOST:PORT`` opens (``[v6]:PORT`` too)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def _connects(channel: grpc.Channel, timeout_s: float = 0.2) -> bool:

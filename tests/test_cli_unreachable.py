@@ -311,3 +311,16 @@ def test_the_fallback_address_names_why_it_was_tried(tmp_path, monkeypatch):
     assert cli._fallback_hint(argparse.Namespace(address="h:1", state_dir=None), "h:1", cli.FALLBACK_ADDRESS) == ""
     (tmp_path / "cluster.json").write_text(json.dumps({"router_address": cli.FALLBACK_ADDRESS}))
     assert cli._fallback_hint(bare, cli.FALLBACK_ADDRESS, cli.FALLBACK_ADDRESS) == ""
+
+
+def test_waiting_on_a_port_that_is_not_grpc_says_so():
+    """An HTTP/1 port given as the router's gRPC address (the loadtest's ``--address``): the timeout
+    says something listens there but speaks no gRPC, not that nothing answers."""
+    from pdcluster.client import PdclusterClient
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        with PdclusterClient(f"127.0.0.1:{server.getsockname()[1]}") as client:
+            with pytest.raises(TimeoutError, match="something listens there but does not speak gRPC"):
+                client.wait_ready(1.0)
