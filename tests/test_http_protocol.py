@@ -175,6 +175,18 @@ def test_a_request_h11_cannot_parse_gets_400_in_openais_shape(port, head):
     assert 400 in ANSWERED
 
 
+def test_a_request_with_both_content_length_and_transfer_encoding_gets_400(port):
+    """RFC 9112 6.1 lets a server refuse it; a proxy reading the other header would see another request
+    boundary (request smuggling). Chaos-helper finding: it was served from the chunked body."""
+    body = b'{"prompt": "a"}'
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 5\r\n"
+            b"Transfer-Encoding: chunked\r\nAuthorization: Bearer k\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(head + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+        status, answer = _read_response(s)
+    assert status == 400 and "both Content-Length and Transfer-Encoding" in json.loads(answer)["error"]["message"]
+
+
 def test_the_limits_must_be_positive():
     with pytest.raises(ValueError, match="must be positive"):
         protocol(0, 10)

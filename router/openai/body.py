@@ -91,14 +91,22 @@ def _replay(body: bytes, receive):
 class DeclaredSizeLimit:
     """ASGI layer: a request whose ``Content-Length`` exceeds ``limit`` bytes gets the
     413 in OpenAI's error shape before anything reads it (FastAPI's own limit, which still counts
-    the bytes of a body sent without a length, answers this case in plain text)."""
+    the bytes of a body sent without a length, answers this case in plain text). A request with
+    both ``Content-Length`` and ``Transfer-Encoding`` gets a 400 (RFC 9112 6.1 lets a server refuse
+    it; a proxy in front that reads the other header would see another request boundary: request
+    smuggling)."""
 
     def __init__(self, app, limit: int) -> None:
         self.app, self.limit = app, limit
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
-            length = dict(scope.get("headers", ())).get(b"content-length", b"")
+            headers = dict(scope.get("headers", ()))
+            length = headers.get(b"content-length", b"")
+            if length and b"transfer-encoding" in headers:
+                await error_response(400, "a request may not carry both Content-Length and Transfer-Encoding",
+                                     code="invalid_request")(scope, receive, send)
+                return
             if length.isdigit() and int(length) > self.limit:
                 await too_large(self.limit)(scope, receive, send)
                 return
