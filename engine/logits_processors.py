@@ -108,16 +108,21 @@ def apply_logits_processors(
 
 
 def _keep_allowed(logits: torch.Tensor, rows: list[int], options: Sequence[SamplingOptions]) -> None:
-    """Every id but a row's ``allowed_token_ids`` gets ``-inf`` (in place), on ``rows``."""
+    """Every id but a row's ``allowed_token_ids`` gets ``-inf`` (in place), on ``rows``; each row's
+    ids come as the index tensor its options built once (``allowed_index``, sorted)."""
     vocab = logits.shape[1]
-    pairs = [(j, t) for j, i in enumerate(rows) for t in options[i].allowed_token_ids]
-    if max(t for _, t in pairs) >= vocab:
-        raise ValueError(f"allowed token id {max(t for _, t in pairs)} >= vocab {vocab}")
-    r, t = zip(*pairs)
-    keep = torch.zeros(len(rows), vocab, dtype=torch.bool, device=logits.device)
-    keep[torch.tensor(r, device=logits.device), torch.tensor(t, device=logits.device)] = True
-    idx = torch.tensor(rows, device=logits.device)
-    logits[idx] = logits[idx].masked_fill(~keep, float("-inf"))
+    for i in rows:
+        index = options[i].allowed_index.to(logits.device, non_blocking=True)
+        if int(index[-1]) >= vocab:
+            raise ValueError(f"allowed token id {int(index[-1])} >= vocab {vocab}")
+        keep = torch.full((vocab,), float("-inf"), device=logits.device)
+        keep[index] = 0.0
+        logits[i] += keep
+
+
+def _only_stops(allowed: Sequence[int], stop_ids: Sequence[int]) -> bool:
+    """Whether a row's allowed ids (any: empty) are all ids that would end it."""
+    return bool(allowed) and len(allowed) <= len(stop_ids) and set(allowed) <= set(stop_ids)
 
 
 def ban_early_stops(
@@ -153,7 +158,7 @@ def ban_early_stops(
     if histories is None or stop_ids is None or len(histories) != num_seqs or len(stop_ids) != num_seqs:
         raise ValueError(f"rows with min_tokens need {num_seqs} histories and stop id lists")
     pairs = [(i, t) for i in rows if len(histories[i][1]) < options[i].min_tokens
-             and not (options[i].allowed_token_ids and set(options[i].allowed_token_ids) <= set(stop_ids[i]))
+             and not _only_stops(options[i].allowed_token_ids, stop_ids[i])
              for t in stop_ids[i]]
     if pairs:
         if not all(0 <= t < vocab for _, t in pairs):

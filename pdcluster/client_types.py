@@ -181,7 +181,7 @@ def build_request(
     """
     req = router_pb2.GenerateRequest(request_id=request_id, stream=stream)
     _set_prompt(req, prompt)
-    if chat_options:
+    if chat_options is not None:
         _set_chat_options(req, chat_options)
     write_sampling(req.sampling, sampling)
     return req
@@ -200,4 +200,4 @@ def _set_chat_options(req: router_pb2.GenerateRequest, options: Mapping[str, Any
         if options.get(flag) is not None:
             setattr(req.messages, flag, options[flag])
     if options.get("chat_template_kwargs"):
-        req.messages.chat_template_kwargs = json.dumps(options["chat_template_kwargs"])
+        req.messages.chat_template_kwargs = json.dumps(options["chat_template_kwargs"], ensure_ascii=False)

@@ -93,6 +93,24 @@ def render_chat(tokenizer, messages: list[dict], options: ChatOptions = ChatOpti
     return ids + tokenizer.encode(rest, add_special_tokens=False)
 
 
+def control_token_in(tokenizer, value) -> str | None:
+    """The first special token's string inside a JSON ``value`` (its strings and keys), or ``None``:
+    a template variable is written as the template's own text, whose control strings become real
+    control tokens, so a variable holding one could open a turn a message cannot."""
+    pattern = _special_pattern(tokenizer)
+    todo = [value] if pattern is not None else []
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            if found := pattern.search(item):
+                return found.group(0)
+        elif isinstance(item, dict):
+            todo += [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            todo += item
+    return None
+
+
 _PATTERNS: dict[int, tuple[object, re.Pattern | None]] = {}  # id(tokenizer) -> (tokenizer, its pattern)
 
 

@@ -58,7 +58,7 @@ from router.placement import Placer
 from router.start_lane import StartLane
 from router.stats import RouterGauges
 from router.stubs import StubCache
-from router.validation import InvalidRequest, PreparedRequest, RequestValidator
+from router.validation import InvalidRequest, PreparedRequest, RequestValidator, request_id_problem
 from serving.logs import REQUEST_ID_METADATA, ThrottledLog
 from serving.metrics import ProcessMetrics
 
@@ -117,8 +117,7 @@ class RequestRouter:
                 router is full, or the predicted TTFT exceeds the SLO), INVALID_ARGUMENT (the
                 message names the field or limit), ALREADY_EXISTS (a running request has this id).
         """
-        if not request.request_id:  # minted here, so every refusal's log line names it too
-            request.request_id = uuid.uuid4().hex
+        self._name(request)
         arrival = self.lane.arrived()
         capacity = self.admission.capacity() if self.admission is not None else None
         with self._lock:
@@ -170,6 +169,23 @@ class RequestRouter:
             self.metrics.inc("request_errors", code=grpc.StatusCode.INTERNAL.name)
             raise RouterError(grpc.StatusCode.INTERNAL, f"internal error while preparing the request "
                               f"({type(e).__name__}); the router's log has the details") from None
+
+    def _name(self, request: router_pb2.GenerateRequest) -> None:
+        """Give ``request`` an id every log line and answer can carry: minted when it has none; an
+        invalid one (not printable ASCII, too long: it would forge log lines) is refused under a
+        minted id, the bad one shown escaped and clipped in the message.
+
+        Raises:
+            RouterError: INVALID_ARGUMENT naming ``request_id``.
+        """
+        problem = request_id_problem(request.request_id) if request.request_id else None
+        if request.request_id and problem is None:
+            return
+        request.request_id = uuid.uuid4().hex
+        if problem is not None:
+            self.metrics.inc("request_errors", code=grpc.StatusCode.INVALID_ARGUMENT.name)
+            _invalid.info(request.request_id, "request %s refused: INVALID_ARGUMENT: %s", request.request_id, problem)
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, problem)
 
     def refuse_unparsable(self, reason: str) -> str:
         """Count and log a ``Generate`` request gRPC could not parse (refused with INVALID_ARGUMENT

@@ -28,7 +28,7 @@ from jinja2.exceptions import TemplateError
 
 from common.sampling_params import SamplingParam, Target, sampling_params
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
-from router.chat import ChatOptions, render_chat, renderer_arguments
+from router.chat import ChatOptions, control_token_in, render_chat, renderer_arguments
 from router.limits import CHAT_ROLES, MAX_REQUEST_ID_CHARS, MAX_TEMPLATE_KWARGS_DEPTH, Limits
 
 
@@ -160,16 +160,15 @@ class RequestValidator:
         """How many of the prompt's last tokens ``truncate_prompt_tokens`` keeps (``None``: all).
 
         Raises:
-            InvalidRequest: 0, below -1, or not below ``max_model_len`` (the output needs room).
+            InvalidRequest: 0, below -1, or above ``max_model_len``.
         """
         if not s.HasField("truncate_prompt_tokens"):
             return None
         k, max_model_len = s.truncate_prompt_tokens, self.limits.max_model_len
         if k == 0 or k < -1:
             raise InvalidRequest(f"sampling.truncate_prompt_tokens must be >= 1 or -1, got {k}")
-        if k >= max_model_len:
-            raise InvalidRequest(f"sampling.truncate_prompt_tokens ({k}) must be < max_model_len {max_model_len} "
-                                 "(the output needs room)")
+        if k > max_model_len:  # as vLLM; a prompt still max_model_len long is refused by the length check
+            raise InvalidRequest(f"sampling.truncate_prompt_tokens ({k}) must be <= max_model_len {max_model_len}")
         if k == -1:  # vLLM's "the model's length", less the room the output needs
             return max(1, max_model_len - (s.max_tokens if s.HasField("max_tokens") else 1))
         return k
@@ -211,8 +210,10 @@ class RequestValidator:
             if m.role not in CHAT_ROLES:
                 raise InvalidRequest(f"messages[{i}].role {_clip(m.role)} is not a chat role; "
                                      f"one of {', '.join(CHAT_ROLES)}")
-        self._check_bytes("messages", sum(len(m.role.encode()) + len(m.content.encode()) for m in messages)
-                          + len(chat.chat_template_kwargs.encode()))
+        said, variables = sum(len(m.role.encode()) + len(m.content.encode()) for m in messages), \
+            len(chat.chat_template_kwargs.encode())
+        self._check_bytes("chat_template_kwargs (with the messages)" if variables > said else "messages",
+                          said + variables)
         if not getattr(self.tokenizer, "chat_template", None):  # a base model: HF raises a ValueError
             raise InvalidRequest("messages: this model has no chat template, so it serves no chat; "
                                  "send a prompt (/v1/completions) instead")
@@ -256,6 +257,9 @@ def _template_kwargs(text: str, tokenizer) -> dict:
         raise InvalidRequest(f"chat_template_kwargs must be a JSON object, got {type(value).__name__}")
     if _depth(value) > MAX_TEMPLATE_KWARGS_DEPTH:  # the template renderer copies values recursively
         raise InvalidRequest(f"chat_template_kwargs nests deeper than {MAX_TEMPLATE_KWARGS_DEPTH} levels")
+    if (token := control_token_in(tokenizer, value)) is not None:
+        raise InvalidRequest(f"chat_template_kwargs holds a control token of the model ({token!r}): a template "
+                             "variable is written as the template's own text, where it would be a real one")
     reserved = renderer_arguments(tokenizer) - {"add_generation_prompt", "continue_final_message"} if value else ()
     bad = sorted(k for k in value if k in reserved)
     if bad:
@@ -277,11 +281,20 @@ def _depth(value) -> int:
     return deepest
 
 
-def _check_request_id(rid: str) -> None:
-    """A request id travels as gRPC metadata (``x-request-id``): printable ASCII, bounded."""
+def request_id_problem(rid: str) -> str | None:
+    """What is wrong with a client's request id, or ``None``: it travels as gRPC metadata
+    (``x-request-id``) and into log lines, so it must be printable ASCII, bounded (the message shows
+    it escaped and clipped)."""
     if len(rid) > MAX_REQUEST_ID_CHARS or not all(" " <= c <= "~" for c in rid):
-        raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters "
-                             f"(got {len(rid)} characters: {_clip(rid)})")
+        return (f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters "
+                f"(got {len(rid)} characters: {_clip(rid)})")
+    return None
+
+
+def _check_request_id(rid: str) -> None:
+    problem = request_id_problem(rid)
+    if problem:
+        raise InvalidRequest(problem)
 
 
 def _clip(text: str, limit: int = 40) -> str:

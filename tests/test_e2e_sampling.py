@@ -136,6 +136,9 @@ def test_chat_options_end_to_end(state, tokenizer, hf_model):
                                                          "chat_template_kwargs": {"unused": 1}})
         assert answer.choices[0].message.content == tokenizer.decode(res.token_ids, skip_special_tokens=True)
         assert answer.usage.prompt_tokens == len(prompt)
+        user_turn = oai.chat.completions.create(model="", messages=[{"role": "user", "content": "The sky is"}],
+                                                max_tokens=2, extra_body=options)
+        assert user_turn.choices[0].message.role == "user"  # vLLM names the continued message's role
         with pytest.raises(openai.BadRequestError) as bad:
             oai.chat.completions.create(model="", messages=ANSWER_START, max_tokens=2,
                                         extra_body={"continue_final_message": True})
@@ -209,7 +212,7 @@ def test_skip_special_tokens_end_to_end(state, tokenizer):
 
 def test_return_tokens_as_token_ids(state, tokenizer):
     """vLLM's ``return_tokens_as_token_ids``: logprobs name each token ``token_id:<id>`` (chat and
-    completions, top entries too); completions' ``text_offset`` still counts characters of the text."""
+    completions, top entries too); completions' ``text_offset`` is what it is without the option."""
     base = f"http://{state['router_http_address']}/v1"
     with openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300) as oai:
         plain = oai.completions.create(model="", prompt="Once upon", max_tokens=4, temperature=0, logprobs=2,
@@ -226,3 +229,17 @@ def test_return_tokens_as_token_ids(state, tokenizer):
         entry = chat.choices[0].logprobs.content[0]
         assert entry.token.startswith("token_id:") and entry.top_logprobs[0].token.startswith("token_id:")
     assert_no_leak(state)
+
+
+def test_a_request_id_that_could_forge_log_lines_is_refused_under_a_minted_one(state):
+    """A client's id with a newline (it would write a line of its own into the router's log): refused
+    naming ``request_id``, the id shown escaped, the refusal answered and logged under a minted id."""
+    forged = "x\n2026-12-05 23:59:59,000 INFO router.core FORGED"
+    with PdclusterClient(state["router_address"], timeout_s=60) as client:
+        with pytest.raises(grpc.RpcError) as exc:
+            client.generate("hi", max_tokens=2, request_id=forged)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert exc.value.details().startswith("request_id must be at most 256 printable ASCII characters") and \
+        "\\n" in exc.value.details() and "\n" not in exc.value.details()
+    minted = dict(exc.value.trailing_metadata())["x-request-id"]
+    assert len(minted) == 32 and minted != forged

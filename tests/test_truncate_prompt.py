@@ -1,6 +1,7 @@
 """vLLM's ``truncate_prompt_tokens`` in the router's validator: the prompt's last k tokens are kept
 (text, token ids and rendered chats alike) before the length checks; ``-1`` keeps what leaves room for
-``max_tokens``; 0, below -1 and ``>= max_model_len`` are refused naming the field; workers never see it."""
+``max_tokens``; 0, below -1 and ``> max_model_len`` are refused naming the field (as vLLM); workers never
+see it; a text prompt over ``max_prompt_bytes`` is still refused before tokenization."""
 
 from __future__ import annotations
 
@@ -44,12 +45,18 @@ def test_minus_one_leaves_room_for_max_tokens(validator, tokenizer):
 @pytest.mark.parametrize(("k", "needle"), [
     (0, "sampling.truncate_prompt_tokens must be >= 1 or -1, got 0"),
     (-2, "sampling.truncate_prompt_tokens must be >= 1 or -1, got -2"),
-    (MAX_MODEL_LEN, f"sampling.truncate_prompt_tokens ({MAX_MODEL_LEN}) must be < max_model_len {MAX_MODEL_LEN}"),
+    (MAX_MODEL_LEN + 1, f"sampling.truncate_prompt_tokens ({MAX_MODEL_LEN + 1}) must be <= max_model_len"),
+    (MAX_MODEL_LEN, "prompt has 64 tokens; max_model_len is 64"),  # allowed, as vLLM; the prompt is too long
 ])
 def test_bad_values_are_refused_naming_the_field(validator, k, needle):
     with pytest.raises(InvalidRequest) as e:
         validator.prepare(build_request(LONG, truncate_prompt_tokens=k))
     assert str(e.value).startswith(needle), str(e.value)
+
+
+def test_a_short_prompt_under_k_equal_to_max_model_len_is_served(validator, tokenizer):
+    assert validator.prepare(build_request("Hi", truncate_prompt_tokens=MAX_MODEL_LEN)).prompt_token_ids == \
+        tokenizer.encode("Hi")
 
 
 def test_without_it_a_long_prompt_is_still_refused(validator):

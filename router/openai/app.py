@@ -51,7 +51,7 @@ from router.openai.http_metrics import CountRequests
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.openai.request_ids import RequestIds
 from router.openai.requests import (CHAT_ROUTE, COMPLETIONS_ROUTE, ID_PREFIXES, REQUEST_ID_HEADER, OpenAIRequestError,
-                                    SubRequest, chat_requests, completion_requests)
+                                    SubRequest, answer_role, chat_requests, completion_requests)
 from router.openai.responses import ResponseBuilder, StreamUsage, totals
 from router.openai.tokenize import add_tokenizer_routes
 from serving.logs import request_scope
@@ -203,7 +203,8 @@ async def _answer(state: FrontDoorState, body, kind: str, base: str, subs: list[
     with request_scope(base):
         log.info("%s request: %d sub-request(s), stream=%s, user=%r", kind, len(subs), body.stream, body.user)
     builder = ResponseBuilder(kind, base, state.model_name, state.tokenizer, logprobs=bool(subs[0].top_logprobs
-                              or subs[0].request.sampling.logprobs), token_ids=body.return_tokens_as_token_ids)
+                              or subs[0].request.sampling.logprobs), token_ids=body.return_tokens_as_token_ids,
+                              role=answer_role(body))
     events = _pump(subs, actives)
     if body.stream:
         opts = body.stream_options

@@ -65,10 +65,19 @@ def chat_prompt(request) -> router_pb2.MessageList:
     kwargs = request.chat_template_kwargs
     chat = router_pb2.MessageList(messages=chat_text(request),
                                   continue_final_message=bool(request.continue_final_message),
-                                  chat_template_kwargs=json.dumps(kwargs) if kwargs else "")
+                                  chat_template_kwargs=json.dumps(kwargs, ensure_ascii=False) if kwargs else "")
     if request.add_generation_prompt is not None:
         chat.add_generation_prompt = request.add_generation_prompt
     return chat
+
+
+def answer_role(body) -> str:
+    """The role a chat answer is given: ``assistant``, or with ``add_generation_prompt`` false the
+    final message's (the model writes on in that turn), as vLLM's ``get_chat_request_role``."""
+    messages = getattr(body, "messages", None)
+    if not messages or getattr(body, "add_generation_prompt", None) is not False:
+        return "assistant"
+    return messages[-1].role
 
 
 def chat_text(request: ChatCompletionRequest) -> list[common_pb2.ChatMessage]:

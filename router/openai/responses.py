@@ -107,16 +107,17 @@ class LogprobText:
             top.setdefault(text, lp.logprob)
             tops.append(top)
             offsets.append(offset)
-            offset += len(self.tokenizer.decode([lp.token_id])) if self.token_ids else len(text)  # in the text
+            offset += len(self.tokenizer.decode([lp.token_id])) if self.token_ids else len(text)  # as without ids
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 class ResponseBuilder:
-    """Bodies of one HTTP request (``kind``: ``"chat"`` or ``"completion"``)."""
+    """Bodies of one HTTP request (``kind``: ``"chat"`` or ``"completion"``; ``role``: the chat
+    answer's, ``assistant`` unless the request continued another role's message, as vLLM names it)."""
 
     def __init__(self, kind: str, request_id: str, model: str, tokenizer, logprobs: bool,
-                 token_ids: bool = False) -> None:
-        self.kind, self.id, self.model = kind, request_id, model
+                 token_ids: bool = False, role: str = "assistant") -> None:
+        self.kind, self.id, self.model, self.role = kind, request_id, model, role
         self.created = int(time.time())
         self.logprobs = logprobs
         self.text = LogprobText(tokenizer, token_ids)
@@ -143,7 +144,7 @@ class ResponseBuilder:
             body = {"index": index, "logprobs": self._logprobs(msgs, top_n), "finish_reason": finish_reason(msgs[-1]),
                     "stop_reason": stop_reason(msgs[-1])}
             if self.kind == "chat":
-                body["message"] = {"role": "assistant", "content": text}
+                body["message"] = {"role": self.role, "content": text}
             else:
                 body["text"] = text
             out.append(body)
@@ -165,7 +166,7 @@ class ResponseBuilder:
     def role_chunk(self, index: int) -> dict:
         """The first chunk of chat choice ``index``: the role and empty content, before any token
         (as OpenAI and vLLM stream a chat answer)."""
-        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        choice = {"index": index, "delta": {"role": self.role, "content": ""}, "logprobs": None,
                   "finish_reason": None}
         return self._envelope("chat.completion.chunk", [choice])
 
