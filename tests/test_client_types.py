@@ -31,7 +31,8 @@ def test_chat_options_set_the_message_list():
     assert req.messages.continue_final_message and json.loads(req.messages.chat_template_kwargs) == {
         "enable_thinking": False}
     assert not build_request(chat).messages.HasField("add_generation_prompt")  # unset: the server's true
-    with pytest.raises(ValueError, match="need a prompt of chat messages"):
-        build_request("text", chat_options={"continue_final_message": True})
+    for options in ({"continue_final_message": True}, {}):  # an empty dict too (verification-helper finding)
+        with pytest.raises(ValueError, match="need a prompt of chat messages"):
+            build_request("text", chat_options=options)
     with pytest.raises(ValueError, match="unknown option 'tools'"):
         build_request(chat, chat_options={"tools": []})
