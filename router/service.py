@@ -7,7 +7,8 @@ metadata); a client that cancels or disconnects cancels the request on both work
 (:mod:`router.decoding`): a request protobuf cannot parse (e.g. invalid UTF-8 in a ``string``
 field) is refused with INVALID_ARGUMENT naming the field, counted and logged as the router's own refusals
 are. A refused ``Generate`` carries its request id (the client's, or the one minted for it) as
-``x-request-id`` trailing metadata.
+``x-request-id`` trailing metadata. A request without a ``request_id`` takes the one its call's
+``x-request-id`` metadata gives, if any (checked as any client id).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.model_info = model_info
 
     def Generate(self, request, context):
+        if not request.request_id:  # a tracing client's id in metadata names the request, as X-Request-Id does
+            request.request_id = metadata_value(context.invocation_metadata(), REQUEST_ID_METADATA) or ""
         try:
             active = self.core.start(request, owner_of(context))
             if not context.add_callback(active.cancel):  # client cancelled or disconnected

@@ -121,3 +121,15 @@ def test_a_refusal_echoes_only_an_id_metadata_can_carry(router_server):
             list(stub.Generate(router_pb2.GenerateRequest(request_id=rid, text="refuse"), timeout=10))
         assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert dict(exc.value.trailing_metadata()).get("x-request-id") == (rid if echoed else None)
+
+
+def test_a_request_without_an_id_takes_its_calls_x_request_id(router_server):
+    """A tracing client's ``x-request-id`` metadata names a request whose ``request_id`` is empty (as the
+    HTTP API's ``X-Request-Id``); a ``request_id`` of its own wins."""
+    core, channel = router_server
+    stub = router_pb2_grpc.RouterStub(channel)
+    list(stub.Generate(router_pb2.GenerateRequest(text="hi"), metadata=(("x-request-id", "trace-7"),), timeout=10))
+    assert core.seen[-1].request_id == "trace-7"
+    list(stub.Generate(router_pb2.GenerateRequest(request_id="own", text="hi"),
+                       metadata=(("x-request-id", "trace-8"),), timeout=10))
+    assert core.seen[-1].request_id == "own"
