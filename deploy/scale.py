@@ -38,7 +38,7 @@ from deploy.cluster import (
 )
 from deploy.placement import PlacementConfig, WorkerShape
 from deploy.ray_env import check_ray_reachable
-from deploy.state import DEFAULT_STATE_DIR, read_state, write_state
+from deploy.state import DEFAULT_STATE_DIR, no_cluster_text, read_state, write_state
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ def cmd_scale(args) -> int:
     try:
         state = scale_from_state_dir(args.state_dir, target)
     except FileNotFoundError:
-        print(f"no pdcluster is up from state dir {args.state_dir or '~/.pdcluster'}", file=sys.stderr)
+        print(no_cluster_text(args.state_dir), file=sys.stderr)
         return 1
     except (ValueError, RuntimeError, ConnectionError) as e:  # bad counts, placement failure, busy lock, no Ray
         print(f"error: {e}", file=sys.stderr)

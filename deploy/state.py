@@ -24,6 +24,11 @@ class AlreadyUpError(RuntimeError):
     """``up`` was asked to start a cluster from a state directory that another one is up from."""
 
 
+def no_cluster_text(state_dir: Path | str | None) -> str:
+    """The line saying no cluster is up from ``state_dir`` (``None``: the default one)."""
+    return f"no pdcluster is up from state dir {state_dir or '~/.pdcluster'}"
+
+
 def check_not_up(state_dir: Path | str | None = None) -> None:
     """Refuse a ``state_dir`` (default ``~/.pdcluster``) a cluster is up from.
 

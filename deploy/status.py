@@ -159,13 +159,13 @@ def _logs_dir(state: dict) -> str:
 def cmd_status(args) -> int:
     """``pdcluster status``: the table (or ``--json``) of the cluster up from ``--state-dir``; 1 when none is.
     Imports no torch, transformers or Ray: it reads the state file and Redis only."""
-    from deploy.state import read_state
+    from deploy.state import no_cluster_text, read_state
 
     try:
         state = read_state(args.state_dir)
     except FileNotFoundError:
         if args.json:  # a script reading stdout gets JSON either way
             print(json.dumps({"up": False}))
-        print(f"no pdcluster is up from state dir {args.state_dir or '~/.pdcluster'}", file=sys.stderr)
+        print(no_cluster_text(args.state_dir), file=sys.stderr)
         return 1
     return print_status(state, as_json=args.json, state_dir=args.state_dir)

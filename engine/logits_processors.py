@@ -112,11 +112,10 @@ def _keep_allowed(logits: torch.Tensor, rows: list[int], options: Sequence[Sampl
     ids come as the index tensor its options built once (``allowed_index``, sorted)."""
     vocab = logits.shape[1]
     for i in rows:
-        index = options[i].allowed_index.to(logits.device, non_blocking=True)
-        if int(index[-1]) >= vocab:
-            raise ValueError(f"allowed token id {int(index[-1])} >= vocab {vocab}")
+        if options[i].allowed_token_ids[-1] >= vocab:  # sorted: the host's copy, no device sync
+            raise ValueError(f"allowed token id {options[i].allowed_token_ids[-1]} >= vocab {vocab}")
         keep = torch.full((vocab,), float("-inf"), device=logits.device)
-        keep[index] = 0.0
+        keep[options[i].allowed_index.to(logits.device, non_blocking=True)] = 0.0
         logits[i] += keep
 
 

@@ -159,9 +159,7 @@ class RequestRouter:
                 self.admission.check_ttft(prep.request_id, prep.prompt_token_ids)
             return prep
         except InvalidRequest as e:
-            self.metrics.inc("request_errors", code=grpc.StatusCode.INVALID_ARGUMENT.name)
-            _invalid.info(request.request_id, "request %s refused: INVALID_ARGUMENT: %s", request.request_id, e)
-            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            raise self._invalid_argument(request.request_id, str(e)) from None
         except Refused as e:
             self._refused(e)
         except Exception as e:  # noqa: BLE001 - a bug here answers INTERNAL, counted, never a raw exception
@@ -183,17 +181,20 @@ class RequestRouter:
             return
         request.request_id = uuid.uuid4().hex
         if problem is not None:
-            self.metrics.inc("request_errors", code=grpc.StatusCode.INVALID_ARGUMENT.name)
-            _invalid.info(request.request_id, "request %s refused: INVALID_ARGUMENT: %s", request.request_id, problem)
-            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            raise self._invalid_argument(request.request_id, problem)
 
     def refuse_unparsable(self, reason: str) -> str:
         """Count and log a ``Generate`` request gRPC could not parse (refused with INVALID_ARGUMENT
         before it reached :meth:`start`); returns the id minted to name it."""
         request_id = uuid.uuid4().hex
-        self.metrics.inc("request_errors", code=grpc.StatusCode.INVALID_ARGUMENT.name)
-        _invalid.info(request_id, "request %s refused: INVALID_ARGUMENT: %s", request_id, reason)
+        self._invalid_argument(request_id, reason)
         return request_id
+
+    def _invalid_argument(self, request_id: str, message: str) -> RouterError:
+        """Count and log (throttled) an INVALID_ARGUMENT refusal of ``request_id``; returns its error."""
+        self.metrics.inc("request_errors", code=grpc.StatusCode.INVALID_ARGUMENT.name)
+        _invalid.info(request_id, "request %s refused: INVALID_ARGUMENT: %s", request_id, message)
+        return RouterError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
     def _refused(self, e: Refused) -> None:
         self.metrics.inc("request_errors", code=grpc.StatusCode.RESOURCE_EXHAUSTED.name)

@@ -23,8 +23,8 @@ from common.grpc_metadata import AUTHORIZATION, bearer_token, metadata_value
 from pdcluster.v1 import router_pb2, router_pb2_grpc
 from router.core import RequestRouter
 from router.errors import RouterError
-from router.limits import MAX_REQUEST_ID_CHARS
 from router.decoding import Unparsable, parse_or_refusal
+from router.validation import request_id_problem
 from serving.logs import REQUEST_ID_METADATA
 from serving.rpc import RETRY_AFTER_METADATA
 
@@ -56,8 +56,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             yield from active.responses()
         except RouterError as e:
             rid = request.request_id  # echoed only when it can be metadata (an invalid one is what was refused)
-            echo = rid and len(rid) <= MAX_REQUEST_ID_CHARS and rid.isascii() and rid.isprintable()
-            trailing = [(REQUEST_ID_METADATA, rid)] if echo else []
+            trailing = [(REQUEST_ID_METADATA, rid)] if rid and request_id_problem(rid) is None else []
             if e.retry_after_ms is not None:
                 trailing.append((RETRY_AFTER_METADATA, str(e.retry_after_ms)))
             context.set_trailing_metadata(tuple(trailing))

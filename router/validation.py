@@ -260,7 +260,7 @@ def _template_kwargs(text: str, tokenizer) -> dict:
     if (token := control_token_in(tokenizer, value)) is not None:
         raise InvalidRequest(f"chat_template_kwargs holds a control token of the model ({token!r}): a template "
                              "variable is written as the template's own text, where it would be a real one")
-    reserved = renderer_arguments(tokenizer) - {"add_generation_prompt", "continue_final_message"} if value else ()
+    reserved = renderer_arguments(tokenizer) - {"add_generation_prompt", "continue_final_message"}
     bad = sorted(k for k in value if k in reserved)
     if bad:
         raise InvalidRequest(f"chat_template_kwargs.{bad[0]}: an argument of the chat template renderer, "
