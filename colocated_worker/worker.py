@@ -22,6 +22,7 @@ from decode_worker.kv_sink import DecodeKvSink
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.server import DecodeWorkerServicer
 from engine.builder import build_runner
+from engine.structured_output import grammar_compiler
 from engine.request import Request
 from kvtransfer.blocks import HeadShards
 from kvtransfer.progress import LayerProgress
@@ -106,12 +107,13 @@ def create_colocated_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "")
                         remote_route(create_sender(cfg.kv, partial(internal_channel, cfg.security)),
                                      HeadShards.of(runner.kv_parts),
                                      cfg.kv.layers_per_chunk))
+    grammars = grammar_compiler(model_cfg)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
         PrefillWorkerServicer(prefill, route, cfg.worker_id, device, metrics=metrics,
-                              vocab_size=model_cfg.vocab_size), host.server)
+                              vocab_size=model_cfg.vocab_size, grammars=grammars), host.server)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
         DecodeWorkerServicer(decode, cfg.worker_id, host.kv_address, cfg.cache.block_size, cfg.cache.dtype, device,
                              metrics=metrics, max_reserves=cfg.scheduler.max_num_seqs + cfg.max_queued_requests,
-                             vocab_size=model_cfg.vocab_size),
+                             vocab_size=model_cfg.vocab_size, grammars=grammars),
         host.server)
     return host

@@ -60,9 +60,10 @@ from engine.inbox import Inbox, run_steps
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
 from engine.sampling import skip_draw
+from engine.seqs import compute_seq, sampling_seq
 from engine.step import ScheduledSeq, StepPlan, TokenLogprobs
 from engine.step_stats import StepObserver, execute_timed
-from engine.stop_check import check_finish, early_stop_ids
+from engine.stop_check import check_finish
 from kvtransfer.blocks import HeadShards
 
 log = logging.getLogger(__name__)
@@ -268,9 +269,7 @@ class DecodeScheduler:
             n = min(req.num_tokens - 1 - req.num_computed, budget)
             if n <= 0:
                 break
-            tokens = req.all_token_ids[req.num_computed:req.num_computed + n]
-            seqs.append(ScheduledSeq(rid, tokens, req.num_computed, req.block_table, False, req.params.sampling,
-                                     req.generator, req.prompt_token_ids, req.output_token_ids))
+            seqs.append(compute_seq(req, req.all_token_ids[req.num_computed:req.num_computed + n], req.num_computed))
             budget -= n
         for rid in list(self._running):
             if rid not in self._running:
@@ -280,8 +279,7 @@ class DecodeScheduler:
             req = self._requests[rid]
             pos = req.num_tokens - 1  # the newest token is not in the cache yet
             newest = req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1]
-            seqs.append(ScheduledSeq(rid, [newest], pos, req.block_table, True, req.params.sampling, req.generator,
-                                     req.prompt_token_ids, req.output_token_ids, early_stop_ids(req, self.eos)))
+            seqs.append(sampling_seq(req, [newest], pos, self.eos))
         return seqs
 
     def _grow(self, request_id: str) -> bool:

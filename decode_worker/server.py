@@ -51,12 +51,13 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             is refused at once with RESOURCE_EXHAUSTED and a ``retry-after-ms`` hint, before
             anything is allocated. ``None``: no limit.
         vocab_size: token ids of a ``Reserve`` must be below it (``None``: not checked).
+        grammars: compiles a request's structured output (``None``: such a request is refused).
     """
 
     def __init__(self, scheduler: DecodeScheduler, worker_id: str, kv_endpoint: str,
                  block_size: int, dtype: str, device: torch.device, reply_timeout_s: float = 10.0,
                  metrics: WorkerMetrics | None = None, max_reserves: int | None = None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, grammars: GrammarCompiler | None = None) -> None:
         if max_reserves is not None and max_reserves < 1:
             raise ValueError(f"max_reserves must be >= 1, got {max_reserves}")
         self.max_reserves = max_reserves
@@ -71,6 +72,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.dtype = dtype
         self.device = device
         self.vocab_size = vocab_size
+        self.grammars = grammars
 
     def Reserve(self, request, context):
         rid = request.request.request_id
@@ -100,7 +102,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         try:
             if not request.transfer_id:
                 raise ValueError("transfer_id is empty")
-            req = request_from_proto(request.request, request.transfer_id, self.device, self.vocab_size)
+            req = request_from_proto(request.request, request.transfer_id, self.device, self.vocab_size,
+                                     self.grammars)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         events: queue.SimpleQueue = queue.SimpleQueue()  # get() waits in C: less GIL per token than Queue

@@ -6,6 +6,7 @@ from decode_worker.kv_sink import DecodeKvSink
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.server import DecodeWorkerServicer
 from engine.builder import build_runner
+from engine.structured_output import grammar_compiler
 from kvtransfer.registry import attach_receiver
 from pdcluster.v1 import worker_pb2_grpc
 from serving.worker_config import WorkerConfig
@@ -32,6 +33,6 @@ def create_decode_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") ->
     servicer = DecodeWorkerServicer(sched, cfg.worker_id, host.kv_address, cfg.cache.block_size,
                                     cfg.cache.dtype, runner.device, metrics=metrics,
                                     max_reserves=cfg.scheduler.max_num_seqs + cfg.max_queued_requests,
-                                    vocab_size=model_cfg.vocab_size)
+                                    vocab_size=model_cfg.vocab_size, grammars=grammar_compiler(model_cfg))
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, host.server)
     return host

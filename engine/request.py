@@ -5,12 +5,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from common.sampling_params import sampling_param
 from engine.block_pool import blocks_needed
 from engine.sampling import SamplingOptions
+
+if TYPE_CHECKING:
+    from engine.structured_output import GrammarState
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,8 @@ class Request:
             and its KV covers :attr:`all_token_ids`.
         block_table: KV blocks, append-only.
         num_computed: tokens whose K/V are in the cache.
+        grammar: the structured output's state (:class:`engine.structured_output.GrammarState`),
+            or None: unconstrained.
     """
 
     request_id: str
@@ -70,6 +76,7 @@ class Request:
     num_computed: int = 0
     generator: torch.Generator | None = None
     arrival_s: float = field(default_factory=time.monotonic)
+    grammar: GrammarState | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -21,7 +21,8 @@ utils.py`` ``apply_penalties`` and HF ``RepetitionPenaltyLogitsProcessor``):
    semantics): ``x -= frequency * count(t) + presence * (count(t) > 0)``;
    then **min_tokens** (vLLM's; HF's ``MinNewTokensLengthLogitsProcessor``): while
    a row's request has generated fewer than ``min_tokens`` tokens, the ids that would
-   end it (EOS unless ``ignore_eos``, its stop token ids) get ``-inf``;
+   end it (EOS unless ``ignore_eos``, its stop token ids) get ``-inf``; then a structured
+   output's grammar mask (:mod:`engine.token_bitmask`, a hard constraint);
 4. rows with temperature 0 take ``argmax`` of these processed logits (bias and
    penalties apply to greedy rows too; lowest id wins a tie);
 5. other rows divide by their temperature, sort descending (stable, so ties
@@ -65,6 +66,7 @@ import torch
 
 from common.sampling_params import Target, sampling_param, sampling_params
 from engine.logits_processors import History, apply_logits_processors, ban_early_stops
+from engine.token_bitmask import apply_token_bitmasks
 
 
 def _default(name: str):
@@ -254,6 +256,7 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         histories: Sequence[History] | None = None,
         stop_ids: Sequence[Sequence[int]] | None = None,
+        bitmasks: Sequence[torch.Tensor | None] | None = None,
     ) -> SamplerOutput:
         """Pick one token per row (steps 1-6 of the module docstring).
 
@@ -274,6 +277,7 @@ class Sampler:
                 request (EOS unless ``ignore_eos``, its stop token ids), banned while
                 it has generated fewer than ``min_tokens`` tokens; ``None`` when no
                 row has ``min_tokens``.
+            bitmasks: ``num_seqs`` token bitmasks of structured outputs (None: unconstrained row).
 
         Returns:
             :class:`SamplerOutput` with tensors on ``logits.device``.
@@ -288,6 +292,7 @@ class Sampler:
         if any(o.min_tokens for o in options):
             processed = ban_early_stops(processed if processed is not raw else raw.clone(), options, histories,
                                         stop_ids)
+        processed = apply_token_bitmasks(processed, raw, bitmasks)
 
         token_ids = processed.argmax(dim=-1)
         rows = [i for i, opt in enumerate(options) if opt.temperature > 0.0]
@@ -368,8 +373,7 @@ def _check_batch(
     options: Sequence[SamplingOptions],
     generators: Sequence[torch.Generator | None],
 ) -> None:
-    """Raises ValueError: ``logits`` is not 2-D, list lengths differ from
-    ``num_seqs``, or a seeded row has no generator."""
+    """Raises ValueError: ``logits`` is not 2-D, list lengths differ from ``num_seqs``, or a seeded row has no generator."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [num_seqs, vocab], got shape {tuple(logits.shape)}")
     num_seqs = logits.shape[0]

@@ -31,6 +31,8 @@ class ScheduledSeq:
             token ids), banned by the sampler while it has generated fewer than
             ``sampling.min_tokens`` tokens; empty when ``min_tokens`` is 0
             (:func:`engine.stop_check.early_stop_ids`).
+        token_bitmask: ``[ceil(vocab / 32)]`` int32, the tokens a structured output allows next
+            (:func:`engine.structured_output.next_token_bitmask`); None: unconstrained.
     """
 
     request_id: str
@@ -43,6 +45,7 @@ class ScheduledSeq:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     stop_ids: tuple[int, ...] = ()
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,15 @@ def check_finish(req: Request, eos_token_ids: tuple[int, ...], max_model_len: in
 
     ``max_tokens`` new tokens or ``max_model_len`` total tokens give ``"length"``, checked first (as
     vLLM v1's ``check_stop``: a stop token sampled as the last token allowed ends by length); then EOS
-    (unless ``ignore_eos``) and ``stop_token_ids`` give ``"stop"``.
+    (unless ``ignore_eos``) and ``stop_token_ids`` give ``"stop"``; so does a structured output whose
+    grammar the outputs ended (it accepted a stop token, ``ignore_eos`` or not) or broke
+    (:meth:`engine.structured_output.GrammarState.ended`).
     """
     if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= max_model_len:
         return LENGTH
     if req.output_token_ids[-1] in ending_ids(req, eos_token_ids):
+        return STOP
+    if req.grammar is not None and req.grammar.ended(req.output_token_ids):
         return STOP
     return None
 

@@ -17,6 +17,7 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -134,9 +135,23 @@ def _add_generate(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true",
                    help="send PROMPT as a user chat message (server applies the chat template)")
     p.add_argument("--system", default=None, metavar="TEXT", help="system message (requires --chat)")
+    p.add_argument("--structured-outputs", type=_json_object, default=None, metavar="JSON",
+                   help='constrain the output (vLLM\'s structured_outputs), e.g. \'{"choice": ["yes", "no"]}\', '
+                        '\'{"regex": "[0-9]+"}\', \'{"json": {"type": "object"}}\', \'{"json_object": true}\'')
     p.add_argument("prompt", metavar="PROMPT")
     p.set_defaults(func=cmd_generate, usage_error=p.error)  # the subcommand's usage line with the error
     return p
+
+
+def _json_object(text: str) -> dict:
+    """``--structured-outputs``: a JSON object (argparse reports anything else as a usage error)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _add_top(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -229,7 +244,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system is not None else []
         prompt = messages + [{"role": "user", "content": args.prompt}]
-    params = {**_sampling_kwargs(args), "request_id": args.request_id}
+    params = {**_sampling_kwargs(args), "request_id": args.request_id,
+              "structured_outputs": args.structured_outputs}
     address = _address(args, "router_address", FALLBACK_ADDRESS)
     if address is None:
         return 1

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from common.sampling_params import write_sampling
+from common.structured_outputs import write_structured
 from pdcluster.v1 import common_pb2, router_pb2
 
 _FINISH_PREFIX = "FINISH_REASON_"
@@ -150,7 +151,7 @@ def _set_prompt(req: router_pb2.GenerateRequest, prompt: Prompt) -> None:
 
 def build_request(
     prompt: Prompt, *, request_id: str = "", stream: bool = False, chat_options: Mapping[str, Any] | None = None,
-    **sampling: Any
+    structured_outputs: Mapping[str, Any] | None = None, **sampling: Any
 ) -> router_pb2.GenerateRequest:
     """Build a ``GenerateRequest``.
 
@@ -172,9 +173,15 @@ def build_request(
     default true), ``continue_final_message`` (bool) and ``chat_template_kwargs``
     (a JSON-serializable dict of template variables), checked by the server.
 
+    ``structured_outputs``: vLLM's dict, exactly one of ``{"json": schema}`` (a dict or its JSON
+    text), ``{"regex": str}``, ``{"choice": [str, ...]}``, ``{"grammar": ebnf}``,
+    ``{"json_object": True}``, optionally with ``"disable_any_whitespace": True``
+    (:mod:`common.structured_outputs`); the output is constrained to it.
+
     Raises:
         TypeError: the prompt or a message/token has the wrong type, a sampling
-            keyword is not a declared parameter, or a value has the wrong type.
+            keyword is not a declared parameter, or a value has the wrong type (also in
+            ``structured_outputs``, or a key it does not take).
         ValueError: the prompt list is empty, a message lacks role/content, a
             number does not fit its protobuf field (e.g. a negative seed), or
             ``chat_options`` has an unknown key or comes with a prompt that is no chat.
@@ -184,6 +191,8 @@ def build_request(
     if chat_options is not None:
         _set_chat_options(req, chat_options)
     write_sampling(req.sampling, sampling)
+    if structured_outputs is not None:
+        write_structured(req.structured_outputs, structured_outputs)
     return req
 
 

@@ -48,7 +48,7 @@ from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
 from engine.step import ScheduledSeq, StepPlan, TokenLogprobs
 from engine.step_stats import StepObserver, execute_timed
-from engine.stop_check import early_stop_ids
+from engine.seqs import compute_seq, sampling_seq
 from kvtransfer.progress import LayerProgress
 from prefill_worker.contracts import ExternalBlocks, PrefillError, PrefillResult, SendFn
 from serving.convert import logprobs_to_dict
@@ -231,10 +231,9 @@ class PrefillScheduler:
                 break  # FIFO: wait until transfers finish and free blocks
             n = min(len(tokens) - req.num_computed, budget)
             last = req.num_computed + n == len(tokens)
-            seqs.append(ScheduledSeq(rid, tokens[req.num_computed:req.num_computed + n], req.num_computed,
-                                     req.block_table, last, req.params.sampling, req.generator,
-                                     req.prompt_token_ids, req.output_token_ids,
-                                     early_stop_ids(req, self.eos) if last else ()))
+            chunk = tokens[req.num_computed:req.num_computed + n]
+            seqs.append(sampling_seq(req, chunk, req.num_computed, self.eos) if last
+                        else compute_seq(req, chunk, req.num_computed))
             budget -= n
         return seqs
 

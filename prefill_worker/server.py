@@ -9,6 +9,7 @@ import grpc
 import torch
 
 from engine.request import Request
+from engine.structured_output import GrammarCompiler
 from kvtransfer import KvSender
 from kvtransfer.progress import LayerProgress
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
@@ -45,8 +46,10 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
     """``Prefill`` queues the request and waits until its KV was delivered (acknowledged)."""
 
     def __init__(self, scheduler: PrefillScheduler, route: Route, worker_id: str, device: torch.device,
-                 metrics: WorkerMetrics | None = None, vocab_size: int | None = None) -> None:
+                 metrics: WorkerMetrics | None = None, vocab_size: int | None = None,
+                 grammars: GrammarCompiler | None = None) -> None:
         self.vocab_size = vocab_size  # token ids are checked against it (None: not checked)
+        self.grammars = grammars  # compiles structured outputs (None: refused)
         self.scheduler = scheduler
         self.metrics = metrics
         self.route = route
@@ -56,7 +59,8 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def Prefill(self, request, context):
         with request_scope(request_id_from_metadata(context) or request.request.request_id):
             try:
-                req = request_from_proto(request.request, request.transfer_id, self.device, self.vocab_size)
+                req = request_from_proto(request.request, request.transfer_id, self.device, self.vocab_size,
+                                         self.grammars)
             except ValueError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             log.debug("prefill: %d prompt tokens, KV to %s", len(req.prompt_token_ids), request.destination.worker_id)

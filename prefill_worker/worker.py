@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import partial
 
 from engine.builder import build_runner
+from engine.structured_output import grammar_compiler
 from kvtransfer.blocks import HeadShards
 from kvtransfer.registry import create_sender
 from pdcluster.v1 import worker_pb2_grpc
@@ -37,7 +38,7 @@ def create_prefill_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -
     sender = create_sender(cfg.kv, partial(internal_channel, cfg.security))
     route = remote_route(sender, HeadShards.of(runner.kv_parts), cfg.kv.layers_per_chunk)
     servicer = PrefillWorkerServicer(sched, route, cfg.worker_id, runner.device, metrics=metrics,
-                                     vocab_size=model_cfg.vocab_size)
+                                     vocab_size=model_cfg.vocab_size, grammars=grammar_compiler(model_cfg))
 
     def add(server):
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)

@@ -148,10 +148,10 @@ class ActiveRequest:
         for worker_id in f.lost:
             view.mark_unreachable(worker_id)
         if not f.migratable or self.h.aborted or self.client_gone:
-            raise RouterError(f.code, f.message, f.retry_after_ms)
+            raise RouterError(f.code, f.client_message, f.retry_after_ms)
         if migrations >= self.router.max_migrations:
             if migrations == 0:  # migration disabled: the worker's own status
-                raise RouterError(f.code, f.message, f.retry_after_ms)
+                raise RouterError(f.code, f.client_message, f.retry_after_ms)
             raise RouterError(grpc.StatusCode.UNAVAILABLE, f"failed after {migrations} migrations "
                               f"(max_migrations {self.router.max_migrations}): {f.code.name}: {f.message}")
 

@@ -110,17 +110,26 @@ class WorkerFailure(Exception):
         lost: worker ids to mark unreachable in the registry view now.
         retry_after_ms: the failed call's retry-after hint, if it carried one (a worker's
             RESOURCE_EXHAUSTED refusal), for the client's error.
+        details: the failed call's own status details (without the worker's name).
     """
 
     def __init__(self, role: str, code: grpc.StatusCode, message: str, suspects: frozenset[str],
-                 lost: frozenset[str] = frozenset()) -> None:
+                 lost: frozenset[str] = frozenset(), details: str = "") -> None:
         super().__init__(f"{code.name}: {message}")
         self.role = role
         self.code = code
         self.message = message
+        self.details = details
         self.suspects = suspects
         self.lost = lost
         self.retry_after_ms: int | None = None
+
+    @property
+    def client_message(self) -> str:
+        """The message for the client: a worker's INVALID_ARGUMENT refusal (a request field the
+        router cannot check, e.g. a structured output that does not compile) is the worker's own
+        message, which names the field as the router's refusals do; anything else names the worker."""
+        return self.details if self.code == grpc.StatusCode.INVALID_ARGUMENT and self.details else self.message
 
     @property
     def migratable(self) -> bool:
@@ -147,15 +156,17 @@ def classify(decode: Side, prefill: Side) -> WorkerFailure:
     if decode_own:
         lost = frozenset({decode.worker_id}) if d_code == grpc.StatusCode.UNAVAILABLE else frozenset()
         return WorkerFailure(decode.role, d_code, f"{decode.role} worker {decode.worker_id}: {d_details}",
-                             frozenset({decode.worker_id}), lost)
+                             frozenset({decode.worker_id}), lost, d_details)
     both = frozenset({decode.worker_id, prefill.worker_id})
     if prefill.code is not None:
         undelivered = f"{_KV} failed" in prefill.details
         lost = frozenset() if undelivered or prefill.code != grpc.StatusCode.UNAVAILABLE \
             else frozenset({prefill.worker_id})
         return WorkerFailure(prefill.role, prefill.code, f"{prefill.role} worker {prefill.worker_id}: "
-                             f"{prefill.details}", both if undelivered else frozenset({prefill.worker_id}), lost)
-    return WorkerFailure(prefill.role, d_code, f"{decode.role} worker {decode.worker_id}: {d_details}", both)
+                             f"{prefill.details}", both if undelivered else frozenset({prefill.worker_id}), lost,
+                             prefill.details)
+    return WorkerFailure(prefill.role, d_code, f"{decode.role} worker {decode.worker_id}: {d_details}", both,
+                         details=d_details)
 
 
 def closed_early(role: str, worker_id: str) -> WorkerFailure:

@@ -13,7 +13,8 @@ Limits checked here, before anything is tokenized: the prompt's size in bytes
 (``max_prompt_bytes``: the text, or the chat messages' roles and contents with the chat's
 template variables),
 the number of chat messages (:data:`MAX_CHAT_MESSAGES`), their roles (:data:`CHAT_ROLES`)
-and the request id (declared in :mod:`router.limits`). A chat's options (vLLM's
+and the request id (declared in :mod:`router.limits`); a structured output's shape and size
+(:func:`common.structured_outputs.structured_problem`: the workers compile it). A chat's options (vLLM's
 ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``) become a
 :class:`router.chat.ChatOptions`.
 """
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from jinja2.exceptions import TemplateError
 
 from common.sampling_params import SamplingParam, Target, sampling_params
+from common.structured_outputs import structured_problem
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
 from router.chat import ChatOptions, control_token_in, render_chat, renderer_arguments
 from router.limits import CHAT_ROLES, MAX_REQUEST_ID_CHARS, MAX_TEMPLATE_KWARGS_DEPTH, Limits
@@ -75,6 +77,9 @@ class RequestValidator:
             InvalidRequest: naming the offending field or limit.
         """
         _check_request_id(req.request_id)
+        constrained = req.HasField("structured_outputs")
+        if constrained and (problem := structured_problem(req.structured_outputs)):
+            raise InvalidRequest(problem)
         keep = self._truncation(req.sampling)
         ids = self._prompt_ids(req, truncating=keep is not None)
         if keep is not None:  # left truncation, as vLLM's
@@ -87,8 +92,8 @@ class RequestValidator:
         return PreparedRequest(
             request_id=rid, prompt_token_ids=ids,
             worker_request=worker_pb2.WorkerRequest(
-                request_id=rid, prompt_token_ids=ids,
-                sampling=self._resolve_sampling(s, n, chat=chat)),
+                request_id=rid, prompt_token_ids=ids, sampling=self._resolve_sampling(s, n, chat=chat),
+                structured_outputs=req.structured_outputs if constrained else None),
             stop=list(s.stop), logprobs=s.logprobs, stream=req.stream,
             include_stop_str_in_output=s.include_stop_str_in_output, min_tokens=s.min_tokens,
             skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True,

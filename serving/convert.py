@@ -18,14 +18,16 @@ from __future__ import annotations
 import torch
 
 from common.sampling_params import Target, read_sampling
+from common.structured_outputs import read_structured, structured_problem
 from engine.request import Request, RequestParams
 from engine.sampling import SamplingOptions, make_generator, skip_draw
 from engine.step import TokenLogprobs
+from engine.structured_output import GrammarCompiler, GrammarState
 from pdcluster.v1 import common_pb2, worker_pb2
 
 
 def request_from_proto(msg: worker_pb2.WorkerRequest, transfer_id: str, device: torch.device,
-                       vocab_size: int | None = None) -> Request:
+                       vocab_size: int | None = None, grammars: GrammarCompiler | None = None) -> Request:
     """Build a worker-side request from the router's resolved ``WorkerRequest``.
 
     Unset sampling fields resolve to their declared defaults; a seeded request gets
@@ -42,7 +44,8 @@ def request_from_proto(msg: worker_pb2.WorkerRequest, transfer_id: str, device: 
         ValueError: an empty ``request_id`` or prompt; a prompt or output token id outside
             ``[0, vocab_size)`` (when ``vocab_size`` is given); a sampling field out of range (see
             :class:`SamplingOptions`); or ``output_token_ids`` holding ``max_tokens`` tokens or
-            more (nothing left to generate).
+            more (nothing left to generate); a structured output that is malformed, does not compile, or
+            that ``output_token_ids`` do not follow, or one sent to a worker without ``grammars``.
     """
     if not msg.request_id:
         raise ValueError("request_id is empty")
@@ -59,10 +62,28 @@ def request_from_proto(msg: worker_pb2.WorkerRequest, transfer_id: str, device: 
     if len(outputs) >= params.max_tokens:
         raise ValueError(f"output_token_ids has {len(outputs)} tokens; it must be fewer than max_tokens "
                          f"({params.max_tokens})")
+    grammar = _grammar(msg, grammars, outputs)
     gen = make_generator(options.seed, device) if options.seed is not None else None
     skip_draw(gen, options, len(outputs))
     return Request(msg.request_id, list(msg.prompt_token_ids), params, transfer_id=transfer_id, generator=gen,
-                   output_token_ids=outputs)
+                   output_token_ids=outputs, grammar=grammar)
+
+
+def _grammar(msg: worker_pb2.WorkerRequest, grammars: GrammarCompiler | None,
+             outputs: list[int]) -> GrammarState | None:
+    """The compiled structured output of ``msg`` (None: none), past a migrated request's ``outputs``."""
+    if not msg.HasField("structured_outputs"):
+        return None
+    problem = structured_problem(msg.structured_outputs)
+    if problem:
+        raise ValueError(problem)
+    if grammars is None:
+        raise ValueError("structured_outputs: this worker does not serve structured outputs")
+    state = grammars.compile(read_structured(msg.structured_outputs))
+    if not state.advance(outputs):
+        raise ValueError(f"output_token_ids[{state.num_accepted}] = {state.rejected} does not follow "
+                         "structured_outputs")
+    return state
 
 
 def logprobs_to_proto(token_id: int, lp: TokenLogprobs | None) -> common_pb2.TokenLogprob:

@@ -93,3 +93,13 @@ def test_colocated_abort_and_disconnect(colocated):
     while load.in_flight("colo-0") or load.queued_tokens("colo-0"):
         assert time.monotonic() < deadline, (load.in_flight("colo-0"), load.queued_tokens("colo-0"))
         time.sleep(0.05)
+
+
+def test_colocated_serves_structured_outputs(colocated):
+    """The colocated worker compiles a constraint on both of its services (prefill: the first token;
+    decode: the rest)."""
+    host, client, _ = colocated
+    res = client.generate("Pick a colour:", structured_outputs={"choice": [" crimson red", " ocean blue"]},
+                          max_tokens=12, temperature=0)
+    assert res.text in (" crimson red", " ocean blue") and res.finish_reason == "STOP", res
+    _assert_no_leak(host)

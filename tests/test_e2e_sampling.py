@@ -1,16 +1,19 @@
-"""The new sampling knobs and vLLM's chat options end to end: client -> router (validation) ->
+"""The new sampling knobs, vLLM's chat options and structured outputs end to end: client -> router (validation) ->
 prefill worker (first token) -> KV transfer -> decode worker (the rest), on a real local cluster."""
 
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 
 import grpc
 import openai
 import pytest
 import torch
+import xgrammar as xgr
 
+from pdcluster.cli import main as cli_main
 from pdcluster.client import PdclusterClient
 
 from cluster_utils import assert_greedy_matches, assert_no_leak, hf_greedy, running_cluster
@@ -243,3 +246,71 @@ def test_a_request_id_that_could_forge_log_lines_is_refused_under_a_minted_one(s
         "\\n" in exc.value.details() and "\n" not in exc.value.details()
     minted = dict(exc.value.trailing_metadata())["x-request-id"]
     assert len(minted) == 32 and minted != forged
+
+
+def _hf_constrained_greedy(hf_model, tokenizer, model_config, prompt_ids, compiled, max_new):
+    """HF float32 greedy under xgrammar's own mask (``apply_token_bitmask_inplace``): the oracle of a
+    structured output; per step the gap between the masked top-2 logits."""
+    matcher = xgr.GrammarMatcher(compiled)
+    tokens, gaps = [], []
+    with torch.no_grad():
+        while len(tokens) < max_new and not matcher.is_terminated():
+            logits = hf_model(torch.tensor([prompt_ids + tokens])).logits[0, -1:].float().clone()
+            mask = xgr.allocate_token_bitmask(1, model_config.vocab_size)
+            matcher.fill_next_token_bitmask(mask)
+            xgr.apply_token_bitmask_inplace(logits, mask)
+            top2 = logits[0].topk(2).values
+            gaps.append(float(top2[0] - top2[1]))
+            tokens.append(int(logits[0].argmax()))
+            assert matcher.accept_token(tokens[-1])
+    return tokens, gaps
+
+
+def test_structured_outputs_end_to_end(state, tokenizer, hf_model, model_config, capsys):
+    """vLLM's structured outputs on both workers (first token: prefill; the rest: decode) and both front
+    doors and the CLI: greedy is token-exact with HF under xgrammar's mask; every kind's output is in its language;
+    what does not compile is refused naming the field, on both doors; nothing leaks."""
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model_config.vocab_size,
+                                              stop_token_ids=list(model_config.eos_token_ids))
+    compiler = xgr.GrammarCompiler(info, max_threads=1)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
+    prompt = "A person described as JSON with a name and an age:"
+    ids = tokenizer.encode(prompt)
+    ref, gaps = _hf_constrained_greedy(hf_model, tokenizer, model_config, ids,
+                                       compiler.compile_json_schema(json.dumps(schema)), 40)
+    with PdclusterClient(state["router_address"], timeout_s=300) as client:
+        res = client.generate(prompt, structured_outputs={"json": schema}, max_tokens=40, temperature=0)
+        assert_greedy_matches(res.token_ids, ref, gaps, "json schema")
+        if res.finish_reason == "STOP":
+            answer = json.loads(res.text)
+            assert isinstance(answer["name"], str) and isinstance(answer["age"], int), res.text
+        digits = client.generate("Call me at", structured_outputs={"regex": r" \d{3}-\d{4}"}, max_tokens=12,
+                                 temperature=1.0, seed=3)
+        assert re.fullmatch(r" \d{3}-\d{4}", digits.text) and digits.finish_reason == "STOP", digits
+        with pytest.raises(grpc.RpcError) as bad:
+            client.generate("x", structured_outputs={"regex": "("}, max_tokens=2)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "structured_outputs.regex does not compile" in bad.value.details(), bad.value.details()
+    assert cli_main(["generate", "--address", state["router_address"], "--temperature", "0", "--structured-outputs",
+                     '{"choice": [" left", " right"]}', "Turn"]) == 0
+    assert capsys.readouterr().out in (" left\n", " right\n")
+    with openai.OpenAI(base_url=f"http://{state['router_http_address']}/v1", api_key="unused", max_retries=0,
+                       timeout=300) as oai:
+        picked = oai.completions.create(model="", prompt="Is the sky blue? Answer:", max_tokens=8, temperature=0,
+                                        extra_body={"structured_outputs": {"choice": [" yes", " no", " maybe"]}})
+        assert picked.choices[0].text in (" yes", " no", " maybe") and picked.choices[0].finish_reason == "stop"
+        chat = oai.chat.completions.create(
+            model="", messages=[{"role": "user", "content": "Is water wet? Reply in JSON."}], max_tokens=24,
+            temperature=1.0, seed=11, response_format={"type": "json_schema", "json_schema": {
+                "name": "answer", "schema": {"type": "object", "properties": {"wet": {"type": "boolean"}},
+                                             "required": ["wet"]}}},
+            extra_body={"structured_outputs": None})
+        assert json.loads(chat.choices[0].message.content)["wet"] in (True, False), chat
+        with pytest.raises(openai.BadRequestError) as bad:
+            oai.chat.completions.create(model="", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                        response_format={"type": "json_schema", "json_schema": {
+                                            "name": "x", "schema": {"type": "bogus"}}})
+        assert bad.value.body["param"] == "response_format", bad.value.body
+        assert "does not compile: Unsupported type" in bad.value.body["message"], bad.value.body
+    assert_no_leak(state)

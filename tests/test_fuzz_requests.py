@@ -8,7 +8,7 @@ negatives, huge counts, token ids outside the vocabulary), oversized prompts and
 invalid UTF-8 written into a string field of the serialized message (which must be
 INVALID_ARGUMENT); also raw random bytes. HTTP: JSON bodies for ``/v1/completions`` and
 ``/v1/chat/completions`` whose fields take plausible and random JSON values, and undecodable
-bodies. A valid request generates at most 3 tokens (or the default 16), so each is quick.
+bodies. Structured outputs on both: random regexes, grammars and schemas reach the workers' compiler. A valid request generates at most 3 tokens (or the default 16), so each is quick.
 
 Budget: 560 generated requests (``pytest --slow``: 10x).
 """
@@ -159,6 +159,21 @@ _wild_prompt = st.one_of(
                                                                 max_size=MAX_CHAT_MESSAGES + 3))),
     st.just({}),
 )
+_SO = common_pb2.StructuredOutputs
+_valid_structured = st.one_of(st.none(), st.sampled_from([
+    _SO(regex="[a-z ]{1,8}"), _SO(choice=["yes", "no"]), _SO(json_object=True, disable_any_whitespace=True),
+    _SO(json='{"type": "integer"}'), _SO(grammar='root ::= "a" [0-9]*')]))
+_grammarish = st.one_of(st.text(max_size=30), st.lists(st.sampled_from(
+    ["root", " ::= ", '"', "a", "|", "(", ")", "*", "[", "]", "{", "}", "\\", "\n", ":", "?", "+", "{99}", "^"]),
+    max_size=12).map("".join))
+_wild_structured = st.one_of(  # the workers compile random constraints: refused, never a crash
+    st.builds(lambda t: _SO(regex=t), _grammarish), st.builds(lambda t: _SO(grammar=t), _grammarish),
+    st.builds(lambda t: _SO(json=t), st.one_of(st.text(max_size=30), st.builds(json.dumps, st.dictionaries(
+        st.sampled_from(["type", "properties", "items", "enum", "$ref", "x"]),
+        st.one_of(st.text(max_size=8), st.integers(), st.booleans(), st.lists(st.text(max_size=4))), max_size=3)))),
+    st.builds(lambda c: _SO(choice=c), st.lists(st.text(max_size=8), max_size=300)),
+    st.builds(_SO, json=st.text(max_size=5), regex=st.text(max_size=5), json_object=st.booleans(),
+              disable_any_whitespace=st.booleans()))
 _valid_id = st.one_of(st.just(""), st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=12))
 _wild_id = st.one_of(st.text(max_size=12), st.text(min_size=257, max_size=260))
 
@@ -168,10 +183,12 @@ def generate_requests(draw, modes=("valid", "one wild field", "wild")) -> tuple[
     """``(serialized GenerateRequest, mode, whether a string field holds invalid UTF-8)``."""
     mode = draw(st.sampled_from(modes))
     params = sampling_params()
-    fields = ["request_id", "prompt", *(p.name for p in params)]
+    fields = ["request_id", "prompt", "structured_outputs", *(p.name for p in params)]
     wild = set(fields) if mode == "wild" else {draw(st.sampled_from(fields))} if mode != "valid" else set()
     req = router_pb2.GenerateRequest(request_id=draw(_wild_id if "request_id" in wild else _valid_id),
                                      stream=draw(st.booleans()),
+                                     structured_outputs=draw(_wild_structured if "structured_outputs" in wild
+                                                             else _valid_structured),
                                      **draw(_wild_prompt if "prompt" in wild else _valid_prompt))
     for p in params:
         if p.name == "max_tokens" or draw(st.booleans()):
@@ -278,6 +295,12 @@ _COMMON = {
                              st.just({str(t): 1 for t in range(1025)}))),
     "stream_options": (st.fixed_dictionaries({"include_usage": st.booleans()}), _json),
     "extra_field": (_json, _json),
+    "structured_outputs": (st.sampled_from([{"choice": ["a", "b"]}, {"regex": "[0-9]{1,3}"}, {"json_object": True}]),
+                           st.one_of(_json, st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar"]),
+                                                            _json, max_size=2))),
+    "response_format": (st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+                        st.one_of(_json, st.fixed_dictionaries({"type": st.sampled_from(["json_schema", "x"])},
+                                                               optional={"json_schema": _json}))),
 }
 _valid_parts = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=6)}), max_size=2)
 _parts = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", 3]), "text": _json}),
@@ -323,6 +346,8 @@ def http_bodies(draw) -> tuple[str, bytes, str]:
         body["logprobs"] = True  # top_logprobs needs logprobs
     if "stream_options" in body and not wild & {"stream_options", "stream"}:
         body["stream"] = True  # stream_options needs stream
+    if "structured_outputs" in body and "response_format" in body and not wild:
+        del body["response_format"]  # one constraint at a time
     return path, json.dumps(body).encode(), mode
 
 

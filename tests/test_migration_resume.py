@@ -6,16 +6,20 @@ outputs and samples output ``k``, and a decode worker continues from there (or r
 that KV itself under the KV failure policy "recompute"). The continuation must equal
 what an uninterrupted run produces from position ``k`` on: greedy, and a seeded sampled
 request with repetition / presence / frequency penalties (its generator skips ``k``
-draws; the penalties see the earlier tokens as outputs). Real model, real prefill and
+draws; the penalties see the earlier tokens as outputs), and one under a structured output
+(its grammar replays the earlier tokens). Real model, real prefill and
 decode schedulers stepped by hand; no cluster.
 """
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from engine.block_pool import blocks_needed
 from pdcluster.v1 import common_pb2, worker_pb2
+from engine.structured_output import grammar_compiler
 from serving.convert import request_from_proto
 
 from sched_helpers import (  # noqa: F401 - fixtures
@@ -42,16 +46,27 @@ SAMPLED = common_pb2.SamplingParams(max_tokens=N, temperature=0.9, top_p=0.95, t
                                     frequency_penalty=0.4)
 
 
-def _wreq(rid: str, prompt: list[int], sampling, outputs: list[int] = ()) -> worker_pb2.WorkerRequest:
+# what may come next depends on the position (letters, then digits), and nothing ends within N tokens
+PAIRS = common_pb2.StructuredOutputs(regex="([a-z]{2}[0-9]{2}){100}")
+IN_PAIRS = re.compile(r"([a-z]{2}[0-9]{2})*([a-z]{1,2}|[a-z]{2}[0-9])?")
+
+
+def _wreq(rid: str, prompt: list[int], sampling, outputs: list[int] = (),
+          structured: common_pb2.StructuredOutputs | None = None) -> worker_pb2.WorkerRequest:
     return worker_pb2.WorkerRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-                                    output_token_ids=list(outputs))
+                                    output_token_ids=list(outputs), structured_outputs=structured)
 
 
-def _prefill(model, model_config, wreq):
+@pytest.fixture(scope="module")
+def grammars(model_config):
+    return grammar_compiler(model_config)
+
+
+def _prefill(model, model_config, wreq, grammars=None):
     """Run ``wreq`` through a real prefill scheduler; returns the KV it would send
     ``[L, 2, blocks, BS, kh, d]`` and its first token."""
     runner, sched = _prefill_sched(model, model_config, budget=32, num_blocks=16, prefix_caching=True)
-    req = request_from_proto(wreq, f"xfer-{wreq.request_id}", CPU)
+    req = request_from_proto(wreq, f"xfer-{wreq.request_id}", CPU, grammars=grammars)
     sent = {}
 
     def send(r, progress) -> int:
@@ -67,15 +82,15 @@ def _prefill(model, model_config, wreq):
     return sent["kv"], fut.result().first_token_id
 
 
-def _run(model, model_config, wreq, policy: str = "error") -> list[int]:
+def _run(model, model_config, wreq, policy: str = "error", grammars=None) -> list[int]:
     """The tokens a decode worker streams for ``wreq``: the KV from a prefill worker, or
     (``policy="recompute"``) rebuilt on the decode worker after its transfer failed."""
     _, sched = _decode_sched(model, model_config, kv_failure_policy=policy, max_num_batched_tokens=32)
-    stream, res = _reserve(sched, request_from_proto(wreq, f"xfer-{wreq.request_id}", CPU))
+    stream, res = _reserve(sched, request_from_proto(wreq, f"xfer-{wreq.request_id}", CPU, grammars=grammars))
     if policy == "recompute":
         sched.submit_fail_transfer(wreq.request_id, res.transfer_id, "prefill worker p0: UNAVAILABLE: Socket closed")
     else:
-        kv, first = _prefill(model, model_config, wreq)
+        kv, first = _prefill(model, model_config, wreq, grammars)
         _deliver(sched, res, kv, first)
     events = _collect_tokens(sched, stream, timeout=STEP_TIMEOUT_S)
     assert events[-1].finish_reason == "length"
@@ -116,6 +131,18 @@ def test_sampled_reference_uses_its_penalties(model, model_config, references):
     plain.CopyFrom(SAMPLED)
     plain.repetition_penalty, plain.presence_penalty, plain.frequency_penalty = 1.0, 0.0, 0.0
     assert _run(model, model_config, _wreq("plain", prompt, plain)) != ref
+
+
+@pytest.mark.parametrize("k,policy", [(11, "error"), (7, "recompute")])
+def test_a_constrained_request_resumes_in_its_grammar(model, model_config, text_ids, tokenizer, grammars, k, policy):
+    """A seeded sampled request under a structured output, resumed after ``k`` tokens (through a
+    prefill worker, or rebuilt on decode): the grammar replays the earlier outputs, and the
+    continuation equals the uninterrupted run, every token in the grammar's language."""
+    prompt = text_ids[:21]
+    ref = _run(model, model_config, _wreq("so", prompt, SAMPLED, structured=PAIRS), grammars=grammars)
+    assert IN_PAIRS.fullmatch(tokenizer.decode(ref)), tokenizer.decode(ref)
+    resumed = _run(model, model_config, _wreq(f"so-{k}", prompt, SAMPLED, ref[:k], PAIRS), policy, grammars)
+    assert resumed == ref[k:]
 
 
 def test_output_token_ids_must_leave_something_to_generate():

@@ -41,9 +41,9 @@ class RecordingSampler(Sampler):
         super().__init__(seed=0)
         self.logits: list[torch.Tensor] = []
 
-    def sample(self, logits, options, generators, histories=None, stop_ids=None):
+    def sample(self, logits, options, generators, histories=None, stop_ids=None, bitmasks=None):
         self.logits.append(logits.detach().clone())
-        return super().sample(logits, options, generators, histories, stop_ids)
+        return super().sample(logits, options, generators, histories, stop_ids, bitmasks)
 
 
 @pytest.fixture(scope="module")

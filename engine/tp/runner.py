@@ -41,8 +41,8 @@ class TpModelRunner(ModelRunner):
         return [(s, *self.layout.kv_heads(r)) for r, s in enumerate(self.shards)]
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        """Send the plan (without callbacks, RNGs or the token histories the sampler
-        alone reads) to every rank, then run it here; see :meth:`ModelRunner.execute`.
+        """Send the plan (without callbacks, RNGs, the token histories and the bitmasks
+        the sampler alone reads) to every rank, then run it here; see :meth:`ModelRunner.execute`.
 
         Raises:
             RuntimeError: a rank is gone (its pipe closed) or a collective timed out.
@@ -50,7 +50,8 @@ class TpModelRunner(ModelRunner):
         dead = [r + 1 for r, p in enumerate(self.procs) if not p.is_alive()]
         if dead:
             raise RuntimeError(f"tensor-parallel ranks {dead} of this worker are gone; it cannot run steps")
-        lean = StepPlan([replace(s, generator=None, prompt_token_ids=(), output_token_ids=(), stop_ids=())
+        lean = StepPlan([replace(s, generator=None, prompt_token_ids=(), output_token_ids=(), stop_ids=(),
+                                 token_bitmask=None)
                          for s in plan.seqs])
         for c in self.conns:
             c.send(lean)

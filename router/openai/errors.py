@@ -129,12 +129,15 @@ def unknown_model(name: str, served: str) -> Response:
 
 def request_aliases(body) -> dict[str, str]:
     """The router's parameter names a chat request sent under OpenAI's other names: ``max_tokens``
-    as ``max_completion_tokens``, the number of top ``logprobs`` as ``top_logprobs``."""
+    as ``max_completion_tokens``, the number of top ``logprobs`` as ``top_logprobs``, a constraint
+    as OpenAI's ``response_format``."""
     aliases = {}
     if getattr(body, "max_completion_tokens", None) is not None:
         aliases["max_tokens"] = "max_completion_tokens"
     if getattr(body, "top_logprobs", None) is not None:
         aliases["logprobs"] = "top_logprobs"
+    if (getattr(body, "model_extra", None) or {}).get("response_format") not in (None, {"type": "text"}):
+        aliases["structured_outputs"] = "response_format"
     return aliases
 
 

@@ -12,9 +12,10 @@ validator then checks them exactly as for the gRPC API); the differences are:
 * ``n`` > 1: sample ``i`` gets ``seed + i`` when a seed is given, so the samples differ;
   ``n`` <= :data:`router.limits.MAX_N`, and prompts x ``n`` <= :data:`router.limits.MAX_CHOICES`.
 
-OpenAI fields this server does not serve (``echo``, ``suffix``, ``best_of``, tools and functions,
-a JSON ``response_format``) and vLLM's extra fields it does not serve (beam search, guided
-decoding, ``chat_template``, ...) are refused with 400 when a request asks for them
+A constraint is vLLM's ``structured_outputs`` or OpenAI's JSON ``response_format``
+(:func:`structured_outputs`). OpenAI fields this server does not serve (``echo``, ``suffix``,
+``best_of``, tools and functions) and vLLM's extra fields it does not serve (beam search, the old
+``guided_*`` names, ``chat_template``, ...) are refused with 400 when a request asks for them
 (:func:`refuse_unsupported`); fields nobody declared are ignored.
 
 A string JSON allows but protobuf does not (a lone surrogate, ``"\\ud800"``) and a token id
@@ -28,6 +29,7 @@ import uuid
 from dataclasses import dataclass
 
 from common.sampling_params import UINT64_MAX, sampling_params, write_sampling
+from common.structured_outputs import write_structured
 from pdcluster.v1 import common_pb2, router_pb2
 from router.limits import MAX_CHOICES, MAX_N
 from router.openai.errors import request_aliases
@@ -120,18 +122,15 @@ _UNSUPPORTED = (  # (field, the values that ask for nothing, why another value i
     ("tool_choice", (None, "none"), "tool calling is not supported by this server"),
     ("functions", (None, []), "function calling is not supported by this server"),
     ("function_call", (None, "none"), "function calling is not supported by this server"),
-    ("response_format", (None, {"type": "text"}), "only response_format {\"type\": \"text\"} is served "
-                                                  "(no JSON mode or schema)"),
     # vLLM's extra fields this server does not serve (``vllm/entrypoints/openai/protocol.py``): each
     # changes the answer, so asking for one is refused rather than silently ignored
     ("use_beam_search", (None, False), "beam search is not supported"),
     ("prompt_logprobs", (None,), "prompt_logprobs (vLLM's) is not supported"),
     ("bad_words", (None, []), "bad_words (vLLM's) is not supported; use logit_bias"),
-    ("structured_outputs", (None,), "structured outputs are not supported"),
-    ("guided_json", (None,), "guided decoding is not supported"),
-    ("guided_regex", (None,), "guided decoding is not supported"),
-    ("guided_choice", (None,), "guided decoding is not supported"),
-    ("guided_grammar", (None,), "guided decoding is not supported"),
+    ("guided_json", (None,), "guided_json is vLLM's old name: send structured_outputs {\"json\": schema}"),
+    ("guided_regex", (None,), "guided_regex is vLLM's old name: send structured_outputs {\"regex\": ...}"),
+    ("guided_choice", (None,), "guided_choice is vLLM's old name: send structured_outputs {\"choice\": [...]}"),
+    ("guided_grammar", (None,), "guided_grammar is vLLM's old name: send structured_outputs {\"grammar\": ...}"),
     ("chat_template", (None,), "chat_template (vLLM's) is not supported: the model's own template is used"),
 )
 
@@ -206,6 +205,41 @@ def _sampling(body, logprobs: int, max_tokens: int | None) -> common_pb2.Samplin
     return s
 
 
+def structured_outputs(body) -> common_pb2.StructuredOutputs | None:
+    """The constraint of ``body``: vLLM's ``structured_outputs`` (:func:`common.structured_outputs.
+    write_structured`), or OpenAI's ``response_format``: ``json_object`` (JSON mode) or
+    ``json_schema`` (``{"json_schema": {"name": ..., "schema": {...}}}``; ``strict`` is how it is
+    served anyway); ``text`` or neither: None.
+
+    Raises:
+        OpenAIRequestError: both are given, or one is malformed (naming it).
+    """
+    given, fmt = _field(body, "structured_outputs"), _field(body, "response_format")
+    if given is not None and fmt is not None and fmt != {"type": "text"}:
+        raise OpenAIRequestError("give response_format or structured_outputs, not both", param="response_format")
+    msg = common_pb2.StructuredOutputs()
+    try:
+        if given is not None:
+            write_structured(msg, given)
+            return msg
+        if fmt is None:
+            return None
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return common_pb2.StructuredOutputs(json_object=True)
+        spec = fmt.get("json_schema") if kind == "json_schema" else None
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise TypeError('response_format must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                            '"json_schema", "json_schema": {"name": ..., "schema": {...}}}')
+        write_structured(msg, {"json": spec["schema"]}, field="response_format.json_schema")
+        return msg
+    except TypeError as e:
+        param = "structured_outputs" if given is not None else "response_format"
+        raise OpenAIRequestError(str(e), param=param) from None
+
+
 COMPLETIONS_ROUTE, CHAT_ROUTE = "/v1/completions", "/v1/chat/completions"
 ID_PREFIXES = {COMPLETIONS_ROUTE: "cmpl", CHAT_ROUTE: "chatcmpl"}
 """The generation routes and the prefix of their requests' ids (``cmpl-<id>``, ``chatcmpl-<id>``, as vLLM's)."""
@@ -245,6 +279,7 @@ def _expand(prompts: list[dict], body, logprobs: int, top_logprobs: int,
         raise OpenAIRequestError(f"{len(prompts)} prompts x n {body.n} = {len(prompts) * body.n} choices; "
                                  f"at most {MAX_CHOICES} per request", param="prompt" if body.n == 1 else "n")
     base = base_id(prefix, client_id)
+    constraint = structured_outputs(body)
     subs = []
     for p, prompt in enumerate(prompts):
         for j in range(body.n):
@@ -252,7 +287,8 @@ def _expand(prompts: list[dict], body, logprobs: int, top_logprobs: int,
             sampling = _sampling(body, logprobs, max_tokens)
             if body.seed is not None and j:
                 sampling.seed = (body.seed + j) % (1 << 64)
-            req = router_pb2.GenerateRequest(request_id=f"{base}-{index}", sampling=sampling, stream=True, **prompt)
+            req = router_pb2.GenerateRequest(request_id=f"{base}-{index}", sampling=sampling, stream=True,
+                                             structured_outputs=constraint, **prompt)
             subs.append(SubRequest(index, req, top_logprobs))
     return base, subs
 

@@ -1,0 +1,27 @@
+"""The step entries (:class:`engine.step.ScheduledSeq`) a worker's scheduler plans for a request.
+
+Shared by the prefill and decode schedulers, so a sampling step carries the same inputs whoever
+plans it: the request's histories by reference (penalties), its early-stop bans (``min_tokens``)
+and its structured output's mask of the next token.
+"""
+
+from __future__ import annotations
+
+from engine.request import Request
+from engine.step import ScheduledSeq
+from engine.stop_check import early_stop_ids
+from engine.structured_output import next_token_bitmask
+
+
+def compute_seq(req: Request, tokens: list[int], num_computed: int) -> ScheduledSeq:
+    """Compute the KV of ``tokens`` (``req``'s tokens from position ``num_computed``); sample nothing."""
+    return ScheduledSeq(req.request_id, tokens, num_computed, req.block_table, False, req.params.sampling,
+                        req.generator, req.prompt_token_ids, req.output_token_ids)
+
+
+def sampling_seq(req: Request, tokens: list[int], num_computed: int,
+                 eos_token_ids: tuple[int, ...]) -> ScheduledSeq:
+    """Compute the KV of ``tokens`` and sample ``req``'s next token after them."""
+    return ScheduledSeq(req.request_id, tokens, num_computed, req.block_table, True, req.params.sampling,
+                        req.generator, req.prompt_token_ids, req.output_token_ids,
+                        early_stop_ids(req, eos_token_ids), next_token_bitmask(req))
