@@ -126,10 +126,17 @@ def _depth(value: Any) -> int:
     return depth - 1 if depth else 0
 
 
+_ALREADY_SO = ("disable_fallback", "disable_additional_properties")
+"""vLLM options that hold with one backend and its defaults, taken and ignored: there is no other backend
+to fall back to, and a schema's object admits no property it does not declare unless it says so
+(xgrammar's strict mode, vLLM's default with xgrammar)."""
+
+
 def write_structured(msg: Any, spec: Mapping[str, Any], field: str = "structured_outputs") -> None:
     """Fill the ``StructuredOutputs`` ``msg`` from vLLM's dict form: ``{"json": schema}`` (a dict or
     JSON text), ``{"regex": str}``, ``{"choice": [str, ...]}``, ``{"grammar": str}``,
-    ``{"json_object": true}``, with ``"disable_any_whitespace": bool``; ``None`` values are absent.
+    ``{"json_object": true}``, with ``"disable_any_whitespace": bool``; ``None`` values are absent;
+    the booleans of :data:`_ALREADY_SO` are accepted and change nothing.
 
     Raises:
         TypeError: a key that is not a field (vLLM's other options are not served), or a value of
@@ -155,6 +162,8 @@ def write_structured(msg: Any, spec: Mapping[str, Any], field: str = "structured
         elif key in ("json_object", "disable_any_whitespace"):
             _check(isinstance(value, bool), name, "a boolean")
             setattr(msg, key, value)
+        elif key in _ALREADY_SO:
+            _check(isinstance(value, bool), name, "a boolean")
         else:
             raise TypeError(f"{name} is not served (structured outputs take {', '.join(KINDS)} and "
                             "disable_any_whitespace)")
