@@ -9,7 +9,8 @@ A request may constrain its output to exactly one of (vLLM's ``structured_output
 * ``grammar``: an EBNF grammar (GBNF syntax as llama.cpp's, root rule ``root``);
 * ``json_object``: the output is one JSON object (OpenAI's JSON mode).
 
-``disable_any_whitespace`` (``json``, ``json_object``): no free whitespace between JSON tokens.
+``disable_any_whitespace`` (``json``, ``json_object``): JSON without free whitespace: only the fixed
+separators ``", "`` and ``": "`` (xgrammar's, as vLLM's), no line breaks or indentation.
 
 The wire form is ``pdcluster.v1.StructuredOutputs`` (``proto/pdcluster/v1/common.proto``). The router
 checks shapes and sizes here (:func:`structured_problem`: it loads no torch, so it cannot compile);
@@ -45,7 +46,8 @@ class StructuredOutput:
         kind: one of :data:`KINDS`.
         text: the schema (``json``; :data:`JSON_OBJECT_SCHEMA` for ``json_object``), the regex, or
             the grammar (``grammar``; the grammar :func:`choice_grammar` builds for ``choice``).
-        any_whitespace: JSON may hold free whitespace between tokens (``json``, ``json_object``).
+        any_whitespace: JSON may hold any whitespace between tokens (``json``, ``json_object``); false:
+            the fixed separators only.
     """
 
     kind: str
@@ -117,13 +119,13 @@ def _schema_problem(text: str, field: str) -> str | None:
 
 
 def _depth(value: Any) -> int:
-    depth, level = 0, [value]
-    while level:
+    """Levels of nested objects and arrays in ``value`` (a scalar: 0), counted up to
+    :data:`MAX_SCHEMA_DEPTH` + 1."""
+    depth, level = 0, [value] if isinstance(value, (dict, list)) else []
+    while level and depth <= MAX_SCHEMA_DEPTH:
         depth += 1
-        level = [v for x in level if isinstance(x, (dict, list)) for v in (x.values() if isinstance(x, dict) else x)]
-        if depth > MAX_SCHEMA_DEPTH:
-            break
-    return depth - 1 if depth else 0
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x) if isinstance(v, (dict, list))]
+    return depth
 
 
 _ALREADY_SO = ("disable_fallback", "disable_additional_properties")

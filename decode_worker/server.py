@@ -14,6 +14,7 @@ import torch
 from decode_worker.events import Failed, Reserved, Tokens
 from decode_worker.kv_failure import KvFailureOutcome
 from decode_worker.scheduler import DecodeScheduler
+from engine.structured_output import GrammarBusy, GrammarCompiler
 from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from serving.convert import logprobs_to_proto, request_from_proto
 from serving.logs import request_id_from_metadata, request_scope
@@ -106,6 +107,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                      self.grammars)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except GrammarBusy as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         events: queue.SimpleQueue = queue.SimpleQueue()  # get() waits in C: less GIL per token than Queue
         t0 = time.monotonic()
         log.debug("reserve: %d prompt tokens, %d earlier output tokens, max_tokens %d", len(req.prompt_token_ids),

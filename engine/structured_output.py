@@ -3,10 +3,14 @@
 Lifecycle (the worker-side half of :mod:`common.structured_outputs`; vLLM v1's
 ``StructuredOutputManager`` split, with xgrammar, https://github.com/mlc-ai/xgrammar, as the backend):
 
-1. **compile** (:meth:`GrammarCompiler.compile`, on the gRPC handler thread that builds the request):
-   the constraint becomes an xgrammar ``CompiledGrammar`` (cached by its text) and a fresh
-   :class:`GrammarState`; a constraint xgrammar refuses is a ``ValueError`` naming the field, which the
-   servers return as INVALID_ARGUMENT;
+1. **compile** (:meth:`GrammarCompiler.compile`, for the gRPC handler thread that builds the request):
+   the constraint becomes an xgrammar ``CompiledGrammar`` (cached by its text, the cache bounded to
+   :data:`CACHE_BYTES`) and a fresh :class:`GrammarState`; a constraint xgrammar refuses is a
+   ``ValueError`` naming the field, which the servers return as INVALID_ARGUMENT. A worker compiles one
+   constraint at a time, on a thread of its own, for at most :data:`COMPILE_TIMEOUT_S`: a constraint that
+   takes longer is refused as too complex (and refused at once when asked again), and while it still
+   compiles (xgrammar cannot stop it: it holds one core until it ends) the worker refuses other new
+   constraints with :class:`GrammarBusy` (RESOURCE_EXHAUSTED, retry later) instead of starting more;
 2. **follow**: the state accepts the request's output tokens lazily, from the request's own
    ``output_token_ids`` (:meth:`GrammarState.advance`): the first token the prefill worker sampled, a
    migrated request's earlier outputs, each token this worker sampled: whoever appended it;
@@ -25,6 +29,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +42,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: " prefix
+COMPILE_TIMEOUT_S = 10.0
+"""Longest a constraint may compile (seconds); also the longest a request waits for another's compile."""
+CACHE_BYTES = 256 * 2**20
+"""Bytes of compiled constraints a worker keeps for reuse (xgrammar's LRU cache; a 256-choice constraint
+takes ~12 MiB). vLLM's default is 512 MiB, for machines with more memory."""
+_SLOW_KEPT = 256  # constraints remembered as too slow to compile
+
+
+class GrammarBusy(RuntimeError):
+    """The worker is still compiling another constraint, past :data:`COMPILE_TIMEOUT_S`: retry later."""
 
 
 class GrammarState:
@@ -97,11 +112,13 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer_folder: str, vocab_size: int, stop_token_ids: tuple[int, ...],
-                 max_threads: int = 1) -> None:
+                 max_threads: int = 1, timeout_s: float = COMPILE_TIMEOUT_S, cache_bytes: int = CACHE_BYTES) -> None:
         self._folder, self._vocab_size, self._stops = tokenizer_folder, vocab_size, list(stop_token_ids)
-        self._max_threads = max_threads
+        self._max_threads, self._timeout_s, self._cache_bytes = max_threads, timeout_s, cache_bytes
         self._compiler: Any = None
         self._lock = threading.Lock()
+        self._slot = threading.Semaphore(1)  # one compile at a time
+        self._too_slow: OrderedDict[tuple, None] = OrderedDict()
 
     def _get(self) -> Any:
         with self._lock:
@@ -112,29 +129,59 @@ class GrammarCompiler:
 
                 info = xgr.TokenizerInfo.from_huggingface(load_tokenizer(self._folder), vocab_size=self._vocab_size,
                                                           stop_token_ids=self._stops or None)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads,
+                                                     cache_limit_bytes=self._cache_bytes)
             return self._compiler
 
     def compile(self, spec: StructuredOutput, field: str = "structured_outputs") -> GrammarState:
-        """A fresh state at the start of ``spec``'s language.
+        """A fresh state at the start of ``spec``'s language (module docstring, step 1).
 
         Raises:
-            ValueError: xgrammar refuses the constraint; the message names ``field.<kind>`` and says why.
+            ValueError: xgrammar refuses the constraint, or it did not compile within the timeout; the
+                message names ``field.<kind>`` and says why.
+            GrammarBusy: another constraint has been compiling for longer than the timeout.
         """
         import xgrammar as xgr
 
+        key = (spec.kind, spec.text, spec.any_whitespace)
+        too_complex = f"{field}.{spec.kind} is too complex: it did not compile within {self._timeout_s:g} s"
+        if key in self._too_slow:
+            raise ValueError(too_complex)
         compiler = self._get()
-        try:
-            if spec.kind in ("json", "json_object"):
-                compiled = compiler.compile_json_schema(spec.text, any_whitespace=spec.any_whitespace)
-            elif spec.kind == "regex":
-                compiled = compiler.compile_regex(spec.text)
-            else:  # grammar, choice
-                compiled = compiler.compile_grammar(spec.text)
-        except (RuntimeError, ValueError, TypeError) as e:
+        if not self._slot.acquire(timeout=self._timeout_s):
+            raise GrammarBusy(f"{field}: this worker is still compiling another constraint after "
+                              f"{self._timeout_s:g} s; retry later")
+        done: dict[str, Any] = {}
+        worker = threading.Thread(target=self._run, args=(compiler, spec, done), daemon=True, name="grammar-compile")
+        worker.start()
+        worker.join(self._timeout_s)
+        if worker.is_alive():
+            with self._lock:
+                self._too_slow[key] = None
+                while len(self._too_slow) > _SLOW_KEPT:
+                    self._too_slow.popitem(last=False)
+            log.warning("a %s constraint of %d characters did not compile within %g s; it holds one compile "
+                        "thread until it ends", spec.kind, len(spec.text), self._timeout_s)
+            raise ValueError(too_complex)
+        if "error" in done:
+            e = done["error"]
             why = _LOCATION.sub("", str(e).strip()) or type(e).__name__
             raise ValueError(f"{field}.{spec.kind} does not compile: {why}") from None
-        return GrammarState(xgr.GrammarMatcher(compiled), self._vocab_size)
+        return GrammarState(xgr.GrammarMatcher(done["compiled"]), self._vocab_size)
+
+    def _run(self, compiler: Any, spec: StructuredOutput, done: dict[str, Any]) -> None:
+        """Compile thread: ``done["compiled"]`` or ``done["error"]``; frees the compile slot at the end."""
+        try:
+            if spec.kind in ("json", "json_object"):
+                done["compiled"] = compiler.compile_json_schema(spec.text, any_whitespace=spec.any_whitespace)
+            elif spec.kind == "regex":
+                done["compiled"] = compiler.compile_regex(spec.text)
+            else:  # grammar, choice
+                done["compiled"] = compiler.compile_grammar(spec.text)
+        except Exception as e:  # noqa: BLE001 - the caller reports it
+            done["error"] = e
+        finally:
+            self._slot.release()
 
 
 def grammar_compiler(model: ModelConfig) -> GrammarCompiler:

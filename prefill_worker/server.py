@@ -9,7 +9,7 @@ import grpc
 import torch
 
 from engine.request import Request
-from engine.structured_output import GrammarCompiler
+from engine.structured_output import GrammarBusy, GrammarCompiler
 from kvtransfer import KvSender
 from kvtransfer.progress import LayerProgress
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
@@ -63,6 +63,8 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                          self.grammars)
             except ValueError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except GrammarBusy as e:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             log.debug("prefill: %d prompt tokens, KV to %s", len(req.prompt_token_ids), request.destination.worker_id)
             send, external = self.route(request, req)
             fut = self.scheduler.submit(req, send, external)

@@ -6,6 +6,7 @@ End to end on a real cluster, token-exact against HF with xgrammar's mask: ``tes
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -121,6 +122,8 @@ BAD = [
     ({"json": "{"}, "structured_outputs.json is not JSON"),
     ({"json": "[1]"}, "structured_outputs.json must be a JSON schema (an object or a boolean), got list"),
     ({"json": "[" * 5000 + "]" * 5000}, f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels"),
+    ({"json": '{"items": ' * (MAX_SCHEMA_DEPTH + 1) + "{}" + "}" * (MAX_SCHEMA_DEPTH + 1)},
+     f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels"),
 ]
 
 
@@ -169,7 +172,33 @@ def test_openai_response_format_and_structured_outputs_map_to_one_constraint():
                          ({"structured_outputs": {"regex": 5}}, "structured_outputs"),
                          ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
                           "response_format"),
-                         ({"guided_json": {}}, "guided_json")]:
+                         ({"guided_json": {}}, "guided_json"),
+                         ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend")]:
         with pytest.raises(OpenAIRequestError) as exc:
             chat_requests(_chat(**extra))
         assert exc.value.param == param, (extra, exc.value.message)
+
+
+def test_a_constraint_too_slow_to_compile_is_refused_and_holds_off_others(model_config):
+    """Past the compile timeout a constraint is refused as too complex (at once when asked again);
+    while it still compiles (xgrammar cannot stop it), another new constraint gets GrammarBusy."""
+    from common.structured_outputs import StructuredOutput
+    from engine.structured_output import GrammarBusy, GrammarCompiler
+
+    grammars = GrammarCompiler(model_config.path, model_config.vocab_size, model_config.eos_token_ids,
+                               timeout_s=0.05)
+    grammars.compile(StructuredOutput("regex", "a"))  # the compiler itself is built outside the budget
+    slow = StructuredOutput("json", json.dumps({"type": "string", "pattern": "^[a-z]{4000}$"}))  # ~0.6 s here
+    with pytest.raises(ValueError, match=r"^structured_outputs.json is too complex: it did not compile within 0.05 s"):
+        grammars.compile(slow)
+    with pytest.raises(GrammarBusy, match="still compiling another constraint"):
+        grammars.compile(StructuredOutput("regex", "b"))
+    with pytest.raises(ValueError, match="too complex"):
+        grammars.compile(slow)
+    deadline = time.monotonic() + 60
+    while True:  # the slow compile ends and frees the slot
+        try:
+            grammars.compile(StructuredOutput("regex", "c"))
+            break
+        except GrammarBusy:
+            assert time.monotonic() < deadline

@@ -158,6 +158,8 @@ def router_error_response(e: RouterError, body_only: bool = False, aliases: dict
     message = e.message
     if param is not None and message.startswith(f"sampling.{param}"):  # named as the body wrote it
         message = field + message[len(f"sampling.{param}"):]
+    if field == "response_format" and message.startswith("structured_outputs.json"):  # the worker's name of it
+        message = "response_format.json_schema.schema" + message[len("structured_outputs.json"):]
     body = error_body(status, message, param=field, code=e.code.name.lower())
     if body_only:
         return body

@@ -131,6 +131,9 @@ _UNSUPPORTED = (  # (field, the values that ask for nothing, why another value i
     ("guided_regex", (None,), "guided_regex is vLLM's old name: send structured_outputs {\"regex\": ...}"),
     ("guided_choice", (None,), "guided_choice is vLLM's old name: send structured_outputs {\"choice\": [...]}"),
     ("guided_grammar", (None,), "guided_grammar is vLLM's old name: send structured_outputs {\"grammar\": ...}"),
+    ("guided_whitespace_pattern", (None,), "guided_whitespace_pattern is not served: structured outputs take "
+                                           "disable_any_whitespace"),
+    ("guided_decoding_backend", (None,), "guided_decoding_backend is not served: structured outputs use xgrammar"),
     ("chat_template", (None,), "chat_template (vLLM's) is not supported: the model's own template is used"),
 )
 
