@@ -302,6 +302,8 @@ SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
                   "as leave room for max_tokens", Range(-1), presence=True, target=Target.ROUTER),
     SamplingParam("skip_special_tokens", bool, True, "leave special tokens (EOS, chat markers) out of the text "
                   "(vLLM's)", presence=True, target=Target.ROUTER),
+    SamplingParam("prompt_logprobs", int, None, "top logprobs returned per prompt token (vLLM's); 0: the prompt "
+                  "token's own only", Range(0, MAX_LOGPROBS), presence=True, target=Target.REQUEST, cli=False),
 )
 
 

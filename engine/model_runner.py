@@ -13,6 +13,7 @@ import torch
 
 from engine.attention import SeqSlice, build_attention_metadata
 from engine.model.decoder import CausalLM
+from engine.prompt_logprobs import compute_prompt_logprobs
 from engine.sampling import Sampler
 from engine.step import ScheduledSeq, StepOutput, StepPlan, TokenLogprobs
 
@@ -43,10 +44,13 @@ class ModelRunner:
     def close(self) -> None:
         """Release what the runner started (nothing here; a tensor-parallel runner stops its ranks)."""
 
-    def forward_logits(self, plan: StepPlan) -> tuple[torch.Tensor | None, list[ScheduledSeq]]:
+    def forward_logits(self, plan: StepPlan) -> tuple[torch.Tensor | None, list[ScheduledSeq],
+                                                      dict[str, list[TokenLogprobs]]]:
         """Run the plan's tokens (K/V written into their slots) and compute the logits of
-        the sequences that sample: ``([N, vocab] float32, those N seqs)``, or ``(None, [])``
-        when none samples. What every tensor-parallel rank runs.
+        the sequences that sample: ``([N, vocab] float32, those N seqs, prompt logprobs)``, or
+        ``(None, [], prompt logprobs)`` when none samples; the prompt logprobs of the sequences
+        that ask for them (:mod:`engine.prompt_logprobs`), by request id. What every
+        tensor-parallel rank runs.
 
         Raises:
             ValueError: a malformed plan (empty, block table too short).
@@ -58,11 +62,24 @@ class ModelRunner:
         flat = [t for s in plan.seqs for t in s.token_ids]
         input_ids = torch.tensor(flat, dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, meta, self.kv_cache, on_layer_done=plan.on_layer_done)
+        prompt_lps = self._prompt_logprobs(plan, hidden)
         rows = [i for i, s in enumerate(plan.seqs) if s.sample]
         if not rows:
-            return None, []
+            return None, [], prompt_lps
         idx = meta.logits_index[torch.tensor(rows, device=self.device)]
-        return self.model.compute_logits(hidden[idx]), [plan.seqs[i] for i in rows]
+        return self.model.compute_logits(hidden[idx]), [plan.seqs[i] for i in rows], prompt_lps
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
+        """The prompt logprobs of the plan's sequences that ask for them (``hidden``: ``[tokens,
+        hidden_size]``, the plan's tokens in order)."""
+        out, start = {}, 0
+        for s in plan.seqs:
+            if s.prompt_logprobs is not None and s.prompt_next_ids:
+                rows = hidden[start:start + len(s.prompt_next_ids)]
+                out[s.request_id] = compute_prompt_logprobs(self.model.compute_logits, rows, s.prompt_next_ids,
+                                                            s.prompt_logprobs)
+            start += len(s.token_ids)
+        return out
 
     def execute(self, plan: StepPlan) -> StepOutput:
         """Run one step: write the new tokens' K/V into their slots and sample.
@@ -71,9 +88,9 @@ class ModelRunner:
             ValueError: a malformed plan (empty, block table too short).
         """
         t0 = time.perf_counter()
-        logits, seqs = self.forward_logits(plan)
+        logits, seqs, prompt_lps = self.forward_logits(plan)
         if logits is None:
-            return StepOutput([], [], [], time.perf_counter() - t0)
+            return StepOutput([], [], [], time.perf_counter() - t0, prompt_lps)
         out = self.sampler.sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs],
                                   [(s.prompt_token_ids, s.output_token_ids) for s in seqs],
                                   [s.stop_ids for s in seqs], [s.token_bitmask for s in seqs])
@@ -88,4 +105,4 @@ class ModelRunner:
                 if n > 0:
                     top = list(zip(top_ids[j][:n], top_lp[j][:n])) if top_ids is not None else []
                     logprobs[j] = TokenLogprobs(lp[j], top)
-        return StepOutput([s.request_id for s in seqs], token_ids, logprobs, time.perf_counter() - t0)
+        return StepOutput([s.request_id for s in seqs], token_ids, logprobs, time.perf_counter() - t0, prompt_lps)

@@ -31,12 +31,15 @@ class RequestParams:
             logit bias.
         stop_token_ids: ids that end generation (included in the output).
         ignore_eos: keep going past EOS.
+        prompt_logprobs: top alternatives of each prompt token's logprob, computed by the prefill
+            worker (vLLM's ``prompt_logprobs``); None: none.
     """
 
     max_tokens: int
     sampling: SamplingOptions
     stop_token_ids: tuple[int, ...] = sampling_param("stop_token_ids").default
     ignore_eos: bool = sampling_param("ignore_eos").default
+    prompt_logprobs: int | None = sampling_param("prompt_logprobs").default
 
 
 class RequestStatus(enum.Enum):

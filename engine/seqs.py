@@ -7,21 +7,33 @@ and its structured output's mask of the next token.
 
 from __future__ import annotations
 
+from engine.prompt_logprobs import prompt_next_ids
 from engine.request import Request
 from engine.step import ScheduledSeq
 from engine.stop_check import early_stop_ids
 from engine.structured_output import next_token_bitmask
 
 
-def compute_seq(req: Request, tokens: list[int], num_computed: int) -> ScheduledSeq:
-    """Compute the KV of ``tokens`` (``req``'s tokens from position ``num_computed``); sample nothing."""
+def compute_seq(req: Request, tokens: list[int], num_computed: int, prompt_logprobs: bool = False) -> ScheduledSeq:
+    """Compute the KV of ``tokens`` (``req``'s tokens from position ``num_computed``); sample nothing.
+    With ``prompt_logprobs`` (a prefill worker's step), also the prompt logprobs the request asks for."""
     return ScheduledSeq(req.request_id, tokens, num_computed, req.block_table, False, req.params.sampling,
-                        req.generator, req.prompt_token_ids, req.output_token_ids)
+                        req.generator, req.prompt_token_ids, req.output_token_ids,
+                        **_prompt_fields(req, tokens, num_computed, prompt_logprobs))
 
 
-def sampling_seq(req: Request, tokens: list[int], num_computed: int,
-                 eos_token_ids: tuple[int, ...]) -> ScheduledSeq:
-    """Compute the KV of ``tokens`` and sample ``req``'s next token after them."""
+def sampling_seq(req: Request, tokens: list[int], num_computed: int, eos_token_ids: tuple[int, ...],
+                 prompt_logprobs: bool = False) -> ScheduledSeq:
+    """Compute the KV of ``tokens`` and sample ``req``'s next token after them (``prompt_logprobs``: as
+    :func:`compute_seq`)."""
     return ScheduledSeq(req.request_id, tokens, num_computed, req.block_table, True, req.params.sampling,
                         req.generator, req.prompt_token_ids, req.output_token_ids,
-                        early_stop_ids(req, eos_token_ids), next_token_bitmask(req))
+                        early_stop_ids(req, eos_token_ids), next_token_bitmask(req),
+                        **_prompt_fields(req, tokens, num_computed, prompt_logprobs))
+
+
+def _prompt_fields(req: Request, tokens: list[int], num_computed: int, wanted: bool) -> dict:
+    if not wanted or req.params.prompt_logprobs is None:
+        return {}
+    return {"prompt_logprobs": req.params.prompt_logprobs,
+            "prompt_next_ids": prompt_next_ids(req.prompt_token_ids, num_computed, len(tokens))}

@@ -33,6 +33,10 @@ class ScheduledSeq:
             (:func:`engine.stop_check.early_stop_ids`).
         token_bitmask: ``[ceil(vocab / 32)]`` int32, the tokens a structured output allows next
             (:func:`engine.structured_output.next_token_bitmask`); None: unconstrained.
+        prompt_logprobs: top alternatives of the prompt logprobs this step computes (vLLM's
+            ``prompt_logprobs``); None: none.
+        prompt_next_ids: the prompt tokens that follow the first ``len(prompt_next_ids)`` of
+            ``token_ids``: their logprobs, given everything before, are this step's prompt logprobs.
     """
 
     request_id: str
@@ -46,6 +50,8 @@ class ScheduledSeq:
     output_token_ids: Sequence[int] = ()
     stop_ids: tuple[int, ...] = ()
     token_bitmask: torch.Tensor | None = None
+    prompt_logprobs: int | None = None
+    prompt_next_ids: Sequence[int] = ()
 
 
 @dataclass(frozen=True)
@@ -70,10 +76,12 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """Logprob of the sampled token and the top-n alternatives (natural log)."""
+    """Logprob of a token (sampled, or a prompt token) and the top-n alternatives (natural log);
+    ``rank``: 1 + the tokens more likely than it (prompt logprobs; None: not computed)."""
 
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -83,9 +91,11 @@ class StepOutput:
     Attributes:
         request_ids / token_ids / logprobs: aligned lists.
         forward_s: seconds spent in the model forward + sampling (wall clock).
+        prompt_logprobs: request id -> the logprobs of its ``prompt_next_ids`` this step, in order.
     """
 
     request_ids: list[str]
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
     forward_s: float
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)

@@ -40,12 +40,18 @@ class Usage:
 class TokenLogprob:
     """Natural-log probability of one generated token and its top alternatives.
 
-    ``top`` lists ``(token_id, logprob)`` pairs in the server's order.
+    ``top`` lists ``(token_id, logprob)`` pairs in the server's order; ``rank`` (prompt logprobs
+    only, else None) is 1 + the number of tokens more likely than this one.
     """
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
+
+    @classmethod
+    def from_proto(cls, lp: common_pb2.TokenLogprob) -> "TokenLogprob":
+        return cls(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top], lp.rank or None)
 
 
 @dataclass
@@ -56,7 +62,9 @@ class GenerationResult:
     ``"LENGTH"``, ``"ABORT"`` (``"UNSPECIFIED"`` if the server never set it).
     ``logprobs`` is ``None`` unless the server returned log-probabilities.
     ``stop_reason`` is the stop string (``str``) or stop token id (``int``) that ended the
-    request, as vLLM's; ``None`` when an EOS token or a limit ended it.
+    request, as vLLM's; ``None`` when an EOS token or a limit ended it. ``prompt_logprobs``
+    (asked with ``prompt_logprobs=k``): one per prompt token, the first with its id alone (logprob 0,
+    no rank: nothing precedes it); else ``None``.
     """
 
     request_id: str
@@ -66,6 +74,7 @@ class GenerationResult:
     usage: Usage
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def finish_reason_name(value: int) -> str:
@@ -89,16 +98,15 @@ def accumulate(chunks: Iterable[router_pb2.GenerateResponse]) -> GenerationResul
     """
     request_id, text_parts, token_ids = "", [], []
     logprobs: list[TokenLogprob] = []
+    prompt_logprobs: list[TokenLogprob] = []
     finish, usage, seen, stop = 0, Usage(), False, None
     for chunk in chunks:
         seen = True
         request_id = chunk.request_id or request_id
         token_ids.extend(chunk.token_ids)
         text_parts.append(chunk.text)
-        logprobs.extend(
-            TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
-            for lp in chunk.logprobs
-        )
+        logprobs.extend(TokenLogprob.from_proto(lp) for lp in chunk.logprobs)
+        prompt_logprobs.extend(TokenLogprob.from_proto(lp) for lp in chunk.prompt_logprobs)
         if chunk.finish_reason:
             finish = chunk.finish_reason
         if which := chunk.WhichOneof("stop_reason"):
@@ -116,6 +124,7 @@ def accumulate(chunks: Iterable[router_pb2.GenerateResponse]) -> GenerationResul
         usage=usage,
         logprobs=logprobs or None,
         stop_reason=stop,
+        prompt_logprobs=prompt_logprobs or None,
     )
 
 

@@ -5,7 +5,7 @@ servicer, a colocated worker's decode side, the KV sender).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
@@ -36,6 +36,7 @@ class PrefillResult:
     transfer_s: float  # exposed transfer time: from the end of compute to the ack (seconds)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     transfer_total_s: float = 0.0  # whole send, start to ack (seconds); > transfer_s when streamed
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # entry i: prompt token i + 1's
 
 
 # send_fn(request, progress) -> KV payload bytes sent; blocking; raises on failure. The

@@ -93,6 +93,7 @@ class _Entry:
     step_error: "PrefillError | None" = None  # the streamed step failed: fail once the sender returned
     block_hashes: list[bytes] = field(default_factory=list)
     cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class PrefillScheduler:
@@ -232,8 +233,8 @@ class PrefillScheduler:
             n = min(len(tokens) - req.num_computed, budget)
             last = req.num_computed + n == len(tokens)
             chunk = tokens[req.num_computed:req.num_computed + n]
-            seqs.append(sampling_seq(req, chunk, req.num_computed, self.eos) if last
-                        else compute_seq(req, chunk, req.num_computed))
+            seqs.append(sampling_seq(req, chunk, req.num_computed, self.eos, prompt_logprobs=True) if last
+                        else compute_seq(req, chunk, req.num_computed, prompt_logprobs=True))
             budget -= n
         return seqs
 
@@ -248,7 +249,8 @@ class PrefillScheduler:
         hit: list[int] = []
         if self.prefix_caching:
             entry.block_hashes = block_hashes(prompt, self.block_size, self.model_id)
-            hit = self.pool.lookup(entry.block_hashes)
+            # prompt logprobs need every position's logits: computed, never taken from the cache (as vLLM's)
+            hit = self.pool.lookup(entry.block_hashes) if req.params.prompt_logprobs is None else []
             if len(hit) * self.block_size >= len(prompt):
                 hit = hit[:-1]
         fresh = blocks_needed(len(prompt), self.block_size) - len(hit)
@@ -309,6 +311,7 @@ class PrefillScheduler:
                 entry.queue_s = max(0.0, time.monotonic() - stats.seconds - entry.request.arrival_s)
             entry.prefill_s += stats.seconds
             entry.request.num_computed += len(s.token_ids)
+            entry.prompt_logprobs.extend(out.prompt_logprobs.get(s.request_id, ()))
             entry.request.status = RequestStatus.PREFILLING
             if entry.block_hashes:
                 self._publish_blocks(entry, s.num_computed)
@@ -355,7 +358,7 @@ class PrefillScheduler:
             exposed = msg.ended_at - max(msg.started_at, entry.computed_at)
             entry.future.set_result(PrefillResult(entry.first_token, entry.first_logprobs, msg.kv_bytes,
                                                   entry.prefill_s, exposed, entry.cached_tokens,
-                                                  msg.ended_at - msg.started_at))
+                                                  msg.ended_at - msg.started_at, entry.prompt_logprobs))
 
     def _on_abort(self, request_id: str) -> None:
         entry = self._entries.get(request_id)

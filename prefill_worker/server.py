@@ -15,7 +15,7 @@ from kvtransfer.progress import LayerProgress
 from pdcluster.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.contracts import ExternalBlocks, PrefillError, SendFn
 from prefill_worker.scheduler import PrefillScheduler
-from serving.convert import request_from_proto
+from serving.convert import logprobs_to_proto, request_from_proto
 from serving.logs import request_id_from_metadata, request_scope
 from serving.worker_metrics import WorkerMetrics
 
@@ -83,7 +83,9 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 self.metrics.kv_sent(kv_bytes=res.kv_bytes_sent, transfer_s=res.transfer_total_s)
             return worker_pb2.PrefillResponse(
                 first_token_id=res.first_token_id, cached_prompt_tokens=res.cached_tokens,
-                kv_bytes_sent=res.kv_bytes_sent, prefill_seconds=res.prefill_s, transfer_seconds=res.transfer_s)
+                kv_bytes_sent=res.kv_bytes_sent, prefill_seconds=res.prefill_s, transfer_seconds=res.transfer_s,
+                prompt_logprobs=[logprobs_to_proto(t, lp) for t, lp in
+                                 zip(req.prompt_token_ids[1:], res.prompt_logprobs)])
 
     def Abort(self, request, context):
         found = self.scheduler.has_request(request.request_id)

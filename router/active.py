@@ -17,6 +17,7 @@ from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
 from router.errors import RouterError
 from router.handle import RequestHandle, status_of
 from router.migration import (
+    MIGRATABLE_CODES,
     MIGRATION_WAIT_S,
     Side,
     WorkerFailure,
@@ -38,6 +39,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NO_WORKER_RETRY_AFTER_MS = 1000
+PROMPT_LOGPROBS_WAIT_S = 30.0
+"""How long the first tokens wait for the prefill worker's answer carrying the prompt logprobs (it
+follows the KV's acknowledgement by moments; seconds)."""
 """The retry-after hint (gRPC ``retry-after-ms`` trailer; HTTP 503 ``Retry-After``) of a new request that
 found no live worker of a role: the cluster controller replaces a dead worker within a few heartbeats,
 so a client retrying every second gets in as soon as the replacement registers."""
@@ -218,6 +222,7 @@ class ActiveRequest:
             h.p_future.add_done_callback(h.on_prefill_done)
             h.p_future.add_done_callback(h.load.prefill_finished)
             for ev in h.d_call:
+                self._await_prompt_logprobs(out, ev.tokens)
                 msg = out.add(ev.tokens)
                 decode_finished = ev.tokens.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                 self.stats.tokens(len(msg.token_ids))
@@ -255,6 +260,29 @@ class ActiveRequest:
         yield from self._final(out, common_pb2.FINISH_REASON_ABORT)
         if not self.prep.stream:
             yield out.whole()
+
+    def _await_prompt_logprobs(self, out: OutputAssembler, delta: worker_pb2.TokenDelta) -> None:
+        """Before the request's first tokens are consumed, take its prompt logprobs from the prefill
+        worker's answer, which follows the first token by moments (the assembler puts them on the
+        first message). A prefill call that failed meanwhile (its worker
+        died after the KV arrived) fails the attempt, so the request migrates before any token
+        reached the client.
+
+        Raises:
+            WorkerFailure: the prefill call failed or did not answer within :data:`PROMPT_LOGPROBS_WAIT_S`.
+        """
+        if out.prompt_logprobs is not None or not delta.token_ids or \
+                not self.prep.worker_request.sampling.HasField("prompt_logprobs"):
+            return
+        h = self.h
+        try:
+            out.set_prompt_logprobs(h.p_future.result(timeout=PROMPT_LOGPROBS_WAIT_S).prompt_logprobs)
+        except Exception as e:  # noqa: BLE001 - any failure of the call: the attempt fails
+            h.cancel_calls()
+            code, details = status_of(e) if isinstance(e, grpc.RpcError) else (grpc.StatusCode.UNAVAILABLE, str(e))
+            raise WorkerFailure(h.prefill.role, code if code in MIGRATABLE_CODES else grpc.StatusCode.UNAVAILABLE,
+                                f"{h.prefill.role} worker {h.prefill.worker_id}: no prompt logprobs: "
+                                f"{code.name}: {details}", frozenset({h.prefill.worker_id})) from None
 
     def _remember_cached_tokens(self) -> None:
         """Keep the prompt tokens the failed attempt's prefill found cached, if it answered:

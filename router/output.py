@@ -34,6 +34,9 @@ class OutputAssembler:
             the first ``min_tokens`` (vLLM's ``min_tokens``: it may begin earlier; one completed
             earlier is text).
         skip_special_tokens: leave special tokens out of the text.
+
+    The prompt logprobs (:meth:`set_prompt_logprobs`, before the first tokens arrive) go on the first
+    message that carries tokens (and on :meth:`whole`).
     """
 
     def __init__(self, tokenizer, request_id: str, prompt_token_ids: list[int], stop: list[str],
@@ -41,6 +44,7 @@ class OutputAssembler:
                  ignore_eos: bool = False, skip_special_tokens: bool = True) -> None:
         self.request_id = request_id
         self.num_prompt = len(prompt_token_ids)
+        self.first_prompt_token = prompt_token_ids[0] if prompt_token_ids else 0
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self.stops = StopStringMatcher(stop, include_stop) if stop else None
         self.include_stop = include_stop
@@ -53,6 +57,7 @@ class OutputAssembler:
         self.logprobs: list[common_pb2.TokenLogprob] = []
         self.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
         self.cached_prompt_tokens = 0
+        self.prompt_logprobs: list[common_pb2.TokenLogprob] | None = None  # set before the first tokens
 
     @property
     def finished(self) -> bool:
@@ -89,11 +94,18 @@ class OutputAssembler:
             self.stop_reason = {"stop_token_id": ids[-1]}
         self.text_parts.append(text)
         self.finish_reason = reason
+        first = len(self.token_ids) == len(ids) and bool(ids)
         msg = router_pb2.GenerateResponse(request_id=self.request_id, token_ids=ids, text=text,
-                                          finish_reason=reason, logprobs=delta.logprobs, **self.stop_reason)
+                                          finish_reason=reason, logprobs=delta.logprobs, **self.stop_reason,
+                                          prompt_logprobs=self.prompt_logprobs if first else None)
         if self.finished:
             msg.usage.CopyFrom(self.usage())
         return msg
+
+    def set_prompt_logprobs(self, entries) -> None:
+        """Keep the prefill worker's prompt logprobs (``entries``: prompt token ``i + 1``'s at ``i``) as
+        the client's: one per prompt token, the first with its id alone (no logprob, rank 0)."""
+        self.prompt_logprobs = [common_pb2.TokenLogprob(token_id=self.first_prompt_token), *entries]
 
     def usage(self) -> common_pb2.Usage:
         return common_pb2.Usage(prompt_tokens=self.num_prompt, completion_tokens=len(self.token_ids),
@@ -103,4 +115,5 @@ class OutputAssembler:
         """The single message of a non-streamed request."""
         return router_pb2.GenerateResponse(
             request_id=self.request_id, token_ids=self.token_ids, text="".join(self.text_parts),
-            finish_reason=self.finish_reason, usage=self.usage(), logprobs=self.logprobs, **self.stop_reason)
+            finish_reason=self.finish_reason, usage=self.usage(), logprobs=self.logprobs, **self.stop_reason,
+            prompt_logprobs=self.prompt_logprobs)

@@ -87,8 +87,10 @@ def _grammar(msg: worker_pb2.WorkerRequest, grammars: GrammarCompiler | None,
 
 
 def logprobs_to_proto(token_id: int, lp: TokenLogprobs | None) -> common_pb2.TokenLogprob:
-    """``TokenLogprob`` of ``token_id`` (logprob 0 and no alternatives when ``lp`` is None)."""
-    msg = common_pb2.TokenLogprob(token_id=token_id, logprob=lp.logprob if lp else 0.0)
+    """``TokenLogprob`` of ``token_id`` (logprob 0 and no alternatives when ``lp`` is None; ``rank`` 0
+    when it has none)."""
+    msg = common_pb2.TokenLogprob(token_id=token_id, logprob=lp.logprob if lp else 0.0,
+                                  rank=lp.rank if lp and lp.rank else 0)
     for i, v in (lp.top if lp else []):
         msg.top.add(token_id=i, logprob=v)
     return msg

@@ -315,3 +315,50 @@ def test_structured_outputs_end_to_end(state, tokenizer, hf_model, model_config,
         assert bad.value.body["message"].startswith("response_format.json_schema.schema does not compile: "
                                                     "Unsupported type"), bad.value.body
     assert_no_leak(state)
+
+
+def test_prompt_logprobs_and_echo_end_to_end(state, tokenizer, hf_model):
+    """vLLM's ``prompt_logprobs`` (gRPC, both OpenAI routes) and completions' ``echo`` (with logprobs, and
+    ``max_tokens`` 0: the prompt alone), against HF float32's log_softmax of the prompt's logits."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    with PdclusterClient(state["router_address"], timeout_s=300) as client:
+        res = client.generate(prompt, prompt_logprobs=2, max_tokens=2, temperature=0)
+        assert [lp.token_id for lp in res.prompt_logprobs] == ids and res.prompt_logprobs[0].rank is None
+        for i, lp in enumerate(res.prompt_logprobs[1:]):
+            assert abs(lp.logprob - float(ref[i, ids[i + 1]])) < 1e-3 and len(lp.top) == 2 and lp.rank >= 1
+        streamed = [m for m in client.stream(prompt, prompt_logprobs=0, max_tokens=3, temperature=0) if m.token_ids]
+        assert len(streamed[0].prompt_logprobs) == len(ids) and not streamed[1].prompt_logprobs
+    with openai.OpenAI(base_url=f"http://{state['router_http_address']}/v1", api_key="unused", max_retries=0,
+                       timeout=300) as oai:
+        choice = oai.completions.create(model="", prompt=prompt, max_tokens=2, temperature=0,
+                                        extra_body={"prompt_logprobs": 1}).choices[0]
+        entries = choice.model_extra["prompt_logprobs"]
+        assert entries[0] is None and len(entries) == len(ids)
+        assert abs(entries[1][str(ids[1])]["logprob"] - float(ref[0, ids[1]])) < 1e-3
+        echoed = oai.completions.create(model="", prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                        temperature=0).choices[0]
+        assert echoed.text == prompt and echoed.logprobs.token_logprobs[0] is None
+        assert len(echoed.logprobs.tokens) == len(ids) and echoed.logprobs.text_offset[0] == 0
+        assert abs(echoed.logprobs.token_logprobs[1] - float(ref[0, ids[1]])) < 1e-3
+        both = oai.completions.create(model="", prompt=prompt, max_tokens=3, echo=True, logprobs=0,
+                                      temperature=0, extra_body={"ignore_eos": True}).choices[0]
+        assert both.text.startswith(prompt) and len(both.logprobs.tokens) == len(ids) + 3
+        stream = oai.completions.create(model="", prompt=prompt, max_tokens=3, echo=True, stream=True, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in stream if c.choices) == both.text
+        chat = oai.chat.completions.create(model="", messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                           extra_body={"prompt_logprobs": 0})
+        assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 3
+        for kwargs, param in [(dict(stream=True, extra_body={"prompt_logprobs": 0}), "prompt_logprobs"),
+                              (dict(stream=True, echo=True, logprobs=1), "echo")]:
+            with pytest.raises(openai.BadRequestError) as bad:
+                oai.completions.create(model="", prompt=prompt, max_tokens=2, **kwargs)
+            assert bad.value.body["param"] == param, bad.value.body
+        with pytest.raises(openai.BadRequestError) as bad:
+            oai.chat.completions.create(model="", messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                        extra_body={"echo": True})
+        assert bad.value.body["param"] == "echo", bad.value.body
+    assert_no_leak(state)

@@ -75,18 +75,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[WorkerRequest, _Mapping]] = ..., transfer_id: _Optional[str] = ..., destination: _Optional[_Union[KvDestination, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "cached_prompt_tokens", "kv_bytes_sent", "prefill_seconds", "transfer_seconds")
+    __slots__ = ("first_token_id", "cached_prompt_tokens", "kv_bytes_sent", "prefill_seconds", "transfer_seconds", "prompt_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     cached_prompt_tokens: int
     kv_bytes_sent: int
     prefill_seconds: float
     transfer_seconds: float
-    def __init__(self, first_token_id: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, first_token_id: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class WorkerAbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -51,8 +51,8 @@ from router.openai.http_metrics import CountRequests
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.openai.request_ids import RequestIds
 from router.openai.requests import (CHAT_ROUTE, COMPLETIONS_ROUTE, ID_PREFIXES, REQUEST_ID_HEADER, OpenAIRequestError,
-                                    SubRequest, answer_role, chat_requests, completion_requests)
-from router.openai.responses import ResponseBuilder, StreamUsage, totals
+                                    SubRequest, chat_requests, completion_requests)
+from router.openai.responses import ResponseBuilder, StreamUsage, builder_for, totals
 from router.openai.tokenize import add_tokenizer_routes
 from serving.logs import request_scope
 from serving.metrics import ProcessMetrics
@@ -202,9 +202,7 @@ async def _answer(state: FrontDoorState, body, kind: str, base: str, subs: list[
     aliases = request_aliases(body)
     with request_scope(base):
         log.info("%s request: %d sub-request(s), stream=%s, user=%r", kind, len(subs), body.stream, body.user)
-    builder = ResponseBuilder(kind, base, state.model_name, state.tokenizer, logprobs=bool(subs[0].top_logprobs
-                              or subs[0].request.sampling.logprobs), token_ids=body.return_tokens_as_token_ids,
-                              role=answer_role(body))
+    builder = builder_for(kind, base, state.model_name, state.tokenizer, body, subs)
     events = _pump(subs, actives)
     if body.stream:
         opts = body.stream_options

@@ -13,8 +13,8 @@ validator then checks them exactly as for the gRPC API); the differences are:
   ``n`` <= :data:`router.limits.MAX_N`, and prompts x ``n`` <= :data:`router.limits.MAX_CHOICES`.
 
 A constraint is vLLM's ``structured_outputs`` or OpenAI's JSON ``response_format``
-(:func:`structured_outputs`). OpenAI fields this server does not serve (``echo``, ``suffix``,
-``best_of``, tools and functions) and vLLM's extra fields it does not serve (beam search, the old
+(:func:`structured_outputs`). OpenAI fields this server does not serve (``suffix``,
+``best_of``, tools and functions, chat's ``echo``) and vLLM's extra fields it does not serve (beam search, the old
 ``guided_*`` names, ``chat_template``, ...) are refused with 400 when a request asks for them
 (:func:`refuse_unsupported`); fields nobody declared are ignored.
 
@@ -115,7 +115,6 @@ def chat_text(request: ChatCompletionRequest) -> list[common_pb2.ChatMessage]:
 
 
 _UNSUPPORTED = (  # (field, the values that ask for nothing, why another value is refused)
-    ("echo", (None, False), "echo (the prompt returned with the completion) is not supported"),
     ("suffix", (None, ""), "suffix (text insertion) is not supported"),
     ("best_of", (None, 1), "best_of is not supported; use n"),
     ("tools", (None, []), "tool calling is not supported by this server"),
@@ -125,7 +124,6 @@ _UNSUPPORTED = (  # (field, the values that ask for nothing, why another value i
     # vLLM's extra fields this server does not serve (``vllm/entrypoints/openai/protocol.py``): each
     # changes the answer, so asking for one is refused rather than silently ignored
     ("use_beam_search", (None, False), "beam search is not supported"),
-    ("prompt_logprobs", (None,), "prompt_logprobs (vLLM's) is not supported"),
     ("bad_words", (None, []), "bad_words (vLLM's) is not supported; use logit_bias"),
     ("guided_json", (None,), "guided_json is vLLM's old name: send structured_outputs {\"json\": schema}"),
     ("guided_regex", (None,), "guided_regex is vLLM's old name: send structured_outputs {\"regex\": ...}"),
@@ -145,7 +143,7 @@ def _field(body, name: str):
 
 def refuse_unsupported(body) -> None:
     """Refuse an OpenAI field this server knows but does not serve, when the request asks for it
-    (``echo: true``, ``tools``, a JSON ``response_format``, ...): ignoring it would answer a
+    (``suffix``, ``tools``, ``use_beam_search``, ...): ignoring it would answer a
     different question. Fields nobody declared are ignored, as OpenAI's servers do.
 
     Raises:
@@ -276,6 +274,8 @@ def _expand(prompts: list[dict], body, logprobs: int, top_logprobs: int,
             max_tokens: int | None, prefix: str, client_id: str | None) -> tuple[str, list[SubRequest]]:
     if body.stream_options is not None and not body.stream:  # as OpenAI and vLLM answer it
         raise OpenAIRequestError("stream_options is only allowed when stream is true", param="stream_options")
+    if body.stream and _field(body, "prompt_logprobs") is not None:  # as vLLM refuses it
+        raise OpenAIRequestError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
     if not 1 <= body.n <= MAX_N:
         raise OpenAIRequestError(f"n must be in [1, {MAX_N}], got {body.n}", param="n")
     if len(prompts) * body.n > MAX_CHOICES:
@@ -331,7 +331,48 @@ def completion_requests(body: CompletionRequest, client_id: str | None = None) -
         raise OpenAIRequestError(f"logprobs must be >= 0, got {top}", param="logprobs")
     # ``logprobs: 0`` still asks for the sampled tokens' logprobs (the top list then holds just that token)
     logprobs = 0 if body.logprobs is None else max(top, 1)
-    return _expand(prompts, body, logprobs, top, body.max_tokens, ID_PREFIXES[COMPLETIONS_ROUTE], client_id)
+    max_tokens = body.max_tokens
+    if body.echo:
+        _check_echo(body)
+        max_tokens = 1 if max_tokens == 0 else max_tokens  # the prompt alone: one token generated, not shown
+    base, subs = _expand(prompts, body, logprobs, top, max_tokens, ID_PREFIXES[COMPLETIONS_ROUTE], client_id)
+    if body.echo and body.logprobs is not None:  # the prompt's logprobs, as many alternatives as asked for
+        for sub in subs:
+            asked = sub.request.sampling.prompt_logprobs if sub.request.sampling.HasField("prompt_logprobs") else 0
+            sub.request.sampling.prompt_logprobs = max(asked, top)
+    return base, subs
+
+
+def _check_echo(body: CompletionRequest) -> None:
+    """Raises OpenAIRequestError: ``echo`` with logprobs on a stream (a prompt's logprobs are not
+    streamed, as vLLM's ``prompt_logprobs``), or ``max_tokens`` 0 on a stream."""
+    if body.stream and body.logprobs is not None:
+        raise OpenAIRequestError("echo with logprobs is not available when stream is true", param="echo")
+    if body.stream and body.max_tokens == 0:
+        raise OpenAIRequestError("max_tokens 0 (the prompt alone) is not available when stream is true",
+                                 param="max_tokens")
+
+
+@dataclass(frozen=True)
+class Echo:
+    """``/v1/completions`` ``echo``: each choice's text, and its logprobs, start with its prompt's.
+
+    Attributes:
+        prompts: choice index -> its prompt's text (a token-id prompt decoded).
+        only: ``max_tokens`` 0: the prompt alone, nothing generated shown.
+    """
+
+    prompts: dict[int, str]
+    only: bool = False
+
+
+def echo_of(body, subs: list[SubRequest], tokenizer) -> Echo | None:
+    """The :class:`Echo` of a completions ``body`` (None without ``echo``)."""
+    if not getattr(body, "echo", False):
+        return None
+    texts = {s.index: s.request.text if s.request.WhichOneof("prompt") == "text"
+             else tokenizer.decode(list(s.request.token_ids.ids)) for s in subs}
+    return Echo(texts, only=body.max_tokens == 0)
 
 
 def chat_requests(body: ChatCompletionRequest, client_id: str | None = None) -> tuple[str, list[SubRequest]]:
@@ -342,6 +383,8 @@ def chat_requests(body: ChatCompletionRequest, client_id: str | None = None) -> 
         OpenAIRequestError: a non-text content part, ``n`` or ``top_logprobs`` out of shape.
     """
     refuse_unsupported(body)
+    if _field(body, "echo") not in (None, False):
+        raise OpenAIRequestError("echo is served on /v1/completions only", param="echo", code="unsupported_parameter")
     messages = chat_prompt(body)
     top = body.top_logprobs or 0
     if top < 0:

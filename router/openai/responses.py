@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdcluster.v1 import common_pb2
+from router.openai.requests import Echo, answer_role, echo_of
 
 FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
           common_pb2.FINISH_REASON_ABORT: "abort"}
@@ -93,6 +94,15 @@ class LogprobText:
             out.append({"token": text, "logprob": lp.logprob, "bytes": list(text.encode()), "top_logprobs": tops})
         return out
 
+    def prompt_entry(self, lp) -> dict:
+        """One entry of vLLM's ``prompt_logprobs`` for a prompt token's ``TokenLogprob``: token id ->
+        ``{"logprob", "rank", "decoded_token"}`` for the prompt token (its rank) and each alternative
+        (ranks 1, 2, ... in order)."""
+        entry = {x.token_id: {"logprob": x.logprob, "rank": rank, "decoded_token": self.token(x.token_id)}
+                 for rank, x in enumerate(lp.top, 1)}
+        entry[lp.token_id] = {"logprob": lp.logprob, "rank": lp.rank or None, "decoded_token": self.token(lp.token_id)}
+        return entry
+
     def completion(self, logprobs, offset: int, top_n: int) -> dict:
         """Completions-style ``logprobs`` for ``TokenLogprob`` messages whose text starts at ``offset``;
         each ``top_logprobs`` entry holds the ``top_n`` most likely tokens and the sampled one (``top_n``
@@ -113,14 +123,25 @@ class LogprobText:
 
 class ResponseBuilder:
     """Bodies of one HTTP request (``kind``: ``"chat"`` or ``"completion"``; ``role``: the chat
-    answer's, ``assistant`` unless the request continued another role's message, as vLLM names it)."""
+    answer's, ``assistant`` unless the request continued another role's message, as vLLM names it).
+    With ``prompt_logprobs`` a non-streamed body carries vLLM's ``prompt_logprobs``: ``None`` for the
+    first prompt token, then one :meth:`LogprobText.prompt_entry` per token; on each completions
+    choice, once at the top of a chat body (its choices share the prompt). With ``echo``
+    (:class:`router.openai.requests.Echo`) a completions choice's text starts with its prompt's (a
+    stream's first chunk of the choice), and so do its logprobs (the first prompt token's logprob and
+    top entries are ``None``, as vLLM's)."""
 
     def __init__(self, kind: str, request_id: str, model: str, tokenizer, logprobs: bool,
-                 token_ids: bool = False, role: str = "assistant") -> None:
+                 token_ids: bool = False, role: str = "assistant", prompt_logprobs: bool = False,
+                 echo: Echo | None = None) -> None:
         self.kind, self.id, self.model, self.role = kind, request_id, model, role
         self.created = int(time.time())
         self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
+        self.echo = echo
+        self._echoed: set[int] = set()  # streamed choices whose prompt went out
         self.text = LogprobText(tokenizer, token_ids)
+        self.tokenizer = tokenizer
         self.object = "chat.completion" if kind == "chat" else "text_completion"
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
@@ -133,6 +154,10 @@ class ResponseBuilder:
         if self.kind == "chat":
             return {"content": self.text.chat(lps, top_n)}
         return self.text.completion(lps, offset, top_n)
+
+    def _prompt_logprobs(self, msgs) -> list[dict | None]:
+        entries = [lp for m in msgs for lp in m.prompt_logprobs]
+        return [None] + [self.text.prompt_entry(lp) for lp in entries[1:]]
 
     def whole(self, choices: dict[int, list], top_n: int, n: int) -> dict:
         """The non-streamed body from every choice's messages (index -> messages in order;
@@ -147,17 +172,41 @@ class ResponseBuilder:
                 body["message"] = {"role": self.role, "content": text}
             else:
                 body["text"] = text
+                if self.echo is not None:
+                    self._echo_whole(body, index, msgs, top_n)
+                if self.prompt_logprobs:
+                    body["prompt_logprobs"] = self._prompt_logprobs(msgs)
             out.append(body)
         doc = self._envelope(self.object, out)
+        if self.prompt_logprobs and self.kind == "chat":
+            doc["prompt_logprobs"] = self._prompt_logprobs(choices[min(choices)])
         doc["usage"] = usage(*totals({i: msgs[-1].usage for i, msgs in choices.items()}, n))
         return doc
+
+    def _echo_whole(self, body: dict, index: int, msgs, top_n: int) -> None:
+        """Put the prompt of choice ``index`` before its text and logprobs (only it with ``echo.only``)."""
+        prompt = self.echo.prompts[index]
+        body["text"] = prompt + ("" if self.echo.only else body["text"])
+        if not self.logprobs:
+            return
+        entries = [lp for m in msgs for lp in m.prompt_logprobs]
+        part = self.text.completion(entries, 0, top_n)
+        if entries:  # nothing precedes the first prompt token
+            part["token_logprobs"][0] = part["top_logprobs"][0] = None
+        if not self.echo.only:
+            offset = sum(len(self.tokenizer.decode([e.token_id])) for e in entries)
+            for key, values in self.text.completion([lp for m in msgs for lp in m.logprobs], offset, top_n).items():
+                part[key] += values
+        body["logprobs"] = part
 
     def chunk(self, index: int, msg, top_n: int, offset: int) -> dict:
         """One stream chunk for ``msg`` of choice ``index``."""
         if self.kind == "chat":
             choice = {"index": index, "delta": {"content": msg.text} if msg.text else {}}
         else:
-            choice = {"index": index, "text": msg.text}
+            echo = self.echo.prompts[index] if self.echo is not None and index not in self._echoed else ""
+            self._echoed.add(index)
+            choice = {"index": index, "text": echo + msg.text}
         choice["logprobs"] = self._logprobs([msg], top_n, offset)
         choice["finish_reason"] = finish_reason(msg)
         choice["stop_reason"] = stop_reason(msg)
@@ -175,3 +224,13 @@ class ResponseBuilder:
         doc = self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion", [])
         doc["usage"] = usage(prompt, completion, cached)
         return doc
+
+
+def builder_for(kind: str, request_id: str, model: str, tokenizer, body, subs) -> ResponseBuilder:
+    """The :class:`ResponseBuilder` of an HTTP request's ``body`` and its sub-requests ``subs``."""
+    first = subs[0]
+    return ResponseBuilder(kind, request_id, model, tokenizer,
+                           logprobs=bool(first.top_logprobs or first.request.sampling.logprobs),
+                           token_ids=body.return_tokens_as_token_ids, role=answer_role(body),
+                           prompt_logprobs=(body.model_extra or {}).get("prompt_logprobs") is not None,
+                           echo=echo_of(body, subs, tokenizer))
