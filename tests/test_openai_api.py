@@ -332,7 +332,7 @@ def test_every_request_is_counted_once(cluster, oai, base_url):
                 if n == 5:
                     stream.cancel()
                     break
-    for body in ({"model": MODEL, "prompt": "hi", "max_tokens": "3"}, {"model": MODEL, "prompt": "hi", "echo": True},
+    for body in ({"model": MODEL, "prompt": "hi", "max_tokens": "3"}, {"model": MODEL, "prompt": "hi", "suffix": "x"},
                  {"model": "no-such-model", "prompt": "hi"}):
         with pytest.raises(openai.APIStatusError):
             oai.post("/completions", cast_to=object, body=body)

@@ -176,15 +176,15 @@ def test_http_error_bodies_render_lone_surrogates(http):
 
 
 @pytest.mark.parametrize(("fields", "path", "param"), [
-    ('"prompt": "a", "echo": true', "/v1/completions", "echo"),
+    ('"messages": [{"role": "user", "content": "x"}], "echo": true', "/v1/chat/completions", "echo"),
     ('"prompt": "a", "suffix": "b"', "/v1/completions", "suffix"),
     ('"prompt": "a", "best_of": 3', "/v1/completions", "best_of"),
     ('"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]',
      "/v1/chat/completions", "tools"),
     ('"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"', "/v1/chat/completions",
      "tool_choice"),
-    ('"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}',
-     "/v1/chat/completions", "response_format"),
+    ('"messages": [{"role": "user", "content": "x"}], "guided_decoding_backend": "xgrammar"',
+     "/v1/chat/completions", "guided_decoding_backend"),
     ('"prompt": "a", "use_beam_search": true', "/v1/completions", "use_beam_search"),
     ('"prompt": "a", "guided_choice": ["yes", "no"]', "/v1/completions", "guided_choice"),
     ('"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ messages }}"', "/v1/chat/completions",
