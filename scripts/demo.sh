@@ -27,3 +27,8 @@ done < "$PROMPTS"
 rm -f "$PROMPTS"
 echo; echo "### raw completion, sampled with a seed"
 pdcluster generate --state-dir "$STATE_DIR" --max-tokens 32 --temperature 0.8 --seed 7 "Once upon a time"
+echo; echo "### structured output: the answer constrained to a JSON schema"
+pdcluster generate --state-dir "$STATE_DIR" --chat --max-tokens 48 --temperature 0 \
+  --structured-outputs '{"json": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+    "country": {"type": "string", "maxLength": 20}}, "required": ["city", "country"]}}' \
+  "Name the capital of France as JSON."
