@@ -49,6 +49,9 @@ _CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    # a first message with prompt_logprobs 20 takes ~215 bytes per prompt token: past gRPC's 4 MiB
+    # default at ~19k tokens
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 )
 _HEALTH_POLL_S = 0.1
 _HEALTH_CALL_S = 1.0
