@@ -336,7 +336,7 @@ def test_prompt_logprobs_and_echo_end_to_end(state, tokenizer, hf_model):
         choice = oai.completions.create(model="", prompt=prompt, max_tokens=2, temperature=0,
                                         extra_body={"prompt_logprobs": 1}).choices[0]
         entries = choice.model_extra["prompt_logprobs"]
-        assert entries[0] is None and len(entries) == len(ids)
+        assert entries[0] is None and len(entries) == len(ids) and next(iter(entries[1])) == str(ids[1])
         assert abs(entries[1][str(ids[1])]["logprob"] - float(ref[0, ids[1]])) < 1e-3
         echoed = oai.completions.create(model="", prompt=prompt, max_tokens=0, echo=True, logprobs=1,
                                         temperature=0).choices[0]
@@ -346,6 +346,7 @@ def test_prompt_logprobs_and_echo_end_to_end(state, tokenizer, hf_model):
         both = oai.completions.create(model="", prompt=prompt, max_tokens=3, echo=True, logprobs=0,
                                       temperature=0, extra_body={"ignore_eos": True}).choices[0]
         assert both.text.startswith(prompt) and len(both.logprobs.tokens) == len(ids) + 3
+        assert both.model_extra["prompt_logprobs"] is None  # not asked for: null, as vLLM's
         stream = oai.completions.create(model="", prompt=prompt, max_tokens=3, echo=True, stream=True, temperature=0,
                                         extra_body={"ignore_eos": True})
         assert "".join(c.choices[0].text for c in stream if c.choices) == both.text
@@ -353,7 +354,8 @@ def test_prompt_logprobs_and_echo_end_to_end(state, tokenizer, hf_model):
                                            extra_body={"prompt_logprobs": 0})
         assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 3
         for kwargs, param in [(dict(stream=True, extra_body={"prompt_logprobs": 0}), "prompt_logprobs"),
-                              (dict(stream=True, echo=True, logprobs=1), "echo")]:
+                              (dict(stream=True, echo=True, logprobs=1), "echo"),
+                              (dict(echo=True, extra_body={"truncate_prompt_tokens": 4}), "echo")]:
             with pytest.raises(openai.BadRequestError) as bad:
                 oai.completions.create(model="", prompt=prompt, max_tokens=2, **kwargs)
             assert bad.value.body["param"] == param, bad.value.body

@@ -345,12 +345,16 @@ def completion_requests(body: CompletionRequest, client_id: str | None = None) -
 
 def _check_echo(body: CompletionRequest) -> None:
     """Raises OpenAIRequestError: ``echo`` with logprobs on a stream (a prompt's logprobs are not
-    streamed, as vLLM's ``prompt_logprobs``), or ``max_tokens`` 0 on a stream."""
+    streamed, as vLLM's ``prompt_logprobs``), ``max_tokens`` 0 on a stream, or with
+    ``truncate_prompt_tokens`` (the echoed text would not be the tokens served)."""
     if body.stream and body.logprobs is not None:
         raise OpenAIRequestError("echo with logprobs is not available when stream is true", param="echo")
     if body.stream and body.max_tokens == 0:
         raise OpenAIRequestError("max_tokens 0 (the prompt alone) is not available when stream is true",
                                  param="max_tokens")
+    if _field(body, "truncate_prompt_tokens") is not None:  # the echoed text would not be the prompt served
+        raise OpenAIRequestError("echo with truncate_prompt_tokens is not served: send the prompt already cut",
+                                 param="echo")
 
 
 @dataclass(frozen=True)

@@ -96,11 +96,11 @@ class LogprobText:
 
     def prompt_entry(self, lp) -> dict:
         """One entry of vLLM's ``prompt_logprobs`` for a prompt token's ``TokenLogprob``: token id ->
-        ``{"logprob", "rank", "decoded_token"}`` for the prompt token (its rank) and each alternative
-        (ranks 1, 2, ... in order)."""
-        entry = {x.token_id: {"logprob": x.logprob, "rank": rank, "decoded_token": self.token(x.token_id)}
-                 for rank, x in enumerate(lp.top, 1)}
-        entry[lp.token_id] = {"logprob": lp.logprob, "rank": lp.rank or None, "decoded_token": self.token(lp.token_id)}
+        ``{"logprob", "rank", "decoded_token"}``, the prompt token first (its rank), then each other
+        alternative (ranks 1, 2, ... in order), as vLLM orders them."""
+        entry = {lp.token_id: {"logprob": lp.logprob, "rank": lp.rank or None, "decoded_token": self.token(lp.token_id)}}
+        for rank, x in enumerate(lp.top, 1):
+            entry.setdefault(x.token_id, {"logprob": x.logprob, "rank": rank, "decoded_token": self.token(x.token_id)})
         return entry
 
     def completion(self, logprobs, offset: int, top_n: int) -> dict:
@@ -124,7 +124,7 @@ class LogprobText:
 class ResponseBuilder:
     """Bodies of one HTTP request (``kind``: ``"chat"`` or ``"completion"``; ``role``: the chat
     answer's, ``assistant`` unless the request continued another role's message, as vLLM names it).
-    With ``prompt_logprobs`` a non-streamed body carries vLLM's ``prompt_logprobs``: ``None`` for the
+    A non-streamed body carries vLLM's ``prompt_logprobs`` (``null`` unless asked for): ``None`` for the
     first prompt token, then one :meth:`LogprobText.prompt_entry` per token; on each completions
     choice, once at the top of a chat body (its choices share the prompt). With ``echo``
     (:class:`router.openai.requests.Echo`) a completions choice's text starts with its prompt's (a
@@ -174,12 +174,11 @@ class ResponseBuilder:
                 body["text"] = text
                 if self.echo is not None:
                     self._echo_whole(body, index, msgs, top_n)
-                if self.prompt_logprobs:
-                    body["prompt_logprobs"] = self._prompt_logprobs(msgs)
+                body["prompt_logprobs"] = self._prompt_logprobs(msgs) if self.prompt_logprobs else None
             out.append(body)
         doc = self._envelope(self.object, out)
-        if self.prompt_logprobs and self.kind == "chat":
-            doc["prompt_logprobs"] = self._prompt_logprobs(choices[min(choices)])
+        if self.kind == "chat":
+            doc["prompt_logprobs"] = self._prompt_logprobs(choices[min(choices)]) if self.prompt_logprobs else None
         doc["usage"] = usage(*totals({i: msgs[-1].usage for i, msgs in choices.items()}, n))
         return doc
 
