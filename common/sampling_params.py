@@ -39,6 +39,7 @@ MAX_STOP_STRINGS = 16       # stop strings per request
 MAX_STOP_CHARS = 256        # characters per stop string
 MAX_LOGIT_BIAS = 1024       # logit_bias entries per request
 MAX_STOP_TOKEN_IDS, MAX_ALLOWED_TOKEN_IDS = 1024, 16384  # stop_token_ids / allowed_token_ids per request
+MAX_BAD_WORDS = 128         # bad_words per request (characters each: MAX_STOP_CHARS)
 UINT64_MAX = (1 << 64) - 1
 
 
@@ -304,6 +305,9 @@ SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
                   "(vLLM's)", presence=True, target=Target.ROUTER),
     SamplingParam("prompt_logprobs", int, None, "top logprobs returned per prompt token (vLLM's); 0: the prompt "
                   "token's own only", Range(0, MAX_LOGPROBS), presence=True, target=Target.REQUEST, cli=False),
+    SamplingParam("bad_words", str, (), "word the output never contains (vLLM's)", shape=Shape.REPEATED,
+                  target=Target.ROUTER, nonempty=True, flag="--bad-word", max_items=MAX_BAD_WORDS,
+                  max_len=MAX_STOP_CHARS),
 )
 
 

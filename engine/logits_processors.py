@@ -1,6 +1,6 @@
 """Logits processors applied before sampling: allowed token ids, logit bias, repetition
 penalty, frequency / presence penalties (steps 0-3 of the order in :mod:`engine.sampling`),
-and the ``min_tokens`` ban of early stops.
+the ``min_tokens`` ban of early stops and the ``bad_words`` bans.
 
 :func:`apply_logits_processors` applies them, vectorized over the batch, only on
 the rows whose :class:`~engine.sampling.SamplingOptions` ask for them;
@@ -166,3 +166,28 @@ def ban_early_stops(
         logits[torch.tensor(r, device=logits.device), torch.tensor(t, device=logits.device)] = float("-inf")
     return logits
 
+
+
+def ban_ids(logits: torch.Tensor, raw: torch.Tensor, banned: Sequence[Sequence[int]] | None) -> torch.Tensor:
+    """Give each row's ``banned`` ids ``-inf`` (vLLM's ``bad_words``, :mod:`engine.bad_words`).
+
+    Args:
+        logits: ``[num_seqs, vocab]`` float32; modified in place unless it is ``raw``.
+        raw: the model's logits; never modified (a copy is made when ``logits`` is ``raw``).
+        banned: ``num_seqs`` id lists, or None: none.
+
+    Returns:
+        ``logits`` (or the banned copy of ``raw``).
+
+    Raises:
+        ValueError: an id is outside ``[0, vocab)``.
+    """
+    pairs = [(i, t) for i, ids in enumerate(banned or ()) for t in ids]
+    if not pairs:
+        return logits
+    if not all(0 <= t < logits.shape[1] for _, t in pairs):
+        raise ValueError(f"a banned id is outside [0, {logits.shape[1]})")
+    out = raw.clone() if logits is raw else logits
+    r, t = zip(*pairs)
+    out[torch.tensor(r, device=out.device), torch.tensor(t, device=out.device)] = float("-inf")
+    return out

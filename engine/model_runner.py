@@ -93,7 +93,8 @@ class ModelRunner:
             return StepOutput([], [], [], time.perf_counter() - t0, prompt_lps)
         out = self.sampler.sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs],
                                   [(s.prompt_token_ids, s.output_token_ids) for s in seqs],
-                                  [s.stop_ids for s in seqs], [s.token_bitmask for s in seqs])
+                                  [s.stop_ids for s in seqs], [s.token_bitmask for s in seqs],
+                                  [s.banned_ids for s in seqs])
         token_ids = out.token_ids.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
         if out.logprobs is not None:

@@ -67,6 +67,7 @@ class Request:
         num_computed: tokens whose K/V are in the cache.
         grammar: the structured output's state (:class:`engine.structured_output.GrammarState`),
             or None: unconstrained.
+        bad_words: token-id sequences the output may not contain (:mod:`engine.bad_words`).
     """
 
     request_id: str
@@ -80,6 +81,7 @@ class Request:
     generator: torch.Generator | None = None
     arrival_s: float = field(default_factory=time.monotonic)
     grammar: GrammarState | None = None
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -21,8 +21,8 @@ utils.py`` ``apply_penalties`` and HF ``RepetitionPenaltyLogitsProcessor``):
    semantics): ``x -= frequency * count(t) + presence * (count(t) > 0)``;
    then **min_tokens** (vLLM's; HF's ``MinNewTokensLengthLogitsProcessor``): while
    a row's request has generated fewer than ``min_tokens`` tokens, the ids that would
-   end it (EOS unless ``ignore_eos``, its stop token ids) get ``-inf``; then a structured
-   output's grammar mask (:mod:`engine.token_bitmask`, a hard constraint);
+   end it (EOS unless ``ignore_eos``, its stop token ids) get ``-inf``; then **bad words**
+   (:mod:`engine.bad_words`); then a structured output's grammar mask (:mod:`engine.token_bitmask`);
 4. rows with temperature 0 take ``argmax`` of these processed logits (bias and
    penalties apply to greedy rows too; lowest id wins a tie);
 5. other rows divide by their temperature, sort descending (stable, so ties
@@ -35,8 +35,7 @@ utils.py`` ``apply_penalties`` and HF ``RepetitionPenaltyLogitsProcessor``):
    sampling; vLLM uses the equivalent exponential race, which needs a
    vocab-sized draw per row).
 
-Rows whose options have no allowed ids, bias or penalty skip steps 0-3 (no history
-is read); a batch where no row has one never copies the logits.
+Rows with no allowed ids, bias or penalty skip steps 0-3 (no history read); a batch with none never copies the logits.
 
 Batch composition: every step above is row-local, and every row always goes
 through the same sorted path, so a seeded row's token is a function of its own
@@ -65,7 +64,7 @@ from dataclasses import dataclass
 import torch
 
 from common.sampling_params import Target, sampling_param, sampling_params
-from engine.logits_processors import History, apply_logits_processors, ban_early_stops
+from engine.logits_processors import History, apply_logits_processors, ban_early_stops, ban_ids
 from engine.token_bitmask import apply_token_bitmasks
 
 
@@ -257,6 +256,7 @@ class Sampler:
         histories: Sequence[History] | None = None,
         stop_ids: Sequence[Sequence[int]] | None = None,
         bitmasks: Sequence[torch.Tensor | None] | None = None,
+        banned: Sequence[Sequence[int]] | None = None,
     ) -> SamplerOutput:
         """Pick one token per row (steps 1-6 of the module docstring).
 
@@ -278,6 +278,7 @@ class Sampler:
                 it has generated fewer than ``min_tokens`` tokens; ``None`` when no
                 row has ``min_tokens``.
             bitmasks: ``num_seqs`` token bitmasks of structured outputs (None: unconstrained row).
+            banned: ``num_seqs`` lists of ids a row may not sample (its bad words), or None.
 
         Returns:
             :class:`SamplerOutput` with tensors on ``logits.device``.
@@ -292,7 +293,7 @@ class Sampler:
         if any(o.min_tokens for o in options):
             processed = ban_early_stops(processed if processed is not raw else raw.clone(), options, histories,
                                         stop_ids)
-        processed = apply_token_bitmasks(processed, raw, bitmasks)
+        processed = apply_token_bitmasks(ban_ids(processed, raw, banned), raw, bitmasks)
 
         token_ids = processed.argmax(dim=-1)
         rows = [i for i, opt in enumerate(options) if opt.temperature > 0.0]
@@ -368,11 +369,8 @@ class Sampler:
         return uniforms
 
 
-def _check_batch(
-    logits: torch.Tensor,
-    options: Sequence[SamplingOptions],
-    generators: Sequence[torch.Generator | None],
-) -> None:
+def _check_batch(logits: torch.Tensor, options: Sequence[SamplingOptions],
+                 generators: Sequence[torch.Generator | None]) -> None:
     """Raises ValueError: ``logits`` is not 2-D, list lengths differ from ``num_seqs``, or a seeded row has no generator."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [num_seqs, vocab], got shape {tuple(logits.shape)}")

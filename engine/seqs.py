@@ -1,12 +1,13 @@
 """The step entries (:class:`engine.step.ScheduledSeq`) a worker's scheduler plans for a request.
 
 Shared by the prefill and decode schedulers, so a sampling step carries the same inputs whoever
-plans it: the request's histories by reference (penalties), its early-stop bans (``min_tokens``)
-and its structured output's mask of the next token.
+plans it: the request's histories by reference (penalties), its early-stop bans (``min_tokens``),
+its bad words' bans and its structured output's mask of the next token.
 """
 
 from __future__ import annotations
 
+from engine.bad_words import banned_next
 from engine.prompt_logprobs import prompt_next_ids
 from engine.request import Request
 from engine.step import ScheduledSeq
@@ -29,6 +30,7 @@ def sampling_seq(req: Request, tokens: list[int], num_computed: int, eos_token_i
     return ScheduledSeq(req.request_id, tokens, num_computed, req.block_table, True, req.params.sampling,
                         req.generator, req.prompt_token_ids, req.output_token_ids,
                         early_stop_ids(req, eos_token_ids), next_token_bitmask(req),
+                        banned_ids=banned_next(req.bad_words, req.output_token_ids) if req.bad_words else (),
                         **_prompt_fields(req, tokens, num_computed, prompt_logprobs))
 
 

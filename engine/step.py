@@ -37,6 +37,8 @@ class ScheduledSeq:
             ``prompt_logprobs``); None: none.
         prompt_next_ids: the prompt tokens that follow the first ``len(prompt_next_ids)`` of
             ``token_ids``: their logprobs, given everything before, are this step's prompt logprobs.
+        banned_ids: ids the sampled token may not be (the request's bad words,
+            :func:`engine.bad_words.banned_next`).
     """
 
     request_id: str
@@ -52,6 +54,7 @@ class ScheduledSeq:
     token_bitmask: torch.Tensor | None = None
     prompt_logprobs: int | None = None
     prompt_next_ids: Sequence[int] = ()
+    banned_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -93,11 +93,31 @@ class RequestValidator:
             request_id=rid, prompt_token_ids=ids,
             worker_request=worker_pb2.WorkerRequest(
                 request_id=rid, prompt_token_ids=ids, sampling=self._resolve_sampling(s, n, chat=chat),
-                structured_outputs=req.structured_outputs if constrained else None),
+                structured_outputs=req.structured_outputs if constrained else None,
+                bad_words_token_ids=[common_pb2.TokenSequence(ids=w) for w in self._bad_words(s.bad_words)]),
             stop=list(s.stop), logprobs=s.logprobs, stream=req.stream,
             include_stop_str_in_output=s.include_stop_str_in_output, min_tokens=s.min_tokens,
             skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True,
         )
+
+    def _bad_words(self, words) -> list[list[int]]:
+        """vLLM's tokenization of ``bad_words`` (``SamplingParams.update_from_tokenizer``): each word,
+        its leading whitespace stripped, as is (at the start of the text) and after a space (inside
+        it), the second only where it makes a different first token and as many tokens.
+
+        Raises:
+            InvalidRequest: a word that is only whitespace.
+        """
+        out: list[list[int]] = []
+        for i, word in enumerate(words):
+            if not word.strip():
+                raise InvalidRequest(f"sampling.bad_words[{i}] is only whitespace")
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out.append(bare)
+            if spaced[0] != bare[0] and len(spaced) == len(bare):
+                out.append(spaced)
+        return out
 
     def tokenize(self, req: router_pb2.GenerateRequest, add_special_tokens: bool = True) -> list[int]:
         """The prompt's token ids as :meth:`prepare` computes them (text with the tokenizer's special

@@ -45,7 +45,8 @@ def request_from_proto(msg: worker_pb2.WorkerRequest, transfer_id: str, device: 
             ``[0, vocab_size)`` (when ``vocab_size`` is given); a sampling field out of range (see
             :class:`SamplingOptions`); or ``output_token_ids`` holding ``max_tokens`` tokens or
             more (nothing left to generate); a structured output that is malformed, does not compile, or
-            that ``output_token_ids`` do not follow, or one sent to a worker without ``grammars``.
+            that ``output_token_ids`` do not follow, or one sent to a worker without ``grammars``; an
+            empty ``bad_words_token_ids`` entry or one with an id outside the vocabulary.
     """
     if not msg.request_id:
         raise ValueError("request_id is empty")
@@ -66,7 +67,17 @@ def request_from_proto(msg: worker_pb2.WorkerRequest, transfer_id: str, device: 
     gen = make_generator(options.seed, device) if options.seed is not None else None
     skip_draw(gen, options, len(outputs))
     return Request(msg.request_id, list(msg.prompt_token_ids), params, transfer_id=transfer_id, generator=gen,
-                   output_token_ids=outputs, grammar=grammar)
+                   output_token_ids=outputs, grammar=grammar, bad_words=_bad_words(msg, vocab_size))
+
+
+def _bad_words(msg: worker_pb2.WorkerRequest, vocab_size: int | None) -> tuple[tuple[int, ...], ...]:
+    """``msg``'s bad words' token-id sequences (each non-empty, ids below ``vocab_size`` when given)."""
+    words = tuple(tuple(seq.ids) for seq in msg.bad_words_token_ids)
+    for i, word in enumerate(words):
+        if not word or (vocab_size is not None and max(word) >= vocab_size):
+            raise ValueError(f"bad_words_token_ids[{i}] must be 1 or more token ids below the vocabulary size, "
+                             f"got {list(word)[:8]}")
+    return words
 
 
 def _grammar(msg: worker_pb2.WorkerRequest, grammars: GrammarCompiler | None,

@@ -13,8 +13,11 @@ import pytest
 import torch
 import xgrammar as xgr
 
+from engine.bad_words import banned_next
 from pdcluster.cli import main as cli_main
 from pdcluster.client import PdclusterClient
+from router.limits import Limits
+from router.validation import RequestValidator
 
 from cluster_utils import assert_greedy_matches, assert_no_leak, hf_greedy, running_cluster
 
@@ -363,4 +366,32 @@ def test_prompt_logprobs_and_echo_end_to_end(state, tokenizer, hf_model):
             oai.chat.completions.create(model="", messages=[{"role": "user", "content": "x"}], max_tokens=1,
                                         extra_body={"echo": True})
         assert bad.value.body["param"] == "echo", bad.value.body
+    assert_no_leak(state)
+
+
+def test_bad_words_end_to_end(state, tokenizer, hf_model):
+    """vLLM's ``bad_words`` on both workers (first token: prefill; the rest: decode) and both front doors:
+    greedy output equals HF float32 greedy under the same bans (output tokens only), token for token."""
+    prompt = "The capital of France is"
+    words = [" Paris", "the city of"]
+    seqs = RequestValidator(tokenizer, Limits(max_model_len=256, vocab_size=VOCAB))._bad_words(words)
+    ids, ref, gaps = tokenizer.encode(prompt), [], []
+    with torch.no_grad():
+        for _ in range(8):
+            logits = hf_model(torch.tensor([ids + ref])).logits[0, -1].float()
+            logits[list(banned_next(seqs, ref))] = float("-inf")
+            top2 = logits.topk(2).values
+            gaps.append(float(top2[0] - top2[1]))
+            ref.append(int(logits.argmax()))
+    with PdclusterClient(state["router_address"], timeout_s=300) as client:
+        plain = client.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True)
+        assert "Paris" in plain.text, plain.text  # the ban changes the answer
+        res = client.generate(prompt, bad_words=words, max_tokens=8, temperature=0, ignore_eos=True)
+        assert_greedy_matches(res.token_ids, ref, gaps, "bad words")
+        assert " Paris" not in res.text, res.text
+    with openai.OpenAI(base_url=f"http://{state['router_http_address']}/v1", api_key="unused", max_retries=0,
+                       timeout=300) as oai:
+        answer = oai.completions.create(model="", prompt=prompt, max_tokens=8, temperature=0,
+                                        extra_body={"bad_words": words, "ignore_eos": True})
+        assert answer.choices[0].text == res.text
     assert_no_leak(state)

@@ -189,7 +189,6 @@ def test_http_error_bodies_render_lone_surrogates(http):
     ('"prompt": "a", "guided_choice": ["yes", "no"]', "/v1/completions", "guided_choice"),
     ('"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ messages }}"', "/v1/chat/completions",
      "chat_template"),
-    ('"messages": [{"role": "user", "content": "x"}], "bad_words": ["x"]', "/v1/chat/completions", "bad_words"),
 ])
 def test_http_refuses_openai_and_vllm_fields_it_does_not_serve(http, fields, path, param):
     status, answer = _post(http, f'{{"model": "m", {fields}}}'.encode(), path)

@@ -72,7 +72,8 @@ def test_declaration_matches_the_engine_types():
     request = {f.name for f in dataclasses.fields(RequestParams)} - {"sampling"}
     assert request == {p.name for p in sampling_params(Target.REQUEST)}
     assert [p.name for p in sampling_params(Target.ROUTER)] == ["stop", "include_stop_str_in_output",
-                                                              "truncate_prompt_tokens", "skip_special_tokens"]
+                                                              "truncate_prompt_tokens", "skip_special_tokens",
+                                                              "bad_words"]
     assert sampling_param("logprobs").range == Range(0, MAX_LOGPROBS)
     with pytest.raises(KeyError):
         sampling_param("nope")

@@ -51,7 +51,7 @@ class TpModelRunner(ModelRunner):
         if dead:
             raise RuntimeError(f"tensor-parallel ranks {dead} of this worker are gone; it cannot run steps")
         lean = StepPlan([replace(s, generator=None, prompt_token_ids=(), output_token_ids=(), stop_ids=(),
-                                 token_bitmask=None)
+                                 token_bitmask=None, banned_ids=())
                          for s in plan.seqs])
         for c in self.conns:
             c.send(lean)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdcluster/v1/common.proto\x12\x0cpdcluster.v1\"\xe5\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\r\x12\r\n\x05min_p\x18\n \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12?\n\nlogit_bias\x18\x0e \x03(\x0b\x32+.pdcluster.v1.SamplingParams.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\r\x12#\n\x16truncate_prompt_tokens\x18\x12 \x01(\x05H\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\rH\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x19\n\x17_truncate_prompt_tokensB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\x86\x01\n\x11StructuredOutputs\x12\x0c\n\x04json\x18\x01 \x01(\t\x12\r\n\x05regex\x18\x02 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x0f\n\x07grammar\x18\x04 \x01(\t\x12\x13\n\x0bjson_object\x18\x05 \x01(\x08\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.pdcluster.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdcluster/v1/common.proto\x12\x0cpdcluster.v1\"\xf8\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\r\x12\r\n\x05min_p\x18\n \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12?\n\nlogit_bias\x18\x0e \x03(\x0b\x32+.pdcluster.v1.SamplingParams.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\r\x12#\n\x16truncate_prompt_tokens\x18\x12 \x01(\x05H\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\rH\x07\x88\x01\x01\x12\x11\n\tbad_words\x18\x15 \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x19\n\x17_truncate_prompt_tokensB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\x1c\n\rTokenSequence\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x86\x01\n\x11StructuredOutputs\x12\x0c\n\x04json\x18\x01 \x01(\t\x12\r\n\x05regex\x18\x02 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x0f\n\x07grammar\x18\x04 \x01(\t\x12\x13\n\x0bjson_object\x18\x05 \x01(\x08\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.pdcluster.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,20 +33,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1212
-  _globals['_FINISHREASON']._serialized_end=1332
+  _globals['_FINISHREASON']._serialized_start=1261
+  _globals['_FINISHREASON']._serialized_end=1381
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=785
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=593
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=641
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=788
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=922
-  _globals['_CHATMESSAGE']._serialized_start=924
-  _globals['_CHATMESSAGE']._serialized_end=968
-  _globals['_USAGE']._serialized_start=970
-  _globals['_USAGE']._serialized_end=1057
-  _globals['_TOPLOGPROB']._serialized_start=1059
-  _globals['_TOPLOGPROB']._serialized_end=1106
-  _globals['_TOKENLOGPROB']._serialized_start=1108
-  _globals['_TOKENLOGPROB']._serialized_end=1210
+  _globals['_SAMPLINGPARAMS']._serialized_end=804
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=612
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=660
+  _globals['_TOKENSEQUENCE']._serialized_start=806
+  _globals['_TOKENSEQUENCE']._serialized_end=834
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=837
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=971
+  _globals['_CHATMESSAGE']._serialized_start=973
+  _globals['_CHATMESSAGE']._serialized_end=1017
+  _globals['_USAGE']._serialized_start=1019
+  _globals['_USAGE']._serialized_end=1106
+  _globals['_TOPLOGPROB']._serialized_start=1108
+  _globals['_TOPLOGPROB']._serialized_end=1155
+  _globals['_TOKENLOGPROB']._serialized_start=1157
+  _globals['_TOKENLOGPROB']._serialized_end=1259
 # @@protoc_insertion_point(module_scope)

@@ -124,7 +124,6 @@ _UNSUPPORTED = (  # (field, the values that ask for nothing, why another value i
     # vLLM's extra fields this server does not serve (``vllm/entrypoints/openai/protocol.py``): each
     # changes the answer, so asking for one is refused rather than silently ignored
     ("use_beam_search", (None, False), "beam search is not supported"),
-    ("bad_words", (None, []), "bad_words (vLLM's) is not supported; use logit_bias"),
     ("guided_json", (None,), "guided_json is vLLM's old name: send structured_outputs {\"json\": schema}"),
     ("guided_regex", (None,), "guided_regex is vLLM's old name: send structured_outputs {\"regex\": ...}"),
     ("guided_choice", (None,), "guided_choice is vLLM's old name: send structured_outputs {\"choice\": [...]}"),
