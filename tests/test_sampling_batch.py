@@ -41,9 +41,9 @@ class RecordingSampler(Sampler):
         super().__init__(seed=0)
         self.logits: list[torch.Tensor] = []
 
-    def sample(self, logits, options, generators, histories=None, stop_ids=None, bitmasks=None):
+    def sample(self, logits, *args, **kwargs):
         self.logits.append(logits.detach().clone())
-        return super().sample(logits, options, generators, histories, stop_ids, bitmasks)
+        return super().sample(logits, *args, **kwargs)
 
 
 @pytest.fixture(scope="module")
