@@ -305,7 +305,8 @@ SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
                   "(vLLM's)", presence=True, target=Target.ROUTER),
     SamplingParam("prompt_logprobs", int, None, "top logprobs returned per prompt token (vLLM's); 0: the prompt "
                   "token's own only", Range(0, MAX_LOGPROBS), presence=True, target=Target.REQUEST, cli=False),
-    SamplingParam("bad_words", str, (), "word the output never contains (vLLM's)", shape=Shape.REPEATED,
+    SamplingParam("bad_words", str, (), "word kept out of the output: its tokens as the tokenizer spells it, bare "
+                  "and after a space, are banned (vLLM's)", shape=Shape.REPEATED,
                   target=Target.ROUTER, nonempty=True, flag="--bad-word", max_items=MAX_BAD_WORDS,
                   max_len=MAX_STOP_CHARS),
 )

@@ -89,7 +89,8 @@ def structured_problem(msg: Any, field: str = "structured_outputs") -> str | Non
     :data:`MAX_SCHEMA_DEPTH`, ``disable_any_whitespace`` on a kind that is not JSON."""
     given = [k for k in KINDS if _is_given(msg, k)]
     if len(given) != 1:
-        what = "none" if not given else ", ".join(given)
+        what = "none (an empty string or list, or json_object false, asks for nothing)" if not given \
+            else ", ".join(given)
         return f"{field} must give exactly one of {', '.join(KINDS)} (a non-empty value), got {what}"
     kind = given[0]
     if msg.disable_any_whitespace and kind not in ("json", "json_object"):

@@ -169,7 +169,8 @@ def ban_early_stops(
 
 
 def ban_ids(logits: torch.Tensor, raw: torch.Tensor, banned: Sequence[Sequence[int]] | None) -> torch.Tensor:
-    """Give each row's ``banned`` ids ``-inf`` (vLLM's ``bad_words``, :mod:`engine.bad_words`).
+    """Give each row's ``banned`` ids ``-inf`` (vLLM's ``bad_words``, :mod:`engine.bad_words`), except on a
+    row the bans would leave with no token (its ``allowed_token_ids`` all banned): it keeps its logits.
 
     Args:
         logits: ``[num_seqs, vocab]`` float32; modified in place unless it is ``raw``.
@@ -188,6 +189,11 @@ def ban_ids(logits: torch.Tensor, raw: torch.Tensor, banned: Sequence[Sequence[i
     if not all(0 <= t < logits.shape[1] for _, t in pairs):
         raise ValueError(f"a banned id is outside [0, {logits.shape[1]})")
     out = raw.clone() if logits is raw else logits
-    r, t = zip(*pairs)
-    out[torch.tensor(r, device=out.device), torch.tensor(t, device=out.device)] = float("-inf")
+    rows, ids = (torch.tensor(x, device=out.device) for x in zip(*pairs))
+    kept = out[rows, ids].clone()
+    out[rows, ids] = float("-inf")
+    dead = ~(out > float("-inf")).any(dim=-1)
+    if bool(dead.any()):  # nothing left to sample: that row's bans are dropped
+        back = dead[rows]
+        out[rows[back], ids[back]] = kept[back]
     return out

@@ -41,11 +41,12 @@ class TokenLogprob:
     """Natural-log probability of one generated token and its top alternatives.
 
     ``top`` lists ``(token_id, logprob)`` pairs in the server's order; ``rank`` (prompt logprobs
-    only, else None) is 1 + the number of tokens more likely than this one.
+    only, else None) is 1 + the number of tokens more likely than this one. ``logprob`` is None for
+    the first prompt token only (nothing precedes it).
     """
 
     token_id: int
-    logprob: float
+    logprob: float | None
     top: list[tuple[int, float]] = field(default_factory=list)
     rank: int | None = None
 
@@ -63,8 +64,8 @@ class GenerationResult:
     ``logprobs`` is ``None`` unless the server returned log-probabilities.
     ``stop_reason`` is the stop string (``str``) or stop token id (``int``) that ended the
     request, as vLLM's; ``None`` when an EOS token or a limit ended it. ``prompt_logprobs``
-    (asked with ``prompt_logprobs=k``): one per prompt token, the first with its id alone (logprob 0,
-    no rank: nothing precedes it); else ``None``.
+    (asked with ``prompt_logprobs=k``): one per prompt token, the first with its id alone (logprob and
+    rank None: nothing precedes it); else ``None``.
     """
 
     request_id: str
@@ -106,7 +107,9 @@ def accumulate(chunks: Iterable[router_pb2.GenerateResponse]) -> GenerationResul
         token_ids.extend(chunk.token_ids)
         text_parts.append(chunk.text)
         logprobs.extend(TokenLogprob.from_proto(lp) for lp in chunk.logprobs)
-        prompt_logprobs.extend(TokenLogprob.from_proto(lp) for lp in chunk.prompt_logprobs)
+        if chunk.prompt_logprobs and not prompt_logprobs:  # the first prompt token has no logprob
+            prompt_logprobs.append(TokenLogprob(chunk.prompt_logprobs[0].token_id, None))
+            prompt_logprobs.extend(TokenLogprob.from_proto(lp) for lp in chunk.prompt_logprobs[1:])
         if chunk.finish_reason:
             finish = chunk.finish_reason
         if which := chunk.WhichOneof("stop_reason"):

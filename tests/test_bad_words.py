@@ -31,6 +31,15 @@ def test_the_sampler_never_picks_a_banned_id_and_other_rows_are_untouched():
     assert torch.isfinite(logits).all()  # the model's logits are not modified
 
 
+def test_bans_never_leave_a_row_with_nothing_to_sample():
+    """Every allowed id banned: that row samples without its bans (the other row keeps them)."""
+    logits = torch.randn(2, 32, generator=torch.Generator().manual_seed(1))
+    opts = [SamplingOptions(temperature=0.0, allowed_token_ids=(3,)), SamplingOptions(temperature=0.0)]
+    best = int(logits[1].argmax())
+    out = Sampler().sample(logits, opts, [None, None], banned=[(3,), (best,)])
+    assert out.token_ids.tolist()[0] == 3 and out.token_ids.tolist()[1] != best
+
+
 def test_the_router_tokenizes_each_word_as_written_and_after_a_space(tokenizer):
     v = RequestValidator(tokenizer, Limits(max_model_len=128, vocab_size=len(tokenizer)))
     prepared = v.prepare(build_request("hi", bad_words=["  dragon", "Paris"]))

@@ -330,6 +330,7 @@ def test_prompt_logprobs_and_echo_end_to_end(state, tokenizer, hf_model):
     with PdclusterClient(state["router_address"], timeout_s=300) as client:
         res = client.generate(prompt, prompt_logprobs=2, max_tokens=2, temperature=0)
         assert [lp.token_id for lp in res.prompt_logprobs] == ids and res.prompt_logprobs[0].rank is None
+        assert res.prompt_logprobs[0].logprob is None
         for i, lp in enumerate(res.prompt_logprobs[1:]):
             assert abs(lp.logprob - float(ref[i, ids[i + 1]])) < 1e-3 and len(lp.top) == 2 and lp.rank >= 1
         streamed = [m for m in client.stream(prompt, prompt_logprobs=0, max_tokens=3, temperature=0) if m.token_ids]
@@ -394,4 +395,7 @@ def test_bad_words_end_to_end(state, tokenizer, hf_model):
         answer = oai.completions.create(model="", prompt=prompt, max_tokens=8, temperature=0,
                                         extra_body={"bad_words": words, "ignore_eos": True})
         assert answer.choices[0].text == res.text
+        with pytest.raises(openai.BadRequestError) as bad:  # vLLM's field is a list
+            oai.completions.create(model="", prompt=prompt, max_tokens=2, extra_body={"bad_words": "Paris"})
+        assert bad.value.body["param"] == "bad_words", bad.value.body
     assert_no_leak(state)

@@ -188,7 +188,10 @@ def _sampling(body, logprobs: int, max_tokens: int | None) -> common_pb2.Samplin
         bias[int(key)] = value
     if max_tokens is not None and max_tokens < 1:
         name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
-        raise OpenAIRequestError(f"{name} must be >= 1, got {max_tokens}", param=name)
+        echo = " (0: the prompt alone, with echo)" if isinstance(body, CompletionRequest) else ""
+        raise OpenAIRequestError(f"{name} must be >= 1{echo}, got {max_tokens}", param=name)
+    if isinstance(values.get("bad_words"), str):  # vLLM's is a list (the client library takes one string too)
+        raise OpenAIRequestError("bad_words must be a list of strings", param="bad_words")
     values.update(max_tokens=max_tokens, logprobs=logprobs, logit_bias=bias,
                   stop=[body.stop] if isinstance(body.stop, str) else body.stop)
     if body.seed is not None and not 0 <= body.seed <= UINT64_MAX:  # vLLM takes any int64: as a uint64's bits
@@ -230,7 +233,9 @@ def structured_outputs(body) -> common_pb2.StructuredOutputs | None:
         if kind == "json_object":
             return common_pb2.StructuredOutputs(json_object=True)
         spec = fmt.get("json_schema") if kind == "json_schema" else None
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        if isinstance(spec, dict) and not isinstance(spec.get("schema"), dict):
+            raise TypeError("response_format.json_schema.schema must be a JSON schema (an object)")
+        if not isinstance(spec, dict):
             raise TypeError('response_format must be {"type": "text"}, {"type": "json_object"} or {"type": '
                             '"json_schema", "json_schema": {"name": ..., "schema": {...}}}')
         write_structured(msg, {"json": spec["schema"]}, field="response_format.json_schema")
@@ -354,28 +359,6 @@ def _check_echo(body: CompletionRequest) -> None:
     if _field(body, "truncate_prompt_tokens") is not None:  # the echoed text would not be the prompt served
         raise OpenAIRequestError("echo with truncate_prompt_tokens is not served: send the prompt already cut",
                                  param="echo")
-
-
-@dataclass(frozen=True)
-class Echo:
-    """``/v1/completions`` ``echo``: each choice's text, and its logprobs, start with its prompt's.
-
-    Attributes:
-        prompts: choice index -> its prompt's text (a token-id prompt decoded).
-        only: ``max_tokens`` 0: the prompt alone, nothing generated shown.
-    """
-
-    prompts: dict[int, str]
-    only: bool = False
-
-
-def echo_of(body, subs: list[SubRequest], tokenizer) -> Echo | None:
-    """The :class:`Echo` of a completions ``body`` (None without ``echo``)."""
-    if not getattr(body, "echo", False):
-        return None
-    texts = {s.index: s.request.text if s.request.WhichOneof("prompt") == "text"
-             else tokenizer.decode(list(s.request.token_ids.ids)) for s in subs}
-    return Echo(texts, only=body.max_tokens == 0)
 
 
 def chat_requests(body: ChatCompletionRequest, client_id: str | None = None) -> tuple[str, list[SubRequest]]:

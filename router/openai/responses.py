@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass, field
 
 from pdcluster.v1 import common_pb2
-from router.openai.requests import Echo, answer_role, echo_of
+from router.openai.echo import Echo, echo_of
+from router.openai.requests import answer_role
 
 FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
           common_pb2.FINISH_REASON_ABORT: "abort"}
@@ -127,7 +128,7 @@ class ResponseBuilder:
     A non-streamed body carries vLLM's ``prompt_logprobs`` (``null`` unless asked for): ``None`` for the
     first prompt token, then one :meth:`LogprobText.prompt_entry` per token; on each completions
     choice, once at the top of a chat body (its choices share the prompt). With ``echo``
-    (:class:`router.openai.requests.Echo`) a completions choice's text starts with its prompt's (a
+    (:class:`router.openai.echo.Echo`) a completions choice's text starts with its prompt's (a
     stream's first chunk of the choice), and so do its logprobs (the first prompt token's logprob and
     top entries are ``None``, as vLLM's)."""
 
