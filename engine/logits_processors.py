@@ -119,9 +119,25 @@ def _keep_allowed(logits: torch.Tensor, rows: list[int], options: Sequence[Sampl
         logits[i] += keep
 
 
-def _only_stops(allowed: Sequence[int], stop_ids: Sequence[int]) -> bool:
-    """Whether a row's allowed ids (any: empty) are all ids that would end it."""
-    return bool(allowed) and len(allowed) <= len(stop_ids) and set(allowed) <= set(stop_ids)
+def _ban(logits: torch.Tensor, pairs: Sequence[tuple[int, int]], what: str) -> None:
+    """Give each ``(row, id)`` of ``pairs`` logit ``-inf`` in ``logits`` (in place), except on a row the
+    bans would leave with no finite logit (every id its ``allowed_token_ids`` kept is banned): that
+    row keeps its logits, so there is always a token to sample.
+
+    Raises:
+        ValueError: an id is outside ``[0, vocab)`` (the message calls it a ``what`` id).
+    """
+    vocab = logits.shape[1]
+    if not all(0 <= t < vocab for _, t in pairs):
+        raise ValueError(f"a {what} id is outside [0, {vocab})")
+    rows, ids = (torch.tensor(x, device=logits.device) for x in zip(*pairs))
+    kept = logits[rows, ids].clone()
+    logits[rows, ids] = float("-inf")
+    touched = rows.unique()
+    dead = touched[~(logits[touched] > float("-inf")).any(dim=-1)]
+    if len(dead):  # nothing left to sample: that row's bans are dropped
+        back = torch.isin(rows, dead)
+        logits[rows[back], ids[back]] = kept[back]
 
 
 def ban_early_stops(
@@ -134,7 +150,7 @@ def ban_early_stops(
     has generated fewer than ``min_tokens`` tokens, the ids that would end it (EOS unless
     ``ignore_eos``, its stop token ids: ``stop_ids``) get logit ``-inf``; except on a row whose
     ``allowed_token_ids`` are all such ids (the ban would leave nothing to sample: the request
-    may only end).
+    may only end; :func:`_ban`).
 
     Args:
         logits: ``[num_seqs, vocab]`` float32; modified in place where a row bans ids.
@@ -150,22 +166,16 @@ def ban_early_stops(
         ValueError: a row has ``min_tokens`` > 0 but ``histories`` or ``stop_ids`` is missing or
             of the wrong length, or a stop id is outside ``[0, vocab)``.
     """
-    num_seqs, vocab = logits.shape
+    num_seqs = logits.shape[0]
     rows = [i for i, o in enumerate(options) if o.min_tokens > 0]
     if not rows:
         return logits
     if histories is None or stop_ids is None or len(histories) != num_seqs or len(stop_ids) != num_seqs:
         raise ValueError(f"rows with min_tokens need {num_seqs} histories and stop id lists")
-    pairs = [(i, t) for i in rows if len(histories[i][1]) < options[i].min_tokens
-             and not _only_stops(options[i].allowed_token_ids, stop_ids[i])
-             for t in stop_ids[i]]
+    pairs = [(i, t) for i in rows if len(histories[i][1]) < options[i].min_tokens for t in stop_ids[i]]
     if pairs:
-        if not all(0 <= t < vocab for _, t in pairs):
-            raise ValueError(f"a stop id is outside [0, {vocab})")
-        r, t = zip(*pairs)
-        logits[torch.tensor(r, device=logits.device), torch.tensor(t, device=logits.device)] = float("-inf")
+        _ban(logits, pairs, "stop")
     return logits
-
 
 
 def ban_ids(logits: torch.Tensor, raw: torch.Tensor, banned: Sequence[Sequence[int]] | None) -> torch.Tensor:
@@ -186,14 +196,6 @@ def ban_ids(logits: torch.Tensor, raw: torch.Tensor, banned: Sequence[Sequence[i
     pairs = [(i, t) for i, ids in enumerate(banned or ()) for t in ids]
     if not pairs:
         return logits
-    if not all(0 <= t < logits.shape[1] for _, t in pairs):
-        raise ValueError(f"a banned id is outside [0, {logits.shape[1]})")
     out = raw.clone() if logits is raw else logits
-    rows, ids = (torch.tensor(x, device=out.device) for x in zip(*pairs))
-    kept = out[rows, ids].clone()
-    out[rows, ids] = float("-inf")
-    dead = ~(out > float("-inf")).any(dim=-1)
-    if bool(dead.any()):  # nothing left to sample: that row's bans are dropped
-        back = dead[rows]
-        out[rows[back], ids[back]] = kept[back]
+    _ban(out, pairs, "banned")
     return out
