@@ -246,18 +246,25 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
                           security=security.for_workers(),
                           max_queued_requests=args.max_queued_requests, cpu_nice=args.worker_nice,
                           prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, quantization=args.quantization)
-    router = RouterConfig(model=args.model, model_path=str(folder), redis_url=redis_url, cluster=args.cluster,
-                          host=args.host, port=args.port, max_model_len=max_model_len, block_size=args.block_size,
-                          policy=args.router_policy, view_period_s=args.heartbeat_s / 4,
-                          http_port=args.http_port if args.http else None, max_request_bytes=args.max_request_bytes,
-                          http_body_timeout_s=args.http_body_timeout, http_header_timeout_s=args.http_header_timeout,
-                          http_max_connections=args.http_max_connections, max_migrations=args.max_migrations, log=log,
-                          grpc_max_connections=args.grpc_max_connections, max_prompt_bytes=args.max_prompt_bytes,
-                          security=security, admission=AdmissionConfig(max_queued_requests=args.max_queued_requests,
-                                                                       ttft_slo_ms=args.ttft_slo_ms),
-                          breaker=BreakerConfig(failures=args.breaker_failures, cooldown_s=args.breaker_cooldown_s),
-                          reuse_port=args.routers > 1, allowed_origins=args.allowed_origins)
+    router = _router_config(args, str(folder), redis_url, max_model_len, log, security)
     return cluster_from_args(args, worker, router)
+
+
+def _router_config(args, folder: str, redis_url: str, max_model_len: int, log: LogConfig,
+                   security: SecurityConfig) -> RouterConfig:
+    """The router's config from ``up``'s flags (``folder``: the served model's HF folder)."""
+    return RouterConfig(model=args.model, model_path=folder, redis_url=redis_url, cluster=args.cluster,
+                      host=args.host, port=args.port, max_model_len=max_model_len, block_size=args.block_size,
+                      policy=args.router_policy, view_period_s=args.heartbeat_s / 4,
+                      http_port=args.http_port if args.http else None, max_request_bytes=args.max_request_bytes,
+                      http_body_timeout_s=args.http_body_timeout, http_header_timeout_s=args.http_header_timeout,
+                      http_max_connections=args.http_max_connections, max_migrations=args.max_migrations, log=log,
+                      grpc_max_connections=args.grpc_max_connections, max_prompt_bytes=args.max_prompt_bytes,
+                      security=security, admission=AdmissionConfig(max_queued_requests=args.max_queued_requests,
+                                                                   ttft_slo_ms=args.ttft_slo_ms),
+                      breaker=BreakerConfig(failures=args.breaker_failures, cooldown_s=args.breaker_cooldown_s),
+                      reuse_port=args.routers > 1, allowed_origins=args.allowed_origins,
+                      tool_call_parser=args.tool_call_parser)
 
 
 _CLUSTER_FLAGS = {"num_prefill": "--prefill", "num_decode": "--decode", "num_colocated": "--workers",

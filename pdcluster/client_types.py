@@ -136,10 +136,25 @@ def _chat_message(msg: ChatMessageLike) -> common_pb2.ChatMessage:
         return msg
     if not isinstance(msg, Mapping):
         raise TypeError(f"chat message must be a mapping, got {type(msg).__name__}")
-    role, content = msg.get("role"), msg.get("content")
+    role, content, calls = msg.get("role"), msg.get("content"), msg.get("tool_calls") or []
+    if content is None and calls:  # an assistant message that only calls tools (OpenAI's null content)
+        content = ""
     if not isinstance(role, str) or not isinstance(content, str):
         raise ValueError(f"chat message needs string 'role' and 'content': {msg!r}")
-    return common_pb2.ChatMessage(role=role, content=content)
+    return common_pb2.ChatMessage(role=role, content=content, tool_calls=[_tool_call(c) for c in calls],
+                                  tool_call_id=msg.get("tool_call_id") or "", name=msg.get("name") or "")
+
+
+def _tool_call(call: Mapping[str, Any]) -> common_pb2.ToolCall:
+    """OpenAI's ``{"id", "type": "function", "function": {"name", "arguments"}}`` (arguments as JSON
+    text, or a dict)."""
+    fn = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+        raise ValueError(f'a tool call needs {{"function": {{"name": ..., "arguments": ...}}}}: {call!r}')
+    arguments = fn.get("arguments", "{}")
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return common_pb2.ToolCall(id=call.get("id") or "", name=fn["name"], arguments=arguments)
 
 
 def _set_prompt(req: router_pb2.GenerateRequest, prompt: Prompt) -> None:
@@ -182,8 +197,11 @@ def build_request(
     (``INVALID_ARGUMENT`` naming the field).
 
     ``chat_options`` (chat messages only): vLLM's ``add_generation_prompt`` (bool,
-    default true), ``continue_final_message`` (bool) and ``chat_template_kwargs``
-    (a JSON-serializable dict of template variables), checked by the server.
+    default true), ``continue_final_message`` (bool), ``chat_template_kwargs``
+    (a JSON-serializable dict of template variables) and ``tools`` (OpenAI's tool objects, given to
+    the chat template), checked by the server. A message may carry OpenAI's ``tool_calls``,
+    ``tool_call_id`` and ``name``; reading calls out of the answer is the HTTP API's
+    (``tool_choice``).
 
     ``structured_outputs``: vLLM's dict, exactly one of ``{"json": schema}`` (a dict or its JSON
     text), ``{"regex": str}``, ``{"choice": [str, ...]}``, ``{"grammar": ebnf}``,
@@ -208,7 +226,7 @@ def build_request(
     return req
 
 
-_CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+_CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
 
 
 def _set_chat_options(req: router_pb2.GenerateRequest, options: Mapping[str, Any]) -> None:
@@ -222,3 +240,5 @@ def _set_chat_options(req: router_pb2.GenerateRequest, options: Mapping[str, Any
             setattr(req.messages, flag, options[flag])
     if options.get("chat_template_kwargs"):
         req.messages.chat_template_kwargs = json.dumps(options["chat_template_kwargs"], ensure_ascii=False)
+    if options.get("tools"):
+        req.messages.tools = json.dumps(list(options["tools"]), ensure_ascii=False)

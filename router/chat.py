@@ -11,12 +11,16 @@ them split into ordinary tokens (``split_special_tokens``). Chats without such s
 are tokenized as one rendered string, exactly as HF's ``apply_chat_template(..., tokenize=True)``.
 
 :class:`ChatOptions` carries vLLM's chat options: the generation prompt, continuing the final
-message, and extra template variables (``chat_template_kwargs``).
+message, extra template variables (``chat_template_kwargs``) and the request's ``tools``.
+:func:`template_messages` gives the template what OpenAI's messages hold: an assistant message's
+``tool_calls`` (their JSON arguments as objects, as HF templates and vLLM expect), a tool
+message's ``tool_call_id``, a ``name``.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -34,6 +38,7 @@ class ChatOptions:
         continue_final_message: leave the final message open for the model to continue (HF's
             ``continue_final_message``: the rendered chat is cut right after its content).
         template_kwargs: extra variables the template reads (vLLM's ``chat_template_kwargs``).
+        tools: the request's tools (OpenAI's tool objects), the template's ``tools``; ``None``: none.
 
     Raises:
         ValueError: both ``add_generation_prompt`` and ``continue_final_message`` are true (a
@@ -43,6 +48,7 @@ class ChatOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict] | None = None
 
     def __post_init__(self) -> None:
         if self.add_generation_prompt and self.continue_final_message:
@@ -74,6 +80,8 @@ def render_chat(tokenizer, messages: list[dict], options: ChatOptions = ChatOpti
     """
     render = dict(options.template_kwargs, add_generation_prompt=options.add_generation_prompt,
                   continue_final_message=options.continue_final_message, tokenize=False)
+    if options.tools:
+        render["tools"] = options.tools
     controls = _special_pattern(tokenizer)
     if controls is None or not any(controls.search(m["content"]) for m in messages):
         text = tokenizer.apply_chat_template(messages, **render)
@@ -91,6 +99,40 @@ def render_chat(tokenizer, messages: list[dict], options: ChatOptions = ChatOpti
         ids += tokenizer.encode(m["content"], add_special_tokens=False, split_special_tokens=True)
         rest = after
     return ids + tokenizer.encode(rest, add_special_tokens=False)
+
+
+def template_messages(messages) -> list[dict]:
+    """The template's messages for ``ChatMessage`` protos: ``role`` and ``content``, and where
+    given ``name``, ``tool_call_id`` and ``tool_calls`` (``{"id", "type": "function", "function":
+    {"name", "arguments"}}`` with the arguments parsed).
+
+    Raises:
+        ValueError: a tool call's arguments are not a JSON object (the message names it).
+    """
+    out = []
+    for i, m in enumerate(messages):
+        item: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.name:
+            item["name"] = m.name
+        if m.tool_call_id:
+            item["tool_call_id"] = m.tool_call_id
+        if len(m.tool_calls):
+            item["tool_calls"] = [{"id": c.id, "type": "function",
+                                   "function": {"name": c.name, "arguments": _arguments(c.arguments, f"messages[{i}]"
+                                                                                       f".tool_calls[{j}]")}}
+                                  for j, c in enumerate(m.tool_calls)]
+        out.append(item)
+    return out
+
+
+def _arguments(text: str, where: str) -> dict:
+    try:
+        value = json.loads(text) if text else {}
+    except (ValueError, RecursionError):
+        raise ValueError(f"{where}.function.arguments is not JSON: {text[:40]!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}.function.arguments must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def control_token_in(tokenizer, value) -> str | None:

@@ -18,6 +18,7 @@ from router.limits import (
 from router.migration import DEFAULT_MAX_MIGRATIONS, check_max_migrations
 from router.openai.cors import check_origins
 from router.policy_names import DEFAULT_POLICY, check_policy
+from router.tool_parsers import check_tool_parser
 from serving.logs import LogConfig
 from serving.security import SecurityConfig
 
@@ -62,6 +63,9 @@ class RouterConfig:
             (``pdcluster up --grpc-max-connections``); one more is closed at accept.
         allowed_origins: origins browser pages may call the HTTP port from (CORS; ``pdcluster up
             --allowed-origins``; ``*``: any; none: CORS off): :mod:`router.openai.cors`.
+        tool_call_parser: the registered parser reading tool calls out of answers to
+            ``tool_choice: "auto"`` (``pdcluster up --tool-call-parser``; :mod:`router.tool_parsers`);
+            ``None``: ``auto`` is refused.
         max_prompt_bytes: a prompt's bytes (text, or chat roles and contents), checked
             before tokenization; ``None``: :func:`router.validation.prompt_byte_cap`
             (``max_model_len`` x the longest token), so a prompt that fits is never refused.
@@ -82,7 +86,7 @@ class RouterConfig:
     Raises:
         ValueError: a non-positive ``max_model_len``, ``view_period_s``, ``max_request_bytes``,
             ``http_body_timeout_s``, ``http_header_timeout_s``, ``http_max_connections`` or
-            ``max_prompt_bytes``, an unregistered ``policy`` (the
+            ``max_prompt_bytes``, an unregistered ``policy`` or ``tool_call_parser`` (the
             message lists the registered names), ``max_migrations`` outside ``[0, 100]``, a
             negative ``index`` or an allowed origin that is not one.
     """
@@ -104,6 +108,7 @@ class RouterConfig:
     http_max_connections: int = DEFAULT_HTTP_MAX_CONNECTIONS
     grpc_max_connections: int = DEFAULT_GRPC_MAX_CONNECTIONS
     allowed_origins: tuple[str, ...] = ()
+    tool_call_parser: str | None = None
     max_prompt_bytes: int | None = None
     max_migrations: int = DEFAULT_MAX_MIGRATIONS
     log: LogConfig = field(default_factory=LogConfig)
@@ -143,3 +148,4 @@ class RouterConfig:
         check_policy(self.policy)
         check_max_migrations(self.max_migrations)
         check_origins(self.allowed_origins)
+        check_tool_parser(self.tool_call_parser)

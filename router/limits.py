@@ -33,6 +33,9 @@ MAX_REQUEST_ID_CHARS = 256
 #: How deep a chat's ``chat_template_kwargs`` (JSON) may nest: the template renderer copies the
 #: values recursively, and a template variable is a flag or a small structure.
 MAX_TEMPLATE_KWARGS_DEPTH = 16
+#: How deep a chat's ``tools`` (JSON) may nest: a tool's parameters are a JSON schema, as deep as a
+#: structured output's (:data:`common.structured_outputs.MAX_SCHEMA_DEPTH`), inside the tool object.
+MAX_TOOLS_DEPTH = 68
 #: The chat roles the router accepts: OpenAI's (``developer`` is its newer name of
 #: ``system``); the model's chat template renders them.
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")

@@ -128,7 +128,7 @@ class RouterServer:
             self.http = HttpServer(build_app(FrontDoorState(
                 self.core, cfg.model, tokenizer, self.serving_now, self.scrape_targets, self.metrics.registry,
                 cfg.security.accepts_api_key, int(time.time()), max_len, cfg.max_request_bytes,
-                cfg.http_body_timeout_s, self.metrics, cfg.allowed_origins)), cfg.host,
+                cfg.http_body_timeout_s, self.metrics, cfg.allowed_origins, cfg.tool_call_parser)), cfg.host,
                 cfg.http_port, tls=tls, reuse_port=cfg.reuse_port, header_timeout_s=cfg.http_header_timeout_s,
                 max_connections=cfg.http_max_connections, answered=self._http_answered)
         self._stop = threading.Event()

@@ -30,8 +30,8 @@ from jinja2.exceptions import TemplateError
 from common.sampling_params import SamplingParam, Target, sampling_params
 from common.structured_outputs import structured_problem
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
-from router.chat import ChatOptions, control_token_in, render_chat, renderer_arguments
-from router.limits import CHAT_ROLES, MAX_REQUEST_ID_CHARS, MAX_TEMPLATE_KWARGS_DEPTH, Limits
+from router.chat import ChatOptions, control_token_in, render_chat, renderer_arguments, template_messages
+from router.limits import CHAT_ROLES, MAX_REQUEST_ID_CHARS, MAX_TEMPLATE_KWARGS_DEPTH, MAX_TOOLS_DEPTH, Limits
 
 
 class InvalidRequest(ValueError):
@@ -235,16 +235,25 @@ class RequestValidator:
             if m.role not in CHAT_ROLES:
                 raise InvalidRequest(f"messages[{i}].role {_clip(m.role)} is not a chat role; "
                                      f"one of {', '.join(CHAT_ROLES)}")
-        said, variables = sum(len(m.role.encode()) + len(m.content.encode()) for m in messages), \
-            len(chat.chat_template_kwargs.encode())
-        self._check_bytes("chat_template_kwargs (with the messages)" if variables > said else "messages",
-                          said + variables)
+        said, kwargs, tools = sum(_message_bytes(m) for m in messages), \
+            len(chat.chat_template_kwargs.encode()), len(chat.tools.encode())
+        most = "tools" if tools > kwargs else "chat_template_kwargs"
+        self._check_bytes(f"{most} (with the messages)" if kwargs + tools > said else "messages", said + kwargs + tools)
         if not getattr(self.tokenizer, "chat_template", None):  # a base model: HF raises a ValueError
             raise InvalidRequest("messages: this model has no chat template, so it serves no chat; "
                                  "send a prompt (/v1/completions) instead")
         options = self._chat_options(chat)
         try:
-            return render_chat(self.tokenizer, [{"role": m.role, "content": m.content} for m in messages], options)
+            items = template_messages(messages)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        for i, item in enumerate(items):  # written as the template's own text, like its variables
+            token = control_token_in(self.tokenizer, {k: v for k, v in item.items() if k not in ("role", "content")})
+            if token is not None:
+                raise InvalidRequest(f"messages[{i}] holds a control token of the model ({token!r}) in a tool "
+                                     "call, tool_call_id or name, which the template writes as its own text")
+        try:
+            return render_chat(self.tokenizer, items, options)
         except (TemplateError, ValueError, TypeError) as e:
             raise InvalidRequest(f"messages: the model's chat template refused them: {_clip(str(e), 200)}") from None
 
@@ -261,7 +270,7 @@ class RequestValidator:
                                          f"got {type(kwargs[name]).__name__}")
                 flags[name] = kwargs.pop(name)
         try:
-            return ChatOptions(**flags, template_kwargs=kwargs)
+            return ChatOptions(**flags, template_kwargs=kwargs, tools=_tools(chat.tools, self.tokenizer))
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
 
@@ -291,6 +300,34 @@ def _template_kwargs(text: str, tokenizer) -> dict:
         raise InvalidRequest(f"chat_template_kwargs.{bad[0]}: an argument of the chat template renderer, "
                              "not a template variable")
     return value
+
+
+def _tools(text: str, tokenizer) -> list | None:
+    """``MessageList.tools`` (a JSON array; empty: none) as a list.
+
+    Raises:
+        InvalidRequest: not a JSON array of objects, nested too deep, or holding a control token.
+    """
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise InvalidRequest(f"tools is not valid JSON: {_clip(str(e), 80)}") from None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise InvalidRequest("tools must be a JSON array of tool objects")
+    if _depth(value) > MAX_TOOLS_DEPTH:
+        raise InvalidRequest(f"tools nests deeper than {MAX_TOOLS_DEPTH} levels")
+    if (token := control_token_in(tokenizer, value)) is not None:
+        raise InvalidRequest(f"tools holds a control token of the model ({token!r}): the template writes the "
+                             "tools as its own text, where it would be a real one")
+    return value or None
+
+
+def _message_bytes(m) -> int:
+    """A message's bytes the template writes: role, content, name, call id and tool calls."""
+    calls = sum(len(c.id.encode()) + len(c.name.encode()) + len(c.arguments.encode()) for c in m.tool_calls)
+    return sum(len(x.encode()) for x in (m.role, m.content, m.name, m.tool_call_id)) + calls
 
 
 def _depth(value) -> int:

@@ -135,6 +135,26 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> tuple[lis
     return tokens, gaps
 
 
+def hf_constrained_greedy(hf_model, tokenizer, model_config, prompt_ids, compiled, max_new):
+    """HF float32 greedy under xgrammar's own mask (``apply_token_bitmask_inplace``): the oracle of a
+    structured output; per step the gap between the masked top-2 logits."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiled)
+    tokens, gaps = [], []
+    with torch.no_grad():
+        while len(tokens) < max_new and not matcher.is_terminated():
+            logits = hf_model(torch.tensor([prompt_ids + tokens])).logits[0, -1:].float().clone()
+            mask = xgr.allocate_token_bitmask(1, model_config.vocab_size)
+            matcher.fill_next_token_bitmask(mask)
+            xgr.apply_token_bitmask_inplace(logits, mask)
+            top2 = logits[0].topk(2).values
+            gaps.append(float(top2[0] - top2[1]))
+            tokens.append(int(logits[0].argmax()))
+            assert matcher.accept_token(tokens[-1])
+    return tokens, gaps
+
+
 def assert_greedy_matches(ours: list[int], ref: list[int], gaps: list[float], label: str = "") -> None:
     """Token-exact, except a divergence where HF's top-2 logits differ by < 1e-2
     (a near tie); after such a divergence the rest is not compared."""
@@ -147,5 +167,6 @@ def assert_greedy_matches(ours: list[int], ref: list[int], gaps: list[float], la
     assert len(ours) == len(ref), f"{label}: length {len(ours)} != HF {len(ref)}; ours={ours} ref={ref}"
 
 
-__all__ = ["running_cluster", "router_client", "worker_channel", "worker_connect", "worker_loads", "assert_no_leak", "hf_greedy", "assert_greedy_matches",
+__all__ = ["running_cluster", "router_client", "worker_channel", "worker_connect", "worker_loads", "assert_no_leak", "hf_greedy", "hf_constrained_greedy",
+           "assert_greedy_matches",
            "render_chat", "grpc"]

@@ -34,5 +34,14 @@ def test_chat_options_set_the_message_list():
     for options in ({"continue_final_message": True}, {}):  # an empty dict too (verification-helper finding)
         with pytest.raises(ValueError, match="need a prompt of chat messages"):
             build_request("text", chat_options=options)
-    with pytest.raises(ValueError, match="unknown option 'tools'"):
-        build_request(chat, chat_options={"tools": []})
+    with pytest.raises(ValueError, match="unknown option 'tool_choice'"):
+        build_request(chat, chat_options={"tool_choice": "auto"})
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    calls = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+    req = build_request(chat + calls, chat_options={"tools": tools})
+    assert json.loads(req.messages.tools) == tools
+    call = req.messages.messages[-2].tool_calls[0]
+    assert (call.id, call.name, json.loads(call.arguments)) == ("c1", "f", {"x": 1})
+    assert req.messages.messages[-2].content == "" and req.messages.messages[-1].tool_call_id == "c1"

@@ -19,7 +19,7 @@ from pdcluster.client import PdclusterClient
 from router.limits import Limits
 from router.validation import RequestValidator
 
-from cluster_utils import assert_greedy_matches, assert_no_leak, hf_greedy, running_cluster
+from cluster_utils import assert_greedy_matches, assert_no_leak, hf_constrained_greedy, hf_greedy, running_cluster
 
 VOCAB = 49152
 LOOP_PROMPT = "one two three one two three one two three one two three"
@@ -251,24 +251,6 @@ def test_a_request_id_that_could_forge_log_lines_is_refused_under_a_minted_one(s
     assert len(minted) == 32 and minted != forged
 
 
-def _hf_constrained_greedy(hf_model, tokenizer, model_config, prompt_ids, compiled, max_new):
-    """HF float32 greedy under xgrammar's own mask (``apply_token_bitmask_inplace``): the oracle of a
-    structured output; per step the gap between the masked top-2 logits."""
-    matcher = xgr.GrammarMatcher(compiled)
-    tokens, gaps = [], []
-    with torch.no_grad():
-        while len(tokens) < max_new and not matcher.is_terminated():
-            logits = hf_model(torch.tensor([prompt_ids + tokens])).logits[0, -1:].float().clone()
-            mask = xgr.allocate_token_bitmask(1, model_config.vocab_size)
-            matcher.fill_next_token_bitmask(mask)
-            xgr.apply_token_bitmask_inplace(logits, mask)
-            top2 = logits[0].topk(2).values
-            gaps.append(float(top2[0] - top2[1]))
-            tokens.append(int(logits[0].argmax()))
-            assert matcher.accept_token(tokens[-1])
-    return tokens, gaps
-
-
 def test_structured_outputs_end_to_end(state, tokenizer, hf_model, model_config, capsys):
     """vLLM's structured outputs on both workers (first token: prefill; the rest: decode) and both front
     doors and the CLI: greedy is token-exact with HF under xgrammar's mask; every kind's output is in its language;
@@ -280,7 +262,7 @@ def test_structured_outputs_end_to_end(state, tokenizer, hf_model, model_config,
                                                "age": {"type": "integer"}}, "required": ["name", "age"]}
     prompt = "A person described as JSON with a name and an age:"
     ids = tokenizer.encode(prompt)
-    ref, gaps = _hf_constrained_greedy(hf_model, tokenizer, model_config, ids,
+    ref, gaps = hf_constrained_greedy(hf_model, tokenizer, model_config, ids,
                                        compiler.compile_json_schema(json.dumps(schema)), 40)
     with PdclusterClient(state["router_address"], timeout_s=300) as client:
         res = client.generate(prompt, structured_outputs={"json": schema}, max_tokens=40, temperature=0)

@@ -179,10 +179,9 @@ def test_http_error_bodies_render_lone_surrogates(http):
     ('"messages": [{"role": "user", "content": "x"}], "echo": true', "/v1/chat/completions", "echo"),
     ('"prompt": "a", "suffix": "b"', "/v1/completions", "suffix"),
     ('"prompt": "a", "best_of": 3', "/v1/completions", "best_of"),
-    ('"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]',
-     "/v1/chat/completions", "tools"),
-    ('"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"', "/v1/chat/completions",
-     "tool_choice"),
+    ('"prompt": "a", "tools": [{"type": "function", "function": {"name": "f"}}]', "/v1/completions", "tools"),
+    ('"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]', "/v1/chat/completions",
+     "functions"),  # OpenAI's deprecated form of tools
     ('"messages": [{"role": "user", "content": "x"}], "guided_decoding_backend": "xgrammar"',
      "/v1/chat/completions", "guided_decoding_backend"),
     ('"prompt": "a", "use_beam_search": true', "/v1/completions", "use_beam_search"),

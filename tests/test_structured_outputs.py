@@ -20,8 +20,9 @@ from engine.structured_output import grammar_compiler
 from engine.token_bitmask import apply_token_bitmasks, unpack_bitmask
 from pdcluster.client import build_request
 from router.limits import Limits
+from router.openai.chat import chat_requests
 from router.openai.protocol import ChatCompletionRequest
-from router.openai.requests import OpenAIRequestError, chat_requests
+from router.openai.requests import OpenAIRequestError
 from router.validation import InvalidRequest, RequestValidator
 from serving.convert import request_from_proto
 

@@ -28,6 +28,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
 from fastapi import FastAPI, Request
@@ -50,8 +51,9 @@ from router.openai.errors import (UNREADABLE_BODY, error_response, request_alias
 from router.openai.http_metrics import CountRequests
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.openai.request_ids import RequestIds
+from router.openai.chat import chat_requests
 from router.openai.requests import (CHAT_ROUTE, COMPLETIONS_ROUTE, ID_PREFIXES, REQUEST_ID_HEADER, OpenAIRequestError,
-                                    SubRequest, chat_requests, completion_requests)
+                                    SubRequest, completion_requests)
 from router.openai.responses import ResponseBuilder, StreamUsage, builder_for, totals
 from router.openai.tokenize import add_tokenizer_routes
 from serving.logs import request_scope
@@ -85,6 +87,8 @@ class FrontDoorState:
         metrics: the router's metrics, where a generation request the HTTP layer refuses
             itself counts in ``request_errors`` (``None``: not counted).
         allowed_origins: origins browsers may call from (CORS, :mod:`router.openai.cors`; none: off).
+        tool_parser: the registered parser of ``tool_choice: "auto"`` answers (:mod:`router.tool_parsers`;
+            none: ``auto`` is refused).
     """
 
     core: RequestRouter
@@ -100,6 +104,7 @@ class FrontDoorState:
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     metrics: ProcessMetrics | None = None
     allowed_origins: tuple[str, ...] = ()
+    tool_parser: str | None = None
 
 
 def build_app(state: FrontDoorState):
@@ -110,19 +115,7 @@ def build_app(state: FrontDoorState):
     :class:`router.openai.auth.RequireApiKey` (before any body is read), :class:`router.openai.body.DeclaredSizeLimit`,
     :class:`router.openai.body.BodyDeadline` (the body read in time and within its size), the FastAPI app."""
     app = FastAPI(title="pdcluster", docs_url=None, redoc_url=None)  # bodies: sized and timed by BodyDeadline
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(request: Request, exc: HTTPException):
-        if exc.status_code == 400 and exc.detail == UNREADABLE_BODY:
-            return _counted(state, request, unreadable_body_response(await request.body()))
-        response = error_response(exc.status_code, str(exc.detail))
-        response.headers.update(exc.headers or {})
-        return response
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid_body(request: Request, exc: RequestValidationError):
-        return _counted(state, request,
-                        validation_error_response(list(exc.errors()), request.headers.get("content-type")))
+    _add_error_handlers(app, state)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def health():
@@ -149,19 +142,38 @@ def build_app(state: FrontDoorState):
     async def model(model: str):
         return model_card() if model == state.model_name else unknown_model(model, state.model_name)
 
+    chat_expander = partial(chat_requests, tool_parser=state.tool_parser, tokenizer=state.tokenizer)
+
     @app.post(COMPLETIONS_ROUTE)
     async def completions(body: CompletionRequest, request: Request):
         return await _generate(state, body, "completion", completion_requests, request)
 
     @app.post(CHAT_ROUTE)
     async def chat(body: ChatCompletionRequest, request: Request):
-        return await _generate(state, body, "chat", chat_requests, request)
+        return await _generate(state, body, "chat", chat_expander, request)
     add_tokenizer_routes(app, state)  # /tokenize, /detokenize, /version
 
     body_read = BodyDeadline(app, state.max_request_bytes, state.body_timeout_s)
     outer = with_cors(RequestIds(RequireApiKey(DeclaredSizeLimit(body_read, state.max_request_bytes),
                                                accepts=state.accepts_api_key)), state.allowed_origins)
     return CountRequests(outer, state.metrics, app.routes, GENERATION_ROUTES) if state.metrics is not None else outer
+
+
+def _add_error_handlers(app: FastAPI, state: FrontDoorState) -> None:
+    """OpenAI's error body for HTTP errors and for bodies FastAPI cannot validate (counted as refusals)."""
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException):
+        if exc.status_code == 400 and exc.detail == UNREADABLE_BODY:
+            return _counted(state, request, unreadable_body_response(await request.body()))
+        response = error_response(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(request: Request, exc: RequestValidationError):
+        return _counted(state, request,
+                        validation_error_response(list(exc.errors()), request.headers.get("content-type")))
 
 
 _REFUSAL_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT.name, 404: grpc.StatusCode.NOT_FOUND.name}
@@ -370,6 +382,9 @@ async def _sse(events, builder: ResponseBuilder, subs: list[SubRequest], n: int,
                 offsets.setdefault(index, 0)
                 continue  # tokens whose text is held back (a stop string may begin there): nothing to send
             chunk = builder.chunk(index, item, subs[0].top_logprobs, offsets.get(index, 0))
+            if chunk is None:  # text a tool parser holds back
+                offsets.setdefault(index, 0)
+                continue
             if so_far is not None:
                 chunk["usage"] = so_far
             offsets[index] = offsets.get(index, 0) + len(item.text)

@@ -101,6 +101,9 @@ class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
     content: Union[str, list[dict], None] = None
+    tool_calls: list[dict] | None = None  # an assistant message's calls (router.openai.chat)
+    tool_call_id: str | None = None  # a tool message's answered call
+    name: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -114,3 +117,6 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: StrictBool | None = None  # vLLM's chat options (router.chat.ChatOptions)
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict] | None = None  # router.openai.tools
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: StrictBool | None = None

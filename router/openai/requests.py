@@ -33,7 +33,8 @@ from common.structured_outputs import write_structured
 from pdcluster.v1 import common_pb2, router_pb2
 from router.limits import MAX_CHOICES, MAX_N
 from router.openai.errors import request_aliases
-from router.openai.protocol import ChatCompletionRequest, CompletionRequest
+from router.openai.protocol import CompletionRequest
+from router.openai.tools import ToolChoice
 
 _UINT32_LIMIT = 1 << 32
 _OPENAI_SHAPED = frozenset({"max_tokens", "logprobs", "stop", "logit_bias"})
@@ -54,64 +55,7 @@ class SubRequest:
     index: int
     request: router_pb2.GenerateRequest
     top_logprobs: int
-
-
-def chat_prompt(request) -> router_pb2.MessageList:
-    """The chat of ``request`` (a chat completion or a ``/tokenize`` body) with vLLM's chat
-    options: ``add_generation_prompt`` (unset: true), ``continue_final_message`` and
-    ``chat_template_kwargs`` (sent as JSON text; the router checks them).
-
-    Raises:
-        OpenAIRequestError: as :func:`chat_text`.
-    """
-    kwargs = request.chat_template_kwargs
-    chat = router_pb2.MessageList(messages=chat_text(request),
-                                  continue_final_message=bool(request.continue_final_message),
-                                  chat_template_kwargs=json.dumps(kwargs, ensure_ascii=False) if kwargs else "")
-    if request.add_generation_prompt is not None:
-        chat.add_generation_prompt = request.add_generation_prompt
-    return chat
-
-
-def answer_role(body) -> str:
-    """The role a chat answer is given: ``assistant``, or with ``add_generation_prompt`` false the
-    final message's (the model writes on in that turn), as vLLM's ``get_chat_request_role``."""
-    messages = getattr(body, "messages", None)
-    if not messages or getattr(body, "add_generation_prompt", None) is not False:
-        return "assistant"
-    return messages[-1].role
-
-
-def chat_text(request: ChatCompletionRequest) -> list[common_pb2.ChatMessage]:
-    """The chat messages with text content (a string, or text parts joined by newlines).
-
-    Raises:
-        OpenAIRequestError: a message without content, a content part whose type is not ``text``
-            (named with its index), or a role or content that is not valid Unicode (a lone surrogate).
-    """
-    out = []
-    for i, m in enumerate(request.messages):
-        _check_utf8(m.role, f"messages[{i}].role", f"messages[{i}].role")
-        content = m.content
-        if content is None:  # OpenAI allows it only beside tool calls, which this server does not take
-            raise OpenAIRequestError(f"messages[{i}].content: a {m.role!r} message needs content (a string or "
-                                     "a list of text parts)", param=f"messages[{i}].content")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.get("type") != "text":
-                    raise OpenAIRequestError(
-                        f"messages[{i}].content[{j}]: content part type {part.get('type')!r} is not supported "
-                        f"(only 'text' parts are served)", param=f"messages[{i}].content")
-                if not isinstance(part.get("text"), str):
-                    raise OpenAIRequestError(
-                        f"messages[{i}].content[{j}].text: a text part needs a string 'text', got "
-                        f"{type(part.get('text')).__name__}", param=f"messages[{i}].content")
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        _check_utf8(content, f"messages[{i}].content", f"messages[{i}].content")
-        out.append(common_pb2.ChatMessage(role=m.role, content=content))
-    return out
+    tools: ToolChoice | None = None
 
 
 _UNSUPPORTED = (  # (field, the values that ask for nothing, why another value is refused)
@@ -135,21 +79,23 @@ _UNSUPPORTED = (  # (field, the values that ask for nothing, why another value i
 )
 
 
-def _field(body, name: str):
+def field_of(body, name: str):
     """``body``'s value of ``name``: a declared field, else one of the extra fields it carries (``None`` if absent)."""
     return getattr(body, name) if name in type(body).model_fields else (body.model_extra or {}).get(name)
 
 
-def refuse_unsupported(body) -> None:
+def refuse_unsupported(body, served: frozenset[str] = frozenset()) -> None:
     """Refuse an OpenAI field this server knows but does not serve, when the request asks for it
     (``suffix``, ``tools``, ``use_beam_search``, ...): ignoring it would answer a
     different question. Fields nobody declared are ignored, as OpenAI's servers do.
 
     Raises:
-        OpenAIRequestError: 400 naming the first such field.
+        OpenAIRequestError: 400 naming the first such field (of those not ``served`` by the route).
     """
     for name, neutral, why in _UNSUPPORTED:
-        value = _field(body, name)
+        if name in served:
+            continue
+        value = field_of(body, name)
         if any(type(value) is type(n) and value == n for n in neutral):  # typed: 1 is not True
             continue
         if isinstance(neutral[-1], bool) and not isinstance(value, bool):
@@ -157,7 +103,7 @@ def refuse_unsupported(body) -> None:
         raise OpenAIRequestError(f"{name}: {why}", param=name, code="unsupported_parameter")
 
 
-def _check_utf8(text: str, what: str, param: str) -> None:
+def check_utf8(text: str, what: str, param: str) -> None:
     """Refuse a string protobuf cannot carry (JSON escapes allow lone surrogates)."""
     try:
         text.encode("utf-8")
@@ -178,7 +124,7 @@ def _sampling(body, logprobs: int, max_tokens: int | None) -> common_pb2.Samplin
     Raises:
         OpenAIRequestError: a value that does not fit its field (naming it).
     """
-    values = {p.name: _field(body, p.name) for p in sampling_params() if p.name not in _OPENAI_SHAPED}
+    values = {p.name: field_of(body, p.name) for p in sampling_params() if p.name not in _OPENAI_SHAPED}
     bias = {}
     for key, value in (body.logit_bias or {}).items():
         # a token id in ASCII digits, as OpenAI writes it (int() would also take " 5 ", "5_0" and other scripts' digits)
@@ -217,7 +163,7 @@ def structured_outputs(body) -> common_pb2.StructuredOutputs | None:
     Raises:
         OpenAIRequestError: both are given, or one is malformed (naming it).
     """
-    given, fmt = _field(body, "structured_outputs"), _field(body, "response_format")
+    given, fmt = field_of(body, "structured_outputs"), field_of(body, "response_format")
     if given is not None and fmt is not None and fmt != {"type": "text"}:
         raise OpenAIRequestError("give response_format or structured_outputs, not both", param="response_format")
     msg = common_pb2.StructuredOutputs()
@@ -274,11 +220,17 @@ def base_id(prefix: str, client_id: str | None) -> str:
     return f"{prefix}-{client_id}"
 
 
-def _expand(prompts: list[dict], body, logprobs: int, top_logprobs: int,
-            max_tokens: int | None, prefix: str, client_id: str | None) -> tuple[str, list[SubRequest]]:
+def expand(prompts: list[dict], body, logprobs: int, top_logprobs: int, max_tokens: int | None, prefix: str,
+           client_id: str | None, tools: ToolChoice | None = None) -> tuple[str, list[SubRequest]]:
+    """The sub-requests of ``prompts`` x ``body.n`` and their base id; ``tools``' constraint (a
+    named or required tool choice) is the structured output.
+
+    Raises:
+        OpenAIRequestError: a field out of shape, or ``response_format`` beside a forcing tool choice.
+    """
     if body.stream_options is not None and not body.stream:  # as OpenAI and vLLM answer it
         raise OpenAIRequestError("stream_options is only allowed when stream is true", param="stream_options")
-    if body.stream and _field(body, "prompt_logprobs") is not None:  # as vLLM refuses it
+    if body.stream and field_of(body, "prompt_logprobs") is not None:  # as vLLM refuses it
         raise OpenAIRequestError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
     if not 1 <= body.n <= MAX_N:
         raise OpenAIRequestError(f"n must be in [1, {MAX_N}], got {body.n}", param="n")
@@ -287,6 +239,16 @@ def _expand(prompts: list[dict], body, logprobs: int, top_logprobs: int,
                                  f"at most {MAX_CHOICES} per request", param="prompt" if body.n == 1 else "n")
     base = base_id(prefix, client_id)
     constraint = structured_outputs(body)
+    forced = tools.constraint() if tools is not None else None
+    if forced is not None:
+        if constraint is not None:
+            raise OpenAIRequestError("a named or required tool_choice constrains the answer itself: give no "
+                                     "response_format or structured_outputs with it", param="tool_choice")
+        constraint = common_pb2.StructuredOutputs()
+        try:
+            write_structured(constraint, forced, field="tools")
+        except TypeError as e:
+            raise OpenAIRequestError(str(e), param="tools") from None
     subs = []
     for p, prompt in enumerate(prompts):
         for j in range(body.n):
@@ -296,7 +258,7 @@ def _expand(prompts: list[dict], body, logprobs: int, top_logprobs: int,
                 sampling.seed = (body.seed + j) % (1 << 64)
             req = router_pb2.GenerateRequest(request_id=f"{base}-{index}", sampling=sampling, stream=True,
                                              structured_outputs=constraint, **prompt)
-            subs.append(SubRequest(index, req, top_logprobs))
+            subs.append(SubRequest(index, req, top_logprobs, tools))
     return base, subs
 
 
@@ -319,7 +281,7 @@ def completion_requests(body: CompletionRequest, client_id: str | None = None) -
     prompts = []
     for i, x in enumerate(prompt):
         if isinstance(x, str):
-            _check_utf8(x, f"prompt[{i}]", "prompt")
+            check_utf8(x, f"prompt[{i}]", "prompt")
             prompts.append({"text": x})
         else:
             where = f"prompt[{i}]" if len(prompt) > 1 else "prompt"
@@ -339,7 +301,7 @@ def completion_requests(body: CompletionRequest, client_id: str | None = None) -
     if body.echo:
         _check_echo(body)
         max_tokens = 1 if max_tokens == 0 else max_tokens  # the prompt alone: one token generated, not shown
-    base, subs = _expand(prompts, body, logprobs, top, max_tokens, ID_PREFIXES[COMPLETIONS_ROUTE], client_id)
+    base, subs = expand(prompts, body, logprobs, top, max_tokens, ID_PREFIXES[COMPLETIONS_ROUTE], client_id)
     if body.echo and body.logprobs is not None:  # the prompt's logprobs, as many alternatives as asked for
         for sub in subs:
             asked = sub.request.sampling.prompt_logprobs if sub.request.sampling.HasField("prompt_logprobs") else 0
@@ -356,27 +318,6 @@ def _check_echo(body: CompletionRequest) -> None:
     if body.stream and body.max_tokens == 0:
         raise OpenAIRequestError("max_tokens 0 (the prompt alone) is not available when stream is true",
                                  param="max_tokens")
-    if _field(body, "truncate_prompt_tokens") is not None:  # the echoed text would not be the prompt served
+    if field_of(body, "truncate_prompt_tokens") is not None:  # the echoed text would not be the prompt served
         raise OpenAIRequestError("echo with truncate_prompt_tokens is not served: send the prompt already cut",
                                  param="echo")
-
-
-def chat_requests(body: ChatCompletionRequest, client_id: str | None = None) -> tuple[str, list[SubRequest]]:
-    """The sub-requests of a ``/v1/chat/completions`` body (``n`` of them) and their base id
-    (``chatcmpl-<client_id>`` with the client's ``X-Request-Id``, as vLLM's).
-
-    Raises:
-        OpenAIRequestError: a non-text content part, ``n`` or ``top_logprobs`` out of shape.
-    """
-    refuse_unsupported(body)
-    if _field(body, "echo") not in (None, False):
-        raise OpenAIRequestError("echo is served on /v1/completions only", param="echo", code="unsupported_parameter")
-    messages = chat_prompt(body)
-    top = body.top_logprobs or 0
-    if top < 0:
-        raise OpenAIRequestError(f"top_logprobs must be >= 0, got {top}", param="top_logprobs")
-    if top and not body.logprobs:
-        raise OpenAIRequestError("top_logprobs requires logprobs: true", param="top_logprobs")
-    logprobs = max(top, 1) if body.logprobs else 0
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return _expand([{"messages": messages}], body, logprobs, top, max_tokens, ID_PREFIXES[CHAT_ROUTE], client_id)

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 
 from pdcluster.v1 import common_pb2
 from router.openai.echo import Echo, echo_of
-from router.openai.requests import answer_role
+from router.openai.tools import ToolChoice
+from router.tool_parsers import CallDelta, ToolParser
+from router.openai.chat import answer_role
 
 FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
           common_pb2.FINISH_REASON_ABORT: "abort"}
@@ -130,17 +132,20 @@ class ResponseBuilder:
     choice, once at the top of a chat body (its choices share the prompt). With ``echo``
     (:class:`router.openai.echo.Echo`) a completions choice's text starts with its prompt's (a
     stream's first chunk of the choice), and so do its logprobs (the first prompt token's logprob and
-    top entries are ``None``, as vLLM's)."""
+    top entries are ``None``, as vLLM's). With ``tools`` a chat answer's text is read into content and
+    ``tool_calls`` (:meth:`_message`, streamed by :meth:`_delta`)."""
 
     def __init__(self, kind: str, request_id: str, model: str, tokenizer, logprobs: bool,
                  token_ids: bool = False, role: str = "assistant", prompt_logprobs: bool = False,
-                 echo: Echo | None = None) -> None:
+                 echo: Echo | None = None, tools: ToolChoice | None = None) -> None:
         self.kind, self.id, self.model, self.role = kind, request_id, model, role
         self.created = int(time.time())
         self.logprobs = logprobs
         self.prompt_logprobs = prompt_logprobs
         self.echo = echo
         self._echoed: set[int] = set()  # streamed choices whose prompt went out
+        self.tools = tools
+        self._parsers: dict[int, ToolParser] = {}  # a streamed choice's
         self.text = LogprobText(tokenizer, token_ids)
         self.tokenizer = tokenizer
         self.object = "chat.completion" if kind == "chat" else "text_completion"
@@ -170,7 +175,7 @@ class ResponseBuilder:
             body = {"index": index, "logprobs": self._logprobs(msgs, top_n), "finish_reason": finish_reason(msgs[-1]),
                     "stop_reason": stop_reason(msgs[-1])}
             if self.kind == "chat":
-                body["message"] = {"role": self.role, "content": text}
+                body["message"], body["finish_reason"] = self._message(text, body["finish_reason"])
             else:
                 body["text"] = text
                 if self.echo is not None:
@@ -199,16 +204,52 @@ class ResponseBuilder:
                 part[key] += values
         body["logprobs"] = part
 
-    def chunk(self, index: int, msg, top_n: int, offset: int) -> dict:
-        """One stream chunk for ``msg`` of choice ``index``."""
+    def _message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """A whole chat answer's ``message`` and ``finish_reason``: with tools, ``text`` read by the
+        tool choice's parser (:mod:`router.openai.tools`), calls as ``tool_calls`` and the
+        content ``None`` when only whitespace surrounds them."""
+        parser = self.tools.new_parser() if self.tools is not None else None
+        if parser is None:
+            return {"role": self.role, "content": text}, finish
+        got = parser.feed(text) + parser.finish()
+        message = {"role": self.role, "content": got.content or None if got.calls else got.content}
+        if got.calls:
+            message["tool_calls"] = whole_calls(got.calls)
+        return message, self._tool_finish(parser, finish)
+
+    def _delta(self, index: int, msg, finish: str | None) -> tuple[dict, str | None]:
+        """A chat stream chunk's ``delta`` and ``finish_reason`` for ``msg`` of choice ``index``
+        (with tools, its parser's new content and call pieces)."""
+        if self.tools is None or self.tools.choice == "none":
+            return ({"content": msg.text} if msg.text else {}), finish
+        parser = self._parsers.setdefault(index, self.tools.new_parser())
+        got = parser.feed(msg.text)
+        if finish is not None:
+            got += parser.finish()
+        delta: dict = {"content": got.content} if got.content else {}
+        if got.calls:
+            delta["tool_calls"] = [c.openai() for c in got.calls]
+        return delta, self._tool_finish(parser, finish)
+
+    def _tool_finish(self, parser, finish: str | None) -> str | None:
+        """``tool_calls`` where the model ended its turn after calling tools it chose (OpenAI's;
+        a named choice ends with ``stop``)."""
+        return "tool_calls" if finish == "stop" and parser.called and self.tools.choice != "function" else finish
+
+    def chunk(self, index: int, msg, top_n: int, offset: int) -> dict | None:
+        """One stream chunk for ``msg`` of choice ``index`` (``None``: nothing to send yet)."""
+        finish = finish_reason(msg)
         if self.kind == "chat":
-            choice = {"index": index, "delta": {"content": msg.text} if msg.text else {}}
+            delta, finish = self._delta(index, msg, finish)
+            if not delta and finish is None and not len(msg.logprobs):
+                return None  # text a tool parser holds back: nothing to send yet
+            choice = {"index": index, "delta": delta}
         else:
             echo = self.echo.prompts[index] if self.echo is not None and index not in self._echoed else ""
             self._echoed.add(index)
             choice = {"index": index, "text": echo + msg.text}
         choice["logprobs"] = self._logprobs([msg], top_n, offset)
-        choice["finish_reason"] = finish_reason(msg)
+        choice["finish_reason"] = finish
         choice["stop_reason"] = stop_reason(msg)
         return self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion", [choice])
 
@@ -233,4 +274,14 @@ def builder_for(kind: str, request_id: str, model: str, tokenizer, body, subs) -
                            logprobs=bool(first.top_logprobs or first.request.sampling.logprobs),
                            token_ids=body.return_tokens_as_token_ids, role=answer_role(body),
                            prompt_logprobs=(body.model_extra or {}).get("prompt_logprobs") is not None,
-                           echo=echo_of(body, subs, tokenizer))
+                           echo=echo_of(body, subs, tokenizer), tools=first.tools)
+
+
+def whole_calls(pieces: list[CallDelta]) -> list[dict]:
+    """A message's ``tool_calls`` from the call pieces of its answer (joined per call)."""
+    calls: dict[int, dict] = {}
+    for piece in pieces:
+        call = calls.setdefault(piece.index, {"id": piece.id, "type": "function",
+                                              "function": {"name": piece.name, "arguments": ""}})
+        call["function"]["arguments"] += piece.arguments
+    return [calls[i] for i in sorted(calls)]

@@ -22,9 +22,11 @@ from pydantic import StrictBool, StrictInt
 from starlette.concurrency import run_in_threadpool
 
 from pdcluster.v1 import router_pb2
+from router.openai.chat import chat_prompt
 from router.openai.errors import error_response, named_param, unknown_model
 from router.openai.protocol import ChatMessageIn, _Body
-from router.openai.requests import OpenAIRequestError, _check_utf8, chat_prompt, refuse_unsupported
+from router.openai.requests import OpenAIRequestError, check_utf8, refuse_unsupported
+from router.openai.tools import ToolRequestError, template_tools
 from router.validation import InvalidRequest
 
 
@@ -40,6 +42,7 @@ class TokenizeRequest(_Body):
     continue_final_message: StrictBool | None = None
     chat_template: Union[str, None] = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict] | None = None  # given to the chat template
 
 
 class DetokenizeRequest(_Body):
@@ -102,14 +105,18 @@ def _tokenize(state, body: TokenizeRequest) -> list[int]:
     """
     if (body.prompt is None) == (body.messages is None):
         raise OpenAIRequestError("exactly one of prompt and messages is required", param="prompt")
-    refuse_unsupported(body)
+    refuse_unsupported(body, served=frozenset({"tools"}))
     if body.messages is not None:
         if body.add_special_tokens:
             raise OpenAIRequestError("add_special_tokens: true is not supported with messages (the chat "
                                      "template places the special tokens)", param="add_special_tokens",
                                      code="unsupported_parameter")
-        req = router_pb2.GenerateRequest(messages=chat_prompt(body))
+        try:
+            tools = template_tools(body.tools)
+        except ToolRequestError as e:
+            raise OpenAIRequestError(str(e), param=e.param) from None
+        req = router_pb2.GenerateRequest(messages=chat_prompt(body, tools))
         return state.core.validator.tokenize(req)
-    _check_utf8(body.prompt, "prompt", "prompt")
+    check_utf8(body.prompt, "prompt", "prompt")
     return state.core.validator.tokenize(router_pb2.GenerateRequest(text=body.prompt),
                                          add_special_tokens=body.add_special_tokens is not False)

@@ -1,0 +1,199 @@
+"""OpenAI's ``tools`` and ``tool_choice`` on ``/v1/chat/completions``, as vLLM serves them.
+
+* The tools go to the chat template (``MessageList.tools``; a template without tool support
+  ignores them, as with vLLM), whatever the choice.
+* ``tool_choice`` (left out: ``"auto"`` with tools, ``"none"`` without, OpenAI's defaults):
+  * ``"none"``: the answer is content;
+  * a named function (``{"type": "function", "function": {"name": ...}}``): the answer is
+    constrained to the function's ``parameters`` schema and returned as one call of it
+    (``finish_reason`` ``stop``, as OpenAI's);
+  * ``"required"``: the answer is constrained to a JSON array of one or more
+    ``{"name": ..., "parameters": ...}`` calls of the given tools (at most one with
+    ``parallel_tool_calls: false``), returned as ``tool_calls`` with ``finish_reason``
+    ``tool_calls``; the schema is vLLM's (``anyOf`` per tool, their ``$defs`` merged);
+  * ``"auto"``: the model writes calls in its family's format and the router's parser
+    (``pdcluster up --tool-call-parser``, :mod:`router.tool_parsers`) reads them out; without
+    a parser it is refused with 400, as vLLM refuses it without ``--enable-auto-tool-choice``.
+
+The constraints are structured outputs (:mod:`common.structured_outputs`, compiled by the
+workers), so a request cannot give ``response_format`` too with a named or required choice.
+Limits: at most :data:`MAX_TOOLS` tools, names of 1-64 letters, digits, ``_`` and ``-``
+(OpenAI's), each named once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from router.tool_parsers import TOOL_PARSERS, NamedParser, RequiredParser, ToolParser
+
+MAX_TOOLS = 128
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_CHOICES = ("none", "auto", "required")
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+class ToolRequestError(ValueError):
+    """A malformed ``tools`` / ``tool_choice``; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """A chat request's validated tools and choice.
+
+    Attributes:
+        tools: the tool objects as given (type ``function`` each).
+        choice: ``"none"``, ``"auto"``, ``"required"`` or ``"function"`` (named).
+        function: the named function (``choice == "function"``).
+        parallel: ``parallel_tool_calls`` (``required``: more than one call allowed).
+        parser: the registered parser ``auto`` reads the answer with.
+    """
+
+    tools: list[dict]
+    choice: str
+    function: str | None = None
+    parallel: bool = True
+    parser: str | None = None
+
+    def constraint(self) -> dict | None:
+        """The ``structured_outputs`` dict forcing the answer (named, required), else ``None``."""
+        if self.choice == "function":
+            return {"json": self._parameters()[self.function]}
+        if self.choice == "required":
+            return {"json": required_schema(self.tools, self.parallel)}
+        return None
+
+    def new_parser(self) -> ToolParser | None:
+        """A parser for one choice's answer (``None``: the answer is plain content)."""
+        if self.choice == "function":
+            return NamedParser(self.function)
+        if self.choice == "required":
+            return RequiredParser()
+        if self.choice == "auto":
+            return TOOL_PARSERS[self.parser]()
+        return None
+
+    def keeps_special_tokens(self, tokenizer) -> bool:
+        """Whether the answer's text must keep special tokens: ``auto``'s parser reads a marker the
+        tokenizer has as a special token (Hermes models' ``<tool_call>``), which would be dropped."""
+        if self.choice != "auto":
+            return False
+        added = set(getattr(tokenizer, "get_added_vocab", dict)())
+        return any(m in added for m in TOOL_PARSERS[self.parser].markers)
+
+    def _parameters(self) -> dict[str, dict]:
+        return {t["function"]["name"]: t["function"].get("parameters") or _EMPTY_PARAMETERS for t in self.tools}
+
+
+def tool_choice(body, parser: str | None) -> ToolChoice | None:
+    """The :class:`ToolChoice` of a chat ``body`` (``None``: no tools), ``parser`` the router's.
+
+    Raises:
+        ToolRequestError: tools that are not function tools or are misnamed, more than
+            :data:`MAX_TOOLS`, a ``tool_choice`` that is none of OpenAI's forms or names no given
+            tool, a choice without tools, or ``auto`` while the router has no parser.
+    """
+    tools, choice = body.tools, body.tool_choice
+    if not tools:
+        if choice not in (None, "none"):
+            raise ToolRequestError("tool_choice needs tools: this request gives none", "tool_choice")
+        return None
+    _check_tools(tools)
+    choice = "auto" if choice is None else choice
+    function = None
+    if isinstance(choice, dict):
+        function = _named(choice, {t["function"]["name"] for t in tools})
+        choice = "function"
+    elif choice not in _CHOICES:
+        raise ToolRequestError(f"tool_choice must be one of {', '.join(map(repr, _CHOICES))} or "
+                               '{"type": "function", "function": {"name": ...}}, got ' f"{choice!r}", "tool_choice")
+    if choice == "auto" and parser is None:
+        raise ToolRequestError('tool_choice "auto" needs a tool call parser: this server was started without '
+                               "--tool-call-parser (name a function, or use \"required\" or \"none\")", "tool_choice")
+    return ToolChoice(list(tools), choice, function, body.parallel_tool_calls is not False, parser)
+
+
+def template_tools(tools: list | None) -> ToolChoice | None:
+    """``tools`` for the chat template alone (vLLM's ``/tokenize``): checked, choice ``none``.
+
+    Raises:
+        ToolRequestError: as :func:`tool_choice`.
+    """
+    if not tools:
+        return None
+    _check_tools(tools)
+    return ToolChoice(list(tools), "none")
+
+
+def _check_tools(tools: list) -> None:
+    if len(tools) > MAX_TOOLS:
+        raise ToolRequestError(f"tools has {len(tools)} entries; at most {MAX_TOOLS}", "tools")
+    seen = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise ToolRequestError(f'{where} must be {{"type": "function", "function": {{"name": ...}}}} '
+                                   "(function tools are served)", "tools")
+        fn = tool["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ToolRequestError(f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-', "
+                                   f"got {name!r}"[:200], "tools")
+        if name in seen:
+            raise ToolRequestError(f"{where}.function.name {name!r} is given twice", "tools")
+        seen.add(name)
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise ToolRequestError(f"{where}.function.parameters must be a JSON schema (an object)", "tools")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise ToolRequestError(f"{where}.function.description must be a string", "tools")
+
+
+def _named(choice: dict, names: set[str]) -> str:
+    fn = choice.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise ToolRequestError('tool_choice must name a function as {"type": "function", "function": '
+                               '{"name": ...}}', "tool_choice")
+    if name not in names:
+        raise ToolRequestError(f"tool_choice names function {name!r}, which is not in tools"[:200], "tool_choice")
+    return name
+
+
+def required_schema(tools: list[dict], parallel: bool = True) -> dict:
+    """The JSON schema of ``required``'s answer: an array of at least one (at most one unless
+    ``parallel``) ``{"name": <a tool's name>, "parameters": <its parameters>}``, one ``anyOf``
+    branch per tool; each tool's ``$defs`` move to the top so its ``#/$defs/...`` references
+    still resolve (vLLM's ``_get_json_schema_from_tool``).
+
+    Raises:
+        ToolRequestError: two tools define one ``$defs`` name differently.
+    """
+    defs: dict = {}
+    branches = []
+    for tool in tools:
+        fn = tool["function"]
+        params = dict(fn.get("parameters") or _EMPTY_PARAMETERS)
+        for key, value in (params.pop("$defs", None) or {}).items():
+            if key in defs and defs[key] != value:
+                raise ToolRequestError(f"tools define $defs.{key} twice, differently"[:200], "tools")
+            defs[key] = value
+        branches.append({"type": "object", "properties": {"name": {"type": "string", "enum": [fn["name"]]},
+                                                          "parameters": params},
+                         "required": ["name", "parameters"]})
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def tools_json(choice: ToolChoice | None) -> str:
+    """``MessageList.tools``: the tools as JSON text (``""``: none)."""
+    return json.dumps(choice.tools, ensure_ascii=False) if choice is not None else ""

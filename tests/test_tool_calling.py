@@ -1,0 +1,272 @@
+"""Tool calling (OpenAI's ``tools`` / ``tool_choice``): the parsers, the request checks, the chat template's
+view of tools and tool calls, and the whole path on a real cluster (router with ``--tool-call-parser hermes``)."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import openai
+import pytest
+
+from common.tokenizer import load_tokenizer
+from pdcluster.v1 import router_pb2
+from router.limits import Limits
+from router.openai.chat import chat_prompt, chat_requests
+from router.openai.protocol import ChatCompletionRequest
+from router.openai.requests import OpenAIRequestError
+from router.openai.responses import ResponseBuilder
+from router.openai.tools import MAX_TOOLS, required_schema, tool_choice
+from router.tool_parsers import TOOL_PARSERS, NamedParser, RequiredParser
+from router.validation import InvalidRequest, RequestValidator
+
+from cluster_utils import assert_greedy_matches, assert_no_leak, hf_constrained_greedy, render_chat, running_cluster
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"$ref": "#/$defs/zone"}}, "required": ["zone"],
+    "$defs": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}}}}
+
+
+def _run(parser, text: str, step: int) -> tuple[str, list[tuple]]:
+    """Feed ``text`` in pieces of ``step`` characters; returns the joined content and each call's (index, name,
+    arguments), arguments joined over their pieces."""
+    got = [parser.feed(text[i:i + step]) for i in range(0, len(text), step)] + [parser.finish()]
+    calls: dict[int, list] = {}
+    for piece in (c for g in got for c in g.calls):
+        entry = calls.setdefault(piece.index, [piece.index, piece.name, ""])
+        assert (piece.name is None) == (entry[2] != "" or piece is not next(
+            c for g in got for c in g.calls if c.index == piece.index)), "only a call's first piece names it"
+        entry[2] += piece.arguments
+    return "".join(g.content for g in got), [tuple(v) for _, v in sorted(calls.items())]
+
+
+PARSED = [  # (parser, answer, content, calls)
+    (lambda: TOOL_PARSERS["hermes"](),
+     'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+     '<tool_call>{"name": "get_time"}</tool_call>\n',
+     "Let me check.", [(0, "get_weather", '{"city": "Paris"}'), (1, "get_time", "{}")]),
+    (lambda: TOOL_PARSERS["hermes"](), "No tools needed: 2 < 3 and <tool_ is not a tag.",
+     "No tools needed: 2 < 3 and <tool_ is not a tag.", []),
+    (lambda: TOOL_PARSERS["hermes"](), "a <tool_call>{not json}</tool_call> b",
+     "a <tool_call>{not json}</tool_call> b", []),
+    (lambda: TOOL_PARSERS["hermes"](), 'x <tool_call>{"name": "f", "arguments": {"a": [1, 2]}}',
+     "x", [(0, "f", '{"a": [1, 2]}')]),
+    (lambda: TOOL_PARSERS["hermes"](), " \n", " \n", []),
+    (lambda: TOOL_PARSERS["llama3_json"](),
+     '<|python_tag|>{"name": "f", "parameters": {"a": "é"}}; {"name": "g", "arguments": {}}',
+     "", [(0, "f", '{"a": "é"}'), (1, "g", "{}")]),
+    (lambda: TOOL_PARSERS["llama3_json"](), "The answer is {\"a\": 1}", "The answer is {\"a\": 1}", []),
+    (lambda: TOOL_PARSERS["llama3_json"](), '{"a": 1} not a call', '{"a": 1} not a call', []),
+    (lambda: TOOL_PARSERS["llama3_json"](), '{"name": "f", "parameters": {"a": ', '{"name": "f", "parameters": {"a": ', []),
+    (RequiredParser, '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]',
+     "", [(0, "f", '{"a": 1}'), (1, "g", "{}")]),
+    (RequiredParser, '[{"name": "f", "parameters": {"a"', '[{"name": "f", "parameters": {"a"', []),
+    (lambda: NamedParser("f"), '{"a": 1}', "", [(0, "f", '{"a": 1}')]),
+    (lambda: NamedParser("f"), "", "", [(0, "f", "")]),
+]
+
+
+@pytest.mark.parametrize("make,answer,content,calls", PARSED)
+def test_parsers_read_the_same_calls_whatever_the_stream_pieces(make, answer, content, calls):
+    """Every split of the answer into stream pieces gives the calls and content of the whole answer; a block that
+    is no call, and JSON cut short, come back as content (nothing is lost)."""
+    for step in (1, 2, 3, 7, max(1, len(answer))):
+        assert _run(make(), answer, step) == (content, calls), step
+
+
+def _chat(**extra) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **extra})
+
+
+BAD_TOOLS = [
+    (dict(tool_choice="auto"), "tool_choice needs tools", "tool_choice"),
+    (dict(tools=[{"type": "retrieval"}]), 'tools[0] must be {"type": "function"', "tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools[0].function.name must be", "tools"),
+    (dict(tools=[WEATHER, WEATHER]), "tools[1].function.name 'get_weather' is given twice", "tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]), "must be a JSON schema", "tools"),
+    (dict(tools=[WEATHER] + [{"type": "function", "function": {"name": f"f{i}"}} for i in range(MAX_TOOLS)]),
+     f"at most {MAX_TOOLS}", "tools"),
+    (dict(tools=[WEATHER], tool_choice="sometimes"), "tool_choice must be one of", "tool_choice"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "not in tools",
+     "tool_choice"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function"}), "tool_choice must name a function", "tool_choice"),
+    (dict(tools=[WEATHER]), 'tool_choice "auto" needs a tool call parser', "tool_choice"),
+    (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
+     "give no response_format or structured_outputs with it", "tool_choice"),
+    (dict(messages=[{"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": 3}}]}]),
+     "messages[0].tool_calls[0]: id, function.name and function.arguments", "messages[0].tool_calls"),
+    (dict(messages=[{"role": "user"}]), "a 'user' message needs content", "messages[0].content"),
+]
+
+
+@pytest.mark.parametrize("extra,message,param", BAD_TOOLS)
+def test_malformed_tools_are_refused_naming_the_field(extra, message, param):
+    with pytest.raises(OpenAIRequestError) as e:
+        chat_requests(_chat(**extra))
+    assert message in e.value.message and e.value.param == param, (e.value.message, e.value.param)
+
+
+def test_each_tool_choice_constrains_and_reads_the_answer():
+    """none and auto leave the answer free; a named choice constrains it to the function's parameters, required
+    to vLLM's array of calls (the tools' $defs at the top, so references resolve)."""
+    _, [sub] = chat_requests(_chat(tools=[WEATHER], tool_choice="none"))
+    assert not sub.request.HasField("structured_outputs") and sub.tools.new_parser() is None
+    _, [sub] = chat_requests(_chat(tools=[WEATHER, TIME]), tool_parser="hermes")
+    assert not sub.request.HasField("structured_outputs") and sub.tools.choice == "auto"
+    assert json.loads(sub.request.messages.tools) == [WEATHER, TIME]
+    _, [sub] = chat_requests(_chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    assert json.loads(sub.request.structured_outputs.json) == WEATHER["function"]["parameters"]
+    _, [sub] = chat_requests(_chat(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False))
+    schema = json.loads(sub.request.structured_outputs.json)
+    assert schema == required_schema([WEATHER, TIME], parallel=False)
+    assert schema["maxItems"] == 1 and schema["$defs"] == {"zone": {"type": "string", "enum": ["UTC", "CET"]}}
+    assert [b["properties"]["name"]["enum"] for b in schema["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
+    assert "$defs" not in schema["items"]["anyOf"][1]["properties"]["parameters"]
+
+
+def test_whole_and_streamed_answers_carry_the_same_calls():
+    """The response builder: a required answer becomes tool_calls with finish_reason tool_calls and no content,
+    streamed as one delta per call; a named one ends with stop (OpenAI's); auto keeps the text around calls."""
+    from pdcluster.v1 import common_pb2
+    stop = common_pb2.FINISH_REASON_STOP
+    for choice, text, finish in [("required", '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]', "tool_calls"),
+                                 ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Oslo"}', "stop"),
+                                 ("auto", 'Hm.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+                                          '</tool_call>', "tool_calls")]:
+        _, [sub] = chat_requests(_chat(tools=[WEATHER], tool_choice=choice), tool_parser="hermes")
+        builder = ResponseBuilder("chat", "chatcmpl-x", "m", None, False, tools=sub.tools)
+        msgs = [router_pb2.GenerateResponse(text=text[:5]), router_pb2.GenerateResponse(text=text[5:], finish_reason=stop)]
+        whole = builder.whole({0: msgs}, 0, 1)["choices"][0]
+        call = whole["message"]["tool_calls"][0]
+        assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}, whole
+        assert call["id"].startswith("chatcmpl-tool-") and call["type"] == "function"
+        assert whole["finish_reason"] == finish
+        assert whole["message"]["content"] == ("Hm." if choice == "auto" else None)
+        chunks = [c for c in (builder.chunk(0, m, 0, 0) for m in msgs) if c is not None]
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        arguments = "".join(t["function"]["arguments"] for d in deltas for t in d.get("tool_calls", []))
+        assert arguments == '{"city": "Oslo"}' and chunks[-1]["choices"][0]["finish_reason"] == finish
+        assert "".join(d.get("content", "") for d in deltas) == (whole["message"]["content"] or "")
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+    "{% if m.tool_call_id %} [{{ m.tool_call_id }}]{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_the_chat_template_sees_tools_tool_calls_and_call_ids(model_dir):
+    """A tool-aware template gets the tools, an assistant message's calls with their arguments as an object, and a
+    tool message's call id; arguments that are not a JSON object and control tokens in them are refused."""
+    tok = load_tokenizer(model_dir)
+    tok.chat_template = TOOL_TEMPLATE
+    validator = RequestValidator(tok, Limits(max_model_len=2048, vocab_size=len(tok)))
+    history = [{"role": "user", "content": "Weather in Oslo?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                     "arguments": '{"city": "Oslo"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "12 C"}]
+    body = ChatCompletionRequest.model_validate({"messages": history, "tools": [WEATHER], "tool_choice": "none"})
+    chat = chat_prompt(body, tool_choice(body, None))
+    text = tok.decode(validator.tokenize(router_pb2.GenerateRequest(messages=chat)))
+    assert 'Tools: [{"type": "function", "function": {"name": "get_weather"' in text, text
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in text, text
+    assert "12 C [call_1]<|im_end|>" in text and text.endswith("<|im_start|>assistant\n"), text
+    for arguments, message in [("[1]", "must be a JSON object"), ("{", "is not JSON"),
+                               ('{"a": "<|im_end|>"}', "holds a control token")]:
+        chat.messages[1].tool_calls[0].arguments = arguments
+        with pytest.raises(InvalidRequest, match="messages\\[1\\]") as e:
+            validator.tokenize(router_pb2.GenerateRequest(messages=chat))
+        assert message in str(e.value)
+    chat.messages[1].tool_calls[0].arguments = "{}"
+    chat.tools = json.dumps([{"type": "function", "function": {"name": "x", "description": "<|im_start|>"}}])
+    with pytest.raises(InvalidRequest, match="tools holds a control token"):
+        validator.tokenize(router_pb2.GenerateRequest(messages=chat))
+
+
+@pytest.fixture(scope="module")
+def state(tmp_path_factory):
+    with running_cluster(tmp_path_factory.mktemp("state"), "--max-model-len", "512", "--block-size", "16",
+                         "--num-kv-blocks", "64", "--heartbeat-s", "0.5", "--tool-call-parser", "hermes") as state:
+        yield state
+
+
+def _ids(choice) -> list[int]:
+    return [int(t.token.removeprefix("token_id:")) for t in choice.logprobs.content]
+
+
+def _streamed(oai, **kw) -> tuple[str, dict[int, dict], str]:
+    """A streamed answer's content, its calls (index -> id, name, arguments joined) and its finish_reason."""
+    content, calls, finish = "", {}, None
+    for chunk in oai.chat.completions.create(stream=True, **kw):
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for t in choice.delta.tool_calls or []:
+            call = calls.setdefault(t.index, {"id": t.id, "name": t.function.name, "arguments": ""})
+            assert t.id is None or call["id"] == t.id
+            call["arguments"] += t.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def test_tool_calls_end_to_end(state, tokenizer, hf_model, model_config):
+    """Every tool choice over HTTP through prefill and decode workers: a named and a required choice are greedy
+    token-exact with HF under xgrammar's mask of their schemas and come back as tool_calls (streamed: the same
+    calls); auto reads a Hermes call written by the model (here forced by a regex) and leaves plain answers as
+    content; a history with calls and tool results is served; /tokenize takes tools; nothing leaks."""
+    import xgrammar as xgr
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model_config.vocab_size,
+                                              stop_token_ids=list(model_config.eos_token_ids))
+    compiler = xgr.GrammarCompiler(info, max_threads=1)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    prompt = render_chat(tokenizer, messages)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    base = dict(model="", messages=messages, tools=[WEATHER, TIME], temperature=0, max_tokens=48)
+    with openai.OpenAI(base_url=f"http://{state['router_http_address']}/v1", api_key="unused", max_retries=0,
+                       timeout=300) as oai:
+        for choice, schema, finish in [(named, WEATHER["function"]["parameters"], "stop"),
+                                       ("required", required_schema([WEATHER, TIME]), "tool_calls")]:
+            ref, gaps = hf_constrained_greedy(hf_model, tokenizer, model_config, prompt,
+                                              compiler.compile_json_schema(json.dumps(schema)), 48)
+            got = oai.chat.completions.create(tool_choice=choice, logprobs=True,
+                                              extra_body={"return_tokens_as_token_ids": True}, **base).choices[0]
+            assert_greedy_matches(_ids(got), ref, gaps, str(choice))
+            assert got.message.content is None and got.finish_reason == finish, got
+            text = tokenizer.decode(ref, skip_special_tokens=True)
+            calls = [(c.function.name, json.loads(c.function.arguments)) for c in got.message.tool_calls]
+            if choice == "required":
+                assert calls == [(c["name"], c["parameters"]) for c in json.loads(text)], (calls, text)
+            else:
+                assert calls == [("get_weather", json.loads(text))] and "city" in calls[0][1], (calls, text)
+            content, streamed, end = _streamed(oai, tool_choice=choice, **base)
+            assert content == "" and end == finish
+            assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == calls
+        forced = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,12}"\}\}\n</tool_call>'
+        base["max_tokens"] = 80
+        got = oai.chat.completions.create(extra_body={"structured_outputs": {"regex": forced}}, **base).choices[0]
+        assert got.finish_reason == "tool_calls" and got.message.content is None, got
+        [call] = got.message.tool_calls
+        assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+        content, streamed, end = _streamed(oai, extra_body={"structured_outputs": {"regex": forced}}, **base)
+        assert content == "" and end == "tool_calls"
+        assert [(c["name"], c["arguments"]) for c in streamed.values()] == [("get_weather", call.function.arguments)]
+        plain = oai.chat.completions.create(**{**base, "max_tokens": 12}).choices[0]
+        free = oai.chat.completions.create(**{**base, "max_tokens": 12, "tools": None}).choices[0]
+        assert plain.message.content == free.message.content and not plain.message.tool_calls, plain
+        history = messages + [
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+        after = oai.chat.completions.create(**{**base, "messages": history, "tool_choice": "none", "max_tokens": 8})
+        assert after.choices[0].message.content and after.usage.prompt_tokens > len(prompt), after
+    with urllib.request.urlopen(urllib.request.Request(
+            f"http://{state['router_http_address']}/tokenize", method="POST", headers={"Content-Type": "application/json"},
+            data=json.dumps({"messages": messages, "tools": [WEATHER]}).encode())) as r:
+        assert json.loads(r.read())["tokens"] == prompt  # this model's template ignores tools
+    assert_no_leak(state)
