@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from deploy.cli_chat import add_chat_flags
 from engine.config import DTYPES, KV_FAILURE_POLICIES, QUANTIZATIONS
 from pdcluster.client import API_KEY_ENV
 from router.limits import (
@@ -23,7 +24,6 @@ from router.limits import (
 from router.migration import DEFAULT_MAX_MIGRATIONS, check_max_migrations
 from router.openai.cors import check_origins
 from router.policy_names import DEFAULT_POLICY, POLICY_NAMES
-from router.tool_parsers import TOOL_PARSERS
 from serving.logs import LOG_FORMATS, LOG_LEVELS
 from serving.rpc import DEFAULT_MAX_QUEUED_REQUESTS
 from serving.priority import DEFAULT_WORKER_NICE
@@ -161,9 +161,7 @@ def _add_serving(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-origins", type=_origins, default=(), metavar="ORIGINS",
                    help="comma-separated origins (scheme://host[:port]) whose browser pages may call the HTTP API "
                         "(CORS), or '*' for any (vLLM's default); default: none (CORS off)")
-    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None, metavar="NAME",
-                   help="how the served model writes tool calls, read out of answers with tool_choice \"auto\" "
-                        f"(vLLM's flag; one of {', '.join(sorted(TOOL_PARSERS))}); default: none, auto refused")
+    add_chat_flags(p)
     p.add_argument("--grpc-max-connections", type=_positive, default=DEFAULT_GRPC_MAX_CONNECTIONS, metavar="N",
                    help="connections one router's gRPC port holds at once, handshakes included; one more is closed "
                         f"at accept (default {DEFAULT_GRPC_MAX_CONNECTIONS})")

@@ -26,7 +26,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from jinja2.exceptions import TemplateError
+from jinja2.exceptions import TemplateError, TemplateSyntaxError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,23 @@ class ChatOptions:
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
                              "(a continued final message gets no new assistant turn)")
+
+
+MAX_CHAT_TEMPLATE_BYTES = 1024 * 1024
+"""A server's chat template (``pdcluster up --chat-template``) is at most this long."""
+
+
+def check_chat_template(text: str) -> None:
+    """Raises ValueError: ``text`` is empty, over :data:`MAX_CHAT_TEMPLATE_BYTES` or not Jinja the
+    template renderer can parse (the message gives the line)."""
+    if not text.strip():
+        raise ValueError("the chat template is empty")
+    if len(text.encode()) > MAX_CHAT_TEMPLATE_BYTES:
+        raise ValueError(f"the chat template is over {MAX_CHAT_TEMPLATE_BYTES} bytes")
+    try:
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"the chat template is not valid Jinja: {e.message} (line {e.lineno})") from None
 
 
 def renderer_arguments(tokenizer) -> frozenset[str]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from router.admission import AdmissionConfig
 from router.breaker import BreakerConfig
+from router.chat import check_chat_template
 from router.limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_GRPC_MAX_CONNECTIONS,
@@ -66,6 +67,8 @@ class RouterConfig:
         tool_call_parser: the registered parser reading tool calls out of answers to
             ``tool_choice: "auto"`` (``pdcluster up --tool-call-parser``; :mod:`router.tool_parsers`);
             ``None``: ``auto`` is refused.
+        chat_template: a Jinja chat template the router renders chats with instead of the model's
+            own (``pdcluster up --chat-template``, vLLM's); ``None``: the model's.
         max_prompt_bytes: a prompt's bytes (text, or chat roles and contents), checked
             before tokenization; ``None``: :func:`router.validation.prompt_byte_cap`
             (``max_model_len`` x the longest token), so a prompt that fits is never refused.
@@ -87,7 +90,7 @@ class RouterConfig:
         ValueError: a non-positive ``max_model_len``, ``view_period_s``, ``max_request_bytes``,
             ``http_body_timeout_s``, ``http_header_timeout_s``, ``http_max_connections`` or
             ``max_prompt_bytes``, an unregistered ``policy`` or ``tool_call_parser`` (the
-            message lists the registered names), ``max_migrations`` outside ``[0, 100]``, a
+            message lists the registered names), a ``chat_template`` that is no Jinja, ``max_migrations`` outside ``[0, 100]``, a
             negative ``index`` or an allowed origin that is not one.
     """
 
@@ -109,6 +112,7 @@ class RouterConfig:
     grpc_max_connections: int = DEFAULT_GRPC_MAX_CONNECTIONS
     allowed_origins: tuple[str, ...] = ()
     tool_call_parser: str | None = None
+    chat_template: str | None = None
     max_prompt_bytes: int | None = None
     max_migrations: int = DEFAULT_MAX_MIGRATIONS
     log: LogConfig = field(default_factory=LogConfig)
@@ -149,3 +153,5 @@ class RouterConfig:
         check_max_migrations(self.max_migrations)
         check_origins(self.allowed_origins)
         check_tool_parser(self.tool_call_parser)
+        if self.chat_template is not None:
+            check_chat_template(self.chat_template)

@@ -78,6 +78,8 @@ class RouterServer:
         model_cfg = ModelConfig.from_hf_folder(cfg.model_path, name=cfg.model)
         max_len = min(cfg.max_model_len, model_cfg.context_len)
         tokenizer = load_tokenizer(cfg.model_path)
+        if cfg.chat_template is not None:
+            tokenizer.chat_template = cfg.chat_template
         self.view = RegistryView(WorkerRegistry(cfg.redis_url, cfg.cluster), period_s=cfg.view_period_s)
         info = router_pb2.ModelInfo(model_name=cfg.model, max_model_len=max_len, vocab_size=model_cfg.vocab_size,
                                     eos_token_ids=list(model_cfg.eos_token_ids), block_size=cfg.block_size)

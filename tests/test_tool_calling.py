@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
 
 from common.tokenizer import load_tokenizer
+from pdcluster.cli import build_parser
 from pdcluster.v1 import router_pb2
+from router.chat import ChatOptions
+from router.config import RouterConfig
 from router.limits import Limits
 from router.openai.chat import chat_prompt, chat_requests
 from router.openai.protocol import ChatCompletionRequest
@@ -190,10 +194,46 @@ def test_the_chat_template_sees_tools_tool_calls_and_call_ids(model_dir):
         validator.tokenize(router_pb2.GenerateRequest(messages=chat))
 
 
+TEMPLATE_FILE = Path(__file__).resolve().parent.parent / "examples" / "tool_chat_template_chatml_hermes.jinja"
+
+
+def test_the_chat_template_flag_reads_a_file_or_a_line_and_refuses_what_is_no_jinja(tmp_path, capsys):
+    parser = build_parser()
+    assert parser.parse_args(["up", "--chat-template", str(TEMPLATE_FILE)]).chat_template == TEMPLATE_FILE.read_text()
+    assert parser.parse_args(["up", "--chat-template", "{{ messages[0].content }}"]).chat_template == \
+        "{{ messages[0].content }}"
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}")
+    for value, message in [(str(tmp_path / "bad.jinja"), "not valid Jinja"), (str(tmp_path / "none"), "no such file")]:
+        with pytest.raises(SystemExit):
+            parser.parse_args(["up", "--chat-template", value])
+        assert message in capsys.readouterr().err
+    with pytest.raises(ValueError, match="not valid Jinja"):
+        RouterConfig(model="m", model_path="p", redis_url="redis://x", chat_template="{% if %}")
+    with pytest.raises(ValueError, match="unknown tool call parser 'nope'; registered: hermes, llama3_json"):
+        RouterConfig(model="m", model_path="p", redis_url="redis://x", tool_call_parser="nope")
+
+
+def test_the_example_template_renders_tools_calls_and_results_and_plain_chats_as_the_models_own(model_dir):
+    tok = load_tokenizer(model_dir)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    own = render_chat(tok, chat)
+    tok.chat_template = TEMPLATE_FILE.read_text()
+    assert render_chat(tok, chat) == own
+    history = [{"role": "user", "content": "Weather in Oslo?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+               {"role": "tool", "tool_call_id": "c", "content": "12 C"}]
+    text = tok.decode(render_chat(tok, history, ChatOptions(tools=[WEATHER])))
+    assert "<tools>\n" + json.dumps(WEATHER) + "\n</tools>" in text, text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>' in text
+    assert text.endswith("<tool_response>\n12 C\n</tool_response><|im_end|>\n<|im_start|>assistant\n"), text
+
+
 @pytest.fixture(scope="module")
 def state(tmp_path_factory):
-    with running_cluster(tmp_path_factory.mktemp("state"), "--max-model-len", "512", "--block-size", "16",
-                         "--num-kv-blocks", "64", "--heartbeat-s", "0.5", "--tool-call-parser", "hermes") as state:
+    with running_cluster(tmp_path_factory.mktemp("state"), "--max-model-len", "1024", "--block-size", "16",
+                         "--num-kv-blocks", "96", "--heartbeat-s", "0.5", "--tool-call-parser", "hermes",
+                         "--chat-template", str(TEMPLATE_FILE)) as state:
         yield state
 
 
@@ -215,7 +255,7 @@ def _streamed(oai, **kw) -> tuple[str, dict[int, dict], str]:
     return content, calls, finish
 
 
-def test_tool_calls_end_to_end(state, tokenizer, hf_model, model_config):
+def test_tool_calls_end_to_end(state, tokenizer, hf_model, model_config, model_dir):
     """Every tool choice over HTTP through prefill and decode workers: a named and a required choice are greedy
     token-exact with HF under xgrammar's mask of their schemas and come back as tool_calls (streamed: the same
     calls); auto reads a Hermes call written by the model (here forced by a regex) and leaves plain answers as
@@ -225,15 +265,18 @@ def test_tool_calls_end_to_end(state, tokenizer, hf_model, model_config):
                                               stop_token_ids=list(model_config.eos_token_ids))
     compiler = xgr.GrammarCompiler(info, max_threads=1)
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    prompt = render_chat(tokenizer, messages)
+    tok = load_tokenizer(model_dir)
+    tok.chat_template = TEMPLATE_FILE.read_text()  # the cluster's --chat-template: it writes the tools
+    prompt = render_chat(tok, messages, ChatOptions(tools=[WEATHER, TIME]))
     named = {"type": "function", "function": {"name": "get_weather"}}
-    base = dict(model="", messages=messages, tools=[WEATHER, TIME], temperature=0, max_tokens=48)
+    base = dict(model="", messages=messages, tools=[WEATHER, TIME], temperature=0, max_tokens=64)
     with openai.OpenAI(base_url=f"http://{state['router_http_address']}/v1", api_key="unused", max_retries=0,
                        timeout=300) as oai:
         for choice, schema, finish in [(named, WEATHER["function"]["parameters"], "stop"),
-                                       ("required", required_schema([WEATHER, TIME]), "tool_calls")]:
+                                       ("required", required_schema([WEATHER, TIME], parallel=False), "tool_calls")]:
             ref, gaps = hf_constrained_greedy(hf_model, tokenizer, model_config, prompt,
-                                              compiler.compile_json_schema(json.dumps(schema)), 48)
+                                              compiler.compile_json_schema(json.dumps(schema)), 64)
+            base["parallel_tool_calls"] = choice == named  # required: one call (whole within max_tokens)
             got = oai.chat.completions.create(tool_choice=choice, logprobs=True,
                                               extra_body={"return_tokens_as_token_ids": True}, **base).choices[0]
             assert_greedy_matches(_ids(got), ref, gaps, str(choice))
@@ -247,6 +290,7 @@ def test_tool_calls_end_to_end(state, tokenizer, hf_model, model_config):
             content, streamed, end = _streamed(oai, tool_choice=choice, **base)
             assert content == "" and end == finish
             assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == calls
+        del base["parallel_tool_calls"]
         forced = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,12}"\}\}\n</tool_call>'
         base["max_tokens"] = 80
         got = oai.chat.completions.create(extra_body={"structured_outputs": {"regex": forced}}, **base).choices[0]
@@ -257,7 +301,7 @@ def test_tool_calls_end_to_end(state, tokenizer, hf_model, model_config):
         assert content == "" and end == "tool_calls"
         assert [(c["name"], c["arguments"]) for c in streamed.values()] == [("get_weather", call.function.arguments)]
         plain = oai.chat.completions.create(**{**base, "max_tokens": 12}).choices[0]
-        free = oai.chat.completions.create(**{**base, "max_tokens": 12, "tools": None}).choices[0]
+        free = oai.chat.completions.create(**{**base, "max_tokens": 12, "tool_choice": "none"}).choices[0]
         assert plain.message.content == free.message.content and not plain.message.tool_calls, plain
         history = messages + [
             {"role": "assistant", "content": None, "tool_calls": [
@@ -267,6 +311,6 @@ def test_tool_calls_end_to_end(state, tokenizer, hf_model, model_config):
         assert after.choices[0].message.content and after.usage.prompt_tokens > len(prompt), after
     with urllib.request.urlopen(urllib.request.Request(
             f"http://{state['router_http_address']}/tokenize", method="POST", headers={"Content-Type": "application/json"},
-            data=json.dumps({"messages": messages, "tools": [WEATHER]}).encode())) as r:
-        assert json.loads(r.read())["tokens"] == prompt  # this model's template ignores tools
+            data=json.dumps({"messages": messages, "tools": [WEATHER, TIME]}).encode())) as r:
+        assert json.loads(r.read())["tokens"] == prompt
     assert_no_leak(state)
