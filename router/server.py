@@ -69,6 +69,14 @@ PEER_PERIODS = 4
 period to a quarter of the heartbeat: once per heartbeat)."""
 
 
+def _tokenizer(cfg: RouterConfig):
+    """The served model's tokenizer, with ``cfg.chat_template`` (``up --chat-template``) as its template."""
+    tokenizer = load_tokenizer(cfg.model_path)
+    if cfg.chat_template is not None:
+        tokenizer.chat_template = cfg.chat_template
+    return tokenizer
+
+
 class RouterServer:
     """The router process' servers. ``start()`` returns the gRPC ``host:port``; the HTTP
     port (when enabled) is ``http_address`` after ``start()``."""
@@ -77,9 +85,7 @@ class RouterServer:
         self.cfg = cfg
         model_cfg = ModelConfig.from_hf_folder(cfg.model_path, name=cfg.model)
         max_len = min(cfg.max_model_len, model_cfg.context_len)
-        tokenizer = load_tokenizer(cfg.model_path)
-        if cfg.chat_template is not None:
-            tokenizer.chat_template = cfg.chat_template
+        tokenizer = _tokenizer(cfg)
         self.view = RegistryView(WorkerRegistry(cfg.redis_url, cfg.cluster), period_s=cfg.view_period_s)
         info = router_pb2.ModelInfo(model_name=cfg.model, max_model_len=max_len, vocab_size=model_cfg.vocab_size,
                                     eos_token_ids=list(model_cfg.eos_token_ids), block_size=cfg.block_size)
@@ -125,16 +131,21 @@ class RouterServer:
                                               cfg.security.accepts_api_key if cfg.security.api_keys else None, tls)
         self.metrics_address = f"{cfg.advertise_host or cfg.host}:{self.metrics_http.port}"
         self.started_at = 0.0
-        self.http, self.http_address = None, ""
-        if cfg.http_port is not None:
-            self.http = HttpServer(build_app(FrontDoorState(
-                self.core, cfg.model, tokenizer, self.serving_now, self.scrape_targets, self.metrics.registry,
-                cfg.security.accepts_api_key, int(time.time()), max_len, cfg.max_request_bytes,
-                cfg.http_body_timeout_s, self.metrics, cfg.allowed_origins, cfg.tool_call_parser)), cfg.host,
-                cfg.http_port, tls=tls, reuse_port=cfg.reuse_port, header_timeout_s=cfg.http_header_timeout_s,
-                max_connections=cfg.http_max_connections, answered=self._http_answered)
+        self.http_address = ""
+        self.http = None if cfg.http_port is None else self._http_server(tokenizer, max_len, info.eos_token_ids, tls)
         self._stop = threading.Event()
         self._health_thread = threading.Thread(target=self._watch_health, name="router-health", daemon=True)
+
+    def _http_server(self, tokenizer, max_len: int, eos_token_ids, tls) -> HttpServer:
+        """The OpenAI-compatible HTTP server (:mod:`router.openai.app`) on ``cfg.http_port``."""
+        cfg = self.cfg
+        return HttpServer(build_app(FrontDoorState(
+            self.core, cfg.model, tokenizer, self.serving_now, self.scrape_targets, self.metrics.registry,
+            cfg.security.accepts_api_key, int(time.time()), max_len, cfg.max_request_bytes,
+            cfg.http_body_timeout_s, self.metrics, cfg.allowed_origins, cfg.tool_call_parser,
+            frozenset(eos_token_ids))), cfg.host,
+            cfg.http_port, tls=tls, reuse_port=cfg.reuse_port, header_timeout_s=cfg.http_header_timeout_s,
+            max_connections=cfg.http_max_connections, answered=self._http_answered)
 
     def _takers(self, role: str) -> list[WorkerInfo]:
         """Live workers of ``role`` (colocated ones in a colocated cluster) that take new requests

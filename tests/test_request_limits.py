@@ -184,7 +184,6 @@ def test_http_error_bodies_render_lone_surrogates(http):
      "functions"),  # OpenAI's deprecated form of tools
     ('"messages": [{"role": "user", "content": "x"}], "guided_decoding_backend": "xgrammar"',
      "/v1/chat/completions", "guided_decoding_backend"),
-    ('"prompt": "a", "use_beam_search": true', "/v1/completions", "use_beam_search"),
     ('"prompt": "a", "guided_choice": ["yes", "no"]', "/v1/completions", "guided_choice"),
     ('"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ messages }}"', "/v1/chat/completions",
      "chat_template"),

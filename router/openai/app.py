@@ -8,9 +8,8 @@ every process' ``/metrics``). With API keys, every route but ``/health`` needs o
 (:mod:`router.openai.auth`).
 
 A request becomes one :class:`router.active.ActiveRequest` per prompt x ``n``; each is relayed
-on its own thread and its messages reach the event loop through a queue. With ``n`` > 1 the
-first sample runs alone until its first token (its prefill is done and its full blocks are in
-the prefill worker's prefix cache), then the others start and reuse them. Streams are SSE
+on its own thread and its messages reach the event loop through a queue (:mod:`router.openai.pump`).
+With vLLM's ``use_beam_search`` the ``n`` best beams are searched instead (:mod:`router.openai.beam`). Streams are SSE
 (sse-starlette) ending with ``data: [DONE]``, started once the first message is in (a request
 that fails before it gets its HTTP status, not a 200 with an error event); a client that
 disconnects cancels every sub-request on both workers, before its first message or its
@@ -26,7 +25,7 @@ import asyncio
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -39,17 +38,18 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from router.active import ActiveRequest
 from router.core import RequestRouter
 from router.errors import RouterError
 from router.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from router.openai.auth import RequireApiKey
 from router.openai.body import BodyDeadline, DeclaredSizeLimit
+from router.openai.beam import check_beam_request, search_all, wants_beam_search
 from router.openai.cors import with_cors
 from router.openai.errors import (UNREADABLE_BODY, error_response, request_aliases, router_error_response,
                                   unknown_model, unreadable_body_response, validation_error_response)
 from router.openai.http_metrics import CountRequests
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
+from router.openai.pump import pump, start_all
 from router.openai.request_ids import RequestIds
 from router.openai.chat import chat_requests
 from router.openai.requests import (CHAT_ROUTE, COMPLETIONS_ROUTE, ID_PREFIXES, REQUEST_ID_HEADER, OpenAIRequestError,
@@ -59,7 +59,6 @@ from router.openai.tokenize import add_tokenizer_routes
 from serving.logs import request_scope
 from serving.metrics import ProcessMetrics
 
-FIRST_SAMPLE_WAIT_S = 600.0
 DISCONNECT_POLL_S = 0.25
 """How often (seconds) a non-streamed request checks whether its client is still connected."""
 GENERATION_ROUTES = tuple(ID_PREFIXES)
@@ -87,6 +86,7 @@ class FrontDoorState:
         metrics: the router's metrics, where a generation request the HTTP layer refuses
             itself counts in ``request_errors`` (``None``: not counted).
         allowed_origins: origins browsers may call from (CORS, :mod:`router.openai.cors`; none: off).
+        eos_token_ids: the model's end-of-sequence tokens (a beam search ends a beam at one).
         tool_parser: the registered parser of ``tool_choice: "auto"`` answers (:mod:`router.tool_parsers`;
             none: ``auto`` is refused).
     """
@@ -105,6 +105,7 @@ class FrontDoorState:
     metrics: ProcessMetrics | None = None
     allowed_origins: tuple[str, ...] = ()
     tool_parser: str | None = None
+    eos_token_ids: frozenset[int] = frozenset()
 
 
 def build_app(state: FrontDoorState):
@@ -195,16 +196,20 @@ async def _generate(state: FrontDoorState, body, kind: str, expand, request: Req
         return _counted(state, request, unknown_model(body.model, state.model_name))
     try:
         base, subs = expand(body, request.headers.get(REQUEST_ID_HEADER))
+        beam = wants_beam_search(body)
     except OpenAIRequestError as e:  # before the request has an id: router.openai.request_ids names it
         return _counted(state, request, error_response(e.status, e.message, param=e.param, code=e.code))
-    response = await _answer(state, body, kind, base, subs, request)
+    if beam:
+        response = await _beam_answer(state, body, kind, base, subs, request)
+    else:
+        response = await _answer(state, body, kind, base, subs, request)
     response.headers[REQUEST_ID_HEADER] = base  # the log lines' request ids are it plus "-<choice>"
     return response
 
 
 async def _answer(state: FrontDoorState, body, kind: str, base: str, subs: list[SubRequest], request: Request):
     try:
-        actives = await run_in_threadpool(_start_all, state.core, subs, body.n)
+        actives = await run_in_threadpool(start_all, state.core, subs, body.n)
     except OpenAIRequestError as e:
         with request_scope(base):
             log.info("request refused: HTTP %d: %s", e.status, e.message)
@@ -215,7 +220,7 @@ async def _answer(state: FrontDoorState, body, kind: str, base: str, subs: list[
     with request_scope(base):
         log.info("%s request: %d sub-request(s), stream=%s, user=%r", kind, len(subs), body.stream, body.user)
     builder = builder_for(kind, base, state.model_name, state.tokenizer, body, subs)
-    events = _pump(subs, actives)
+    events = pump(subs, actives)
     if body.stream:
         opts = body.stream_options
         final = bool(opts and opts.include_usage)
@@ -227,6 +232,27 @@ async def _answer(state: FrontDoorState, body, kind: str, base: str, subs: list[
     return response
 
 
+async def _beam_answer(state: FrontDoorState, body, kind: str, base: str, subs: list[SubRequest], request: Request):
+    """vLLM's ``use_beam_search`` (:mod:`router.openai.beam`): the whole answer once every search ended; a
+    client that disconnects stops the search at its next step."""
+    cancelled = threading.Event()
+    try:
+        penalty = check_beam_request(body, subs)
+        with request_scope(base):
+            log.info("%s request: beam search of width %d, %d prompt(s)", kind, body.n, len(subs) // body.n)
+        choices = await _unless_gone(run_in_threadpool(search_all, state.core, subs, body.n, penalty,
+                                                       state.eos_token_ids, cancelled), request, base)
+    except OpenAIRequestError as e:
+        return _counted(state, request, error_response(e.status, e.message, param=e.param, code=e.code))
+    except RouterError as e:
+        return router_error_response(e, aliases=request_aliases(body))
+    finally:
+        cancelled.set()
+    if choices is _GONE:
+        return _client_closed()
+    return JSONResponse(builder_for(kind, base, state.model_name, state.tokenizer, body, subs).whole(choices, 0, body.n))
+
+
 _GONE = object()
 
 
@@ -234,7 +260,7 @@ def _client_closed():
     return error_response(499, "the client closed the request")
 
 
-async def _unless_gone(awaitable, request: Request, builder: ResponseBuilder):
+async def _unless_gone(awaitable, request: Request, request_id: str):
     """``await awaitable``, unless the client disconnects first (checked every
     :data:`DISCONNECT_POLL_S` seconds): then it is cancelled (in ``_pump`` that cancels every
     sub-request on both workers) and :data:`_GONE` is returned."""
@@ -242,7 +268,7 @@ async def _unless_gone(awaitable, request: Request, builder: ResponseBuilder):
     try:
         while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
             if await request.is_disconnected():
-                with request_scope(builder.id):
+                with request_scope(request_id):
                     log.info("client disconnected before the answer: cancelling the request")
                 return _GONE
         return task.result()
@@ -267,7 +293,7 @@ async def _whole(events, builder: ResponseBuilder, request: Request, top_logprob
         return JSONResponse(builder.whole(choices, top_logprobs, n))
 
     try:
-        answer = await _unless_gone(collect(), request, builder)
+        answer = await _unless_gone(collect(), request, builder.id)
         return _client_closed() if answer is _GONE else answer
     finally:
         await events.aclose()
@@ -278,7 +304,7 @@ async def _stream(events, builder: ResponseBuilder, request: Request, subs: list
     """The SSE answer, started once the first message is in: a request that fails before it (no
     live worker, refused on placement) gets its HTTP status (503, 429, ...) rather than a 200
     whose stream carries the error; a later failure ends the stream with an error event."""
-    first = await _unless_gone(anext(events, None), request, builder)
+    first = await _unless_gone(anext(events, None), request, builder.id)
     if first is _GONE or (first is not None and isinstance(first[1], RouterError)):
         await events.aclose()
         if first is _GONE:
@@ -296,71 +322,6 @@ async def _stream(events, builder: ResponseBuilder, request: Request, subs: list
 
     # sep: each event ends with "\n\n", as vLLM's (sse-starlette writes "\r\n\r\n" by default)
     return EventSourceResponse(_sse(chained(), builder, subs, n, usage), ping=15, sep="\n")
-
-
-def _start_all(core: RequestRouter, subs: list[SubRequest], n: int) -> list[ActiveRequest]:
-    """Validate and register every sub-request (all or none).
-
-    Raises:
-        OpenAIRequestError: 400: more sub-requests (prompts x ``n``) than the router holds at once
-            now (its admission capacity): no retry could admit them.
-        RouterError: the first one refused (the others are discarded).
-    """
-    capacity = core.admission.capacity() if core.admission is not None else None
-    if capacity is not None and len(subs) > capacity:
-        raise OpenAIRequestError(
-            f"{len(subs)} choices (prompts x n) exceed the {capacity} requests this router holds at once "
-            "(the decode workers' max_num_seqs + max_queued_requests, shared by the routers)",
-            param="n" if n > 1 else "prompt")
-    actives: list[ActiveRequest] = []
-    try:
-        for sub in subs:
-            actives.append(core.start(sub.request))
-    except RouterError:
-        for a in actives:
-            a.discard()
-        raise
-    return actives
-
-
-async def _pump(subs: list[SubRequest], actives: list[ActiveRequest]) -> AsyncIterator[tuple[int, object]]:
-    """Yield ``(choice index, GenerateResponse | RouterError)`` as the sub-requests produce them;
-    cancels every sub-request if the consumer stops early (client gone, first error)."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    first_token = threading.Event()
-
-    def relay(i: int, active: ActiveRequest) -> None:
-        try:
-            if i > 0 and not first_token.wait(FIRST_SAMPLE_WAIT_S):
-                late = RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "the first sample did not start in time")
-                active.discard(late)  # its responses() never runs: forgotten and counted here
-                raise late
-            for msg in active.responses():
-                loop.call_soon_threadsafe(queue.put_nowait, (subs[i].index, msg))
-                if msg.token_ids:
-                    first_token.set()
-        except RouterError as e:
-            loop.call_soon_threadsafe(queue.put_nowait, (subs[i].index, e))
-        finally:
-            first_token.set()
-            loop.call_soon_threadsafe(queue.put_nowait, (subs[i].index, None))
-
-    for i, active in enumerate(actives):
-        threading.Thread(target=relay, args=(i, active), name=f"http-{active.request_id}", daemon=True).start()
-    pending = len(actives)
-    try:
-        while pending:
-            index, item = await queue.get()
-            if item is None:
-                pending -= 1
-                continue
-            yield index, item
-    finally:
-        if pending:
-            for a in actives:
-                a.cancel()
-            first_token.set()
 
 
 async def _sse(events, builder: ResponseBuilder, subs: list[SubRequest], n: int, usage: StreamUsage):

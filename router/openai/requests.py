@@ -14,8 +14,8 @@ validator then checks them exactly as for the gRPC API); the differences are:
 
 A constraint is vLLM's ``structured_outputs`` or OpenAI's JSON ``response_format``
 (:func:`structured_outputs`). OpenAI fields this server does not serve (``suffix``,
-``best_of``, tools and functions, chat's ``echo``) and vLLM's extra fields it does not serve (beam search, the old
-``guided_*`` names, ``chat_template``, ...) are refused with 400 when a request asks for them
+``best_of``, the deprecated functions, chat's ``echo``; tools on completions) and vLLM's extra fields it does not
+serve (the old ``guided_*`` names, ``chat_template``, ...) are refused with 400 when a request asks for them
 (:func:`refuse_unsupported`); fields nobody declared are ignored.
 
 A string JSON allows but protobuf does not (a lone surrogate, ``"\\ud800"``) and a token id
@@ -67,7 +67,6 @@ _UNSUPPORTED = (  # (field, the values that ask for nothing, why another value i
     ("function_call", (None, "none"), "function calling is not supported by this server"),
     # vLLM's extra fields this server does not serve (``vllm/entrypoints/openai/protocol.py``): each
     # changes the answer, so asking for one is refused rather than silently ignored
-    ("use_beam_search", (None, False), "beam search is not supported"),
     ("guided_json", (None,), "guided_json is vLLM's old name: send structured_outputs {\"json\": schema}"),
     ("guided_regex", (None,), "guided_regex is vLLM's old name: send structured_outputs {\"regex\": ...}"),
     ("guided_choice", (None,), "guided_choice is vLLM's old name: send structured_outputs {\"choice\": [...]}"),
@@ -86,7 +85,7 @@ def field_of(body, name: str):
 
 def refuse_unsupported(body, served: frozenset[str] = frozenset()) -> None:
     """Refuse an OpenAI field this server knows but does not serve, when the request asks for it
-    (``suffix``, ``tools``, ``use_beam_search``, ...): ignoring it would answer a
+    (``suffix``, ``best_of``, ``guided_json``, ...): ignoring it would answer a
     different question. Fields nobody declared are ignored, as OpenAI's servers do.
 
     Raises:
