@@ -114,12 +114,12 @@ def _schema_problem(text: str, field: str) -> str | None:
         return f"{field} is not JSON: {e}"
     if not isinstance(schema, (dict, bool)):
         return f"{field} must be a JSON schema (an object or a boolean), got {type(schema).__name__}"
-    if _depth(schema) > MAX_SCHEMA_DEPTH:
+    if schema_depth(schema) > MAX_SCHEMA_DEPTH:
         return f"{field} nests deeper than {MAX_SCHEMA_DEPTH} levels"
     return None
 
 
-def _depth(value: Any) -> int:
+def schema_depth(value: Any) -> int:
     """Levels of nested objects and arrays in ``value`` (a scalar: 0), counted up to
     :data:`MAX_SCHEMA_DEPTH` + 1."""
     depth, level = 0, [value] if isinstance(value, (dict, list)) else []
@@ -142,12 +142,19 @@ def write_structured(msg: Any, spec: Mapping[str, Any], field: str = "structured
     the booleans of :data:`_ALREADY_SO` are accepted and change nothing.
 
     Raises:
-        TypeError: a key that is not a field (vLLM's other options are not served), or a value of
-            the wrong type; the message names ``field.<key>``.
+        TypeError: a key that is not a field (vLLM's other options are not served), a value of
+            the wrong type (the message names ``field.<key>``), or a string that is not valid Unicode.
     """
     if not isinstance(spec, Mapping):
         raise TypeError(f"{field} must be an object, got {type(spec).__name__}")
     msg.SetInParent()  # given, even empty: the router then refuses it as asking for nothing
+    try:
+        _write(msg, spec, field)
+    except UnicodeEncodeError as e:  # a lone surrogate, which JSON escapes allow and protobuf refuses
+        raise TypeError(f"{field} is not valid Unicode: {e.reason}") from None
+
+
+def _write(msg: Any, spec: Mapping[str, Any], field: str) -> None:
     for key, value in spec.items():
         if value is None:
             continue

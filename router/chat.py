@@ -29,6 +29,8 @@ from typing import Any
 from jinja2.exceptions import TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from router.limits import MAX_ARGUMENTS_DEPTH
+
 
 @dataclass(frozen=True)
 class ChatOptions:
@@ -150,7 +152,22 @@ def _arguments(text: str, where: str) -> dict:
         raise ValueError(f"{where}.function.arguments is not JSON: {text[:40]!r}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{where}.function.arguments must be a JSON object, got {type(value).__name__}")
+    if json_depth(value) > MAX_ARGUMENTS_DEPTH:  # the template renderer copies values recursively
+        raise ValueError(f"{where}.function.arguments nests deeper than {MAX_ARGUMENTS_DEPTH} levels")
     return value
+
+
+def json_depth(value) -> int:
+    """How deep JSON ``value`` nests (a scalar: 0), without recursion."""
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        item, level = todo.pop()
+        deepest = max(deepest, level)
+        if isinstance(item, dict):
+            todo.extend((v, level + 1) for v in item.values())
+        elif isinstance(item, list):
+            todo.extend((v, level + 1) for v in item)
+    return deepest
 
 
 def control_token_in(tokenizer, value) -> str | None:

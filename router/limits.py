@@ -36,6 +36,8 @@ MAX_TEMPLATE_KWARGS_DEPTH = 16
 #: How deep a chat's ``tools`` (JSON) may nest: a tool's parameters are a JSON schema, as deep as a
 #: structured output's (:data:`common.structured_outputs.MAX_SCHEMA_DEPTH`), inside the tool object.
 MAX_TOOLS_DEPTH = 68
+#: How deep an earlier tool call's arguments (JSON) may nest, as a template variable's.
+MAX_ARGUMENTS_DEPTH = MAX_TEMPLATE_KWARGS_DEPTH * 4
 #: The chat roles the router accepts: OpenAI's (``developer`` is its newer name of
 #: ``system``); the model's chat template renders them.
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")

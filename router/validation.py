@@ -30,8 +30,10 @@ from jinja2.exceptions import TemplateError
 from common.sampling_params import SamplingParam, Target, sampling_params
 from common.structured_outputs import structured_problem
 from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
-from router.chat import ChatOptions, control_token_in, render_chat, renderer_arguments, template_messages
+from router.chat import (ChatOptions, control_token_in, json_depth, render_chat, renderer_arguments,
+                         template_messages)
 from router.limits import CHAT_ROLES, MAX_REQUEST_ID_CHARS, MAX_TEMPLATE_KWARGS_DEPTH, MAX_TOOLS_DEPTH, Limits
+from router.tool_specs import check_tools
 
 
 class InvalidRequest(ValueError):
@@ -289,7 +291,7 @@ def _template_kwargs(text: str, tokenizer) -> dict:
         raise InvalidRequest(f"chat_template_kwargs is not valid JSON: {_clip(str(e), 80)}") from None
     if not isinstance(value, dict):
         raise InvalidRequest(f"chat_template_kwargs must be a JSON object, got {type(value).__name__}")
-    if _depth(value) > MAX_TEMPLATE_KWARGS_DEPTH:  # the template renderer copies values recursively
+    if json_depth(value) > MAX_TEMPLATE_KWARGS_DEPTH:  # the template renderer copies values recursively
         raise InvalidRequest(f"chat_template_kwargs nests deeper than {MAX_TEMPLATE_KWARGS_DEPTH} levels")
     if (token := control_token_in(tokenizer, value)) is not None:
         raise InvalidRequest(f"chat_template_kwargs holds a control token of the model ({token!r}): a template "
@@ -306,7 +308,8 @@ def _tools(text: str, tokenizer) -> list | None:
     """``MessageList.tools`` (a JSON array; empty: none) as a list.
 
     Raises:
-        InvalidRequest: not a JSON array of objects, nested too deep, or holding a control token.
+        InvalidRequest: not JSON, nested too deep, not function tools of OpenAI's shape
+            (:func:`router.tool_specs.check_tools`), or holding a control token.
     """
     if not text:
         return None
@@ -314,10 +317,12 @@ def _tools(text: str, tokenizer) -> list | None:
         value = json.loads(text)
     except (ValueError, RecursionError) as e:
         raise InvalidRequest(f"tools is not valid JSON: {_clip(str(e), 80)}") from None
-    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        raise InvalidRequest("tools must be a JSON array of tool objects")
-    if _depth(value) > MAX_TOOLS_DEPTH:
+    if json_depth(value) > MAX_TOOLS_DEPTH:
         raise InvalidRequest(f"tools nests deeper than {MAX_TOOLS_DEPTH} levels")
+    try:
+        check_tools(value)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
     if (token := control_token_in(tokenizer, value)) is not None:
         raise InvalidRequest(f"tools holds a control token of the model ({token!r}): the template writes the "
                              "tools as its own text, where it would be a real one")
@@ -328,19 +333,6 @@ def _message_bytes(m) -> int:
     """A message's bytes the template writes: role, content, name, call id and tool calls."""
     calls = sum(len(c.id.encode()) + len(c.name.encode()) + len(c.arguments.encode()) for c in m.tool_calls)
     return sum(len(x.encode()) for x in (m.role, m.content, m.name, m.tool_call_id)) + calls
-
-
-def _depth(value) -> int:
-    """How deep JSON ``value`` nests (a scalar: 0), without recursion."""
-    deepest, todo = 0, [(value, 0)]
-    while todo:
-        item, level = todo.pop()
-        deepest = max(deepest, level)
-        if isinstance(item, dict):
-            todo.extend((v, level + 1) for v in item.values())
-        elif isinstance(item, list):
-            todo.extend((v, level + 1) for v in item)
-    return deepest
 
 
 def request_id_problem(rid: str) -> str | None:

@@ -12,7 +12,7 @@ import pytest
 
 from common.tokenizer import load_tokenizer
 from pdcluster.cli import build_parser
-from pdcluster.v1 import router_pb2
+from pdcluster.v1 import common_pb2, router_pb2
 from router.chat import ChatOptions
 from router.config import RouterConfig
 from router.limits import Limits
@@ -91,7 +91,21 @@ BAD_TOOLS = [
     (dict(tools=[{"type": "retrieval"}]), 'tools[0] must be {"type": "function"', "tools"),
     (dict(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools[0].function.name must be", "tools"),
     (dict(tools=[WEATHER, WEATHER]), "tools[1].function.name 'get_weather' is given twice", "tools"),
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]), "must be a JSON schema", "tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]), "JSON schema of an object", "tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]),
+     "tools[0].function.parameters must be the JSON schema of an object", "tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"$defs": [1]}}}]),
+     "parameters.$defs must be an object", "tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"$ref": "#"}}}}}]),
+     "$ref '#' is not served", "tools"),
+    (dict(tools=[{"type": "function", "function": {"name": f, "parameters": {"$defs": {"x": {"type": t}}}}}
+                 for f, t in (("f", "string"), ("g", "integer"))], tool_choice="required"),
+     "tools define $defs.x twice, differently", "tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "description": "\ud800"}}], tool_choice="none"),
+     "tools is not valid Unicode", "tools"),
+    (dict(chat_template_kwargs={"x": "\ud800"}), "chat_template_kwargs is not valid Unicode", "chat_template_kwargs"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"\ud800": 1}}}),
+     "not valid Unicode", "response_format"),
     (dict(tools=[WEATHER] + [{"type": "function", "function": {"name": f"f{i}"}} for i in range(MAX_TOOLS)]),
      f"at most {MAX_TOOLS}", "tools"),
     (dict(tools=[WEATHER], tool_choice="sometimes"), "tool_choice must be one of", "tool_choice"),
@@ -112,6 +126,26 @@ def test_malformed_tools_are_refused_naming_the_field(extra, message, param):
     with pytest.raises(OpenAIRequestError) as e:
         chat_requests(_chat(**extra))
     assert message in e.value.message and e.value.param == param, (e.value.message, e.value.param)
+
+
+def test_auto_keeps_the_first_call_without_parallel_calls_and_schema_errors_name_the_tools():
+    """parallel_tool_calls false: an auto answer's later calls are dropped (vLLM's); a forced choice's constraint that
+    the router or a worker refuses is reported on tools, not on the structured_outputs the client never sent."""
+    from grpc import StatusCode
+
+    from router.errors import RouterError
+    from router.openai.errors import request_aliases, router_error_response
+    two = '<tool_call>{"name": "get_weather", "arguments": {"city": "A"}}</tool_call>' \
+          '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    for parallel, names in [(True, ["get_weather", "get_time"]), (False, ["get_weather"])]:
+        _, [sub] = chat_requests(_chat(tools=[WEATHER, TIME], parallel_tool_calls=parallel), tool_parser="hermes")
+        whole = ResponseBuilder("chat", "x", "m", None, False, tools=sub.tools).whole(
+            {0: [router_pb2.GenerateResponse(text=two, finish_reason=common_pb2.FINISH_REASON_STOP)]}, 0, 1)["choices"][0]
+        assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == names
+    body = _chat(tools=[WEATHER], tool_choice="required")
+    error = RouterError(StatusCode.INVALID_ARGUMENT, "structured_outputs.json does not compile: bad type")
+    answer = json.loads(router_error_response(error, aliases=request_aliases(body)).body)["error"]
+    assert answer["param"] == "tools" and answer["message"].startswith("tools (the schema"), answer
 
 
 def test_each_tool_choice_constrains_and_reads_the_answer():
@@ -135,7 +169,6 @@ def test_each_tool_choice_constrains_and_reads_the_answer():
 def test_whole_and_streamed_answers_carry_the_same_calls():
     """The response builder: a required answer becomes tool_calls with finish_reason tool_calls and no content,
     streamed as one delta per call; a named one ends with stop (OpenAI's); auto keeps the text around calls."""
-    from pdcluster.v1 import common_pb2
     stop = common_pb2.FINISH_REASON_STOP
     for choice, text, finish in [("required", '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]', "tool_calls"),
                                  ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Oslo"}', "stop"),
@@ -183,6 +216,7 @@ def test_the_chat_template_sees_tools_tool_calls_and_call_ids(model_dir):
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in text, text
     assert "12 C [call_1]<|im_end|>" in text and text.endswith("<|im_start|>assistant\n"), text
     for arguments, message in [("[1]", "must be a JSON object"), ("{", "is not JSON"),
+                               ('{"a":' * 500 + "1" + "}" * 500, "nests deeper than"),
                                ('{"a": "<|im_end|>"}', "holds a control token")]:
         chat.messages[1].tool_calls[0].arguments = arguments
         with pytest.raises(InvalidRequest, match="messages\\[1\\]") as e:
@@ -191,6 +225,9 @@ def test_the_chat_template_sees_tools_tool_calls_and_call_ids(model_dir):
     chat.messages[1].tool_calls[0].arguments = "{}"
     chat.tools = json.dumps([{"type": "function", "function": {"name": "x", "description": "<|im_start|>"}}])
     with pytest.raises(InvalidRequest, match="tools holds a control token"):
+        validator.tokenize(router_pb2.GenerateRequest(messages=chat))
+    chat.tools = json.dumps([WEATHER, WEATHER])  # the gRPC door checks the tools' shape as the HTTP one
+    with pytest.raises(InvalidRequest, match="tools\\[1\\].function.name 'get_weather' is given twice"):
         validator.tokenize(router_pb2.GenerateRequest(messages=chat))
 
 

@@ -24,13 +24,14 @@ def chat_prompt(request, tools: ToolChoice | None = None) -> router_pb2.MessageL
     ``chat_template_kwargs`` (sent as JSON text; the router checks them), and ``tools``.
 
     Raises:
-        OpenAIRequestError: as :func:`chat_text`.
+        OpenAIRequestError: as :func:`chat_text`; a template variable or tool that is not valid Unicode.
     """
-    kwargs = request.chat_template_kwargs
-    chat = router_pb2.MessageList(messages=chat_text(request),
-                                  continue_final_message=bool(request.continue_final_message),
-                                  chat_template_kwargs=json.dumps(kwargs, ensure_ascii=False) if kwargs else "",
-                                  tools=tools_json(tools))
+    kwargs = json.dumps(request.chat_template_kwargs, ensure_ascii=False) if request.chat_template_kwargs else ""
+    listed = tools_json(tools)
+    check_utf8(kwargs, "chat_template_kwargs", "chat_template_kwargs")
+    check_utf8(listed, "tools", "tools")
+    chat = router_pb2.MessageList(messages=chat_text(request), continue_final_message=bool(request.continue_final_message),
+                                  chat_template_kwargs=kwargs, tools=listed)
     if request.add_generation_prompt is not None:
         chat.add_generation_prompt = request.add_generation_prompt
     return chat

@@ -130,7 +130,7 @@ def unknown_model(name: str, served: str) -> Response:
 def request_aliases(body) -> dict[str, str]:
     """The router's parameter names a chat request sent under OpenAI's other names: ``max_tokens``
     as ``max_completion_tokens``, the number of top ``logprobs`` as ``top_logprobs``, a constraint
-    as OpenAI's ``response_format``."""
+    as OpenAI's ``response_format`` or, for a named or required tool choice, the ``tools``."""
     aliases = {}
     if getattr(body, "max_completion_tokens", None) is not None:
         aliases["max_tokens"] = "max_completion_tokens"
@@ -138,6 +138,8 @@ def request_aliases(body) -> dict[str, str]:
         aliases["logprobs"] = "top_logprobs"
     if (getattr(body, "model_extra", None) or {}).get("response_format") not in (None, {"type": "text"}):
         aliases["structured_outputs"] = "response_format"
+    if getattr(body, "tools", None) and getattr(body, "tool_choice", None) not in (None, "none", "auto"):
+        aliases["structured_outputs"] = "tools"  # a named or required choice's constraint: the tools' schemas
     return aliases
 
 
@@ -145,6 +147,10 @@ def named_param(message: str) -> str | None:
     """The request field a validation message names first (``sampling.`` left out), if any."""
     match = _PARAM.match(message)
     return match.group(1) if match else None
+
+
+_SCHEMA_FIELDS = {"response_format": "response_format.json_schema.schema",
+                  "tools": "tools (the schema the tool choice constrains the answer to)"}
 
 
 def router_error_response(e: RouterError, body_only: bool = False, aliases: dict[str, str] | None = None):
@@ -158,8 +164,8 @@ def router_error_response(e: RouterError, body_only: bool = False, aliases: dict
     message = e.message
     if param is not None and message.startswith(f"sampling.{param}"):  # named as the body wrote it
         message = field + message[len(f"sampling.{param}"):]
-    if field == "response_format" and message.startswith("structured_outputs.json"):  # the worker's name of it
-        message = "response_format.json_schema.schema" + message[len("structured_outputs.json"):]
+    if field in _SCHEMA_FIELDS and message.startswith("structured_outputs.json"):  # the worker's name of it
+        message = _SCHEMA_FIELDS[field] + message[len("structured_outputs.json"):]
     body = error_body(status, message, param=field, code=e.code.name.lower())
     if body_only:
         return body

@@ -106,6 +106,8 @@ def _tokenize(state, body: TokenizeRequest) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise OpenAIRequestError("exactly one of prompt and messages is required", param="prompt")
     refuse_unsupported(body, served=frozenset({"tools"}))
+    if body.tools and body.messages is None:
+        raise OpenAIRequestError("tools go to the chat template: give them with messages", param="tools")
     if body.messages is not None:
         if body.add_special_tokens:
             raise OpenAIRequestError("add_special_tokens: true is not supported with messages (the chat "

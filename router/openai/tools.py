@@ -17,20 +17,20 @@
 
 The constraints are structured outputs (:mod:`common.structured_outputs`, compiled by the
 workers), so a request cannot give ``response_format`` too with a named or required choice.
-Limits: at most :data:`MAX_TOOLS` tools, names of 1-64 letters, digits, ``_`` and ``-``
-(OpenAI's), each named once.
+The tools' shape is checked as on the gRPC door (:mod:`router.tool_specs`: at most
+:data:`router.tool_specs.MAX_TOOLS` function tools, names of 1-64 letters, digits, ``_`` and ``-``
+(OpenAI's), each named once, parameters the schema of an object). With ``parallel_tool_calls:
+false``, ``auto`` keeps an answer's first call only (vLLM's ``maybe_filter_parallel_tool_calls``).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 
 from router.tool_parsers import TOOL_PARSERS, NamedParser, RequiredParser, ToolParser
+from router.tool_specs import MAX_TOOLS, check_tools
 
-MAX_TOOLS = 128
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _CHOICES = ("none", "auto", "required")
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -76,7 +76,7 @@ class ToolChoice:
         if self.choice == "required":
             return RequiredParser()
         if self.choice == "auto":
-            return TOOL_PARSERS[self.parser]()
+            return TOOL_PARSERS[self.parser](max_calls=None if self.parallel else 1)
         return None
 
     def keeps_special_tokens(self, tokenizer) -> bool:
@@ -116,7 +116,9 @@ def tool_choice(body, parser: str | None) -> ToolChoice | None:
     if choice == "auto" and parser is None:
         raise ToolRequestError('tool_choice "auto" needs a tool call parser: this server was started without '
                                "--tool-call-parser (name a function, or use \"required\" or \"none\")", "tool_choice")
-    return ToolChoice(list(tools), choice, function, body.parallel_tool_calls is not False, parser)
+    picked = ToolChoice(list(tools), choice, function, body.parallel_tool_calls is not False, parser)
+    picked.constraint()  # raises ToolRequestError where the tools' definitions collide
+    return picked
 
 
 def template_tools(tools: list | None) -> ToolChoice | None:
@@ -132,26 +134,10 @@ def template_tools(tools: list | None) -> ToolChoice | None:
 
 
 def _check_tools(tools: list) -> None:
-    if len(tools) > MAX_TOOLS:
-        raise ToolRequestError(f"tools has {len(tools)} entries; at most {MAX_TOOLS}", "tools")
-    seen = set()
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-            raise ToolRequestError(f'{where} must be {{"type": "function", "function": {{"name": ...}}}} '
-                                   "(function tools are served)", "tools")
-        fn = tool["function"]
-        name = fn.get("name")
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise ToolRequestError(f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-', "
-                                   f"got {name!r}"[:200], "tools")
-        if name in seen:
-            raise ToolRequestError(f"{where}.function.name {name!r} is given twice", "tools")
-        seen.add(name)
-        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise ToolRequestError(f"{where}.function.parameters must be a JSON schema (an object)", "tools")
-        if fn.get("description") is not None and not isinstance(fn["description"], str):
-            raise ToolRequestError(f"{where}.function.description must be a string", "tools")
+    try:
+        check_tools(tools)
+    except ValueError as e:
+        raise ToolRequestError(str(e), "tools") from None
 
 
 def _named(choice: dict, names: set[str]) -> str:
@@ -168,29 +154,28 @@ def _named(choice: dict, names: set[str]) -> str:
 def required_schema(tools: list[dict], parallel: bool = True) -> dict:
     """The JSON schema of ``required``'s answer: an array of at least one (at most one unless
     ``parallel``) ``{"name": <a tool's name>, "parameters": <its parameters>}``, one ``anyOf``
-    branch per tool; each tool's ``$defs`` move to the top so its ``#/$defs/...`` references
-    still resolve (vLLM's ``_get_json_schema_from_tool``).
+    branch per tool; each tool's ``$defs`` and ``definitions`` move to the top so its references
+    (:mod:`router.tool_specs` allows only those) still resolve (vLLM's ``_get_json_schema_from_tool``).
 
     Raises:
-        ToolRequestError: two tools define one ``$defs`` name differently.
+        ToolRequestError: two tools define one name of ``$defs`` or ``definitions`` differently.
     """
     defs: dict = {}
     branches = []
     for tool in tools:
         fn = tool["function"]
         params = dict(fn.get("parameters") or _EMPTY_PARAMETERS)
-        for key, value in (params.pop("$defs", None) or {}).items():
-            if key in defs and defs[key] != value:
-                raise ToolRequestError(f"tools define $defs.{key} twice, differently"[:200], "tools")
-            defs[key] = value
+        for group in ("$defs", "definitions"):
+            for key, value in (params.pop(group, None) or {}).items():
+                if defs.setdefault(group, {}).setdefault(key, value) != value:
+                    raise ToolRequestError(f"tools define {group}.{key} twice, differently"[:200], "tools")
         branches.append({"type": "object", "properties": {"name": {"type": "string", "enum": [fn["name"]]},
                                                           "parameters": params},
                          "required": ["name", "parameters"]})
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
     if not parallel:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
+    schema.update((group, values) for group, values in defs.items() if values)
     return schema
 
 

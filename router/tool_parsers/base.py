@@ -62,6 +62,7 @@ class ToolParser:
     calling :meth:`_text` for content and :meth:`_call` for a whole call.
 
     Attributes:
+        max_calls: calls kept at most (later ones are dropped); ``None``: all.
         calls: how many calls began so far.
     """
 
@@ -69,7 +70,8 @@ class ToolParser:
     #: token, the request keeps special tokens in its text (vLLM's ``adjust_request``).
     markers: tuple[str, ...] = ()
 
-    def __init__(self) -> None:
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls
         self.calls = 0
         self._blank = ""  # whitespace content held back (module docstring)
         self._out = Parsed()
@@ -107,6 +109,8 @@ class ToolParser:
 
     def _call(self, name: str, arguments: str) -> None:
         self._blank = ""
+        if self.max_calls is not None and self.calls >= self.max_calls:
+            return  # parallel_tool_calls false: the first call only (vLLM's maybe_filter_parallel_tool_calls)
         self._out.calls.append(CallDelta(self.calls, arguments, call_id(), name))
         self.calls += 1
 

@@ -19,8 +19,8 @@ START, END = "<tool_call>", "</tool_call>"
 class HermesParser(ToolParser):
     markers = (START, END)
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, max_calls: int | None = None) -> None:
+        super().__init__(max_calls)
         self._buf = ""
         self._inside = False
 

@@ -29,8 +29,8 @@ class _JsonSequence(ToolParser):
 
     _skip = " \t\r\n"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, max_calls: int | None = None) -> None:
+        super().__init__(max_calls)
         self._all = ""  # the whole answer, given back as content when it held no call
         self._buf = ""
         self._calls_mode: bool | None = None  # None: undecided yet
