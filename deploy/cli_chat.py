@@ -1,4 +1,4 @@
-"""``pdcluster up``'s chat flags: the chat template the router renders with and the tool-call parser.
+"""``pdcluster up``'s chat flags: the chat template the router renders with, the reasoning and tool-call parsers.
 
 ``--chat-template`` is vLLM's: a Jinja file (or a template in one line) that replaces the
 model's own, e.g. one that writes the request's tools into the prompt for a model whose template
@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 
 from router.chat import MAX_CHAT_TEMPLATE_BYTES, check_chat_template
+from router.reasoning_parsers import REASONING_PARSERS
 from router.tool_parsers import TOOL_PARSERS
 
 
@@ -38,10 +39,13 @@ def chat_template_arg(value: str) -> str:
 
 
 def add_chat_flags(p: argparse.ArgumentParser) -> None:
-    """``--chat-template`` and ``--tool-call-parser`` (vLLM's flags)."""
+    """``--chat-template``, ``--reasoning-parser`` and ``--tool-call-parser`` (vLLM's flags)."""
     p.add_argument("--chat-template", type=chat_template_arg, default=None, metavar="PATH",
                    help="a Jinja chat template file (or a template in one line) the router renders chats with "
                         "instead of the model's own (vLLM's flag); default: the model's")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None, metavar="NAME",
+                   help="how the served model marks its thinking, split off into reasoning_content (vLLM's flag; one "
+                        f"of {', '.join(sorted(REASONING_PARSERS))}); default: none, thinking stays in content")
     p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None, metavar="NAME",
                    help="how the served model writes tool calls, read out of answers with tool_choice \"auto\" "
                         f"(vLLM's flag; one of {', '.join(sorted(TOOL_PARSERS))}); default: none, auto refused")

@@ -264,7 +264,8 @@ def _router_config(args, folder: str, redis_url: str, max_model_len: int, log: L
                                                                    ttft_slo_ms=args.ttft_slo_ms),
                       breaker=BreakerConfig(failures=args.breaker_failures, cooldown_s=args.breaker_cooldown_s),
                       reuse_port=args.routers > 1, allowed_origins=args.allowed_origins,
-                      tool_call_parser=args.tool_call_parser, chat_template=args.chat_template)
+                      tool_call_parser=args.tool_call_parser, chat_template=args.chat_template,
+                      reasoning_parser=args.reasoning_parser)
 
 
 _CLUSTER_FLAGS = {"num_prefill": "--prefill", "num_decode": "--decode", "num_colocated": "--workers",

@@ -19,6 +19,7 @@ from router.limits import (
 from router.migration import DEFAULT_MAX_MIGRATIONS, check_max_migrations
 from router.openai.cors import check_origins
 from router.policy_names import DEFAULT_POLICY, check_policy
+from router.reasoning_parsers import check_reasoning_parser
 from router.tool_parsers import check_tool_parser
 from serving.logs import LogConfig
 from serving.security import SecurityConfig
@@ -67,6 +68,8 @@ class RouterConfig:
         tool_call_parser: the registered parser reading tool calls out of answers to
             ``tool_choice: "auto"`` (``pdcluster up --tool-call-parser``; :mod:`router.tool_parsers`);
             ``None``: ``auto`` is refused.
+        reasoning_parser: the registered parser splitting a chat answer's thinking into
+            ``reasoning_content`` (``pdcluster up --reasoning-parser``; :mod:`router.reasoning_parsers`).
         chat_template: a Jinja chat template the router renders chats with instead of the model's
             own (``pdcluster up --chat-template``, vLLM's); ``None``: the model's.
         max_prompt_bytes: a prompt's bytes (text, or chat roles and contents), checked
@@ -89,7 +92,7 @@ class RouterConfig:
     Raises:
         ValueError: a non-positive ``max_model_len``, ``view_period_s``, ``max_request_bytes``,
             ``http_body_timeout_s``, ``http_header_timeout_s``, ``http_max_connections`` or
-            ``max_prompt_bytes``, an unregistered ``policy`` or ``tool_call_parser`` (the
+            ``max_prompt_bytes``, an unregistered ``policy``, ``tool_call_parser`` or ``reasoning_parser`` (the
             message lists the registered names), a ``chat_template`` that is no Jinja, ``max_migrations`` outside ``[0, 100]``, a
             negative ``index`` or an allowed origin that is not one.
     """
@@ -112,6 +115,7 @@ class RouterConfig:
     grpc_max_connections: int = DEFAULT_GRPC_MAX_CONNECTIONS
     allowed_origins: tuple[str, ...] = ()
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     chat_template: str | None = None
     max_prompt_bytes: int | None = None
     max_migrations: int = DEFAULT_MAX_MIGRATIONS
@@ -153,5 +157,6 @@ class RouterConfig:
         check_max_migrations(self.max_migrations)
         check_origins(self.allowed_origins)
         check_tool_parser(self.tool_call_parser)
+        check_reasoning_parser(self.reasoning_parser)
         if self.chat_template is not None:
             check_chat_template(self.chat_template)

@@ -143,7 +143,7 @@ class RouterServer:
             self.core, cfg.model, tokenizer, self.serving_now, self.scrape_targets, self.metrics.registry,
             cfg.security.accepts_api_key, int(time.time()), max_len, cfg.max_request_bytes,
             cfg.http_body_timeout_s, self.metrics, cfg.allowed_origins, cfg.tool_call_parser,
-            frozenset(eos_token_ids))), cfg.host,
+            frozenset(eos_token_ids), cfg.reasoning_parser)), cfg.host,
             cfg.http_port, tls=tls, reuse_port=cfg.reuse_port, header_timeout_s=cfg.http_header_timeout_s,
             max_connections=cfg.http_max_connections, answered=self._http_answered)
 

@@ -139,7 +139,7 @@ def test_auto_keeps_the_first_call_without_parallel_calls_and_schema_errors_name
           '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
     for parallel, names in [(True, ["get_weather", "get_time"]), (False, ["get_weather"])]:
         _, [sub] = chat_requests(_chat(tools=[WEATHER, TIME], parallel_tool_calls=parallel), tool_parser="hermes")
-        whole = ResponseBuilder("chat", "x", "m", None, False, tools=sub.tools).whole(
+        whole = ResponseBuilder("chat", "x", "m", None, False, reading=sub.reading).whole(
             {0: [router_pb2.GenerateResponse(text=two, finish_reason=common_pb2.FINISH_REASON_STOP)]}, 0, 1)["choices"][0]
         assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == names
     body = _chat(tools=[WEATHER], tool_choice="required")
@@ -175,7 +175,7 @@ def test_whole_and_streamed_answers_carry_the_same_calls():
                                  ("auto", 'Hm.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
                                           '</tool_call>', "tool_calls")]:
         _, [sub] = chat_requests(_chat(tools=[WEATHER], tool_choice=choice), tool_parser="hermes")
-        builder = ResponseBuilder("chat", "chatcmpl-x", "m", None, False, tools=sub.tools)
+        builder = ResponseBuilder("chat", "chatcmpl-x", "m", None, False, reading=sub.reading)
         msgs = [router_pb2.GenerateResponse(text=text[:5]), router_pb2.GenerateResponse(text=text[5:], finish_reason=stop)]
         whole = builder.whole({0: msgs}, 0, 1)["choices"][0]
         call = whole["message"]["tool_calls"][0]
@@ -270,7 +270,7 @@ def test_the_example_template_renders_tools_calls_and_results_and_plain_chats_as
 def state(tmp_path_factory):
     with running_cluster(tmp_path_factory.mktemp("state"), "--max-model-len", "1024", "--block-size", "16",
                          "--num-kv-blocks", "96", "--heartbeat-s", "0.5", "--tool-call-parser", "hermes",
-                         "--chat-template", str(TEMPLATE_FILE)) as state:
+                         "--reasoning-parser", "qwen3", "--chat-template", str(TEMPLATE_FILE)) as state:
         yield state
 
 
@@ -350,4 +350,36 @@ def test_tool_calls_end_to_end(state, tokenizer, hf_model, model_config, model_d
             f"http://{state['router_http_address']}/tokenize", method="POST", headers={"Content-Type": "application/json"},
             data=json.dumps({"messages": messages, "tools": [WEATHER, TIME]}).encode())) as r:
         assert json.loads(r.read())["tokens"] == prompt
+    assert_no_leak(state)
+
+
+def test_reasoning_end_to_end(state):
+    """--reasoning-parser qwen3: an answer that thinks first (forced here by a regex: this model does not think)
+    comes back as reasoning_content and content, streamed alike; include_reasoning false drops it; a call after
+    the thinking is read as a call; an answer without thinking is content with reasoning_content null."""
+    think = r"<think>[a-z ]{1,24}</think>\n\nThe answer is [0-9]\."
+    base = dict(model="", messages=[{"role": "user", "content": "What is 2 + 2?"}], temperature=0, max_tokens=48)
+    with openai.OpenAI(base_url=f"http://{state['router_http_address']}/v1", api_key="unused", max_retries=0,
+                       timeout=300) as oai:
+        got = oai.chat.completions.create(extra_body={"structured_outputs": {"regex": think}}, **base).choices[0]
+        reasoning = got.message.model_extra["reasoning_content"]
+        assert reasoning and "<think>" not in reasoning and got.message.content.startswith("\n\nThe answer is "), got
+        streamed = {"reasoning_content": "", "content": ""}
+        for chunk in oai.chat.completions.create(stream=True, extra_body={"structured_outputs": {"regex": think}},
+                                                 **base):
+            delta = chunk.choices[0].delta
+            streamed["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content") or ""
+            streamed["content"] += delta.content or ""
+        assert streamed == {"reasoning_content": reasoning, "content": got.message.content}
+        quiet = oai.chat.completions.create(extra_body={"structured_outputs": {"regex": think},
+                                                        "include_reasoning": False}, **base).choices[0]
+        assert quiet.message.model_extra["reasoning_content"] is None and quiet.message.content == got.message.content
+        plain = oai.chat.completions.create(**{**base, "max_tokens": 6}).choices[0]
+        assert plain.message.content and plain.message.model_extra["reasoning_content"] is None
+        call = r'<think>[a-z ]{1,16}</think>\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Oslo"\}\}\n</tool_call>'
+        got = oai.chat.completions.create(tools=[WEATHER], extra_body={"structured_outputs": {"regex": call}},
+                                          **{**base, "max_tokens": 80}).choices[0]
+        assert got.finish_reason == "tool_calls" and got.message.model_extra["reasoning_content"], got
+        assert [(c.function.name, c.function.arguments) for c in got.message.tool_calls] == \
+            [("get_weather", '{"city": "Oslo"}')] and got.message.content is None
     assert_no_leak(state)

@@ -87,6 +87,8 @@ class FrontDoorState:
             itself counts in ``request_errors`` (``None``: not counted).
         allowed_origins: origins browsers may call from (CORS, :mod:`router.openai.cors`; none: off).
         eos_token_ids: the model's end-of-sequence tokens (a beam search ends a beam at one).
+        reasoning_parser: the registered parser splitting chat answers' thinking off
+            (:mod:`router.reasoning_parsers`; none: it stays in the content).
         tool_parser: the registered parser of ``tool_choice: "auto"`` answers (:mod:`router.tool_parsers`;
             none: ``auto`` is refused).
     """
@@ -106,6 +108,7 @@ class FrontDoorState:
     allowed_origins: tuple[str, ...] = ()
     tool_parser: str | None = None
     eos_token_ids: frozenset[int] = frozenset()
+    reasoning_parser: str | None = None
 
 
 def build_app(state: FrontDoorState):
@@ -143,7 +146,8 @@ def build_app(state: FrontDoorState):
     async def model(model: str):
         return model_card() if model == state.model_name else unknown_model(model, state.model_name)
 
-    chat_expander = partial(chat_requests, tool_parser=state.tool_parser, tokenizer=state.tokenizer)
+    chat_expander = partial(chat_requests, tool_parser=state.tool_parser, tokenizer=state.tokenizer,
+                            reasoning_parser=state.reasoning_parser)
 
     @app.post(COMPLETIONS_ROUTE)
     async def completions(body: CompletionRequest, request: Request):

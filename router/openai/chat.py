@@ -10,8 +10,10 @@ template too, and ``tool_choice`` decides how the answer is read (:mod:`router.o
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from pdcluster.v1 import common_pb2, router_pb2
+from router.openai.answer import AnswerReading
 from router.openai.protocol import ChatCompletionRequest
 from router.openai.requests import (CHAT_ROUTE, ID_PREFIXES, OpenAIRequestError, SubRequest, check_utf8, expand,
                                     field_of, refuse_unsupported)
@@ -105,11 +107,12 @@ def _tool_calls(calls: list[dict], i: int) -> list[common_pb2.ToolCall]:
 
 
 def chat_requests(body: ChatCompletionRequest, client_id: str | None = None, tool_parser: str | None = None,
-                  tokenizer=None) -> tuple[str, list[SubRequest]]:
+                  tokenizer=None, reasoning_parser: str | None = None) -> tuple[str, list[SubRequest]]:
     """The sub-requests of a ``/v1/chat/completions`` body (``n`` of them) and their base id
-    (``chatcmpl-<client_id>`` with the client's ``X-Request-Id``, as vLLM's); ``tool_parser``:
-    the router's (``tool_choice: "auto"``); where its call markers are special tokens of
-    ``tokenizer``, the text keeps special tokens unless the request says otherwise.
+    (``chatcmpl-<client_id>`` with the client's ``X-Request-Id``, as vLLM's), each with how its
+    answer is read (:class:`router.openai.answer.AnswerReading`: the router's ``tool_parser``
+    for ``tool_choice: "auto"`` and ``reasoning_parser``); where a marker they read is a special
+    token of ``tokenizer``, the text keeps special tokens unless the request says otherwise.
 
     Raises:
         OpenAIRequestError: a non-text content part, ``n`` or ``top_logprobs`` out of shape,
@@ -132,8 +135,9 @@ def chat_requests(body: ChatCompletionRequest, client_id: str | None = None, too
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     base, subs = expand([{"messages": messages}], body, logprobs, top, max_tokens, ID_PREFIXES[CHAT_ROUTE],
                         client_id, tools)
-    if tools is not None and tokenizer is not None and field_of(body, "skip_special_tokens") is None \
-            and tools.keeps_special_tokens(tokenizer):
-        for sub in subs:
+    reading = AnswerReading(reasoning_parser, body.include_reasoning, tools)
+    keep = tokenizer is not None and field_of(body, "skip_special_tokens") is None and reading.keeps_special_tokens(tokenizer)
+    for sub in subs:
+        if keep:
             sub.request.sampling.skip_special_tokens = False
-    return base, subs
+    return base, [replace(sub, reading=reading) if reading.reads else sub for sub in subs]

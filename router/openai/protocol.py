@@ -120,3 +120,4 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict] | None = None  # router.openai.tools
     tool_choice: Union[str, dict, None] = None
     parallel_tool_calls: StrictBool | None = None
+    include_reasoning: StrictBool = True  # vLLM's: false leaves reasoning_content out (router.openai.answer)

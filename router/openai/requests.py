@@ -34,6 +34,7 @@ from pdcluster.v1 import common_pb2, router_pb2
 from router.limits import MAX_CHOICES, MAX_N
 from router.openai.errors import request_aliases
 from router.openai.protocol import CompletionRequest
+from router.openai.answer import AnswerReading
 from router.openai.tools import ToolChoice
 
 _UINT32_LIMIT = 1 << 32
@@ -56,6 +57,7 @@ class SubRequest:
     request: router_pb2.GenerateRequest
     top_logprobs: int
     tools: ToolChoice | None = None
+    reading: AnswerReading | None = None  # a chat answer's reasoning and tool calls, read by the router
 
 
 _UNSUPPORTED = (  # (field, the values that ask for nothing, why another value is refused)

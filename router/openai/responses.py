@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from pdcluster.v1 import common_pb2
 from router.openai.echo import Echo, echo_of
-from router.openai.tools import ToolChoice
-from router.tool_parsers import CallDelta, ToolParser
+from router.openai.answer import AnswerReader, AnswerReading
+from router.tool_parsers import CallDelta
 from router.openai.chat import answer_role
 
 FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
@@ -132,20 +132,20 @@ class ResponseBuilder:
     choice, once at the top of a chat body (its choices share the prompt). With ``echo``
     (:class:`router.openai.echo.Echo`) a completions choice's text starts with its prompt's (a
     stream's first chunk of the choice), and so do its logprobs (the first prompt token's logprob and
-    top entries are ``None``, as vLLM's). With ``tools`` a chat answer's text is read into content and
-    ``tool_calls`` (:meth:`_message`, streamed by :meth:`_delta`)."""
+    top entries are ``None``, as vLLM's). With a ``reading`` a chat answer's text is read into
+    ``reasoning_content``, content and ``tool_calls`` (:meth:`_message`, streamed by :meth:`_delta`)."""
 
     def __init__(self, kind: str, request_id: str, model: str, tokenizer, logprobs: bool,
                  token_ids: bool = False, role: str = "assistant", prompt_logprobs: bool = False,
-                 echo: Echo | None = None, tools: ToolChoice | None = None) -> None:
+                 echo: Echo | None = None, reading: AnswerReading | None = None) -> None:
         self.kind, self.id, self.model, self.role = kind, request_id, model, role
         self.created = int(time.time())
         self.logprobs = logprobs
         self.prompt_logprobs = prompt_logprobs
         self.echo = echo
         self._echoed: set[int] = set()  # streamed choices whose prompt went out
-        self.tools = tools
-        self._parsers: dict[int, ToolParser] = {}  # a streamed choice's
+        self.reading = reading
+        self._readers: dict[int, AnswerReader] = {}  # a streamed choice's
         self.text = LogprobText(tokenizer, token_ids)
         self.tokenizer = tokenizer
         self.object = "chat.completion" if kind == "chat" else "text_completion"
@@ -205,36 +205,35 @@ class ResponseBuilder:
         body["logprobs"] = part
 
     def _message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
-        """A whole chat answer's ``message`` and ``finish_reason``: with tools, ``text`` read by the
-        tool choice's parser (:mod:`router.openai.tools`), calls as ``tool_calls`` and the
-        content ``None`` when only whitespace surrounds them."""
-        parser = self.tools.new_parser() if self.tools is not None else None
-        if parser is None:
+        """A whole chat answer's ``message`` and ``finish_reason``: with a reading
+        (:mod:`router.openai.answer`), its ``reasoning_content`` (with a reasoning parser), its calls as
+        ``tool_calls`` and the rest as content (``None`` when nothing but them is left)."""
+        if self.reading is None:
             return {"role": self.role, "content": text}, finish
-        got = parser.feed(text) + parser.finish()
-        message = {"role": self.role, "content": got.content or None if got.calls else got.content}
+        reader = AnswerReader(self.reading)
+        got = reader.feed(text) + reader.finish()
+        message = {"role": self.role, "content": got.content or None if got.calls or got.reasoning else got.content}
+        if self.reading.reasoning is not None:
+            message["reasoning_content"] = got.reasoning or None
         if got.calls:
             message["tool_calls"] = whole_calls(got.calls)
-        return message, self._tool_finish(parser, finish)
+        return message, reader.finish_reason(finish)
 
     def _delta(self, index: int, msg, finish: str | None) -> tuple[dict, str | None]:
-        """A chat stream chunk's ``delta`` and ``finish_reason`` for ``msg`` of choice ``index``
-        (with tools, its parser's new content and call pieces)."""
-        if self.tools is None or self.tools.choice == "none":
+        """A chat stream chunk's ``delta`` and ``finish_reason`` for ``msg`` of choice ``index`` (with a
+        reading, the reasoning, content and call pieces its reader completes)."""
+        if self.reading is None:
             return ({"content": msg.text} if msg.text else {}), finish
-        parser = self._parsers.setdefault(index, self.tools.new_parser())
-        got = parser.feed(msg.text)
+        reader = self._readers.setdefault(index, AnswerReader(self.reading))
+        got = reader.feed(msg.text)
         if finish is not None:
-            got += parser.finish()
-        delta: dict = {"content": got.content} if got.content else {}
+            got += reader.finish()
+        delta: dict = {"reasoning_content": got.reasoning} if got.reasoning else {}
+        if got.content:
+            delta["content"] = got.content
         if got.calls:
             delta["tool_calls"] = [c.openai() for c in got.calls]
-        return delta, self._tool_finish(parser, finish)
-
-    def _tool_finish(self, parser, finish: str | None) -> str | None:
-        """``tool_calls`` where the model ended its turn after calling tools it chose (OpenAI's;
-        a named choice ends with ``stop``)."""
-        return "tool_calls" if finish == "stop" and parser.called and self.tools.choice != "function" else finish
+        return delta, reader.finish_reason(finish)
 
     def chunk(self, index: int, msg, top_n: int, offset: int) -> dict | None:
         """One stream chunk for ``msg`` of choice ``index`` (``None``: nothing to send yet)."""
@@ -274,7 +273,7 @@ def builder_for(kind: str, request_id: str, model: str, tokenizer, body, subs) -
                            logprobs=bool(first.top_logprobs or first.request.sampling.logprobs),
                            token_ids=body.return_tokens_as_token_ids, role=answer_role(body),
                            prompt_logprobs=(body.model_extra or {}).get("prompt_logprobs") is not None,
-                           echo=echo_of(body, subs, tokenizer), tools=first.tools)
+                           echo=echo_of(body, subs, tokenizer), reading=first.reading)
 
 
 def whole_calls(pieces: list[CallDelta]) -> list[dict]:

@@ -79,13 +79,10 @@ class ToolChoice:
             return TOOL_PARSERS[self.parser](max_calls=None if self.parallel else 1)
         return None
 
-    def keeps_special_tokens(self, tokenizer) -> bool:
-        """Whether the answer's text must keep special tokens: ``auto``'s parser reads a marker the
-        tokenizer has as a special token (Hermes models' ``<tool_call>``), which would be dropped."""
-        if self.choice != "auto":
-            return False
-        added = set(getattr(tokenizer, "get_added_vocab", dict)())
-        return any(m in added for m in TOOL_PARSERS[self.parser].markers)
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """The strings ``auto``'s parser reads calls by (none for the other choices)."""
+        return TOOL_PARSERS[self.parser].markers if self.choice == "auto" else ()
 
     def _parameters(self) -> dict[str, dict]:
         return {t["function"]["name"]: t["function"].get("parameters") or _EMPTY_PARAMETERS for t in self.tools}
