@@ -66,6 +66,12 @@ PARSED = [  # (parser, answer, content, calls)
     (lambda: TOOL_PARSERS["llama3_json"](), "The answer is {\"a\": 1}", "The answer is {\"a\": 1}", []),
     (lambda: TOOL_PARSERS["llama3_json"](), '{"a": 1} not a call', '{"a": 1} not a call', []),
     (lambda: TOOL_PARSERS["llama3_json"](), '{"name": "f", "parameters": {"a": ', '{"name": "f", "parameters": {"a": ', []),
+    (lambda: TOOL_PARSERS["pythonic"](), "[get_weather(city='Paris', days=[1, 2], hot=True), get_time()]",
+     "", [(0, "get_weather", '{"city": "Paris", "days": [1, 2], "hot": true}'), (1, "get_time", "{}")]),
+    (lambda: TOOL_PARSERS["pythonic"](), "<|python_start|>[f(a=None)]<|python_end|>", "", [(0, "f", '{"a": null}')]),
+    (lambda: TOOL_PARSERS["pythonic"](), "[f(__import__('os'))]", "[f(__import__('os'))]", []),
+    (lambda: TOOL_PARSERS["pythonic"](), "[1, 2] are numbers", "[1, 2] are numbers", []),
+    (lambda: TOOL_PARSERS["pythonic"](), "Use f(a=1).", "Use f(a=1).", []),
     (RequiredParser, '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]',
      "", [(0, "f", '{"a": 1}'), (1, "g", "{}")]),
     (RequiredParser, '[{"name": "f", "parameters": {"a"', '[{"name": "f", "parameters": {"a"', []),
@@ -246,7 +252,7 @@ def test_the_chat_template_flag_reads_a_file_or_a_line_and_refuses_what_is_no_ji
         assert message in capsys.readouterr().err
     with pytest.raises(ValueError, match="not valid Jinja"):
         RouterConfig(model="m", model_path="p", redis_url="redis://x", chat_template="{% if %}")
-    with pytest.raises(ValueError, match="unknown tool call parser 'nope'; registered: hermes, llama3_json"):
+    with pytest.raises(ValueError, match="unknown tool call parser 'nope'; registered: hermes, llama3_json, pythonic"):
         RouterConfig(model="m", model_path="p", redis_url="redis://x", tool_call_parser="nope")
 
 
