@@ -53,7 +53,7 @@ class BeamSearch:
         max_len: prompt + generated tokens at most (the model's context).
 
     Raises:
-        ValueError: ``width`` or ``max_tokens`` < 1, or ``max_len`` not above ``width``-independent 1.
+        ValueError: ``width`` or ``max_tokens`` < 1, or ``max_len`` < 2.
     """
 
     width: int
