@@ -17,6 +17,7 @@ The step source is a function, so the same search runs over the cluster
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -33,11 +34,24 @@ class Beam:
     cum_logprob: float
     finish_reason: str = "length"
 
+    def length(self, eos_ids: frozenset[int]) -> int:
+        """The scored length: the prompt counted, an ending EOS not."""
+        return len(self.tokens) - (1 if self.finish_reason == "stop" and self.tokens[-1] in eos_ids else 0)
+
     def score(self, length_penalty: float, eos_ids: frozenset[int]) -> float:
-        """vLLM's ``get_beam_search_score``: ``cum_logprob / len ** length_penalty``, ``len`` counting
-        the prompt and not an ending EOS."""
-        n = len(self.tokens) - (1 if self.finish_reason == "stop" and self.tokens[-1] in eos_ids else 0)
-        return self.cum_logprob / (n ** length_penalty)
+        """vLLM's ``get_beam_search_score``: ``cum_logprob / length ** length_penalty`` (it may round
+        to 0 or -inf for an extreme penalty: beams are ranked by :meth:`rank`, which does not)."""
+        try:
+            return self.cum_logprob / (self.length(eos_ids) ** length_penalty)
+        except (OverflowError, ZeroDivisionError):
+            return -math.inf if length_penalty < 0 and self.cum_logprob < 0 else -0.0
+
+    def rank(self, length_penalty: float, eos_ids: frozenset[int]) -> tuple[int, float]:
+        """A key ordering beams as :meth:`score` does, computed in log space so that no penalty
+        overflows: a log-probability of 0 scores 0 (the best), else ``-(log|cum| - p log length)``."""
+        if self.cum_logprob >= 0:
+            return (1, 0.0)
+        return (0, length_penalty * math.log(self.length(eos_ids)) - math.log(-self.cum_logprob))
 
 
 @dataclass(frozen=True)
@@ -91,4 +105,4 @@ class BeamSearch:
         return self._best(done + live)
 
     def _best(self, beams: list[Beam]) -> list[Beam]:
-        return sorted(beams, key=lambda b: b.score(self.length_penalty, self.eos_ids), reverse=True)[:self.width]
+        return sorted(beams, key=lambda b: b.rank(self.length_penalty, self.eos_ids), reverse=True)[:self.width]

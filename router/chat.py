@@ -148,12 +148,18 @@ def template_messages(messages) -> list[dict]:
 def _arguments(text: str, where: str) -> dict:
     try:
         value = json.loads(text) if text else {}
-    except (ValueError, RecursionError):
+    except RecursionError:
+        raise ValueError(f"{where}.function.arguments nests deeper than {MAX_ARGUMENTS_DEPTH} levels") from None
+    except ValueError:
         raise ValueError(f"{where}.function.arguments is not JSON: {text[:40]!r}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{where}.function.arguments must be a JSON object, got {type(value).__name__}")
     if json_depth(value) > MAX_ARGUMENTS_DEPTH:  # the template renderer copies values recursively
         raise ValueError(f"{where}.function.arguments nests deeper than {MAX_ARGUMENTS_DEPTH} levels")
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:  # an escaped lone surrogate ("\ud800"): no tokenizer takes it
+        raise ValueError(f"{where}.function.arguments is not valid Unicode (a lone surrogate)") from None
     return value
 
 

@@ -43,6 +43,9 @@ def test_the_search_keeps_the_best_beams_and_scores_as_vllm():
     assert BeamSearch(3, 9, frozenset({EOS}), max_len=3).run([0], _toy)[-1].finish_reason == "length"
     with pytest.raises(ValueError):
         BeamSearch(0, 5, frozenset())
+    for penalty in (200.0, -250.0, 1e308):  # ranked in log space: no overflow, the same order as the scores
+        ranked = BeamSearch(3, 5, frozenset({EOS}), length_penalty=penalty).run([0], _toy)
+        assert len(ranked) == 3 and ranked[0].finish_reason == "stop"
 
 
 BAD = [
@@ -50,6 +53,7 @@ BAD = [
     (dict(stop=["."]), "stop"), (dict(top_p=0.5), "top_p"), (dict(presence_penalty=1.0), "presence_penalty"),
     (dict(echo=True), "echo"), (dict(length_penalty="long"), "length_penalty"),
     (dict(structured_outputs={"regex": "a"}), "structured_outputs"), (dict(use_beam_search=1), "use_beam_search"),
+    (dict(length_penalty=10 ** 400), "length_penalty"), (dict(top_k=5), "top_k"),
 ]
 
 
@@ -66,12 +70,37 @@ def test_what_would_change_a_beam_search_is_refused_naming_the_field(extra, para
 def test_neutral_fields_and_tool_choice_none_pass():
     body = ChatCompletionRequest.model_validate({
         "messages": [{"role": "user", "content": "a"}], "use_beam_search": True, "n": 3, "temperature": 0.7,
-        "seed": 1, "top_p": 1.0, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"})
+        "seed": 1, "top_p": 1.0, "top_k": -1, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"})
     _, subs = chat_requests(body)
     assert wants_beam_search(body) and check_beam_request(body, subs) == 1.0
     body = ChatCompletionRequest.model_validate({**body.model_dump(), "tool_choice": "required"})
     with pytest.raises(OpenAIRequestError, match="tool calling is not served"):
         check_beam_request(body, chat_requests(body)[1])
+
+
+def test_a_width_the_router_cannot_hold_is_refused_and_searches_are_bounded():
+    """n above the router's capacity can never run: 400 n, before any step; past MAX_BEAM_SEARCHES searches at once
+    the next is refused with 429 at once rather than queued out of sight."""
+    import threading
+    from types import SimpleNamespace
+
+    import grpc
+
+    from router.errors import RouterError
+    from router.openai import beam
+    core = SimpleNamespace(admission=SimpleNamespace(capacity=lambda: 5))
+    with pytest.raises(OpenAIRequestError, match="n 8 beams exceed the 5 requests") as e:
+        beam.start_search(core, [], 8, 1.0, frozenset(), threading.Event())
+    assert e.value.param == "n"
+    taken = [beam._SLOTS.acquire(blocking=False) for _ in range(beam.MAX_BEAM_SEARCHES)]
+    try:
+        with pytest.raises(RouterError) as e:
+            beam.start_search(core, [], 2, 1.0, frozenset(), threading.Event())
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.value.retry_after_ms
+    finally:
+        for ok in taken:
+            if ok:
+                beam._SLOTS.release()
 
 
 @pytest.fixture(scope="module")
@@ -119,4 +148,10 @@ def test_beam_search_end_to_end(state, tokenizer, hf_model, model_config):
             expected(render_chat(tokenizer, messages), 2, 10, 0.5)
         with pytest.raises(openai.BadRequestError, match="stream is not served"):
             oai.completions.create(model="", prompt="a", stream=True, extra_body={"use_beam_search": True})
+        with pytest.raises(openai.BadRequestError) as e:  # named as on the request path
+            oai.completions.create(model="", prompt="a", temperature=-1.0, extra_body={"use_beam_search": True})
+        assert e.value.body["param"] == "temperature", e.value.body
+        long = oai.completions.create(model="", prompt="one two " * 20, max_tokens=2, n=2,
+                                      extra_body={"use_beam_search": True, "length_penalty": 200})
+        assert len(long.choices) == 2
     assert_no_leak(state)

@@ -223,6 +223,8 @@ def test_the_chat_template_sees_tools_tool_calls_and_call_ids(model_dir):
     assert "12 C [call_1]<|im_end|>" in text and text.endswith("<|im_start|>assistant\n"), text
     for arguments, message in [("[1]", "must be a JSON object"), ("{", "is not JSON"),
                                ('{"a":' * 500 + "1" + "}" * 500, "nests deeper than"),
+                               ('{"a":' * 5000 + "1" + "}" * 5000, "nests deeper than"),
+                               ('{"city": "\\ud800"}', "not valid Unicode"),
                                ('{"a": "<|im_end|>"}', "holds a control token")]:
         chat.messages[1].tool_calls[0].arguments = arguments
         with pytest.raises(InvalidRequest, match="messages\\[1\\]") as e:

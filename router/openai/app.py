@@ -43,7 +43,7 @@ from router.errors import RouterError
 from router.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from router.openai.auth import RequireApiKey
 from router.openai.body import BodyDeadline, DeclaredSizeLimit
-from router.openai.beam import check_beam_request, search_all, wants_beam_search
+from router.openai.beam import check_beam_request, start_search, wants_beam_search
 from router.openai.cors import with_cors
 from router.openai.errors import (UNREADABLE_BODY, error_response, request_aliases, router_error_response,
                                   unknown_model, unreadable_body_response, validation_error_response)
@@ -244,8 +244,8 @@ async def _beam_answer(state: FrontDoorState, body, kind: str, base: str, subs: 
         penalty = check_beam_request(body, subs)
         with request_scope(base):
             log.info("%s request: beam search of width %d, %d prompt(s)", kind, body.n, len(subs) // body.n)
-        choices = await _unless_gone(run_in_threadpool(search_all, state.core, subs, body.n, penalty,
-                                                       state.eos_token_ids, cancelled), request, base)
+        choices = await _unless_gone(start_search(state.core, subs, body.n, penalty, state.eos_token_ids, cancelled),
+                                     request, base)
     except OpenAIRequestError as e:
         return _counted(state, request, error_response(e.status, e.message, param=e.param, code=e.code))
     except RouterError as e:

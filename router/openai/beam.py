@@ -16,10 +16,13 @@ logprobs are at most :data:`common.sampling_params.MAX_LOGPROBS`).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -31,7 +34,18 @@ from router.errors import RouterError
 from router.openai.requests import OpenAIRequestError, SubRequest, field_of
 from router.validation import InvalidRequest
 
+if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
+MAX_BEAM_SEARCHES = 16
+"""Beam searches one router runs at once, each on a thread of its own (not the HTTP server's
+shared pool, which they would starve); one more is refused with 429 at once."""
+STEP_ADMISSION_WAIT_S = 30.0
+"""Seconds a step's beam retries while the router is full (admission's 429), before the search fails
+with it: searches sharing a full router take turns instead of failing together."""
+_SEARCHES = ThreadPoolExecutor(max_workers=MAX_BEAM_SEARCHES, thread_name_prefix="beam-search")
+_SLOTS = threading.BoundedSemaphore(MAX_BEAM_SEARCHES)
 #: Sampling parameters a beam search takes: the length limit, EOS handling, what does not change the
 #: ranking (temperature, seed), and the prompt's own cut and the text's special tokens.
 SERVED = frozenset({"max_tokens", "ignore_eos", "temperature", "seed", "truncate_prompt_tokens", "skip_special_tokens"})
@@ -63,8 +77,12 @@ def check_beam_request(body, subs: list[SubRequest]) -> float:
                                  param="n")
     penalty = field_of(body, "length_penalty")
     penalty = 1.0 if penalty is None else penalty
-    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not math.isfinite(penalty):
-        raise OpenAIRequestError(f"length_penalty must be a finite number, got {penalty!r}"[:200], param="length_penalty")
+    try:
+        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not math.isfinite(float(penalty)):
+            raise ValueError
+    except (ValueError, OverflowError):
+        raise OpenAIRequestError(f"length_penalty must be a finite number, got {penalty!r}"[:200],
+                                 param="length_penalty") from None
     for name in ("echo", "response_format", "structured_outputs"):
         if field_of(body, name) not in (None, False, {"type": "text"}):
             raise OpenAIRequestError(f"{name} is not served with use_beam_search", param=name)
@@ -74,9 +92,37 @@ def check_beam_request(body, subs: list[SubRequest]) -> float:
                                  param="tool_choice")
     sampling = first.request.sampling
     for p in sampling_params():
-        if p.name not in SERVED and p.is_set(sampling) and p.read(sampling) != p.default:
+        if p.name not in SERVED and p.is_set(sampling) and p.read(sampling) not in _NEUTRAL.get(p.name, (p.default,)):
             raise OpenAIRequestError(f"{p.name} is not served with use_beam_search", param=p.name)
     return float(penalty)
+
+
+_NEUTRAL = {"top_k": (0, -1)}  # values that ask for nothing besides the default (vLLM's -1: top-k off)
+
+
+def start_search(core: RequestRouter, subs: list[SubRequest], n: int, penalty: float, eos_ids: frozenset[int],
+                 cancelled: threading.Event) -> Awaitable[dict[int, list[router_pb2.GenerateResponse]]]:
+    """:func:`search_all` on a search thread of its own, awaitable.
+
+    Raises:
+        OpenAIRequestError: 400: ``n`` beams exceed what the router holds at once (no retry could run them).
+        RouterError: RESOURCE_EXHAUSTED: :data:`MAX_BEAM_SEARCHES` searches run already.
+    """
+    capacity = core.admission.capacity() if core.admission is not None else None
+    if capacity is not None and n > capacity:
+        raise OpenAIRequestError(f"n {n} beams exceed the {capacity} requests this router holds at once (the "
+                                 "decode workers' max_num_seqs + max_queued_requests, shared by the routers)", param="n")
+    if not _SLOTS.acquire(blocking=False):
+        raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_BEAM_SEARCHES} beam searches run on this router "
+                          "already; retry later", retry_after_ms=1000)
+
+    def run():
+        try:
+            return search_all(core, subs, n, penalty, eos_ids, cancelled)
+        finally:
+            _SLOTS.release()
+
+    return asyncio.get_running_loop().run_in_executor(_SEARCHES, run)
 
 
 def search_all(core: RequestRouter, subs: list[SubRequest], n: int, penalty: float, eos_ids: frozenset[int],
@@ -96,9 +142,8 @@ def search_all(core: RequestRouter, subs: list[SubRequest], n: int, penalty: flo
         for first in subs[::n]:
             try:
                 prep = core.validator.prepare(first.request)
-            except InvalidRequest as e:
-                raise OpenAIRequestError(str(e), param="messages" if first.request.HasField("messages")
-                                         else "prompt") from None
+            except InvalidRequest as e:  # named as the request path names it (router_error_response)
+                raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             limits = core.validator.limits
             search = BeamSearch(n, prep.worker_request.sampling.max_tokens, eos_ids,
                                 first.request.sampling.ignore_eos, penalty, limits.max_model_len)
@@ -114,12 +159,21 @@ def _cluster_step(core: RequestRouter, base: str, counter, pool: ThreadPoolExecu
     """A :data:`router.beam_search.StepFn` over the cluster: each sequence a one-token greedy request."""
 
     def one(seq: list[int], k: int) -> list[tuple[int, float]]:
-        if cancelled.is_set():
-            raise RouterError(grpc.StatusCode.CANCELLED, "the client closed the request")
         req = router_pb2.GenerateRequest(
             request_id=f"{base}-beam{next(counter)}", token_ids=router_pb2.TokenIds(ids=seq),
             sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, ignore_eos=True))
-        messages = list(core.start(req).responses())  # one token: a step is short, cancelled between steps
+        deadline = time.monotonic() + STEP_ADMISSION_WAIT_S
+        while True:
+            if cancelled.is_set():
+                raise RouterError(grpc.StatusCode.CANCELLED, "the client closed the request")
+            try:
+                active = core.start(req)
+                break
+            except RouterError as e:  # the router is full: this beam waits its turn, for a while
+                if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                    raise
+                time.sleep(min(max((e.retry_after_ms or 0) / 1000, 0.05), 1.0))
+        messages = list(active.responses())  # one token: a step is short, cancelled between steps
         lp = messages[-1].logprobs[-1]
         return [(t.token_id, t.logprob) for t in lp.top]
 
