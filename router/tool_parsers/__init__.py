@@ -3,8 +3,8 @@
 A model family writes its tool calls in its own format; the parser named for the served model
 turns an answer into OpenAI's ``tool_calls`` when a request lets the model choose
 (``tool_choice: "auto"``). Registered: ``hermes`` (:mod:`router.tool_parsers.hermes`),
-``llama3_json`` (:mod:`router.tool_parsers.json_calls`) and ``pythonic``
-(:mod:`router.tool_parsers.pythonic`). A named or ``required`` tool choice
+``llama3_json`` (:mod:`router.tool_parsers.json_calls`), ``mistral``
+(:mod:`router.tool_parsers.mistral`) and ``pythonic`` (:mod:`router.tool_parsers.pythonic`). A named or ``required`` tool choice
 needs no parser: the answer is constrained to JSON and read by
 :class:`router.tool_parsers.json_calls.NamedParser` / :class:`~router.tool_parsers.json_calls.RequiredParser`.
 """
@@ -14,10 +14,11 @@ from __future__ import annotations
 from router.tool_parsers.base import CallDelta, Parsed, ToolParser
 from router.tool_parsers.hermes import HermesParser
 from router.tool_parsers.json_calls import Llama3JsonParser, NamedParser, RequiredParser
+from router.tool_parsers.mistral import MistralParser
 from router.tool_parsers.pythonic import PythonicParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
-                                             "pythonic": PythonicParser}
+                                             "mistral": MistralParser, "pythonic": PythonicParser}
 
 
 def check_tool_parser(name: str | None) -> None:

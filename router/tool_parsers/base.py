@@ -107,11 +107,11 @@ class ToolParser:
             self._blank = ""
         self._blank += text[len(body):]
 
-    def _call(self, name: str, arguments: str) -> None:
+    def _call(self, name: str, arguments: str, cid: str | None = None) -> None:
         self._blank = ""
         if self.max_calls is not None and self.calls >= self.max_calls:
             return  # parallel_tool_calls false: the first call only (vLLM's maybe_filter_parallel_tool_calls)
-        self._out.calls.append(CallDelta(self.calls, arguments, call_id(), name))
+        self._out.calls.append(CallDelta(self.calls, arguments, cid or call_id(), name))
         self.calls += 1
 
     def _take(self) -> Parsed:
