@@ -54,6 +54,7 @@ PARSED = [  # (parser, answer, content, calls)
     (RequiredParser, '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]',
      "", [(0, "f", '{"a": 1}'), (1, "g", "{}")]),
     (RequiredParser, '[{"name": "f", "parameters": {"a"', '[{"name": "f", "parameters": {"a"', []),
+    (RequiredParser, '[{"name": "f", "parameters": {}}, {"name": "f", "para', "", [(0, "f", "{}")]),
     (lambda: NamedParser("f"), '{"a": 1}', "", [(0, "f", '{"a": 1}')]),
     (lambda: NamedParser("f"), "", "", [(0, "f", "")]),
 ]

@@ -102,9 +102,17 @@ class Llama3JsonParser(_JsonSequence):
 
 
 class RequiredParser(_JsonSequence):
-    """The elements of a JSON array, each ``{"name": ..., "parameters": {...}}``."""
+    """The elements of a JSON array, each ``{"name": ..., "parameters": {...}}``. The array is the
+    grammar's, so what follows the last whole call can only be a call cut by ``max_tokens`` (the
+    choice ends with ``length``): it is dropped, not given as content; without any whole call the
+    text is the content."""
 
     _skip = " \t\r\n,"
+
+    def _finish(self) -> None:
+        if self.called:
+            self._buf = ""
+        super()._finish()
 
     def _decide(self) -> bool | None:
         head = self._buf.lstrip()
