@@ -132,9 +132,9 @@ def search_all(core: RequestRouter, subs: list[SubRequest], n: int, penalty: flo
     :meth:`router.openai.responses.ResponseBuilder.whole` takes them.
 
     Raises:
-        OpenAIRequestError: the router's checks refused a prompt (400).
-        RouterError: a step's request failed (admission, no live worker, ...), or CANCELLED once
-            ``cancelled`` is set.
+        RouterError: INVALID_ARGUMENT: the router's checks refused a prompt (named as on the request
+            path); a step's request failed (admission past :data:`STEP_ADMISSION_WAIT_S`, no live
+            worker, ...); CANCELLED once ``cancelled`` is set.
     """
     choices: dict[int, list] = {}
     counter = itertools.count()
