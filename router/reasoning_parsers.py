@@ -18,7 +18,7 @@ text is held back until it is known, so a stream and a whole answer split alike.
 
 from __future__ import annotations
 
-from router.tool_parsers.base import pending_prefix
+from router.tool_parsers.base import until
 
 START, END = "<think>", "</think>"
 
@@ -47,12 +47,10 @@ class ThinkParser:
             else:
                 self._state = "reasoning" if self.implicit_start else "content"
         if self._state == "reasoning":
-            at = self._buf.find(END)
-            if at < 0:
-                keep = pending_prefix(self._buf, END)
-                reasoning, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+            reasoning, self._buf, ended = until(self._buf, END)
+            if not ended:
                 return reasoning, ""
-            reasoning, self._buf, self._state = self._buf[:at], self._buf[at + len(END):], "content"
+            self._state = "content"
         content, self._buf = self._buf, ""
         return reasoning, content
 

@@ -31,6 +31,7 @@ from pdcluster.v1 import common_pb2, router_pb2
 from router.beam_search import Beam, BeamSearch
 from router.core import RequestRouter
 from router.errors import RouterError
+from router.openai.pump import check_capacity
 from router.openai.requests import OpenAIRequestError, SubRequest, field_of
 from router.validation import InvalidRequest
 
@@ -108,10 +109,7 @@ def start_search(core: RequestRouter, subs: list[SubRequest], n: int, penalty: f
         OpenAIRequestError: 400: ``n`` beams exceed what the router holds at once (no retry could run them).
         RouterError: RESOURCE_EXHAUSTED: :data:`MAX_BEAM_SEARCHES` searches run already.
     """
-    capacity = core.admission.capacity() if core.admission is not None else None
-    if capacity is not None and n > capacity:
-        raise OpenAIRequestError(f"n {n} beams exceed the {capacity} requests this router holds at once (the "
-                                 "decode workers' max_num_seqs + max_queued_requests, shared by the routers)", param="n")
+    check_capacity(core, n, f"n {n} beams", "n")
     if not _SLOTS.acquire(blocking=False):
         raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_BEAM_SEARCHES} beam searches run on this router "
                           "already; retry later", retry_after_ms=1000)

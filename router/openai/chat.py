@@ -136,8 +136,7 @@ def chat_requests(body: ChatCompletionRequest, client_id: str | None = None, too
     base, subs = expand([{"messages": messages}], body, logprobs, top, max_tokens, ID_PREFIXES[CHAT_ROUTE],
                         client_id, tools)
     reading = AnswerReading(reasoning_parser, body.include_reasoning, tools)
-    keep = tokenizer is not None and field_of(body, "skip_special_tokens") is None and reading.keeps_special_tokens(tokenizer)
-    for sub in subs:
-        if keep:
+    if tokenizer is not None and field_of(body, "skip_special_tokens") is None and reading.keeps_special_tokens(tokenizer):
+        for sub in subs:
             sub.request.sampling.skip_special_tokens = False
     return base, [replace(sub, reading=reading) if reading.reads else sub for sub in subs]

@@ -20,6 +20,20 @@ FIRST_SAMPLE_WAIT_S = 600.0
 """Seconds the other samples of a prompt wait for its first sample's first token."""
 
 
+def check_capacity(core: RequestRouter, count: int, what: str, param: str) -> None:
+    """Refuse ``count`` requests at once (``what`` names them) where the router holds fewer at once:
+    no retry could admit them.
+
+    Raises:
+        OpenAIRequestError: 400 naming ``param``.
+    """
+    capacity = core.admission.capacity() if core.admission is not None else None
+    if capacity is not None and count > capacity:
+        raise OpenAIRequestError(
+            f"{what} exceed the {capacity} requests this router holds at once "
+            "(the decode workers' max_num_seqs + max_queued_requests, shared by the routers)", param=param)
+
+
 def start_all(core: RequestRouter, subs: list[SubRequest], n: int) -> list[ActiveRequest]:
     """Validate and register every sub-request (all or none).
 
@@ -28,12 +42,7 @@ def start_all(core: RequestRouter, subs: list[SubRequest], n: int) -> list[Activ
             now (its admission capacity): no retry could admit them.
         RouterError: the first one refused (the others are discarded).
     """
-    capacity = core.admission.capacity() if core.admission is not None else None
-    if capacity is not None and len(subs) > capacity:
-        raise OpenAIRequestError(
-            f"{len(subs)} choices (prompts x n) exceed the {capacity} requests this router holds at once "
-            "(the decode workers' max_num_seqs + max_queued_requests, shared by the routers)",
-            param="n" if n > 1 else "prompt")
+    check_capacity(core, len(subs), f"{len(subs)} choices (prompts x n)", "n" if n > 1 else "prompt")
     actives: list[ActiveRequest] = []
     try:
         for sub in subs:

@@ -240,7 +240,7 @@ def expand(prompts: list[dict], body, logprobs: int, top_logprobs: int, max_toke
                                  f"at most {MAX_CHOICES} per request", param="prompt" if body.n == 1 else "n")
     base = base_id(prefix, client_id)
     constraint = structured_outputs(body)
-    forced = tools.constraint() if tools is not None else None
+    forced = tools.constraint if tools is not None else None
     if forced is not None:
         if constraint is not None:
             raise OpenAIRequestError("a named or required tool_choice constrains the answer itself: give no "

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 
 from router.tool_parsers import TOOL_PARSERS, NamedParser, RequiredParser, ToolParser
 from router.tool_specs import MAX_TOOLS, check_tools
@@ -61,8 +62,14 @@ class ToolChoice:
     parallel: bool = True
     parser: str | None = None
 
+    @cached_property
     def constraint(self) -> dict | None:
-        """The ``structured_outputs`` dict forcing the answer (named, required), else ``None``."""
+        """The ``structured_outputs`` dict forcing the answer (named, required), else ``None``;
+        computed once, when :func:`tool_choice` checks it.
+
+        Raises:
+            ToolRequestError: two tools define one name of ``$defs`` or ``definitions`` differently.
+        """
         if self.choice == "function":
             return {"json": self._parameters()[self.function]}
         if self.choice == "required":
@@ -114,7 +121,7 @@ def tool_choice(body, parser: str | None) -> ToolChoice | None:
         raise ToolRequestError('tool_choice "auto" needs a tool call parser: this server was started without '
                                "--tool-call-parser (name a function, or use \"required\" or \"none\")", "tool_choice")
     picked = ToolChoice(list(tools), choice, function, body.parallel_tool_calls is not False, parser)
-    picked.constraint()  # raises ToolRequestError where the tools' definitions collide
+    picked.constraint  # computed (and kept) now: raises ToolRequestError where the tools' definitions collide
     return picked
 
 

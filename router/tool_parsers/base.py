@@ -13,7 +13,9 @@ answer without calls reaches the client unchanged at the end.
 
 from __future__ import annotations
 
+import json
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 
@@ -57,9 +59,10 @@ class Parsed:
         return Parsed(self.content + other.content, self.calls + other.calls)
 
 
-class ToolParser:
+class ToolParser(ABC):
     """Base of the parsers: subclasses implement :meth:`_feed` and may extend :meth:`_finish`,
-    calling :meth:`_text` for content and :meth:`_call` for a whole call.
+    calling :meth:`_text` for content and :meth:`_call` for a whole call; ``_buf`` holds the text
+    read and not yet given out.
 
     Attributes:
         max_calls: calls kept at most (later ones are dropped); ``None``: all.
@@ -74,6 +77,7 @@ class ToolParser:
         self.max_calls = max_calls
         self.calls = 0
         self._blank = ""  # whitespace content held back (module docstring)
+        self._buf = ""
         self._out = Parsed()
 
     @property
@@ -94,8 +98,9 @@ class ToolParser:
         self._blank = ""
         return self._take()
 
+    @abstractmethod
     def _feed(self, text: str) -> None:
-        raise NotImplementedError
+        """Read ``text``: give out what it completes through :meth:`_text` and :meth:`_call`."""
 
     def _finish(self) -> None:
         pass
@@ -117,6 +122,24 @@ class ToolParser:
     def _take(self) -> Parsed:
         out, self._out = self._out, Parsed()
         return out
+
+
+def call_of(name, arguments) -> tuple[str, str] | None:
+    """``(name, arguments as JSON text)`` of a call a model wrote, or ``None`` unless ``name`` is a
+    string and ``arguments`` an object."""
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        return None
+    return name, json.dumps(arguments, ensure_ascii=False)
+
+
+def until(text: str, marker: str) -> tuple[str, str, bool]:
+    """``text`` split at the first ``marker``: ``(before, after, True)``; without one, ``(what can go
+    out, the end that could begin marker, False)``, so a marker split over two pieces is still found."""
+    at = text.find(marker)
+    if at >= 0:
+        return text[:at], text[at + len(marker):], True
+    keep = pending_prefix(text, marker)
+    return text[:len(text) - keep], text[len(text) - keep:], False
 
 
 def pending_prefix(text: str, marker: str) -> int:

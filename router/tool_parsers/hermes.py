@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from router.tool_parsers.base import ToolParser, pending_prefix
+from router.tool_parsers.base import ToolParser, call_of, until
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -21,21 +21,16 @@ class HermesParser(ToolParser):
 
     def __init__(self, max_calls: int | None = None) -> None:
         super().__init__(max_calls)
-        self._buf = ""
         self._inside = False
 
     def _feed(self, text: str) -> None:
         self._buf += text
         while True:
             if not self._inside:
-                at = self._buf.find(START)
-                if at < 0:
-                    keep = pending_prefix(self._buf, START)
-                    self._text(self._buf[:len(self._buf) - keep])
-                    self._buf = self._buf[len(self._buf) - keep:]
+                before, self._buf, self._inside = until(self._buf, START)
+                self._text(before)
+                if not self._inside:
                     return
-                self._text(self._buf[:at])
-                self._buf, self._inside = self._buf[at + len(START):], True
             else:
                 at = self._buf.find(END)
                 if at < 0:
@@ -64,9 +59,4 @@ def _read_call(text: str) -> tuple[str, str] | None:
         value = json.loads(text)
     except (ValueError, RecursionError):
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("arguments", {})
-    if not isinstance(arguments, dict):
-        return None
-    return value["name"], json.dumps(arguments, ensure_ascii=False)
+    return call_of(value.get("name"), value.get("arguments", {})) if isinstance(value, dict) else None

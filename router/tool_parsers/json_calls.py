@@ -16,8 +16,9 @@ Each call goes out once its JSON object is whole; where the JSON never becomes c
 from __future__ import annotations
 
 import json
+from abc import abstractmethod
 
-from router.tool_parsers.base import CallDelta, ToolParser
+from router.tool_parsers.base import CallDelta, ToolParser, call_of
 
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
@@ -32,7 +33,6 @@ class _JsonSequence(ToolParser):
     def __init__(self, max_calls: int | None = None) -> None:
         super().__init__(max_calls)
         self._all = ""  # the whole answer, given back as content when it held no call
-        self._buf = ""
         self._calls_mode: bool | None = None  # None: undecided yet
         self._stuck = False  # a JSON value that is no call: read no further, the rest is content
 
@@ -50,8 +50,9 @@ class _JsonSequence(ToolParser):
         if not self._stuck:
             self._read_objects()
 
+    @abstractmethod
     def _decide(self) -> bool | None:
-        raise NotImplementedError
+        """Whether the answer so far is calls (``None``: not known yet)."""
 
     def _read_objects(self) -> None:
         while True:
@@ -68,8 +69,9 @@ class _JsonSequence(ToolParser):
             self._call(*call)
             self._buf = rest[end:]
 
+    @abstractmethod
     def _as_call(self, value) -> tuple[str, str] | None:
-        raise NotImplementedError
+        """``(name, arguments JSON)`` of a JSON value, or ``None`` when it is no call."""
 
     def _finish(self) -> None:
         if self.called:  # what follows the last call
@@ -93,12 +95,9 @@ class Llama3JsonParser(_JsonSequence):
         return None if PYTHON_TAG.startswith(head) else False
 
     def _as_call(self, value) -> tuple[str, str] | None:
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        if not isinstance(value, dict):
             return None
-        arguments = value.get("parameters", value.get("arguments", {}))
-        if not isinstance(arguments, dict):
-            return None
-        return value["name"], json.dumps(arguments, ensure_ascii=False)
+        return call_of(value.get("name"), value.get("parameters", value.get("arguments", {})))
 
 
 class RequiredParser(_JsonSequence):

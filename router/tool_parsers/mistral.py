@@ -14,7 +14,7 @@ import json
 import secrets
 import string
 
-from router.tool_parsers.base import ToolParser, pending_prefix
+from router.tool_parsers.base import ToolParser, call_of, until
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 _ALNUM = string.ascii_letters + string.digits
@@ -30,21 +30,13 @@ class MistralParser(ToolParser):
 
     def __init__(self, max_calls: int | None = None) -> None:
         super().__init__(max_calls)
-        self._buf = ""
         self._inside = False
 
     def _feed(self, text: str) -> None:
         self._buf += text
-        if self._inside:
-            return
-        at = self._buf.find(TOOL_CALLS)
-        if at < 0:
-            keep = pending_prefix(self._buf, TOOL_CALLS)
-            self._text(self._buf[:len(self._buf) - keep])
-            self._buf = self._buf[len(self._buf) - keep:]
-            return
-        self._text(self._buf[:at])
-        self._buf, self._inside = self._buf[at + len(TOOL_CALLS):], True
+        if not self._inside:
+            before, self._buf, self._inside = until(self._buf, TOOL_CALLS)
+            self._text(before)
 
     def _finish(self) -> None:
         if not self._inside:
@@ -81,6 +73,7 @@ def _read_calls(text: str) -> list[tuple[str, str]] | None:
 def _call(name, arguments) -> tuple[str, str]:
     if isinstance(arguments, str):  # some checkpoints write the arguments as JSON text
         arguments = json.loads(arguments)
-    if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+    call = call_of(name, arguments) if name else None
+    if call is None:
         raise ValueError("not a call")
-    return name, json.dumps(arguments, ensure_ascii=False)
+    return call

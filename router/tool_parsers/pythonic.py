@@ -24,7 +24,6 @@ class PythonicParser(ToolParser):
 
     def __init__(self, max_calls: int | None = None) -> None:
         super().__init__(max_calls)
-        self._buf = ""
         self._calls_mode: bool | None = None
 
     def _feed(self, text: str) -> None:
