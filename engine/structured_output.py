@@ -13,7 +13,9 @@ Lifecycle (the worker-side half of :mod:`common.structured_outputs`; vLLM v1's
    constraints with :class:`GrammarBusy` (RESOURCE_EXHAUSTED, retry later) instead of starting more;
 2. **follow**: the state accepts the request's output tokens lazily, from the request's own
    ``output_token_ids`` (:meth:`GrammarState.advance`): the first token the prefill worker sampled, a
-   migrated request's earlier outputs, each token this worker sampled: whoever appended it;
+   migrated request's earlier outputs, each token this worker sampled: whoever appended it. For a
+   reasoning model, from the output after its thinking (:mod:`engine.reasoning_gate`); nothing is
+   masked before;
 3. **mask** (:func:`next_token_bitmask`, by the scheduler when it plans a sampling step): the
    bitmask of the tokens that can come next, ``[ceil(vocab / 32)]`` int32 (bit ``j`` of word ``i``:
    token ``32 i + j``), applied by the sampler (:mod:`engine.token_bitmask`);
@@ -36,6 +38,7 @@ import torch
 
 from common.model_config import ModelConfig
 from common.structured_outputs import StructuredOutput
+from engine.reasoning_gate import ReasoningGate
 
 if TYPE_CHECKING:
     from engine.request import Request
@@ -55,44 +58,70 @@ class GrammarBusy(RuntimeError):
 
 
 class GrammarState:
-    """One request's position in its grammar (an xgrammar ``GrammarMatcher``). Only the request's
-    scheduler thread uses it.
+    """One request's position in its grammar (an xgrammar ``GrammarMatcher``), and, for a reasoning
+    model, where the grammar starts in its outputs (:class:`engine.reasoning_gate.ReasoningGate`;
+    None: at output 0). Only the request's scheduler thread uses it.
 
     Attributes:
         num_accepted: output tokens the matcher has accepted.
         rejected: the output token the grammar could not accept, or None (then the request ends).
+        rejected_at: that token's index in the outputs, or None.
     """
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, gate: ReasoningGate | None = None) -> None:
         self._matcher = matcher
         self._vocab_size = vocab_size
+        self._gate = gate
         self.num_accepted = 0
         self.rejected: int | None = None
+        self.rejected_at: int | None = None
+
+    def _start(self, output_token_ids: list[int]) -> int | None:
+        return 0 if self._gate is None else self._gate.start(output_token_ids)
 
     def advance(self, output_token_ids: list[int]) -> bool:
-        """Accept the outputs not accepted yet; False once one was refused (it stays refused)."""
-        while self.rejected is None and self.num_accepted < len(output_token_ids):
-            token = output_token_ids[self.num_accepted]
-            if not self._matcher.accept_token(token):
-                self.rejected = token
-                log.warning("structured output: token %d at output %d does not continue the grammar", token,
-                            self.num_accepted)
+        """Accept the outputs from the grammar's start not accepted yet; False once one was refused
+        (it stays refused)."""
+        start = self._start(output_token_ids)
+        if start is None:
+            return True
+        while self.rejected is None and start + self.num_accepted < len(output_token_ids):
+            at = start + self.num_accepted
+            if not self._matcher.accept_token(output_token_ids[at]):
+                self.rejected, self.rejected_at = output_token_ids[at], at
+                log.warning("structured output: token %d at output %d does not continue the grammar",
+                            self.rejected, at)
                 break
             self.num_accepted += 1
         return self.rejected is None
 
     def ended(self, output_token_ids: list[int]) -> bool:
         """Whether the outputs ended the grammar (a stop token accepted) or broke it."""
-        return not self.advance(output_token_ids) or self._matcher.is_terminated()
+        if not self.advance(output_token_ids):
+            return True
+        return self._start(output_token_ids) is not None and self._matcher.is_terminated()
 
-    def bitmask(self, output_token_ids: list[int]) -> torch.Tensor:
-        """``[ceil(vocab / 32)]`` int32: the tokens that may follow ``output_token_ids``."""
+    def bitmask(self, output_token_ids: list[int]) -> torch.Tensor | None:
+        """``[ceil(vocab / 32)]`` int32: the tokens that may follow ``output_token_ids``; None while a
+        reasoning model thinks (anything may follow). Where the first output may open a thinking,
+        the gate's opener is allowed too."""
         import xgrammar as xgr
 
         self.advance(output_token_ids)
+        may_open = self._gate is not None and self._gate.may_open(output_token_ids)
+        if self._start(output_token_ids) is None and not may_open:
+            return None
         mask = xgr.allocate_token_bitmask(1, self._vocab_size)
         self._matcher.fill_next_token_bitmask(mask, 0)
+        if may_open:
+            _allow(mask[0], self._gate.opener)
         return mask[0]
+
+
+def _allow(mask: torch.Tensor, token: int) -> None:
+    """Set ``token``'s bit in ``mask`` (``[ceil(vocab / 32)]`` int32)."""
+    word = (int(mask[token // 32]) & 0xFFFFFFFF) | (1 << (token % 32))
+    mask[token // 32] = word - (1 << 32) if word >= 1 << 31 else word
 
 
 def next_token_bitmask(req: Request) -> torch.Tensor | None:
@@ -133,8 +162,10 @@ class GrammarCompiler:
                                                      cache_limit_bytes=self._cache_bytes)
             return self._compiler
 
-    def compile(self, spec: StructuredOutput, field: str = "structured_outputs") -> GrammarState:
-        """A fresh state at the start of ``spec``'s language (module docstring, step 1).
+    def compile(self, spec: StructuredOutput, field: str = "structured_outputs",
+                gate: ReasoningGate | None = None) -> GrammarState:
+        """A fresh state at the start of ``spec``'s language (module docstring, step 1), starting
+        after the thinking ``gate`` watches for (None: at output 0).
 
         Raises:
             ValueError: xgrammar refuses the constraint, or it did not compile within the timeout; the
@@ -167,7 +198,7 @@ class GrammarCompiler:
             e = done["error"]
             why = _LOCATION.sub("", str(e).strip()) or type(e).__name__
             raise ValueError(f"{field}.{spec.kind} does not compile: {why}") from None
-        return GrammarState(xgr.GrammarMatcher(done["compiled"]), self._vocab_size)
+        return GrammarState(xgr.GrammarMatcher(done["compiled"]), self._vocab_size, gate)
 
     def _run(self, compiler: Any, spec: StructuredOutput, done: dict[str, Any]) -> None:
         """Compile thread: ``done["compiled"]`` or ``done["error"]``; frees the compile slot at the end."""

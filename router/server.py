@@ -108,7 +108,8 @@ class RouterServer:
         self.admission = Admission(cfg.admission, partial(self._takers, "decode"), partial(self._takers, "prefill"),
                                    load, self.prefill_rates, self._cached_tokens, self.metrics, self.peers.count)
         self.core = RequestRouter(
-            RequestValidator(tokenizer, Limits(max_len, model_cfg.vocab_size, max_prompt_bytes=prompt_bytes)),
+            RequestValidator(tokenizer, Limits(max_len, model_cfg.vocab_size, max_prompt_bytes=prompt_bytes),
+                             cfg.reasoning_parser),
             tokenizer, Placer(self.view, policy, self.breaker), load, self.metrics,
             StubCache(lambda address: watched_channel(connect(address), address, self.breaker, self.prefill_rates)),
             self.admission, max_migrations=cfg.max_migrations)

@@ -33,6 +33,7 @@ from pdcluster.v1 import common_pb2, router_pb2, worker_pb2
 from router.chat import (ChatOptions, control_token_in, json_depth, render_chat, renderer_arguments,
                          template_messages)
 from router.limits import CHAT_ROLES, MAX_REQUEST_ID_CHARS, MAX_TEMPLATE_KWARGS_DEPTH, MAX_TOOLS_DEPTH, Limits
+from router.reasoning_gate import GateTokens
 from router.tool_specs import check_tools
 
 
@@ -68,11 +69,14 @@ class RequestValidator:
     Args:
         tokenizer: an HF tokenizer of the served model (chat template included).
         limits: model limits.
+        reasoning_parser: the served model's registered reasoning parser (None: none); a
+            constrained request then holds its constraint after the thinking only.
     """
 
-    def __init__(self, tokenizer, limits: Limits) -> None:
+    def __init__(self, tokenizer, limits: Limits, reasoning_parser: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self._gate = None if reasoning_parser is None else GateTokens.of(reasoning_parser, tokenizer)
 
     def prepare(self, req: router_pb2.GenerateRequest) -> PreparedRequest:
         """Raises:
@@ -96,11 +100,17 @@ class RequestValidator:
             worker_request=worker_pb2.WorkerRequest(
                 request_id=rid, prompt_token_ids=ids, sampling=self._resolve_sampling(s, n, chat=chat),
                 structured_outputs=req.structured_outputs if constrained else None,
+                reasoning_gate=self._reasoning_gate(ids) if constrained else None,
                 bad_words_token_ids=[common_pb2.TokenSequence(ids=w) for w in self._bad_words(s.bad_words)]),
             stop=list(s.stop), logprobs=s.logprobs, stream=req.stream,
             include_stop_str_in_output=s.include_stop_str_in_output, min_tokens=s.min_tokens,
             skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True,
         )
+
+    def _reasoning_gate(self, ids: list[int]) -> worker_pb2.ReasoningGate | None:
+        """Where a constrained answer starts after the thinking (:mod:`router.reasoning_gate`; None
+        without a reasoning parser)."""
+        return None if self._gate is None else self._gate.gate(self.tokenizer.decode(ids, skip_special_tokens=False))
 
     def _bad_words(self, words) -> list[list[int]]:
         """vLLM's tokenization of ``bad_words`` (``SamplingParams.update_from_tokenizer``): each word,

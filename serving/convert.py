@@ -19,6 +19,7 @@ import torch
 
 from common.sampling_params import Target, read_sampling
 from common.structured_outputs import read_structured, structured_problem
+from engine.reasoning_gate import ReasoningGate
 from engine.request import Request, RequestParams
 from engine.sampling import SamplingOptions, make_generator, skip_draw
 from engine.step import TokenLogprobs
@@ -45,7 +46,8 @@ def request_from_proto(msg: worker_pb2.WorkerRequest, transfer_id: str, device: 
             ``[0, vocab_size)`` (when ``vocab_size`` is given); a sampling field out of range (see
             :class:`SamplingOptions`); or ``output_token_ids`` holding ``max_tokens`` tokens or
             more (nothing left to generate); a structured output that is malformed, does not compile, or
-            that ``output_token_ids`` do not follow, or one sent to a worker without ``grammars``; an
+            that ``output_token_ids`` do not follow, or one sent to a worker without ``grammars``; a
+            ``reasoning_gate`` with no end tokens or a token id outside the vocabulary; an
             empty ``bad_words_token_ids`` entry or one with an id outside the vocabulary.
     """
     if not msg.request_id:
@@ -63,7 +65,7 @@ def request_from_proto(msg: worker_pb2.WorkerRequest, transfer_id: str, device: 
     if len(outputs) >= params.max_tokens:
         raise ValueError(f"output_token_ids has {len(outputs)} tokens; it must be fewer than max_tokens "
                          f"({params.max_tokens})")
-    grammar = _grammar(msg, grammars, outputs)
+    grammar = _grammar(msg, grammars, outputs, vocab_size)
     gen = make_generator(options.seed, device) if options.seed is not None else None
     skip_draw(gen, options, len(outputs))
     return Request(msg.request_id, list(msg.prompt_token_ids), params, transfer_id=transfer_id, generator=gen,
@@ -80,9 +82,10 @@ def _bad_words(msg: worker_pb2.WorkerRequest, vocab_size: int | None) -> tuple[t
     return words
 
 
-def _grammar(msg: worker_pb2.WorkerRequest, grammars: GrammarCompiler | None,
-             outputs: list[int]) -> GrammarState | None:
-    """The compiled structured output of ``msg`` (None: none), past a migrated request's ``outputs``."""
+def _grammar(msg: worker_pb2.WorkerRequest, grammars: GrammarCompiler | None, outputs: list[int],
+             vocab_size: int | None) -> GrammarState | None:
+    """The compiled structured output of ``msg`` (None: none), behind its reasoning gate, past a
+    migrated request's ``outputs``."""
     if not msg.HasField("structured_outputs"):
         return None
     problem = structured_problem(msg.structured_outputs)
@@ -90,11 +93,23 @@ def _grammar(msg: worker_pb2.WorkerRequest, grammars: GrammarCompiler | None,
         raise ValueError(problem)
     if grammars is None:
         raise ValueError("structured_outputs: this worker does not serve structured outputs")
-    state = grammars.compile(read_structured(msg.structured_outputs))
+    state = grammars.compile(read_structured(msg.structured_outputs), gate=_gate(msg, vocab_size))
     if not state.advance(outputs):
-        raise ValueError(f"output_token_ids[{state.num_accepted}] = {state.rejected} does not follow "
+        raise ValueError(f"output_token_ids[{state.rejected_at}] = {state.rejected} does not follow "
                          "structured_outputs")
     return state
+
+
+def _gate(msg: worker_pb2.WorkerRequest, vocab_size: int | None) -> ReasoningGate | None:
+    """``msg``'s reasoning gate (None: the constraint holds from output 0)."""
+    if not msg.HasField("reasoning_gate"):
+        return None
+    g = msg.reasoning_gate
+    opener = g.opener_token_id if g.HasField("opener_token_id") else None
+    ids = [*g.end_token_ids, *([] if opener is None else [opener])]
+    if vocab_size is not None and any(t >= vocab_size for t in ids):
+        raise ValueError(f"reasoning_gate: token ids must be below the vocabulary size ({vocab_size})")
+    return ReasoningGate(tuple(g.end_token_ids), g.thinking, opener)
 
 
 def logprobs_to_proto(token_id: int, lp: TokenLogprobs | None) -> common_pb2.TokenLogprob:

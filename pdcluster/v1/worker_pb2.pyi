@@ -9,20 +9,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "structured_outputs", "bad_words_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "structured_outputs", "bad_words_token_ids", "reasoning_gate")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     BAD_WORDS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_GATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     structured_outputs: _common_pb2.StructuredOutputs
     bad_words_token_ids: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenSequence]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., structured_outputs: _Optional[_Union[_common_pb2.StructuredOutputs, _Mapping]] = ..., bad_words_token_ids: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ...) -> None: ...
+    reasoning_gate: ReasoningGate
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., structured_outputs: _Optional[_Union[_common_pb2.StructuredOutputs, _Mapping]] = ..., bad_words_token_ids: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ..., reasoning_gate: _Optional[_Union[ReasoningGate, _Mapping]] = ...) -> None: ...
+
+class ReasoningGate(_message.Message):
+    __slots__ = ("end_token_ids", "thinking", "opener_token_id")
+    END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    THINKING_FIELD_NUMBER: _ClassVar[int]
+    OPENER_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    end_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    thinking: bool
+    opener_token_id: int
+    def __init__(self, end_token_ids: _Optional[_Iterable[int]] = ..., thinking: _Optional[bool] = ..., opener_token_id: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request", "transfer_id")
