@@ -98,7 +98,7 @@ def test_the_grammar_waits_for_the_end_of_the_thinking(grammars, model_config, t
 
 
 def test_an_opener_first_opens_a_thinking_else_the_grammar_starts_at_once(grammars, model_config, tokenizer):
-    vocab, opener, end = model_config.vocab_size, 44, (9617, 17400, 46)  # stand-ins for one-token markers
+    vocab, opener, end = model_config.vocab_size, 63, (9617, 17400, 46)  # stand-ins (63: a word's sign bit)
     fresh = _allowed(_state(grammars, None).bitmask([]), vocab)
     state = _state(grammars, ReasoningGate(end, thinking=False, opener=opener))
     assert _allowed(state.bitmask([]), vocab) == fresh | {opener}
