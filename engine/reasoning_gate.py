@@ -9,8 +9,8 @@ vLLM's reasoning-aware structured outputs (``StructuredOutputManager.should_fill
 Lifecycle of one request's gate, driven by its own ``output_token_ids`` (whoever appended them:
 the prefill worker's first token, a migrated request's earlier outputs, this worker's samples):
 
-1. **thinking** (the prompt opened it): nothing is masked; the gate watches the outputs for the
-   end tokens (:attr:`end_ids`, the tokenizer's ``</think>``);
+1. **thinking** (the template opened it: ``deepseek_r1``): nothing is masked; the gate watches the
+   outputs for the end tokens (:attr:`ends`, the ways the tokenizer writes ``</think>``);
 2. **undecided** (not thinking, with an :attr:`opener`): the first output may be the opener
    (``<think>`` where it is one token) besides what the constraint allows; if it is, the gate
    goes to 1, else the constraint starts at output 0;
@@ -19,12 +19,17 @@ the prefill worker's first token, a migrated request's earlier outputs, this wor
 
 Without an opener and not thinking, the gate starts at 3 with :meth:`start` 0: the same as no gate.
 The end tokens are matched as ids: a model whose vocabulary has ``</think>`` as one token (Qwen3,
-DeepSeek-R1) always writes it so; where it is several, the model must write its tokenizer's encoding.
+DeepSeek-R1) always writes it so; where it is several, the model must write one of the encodings.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+MAX_GATE_ENDS = 8
+"""Most end sequences a gate takes (each is compared after every output token)."""
+MAX_GATE_END_TOKENS = 16
+"""Longest end sequence a gate takes (tokens)."""
 
 
 @dataclass
@@ -32,30 +37,29 @@ class ReasoningGate:
     """One request's gate; only the request's scheduler thread uses it.
 
     Attributes:
-        end_ids: token ids that end the thinking (not empty).
+        ends: the token-id sequences that end the thinking (at least one, none empty).
         thinking: the thinking is open (step 1).
         opener: the token that opens a thinking as the first output, or None.
 
     Raises:
-        ValueError: empty ``end_ids``.
+        ValueError: no ``ends``, or an empty one.
     """
 
-    end_ids: tuple[int, ...]
+    ends: tuple[tuple[int, ...], ...]
     thinking: bool
     opener: int | None = None
     _start: int | None = field(default=None, init=False)
     _seen: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        if not self.end_ids:
-            raise ValueError("reasoning_gate.end_token_ids is empty")
+        if not self.ends or not all(self.ends):
+            raise ValueError("reasoning_gate.end_token_ids must hold at least one sequence, none empty")
         if not self.thinking and self.opener is None:
             self._start = 0
 
     def start(self, output_token_ids: list[int]) -> int | None:
         """The output index the constraint starts at, or None: not yet (thinking, or undecided
         before the first output)."""
-        end, n = list(self.end_ids), len(self.end_ids)
         while self._start is None and self._seen < len(output_token_ids):
             i = self._seen
             self._seen += 1
@@ -64,7 +68,8 @@ class ReasoningGate:
                     self.thinking = True
                 else:
                     self._start = i
-            elif i + 1 >= n and output_token_ids[i + 1 - n:i + 1] == end:
+            elif any(i + 1 >= len(end) and tuple(output_token_ids[i + 1 - len(end):i + 1]) == end
+                     for end in self.ends):
                 self._start = i + 1
         return self._start
 

@@ -6,19 +6,24 @@ the thinking itself, as vLLM's does by default (``enable_in_reasoning`` off). Th
 workers where the thinking stands when the output starts (``WorkerRequest.reasoning_gate``); the
 workers' :mod:`engine.reasoning_gate` follows it from there.
 
-Where the thinking stands, from the prompt (as vLLM's ``is_reasoning_end`` reads the prompt ids): the
-last ``<think>`` or ``</think>`` in the prompt's text decides (an open ``<think>``: thinking; a
-``</think>``: not, e.g. Qwen3's template with ``enable_thinking: false``); a prompt with neither is
-thinking for ``deepseek_r1`` (its template opens it) and not for ``qwen3``. When not thinking and
-the vocabulary has ``<think>`` as one token, the first output may still be ``<think>`` (it opens a
-thinking, as :class:`router.reasoning_parsers.ThinkParser` reads an answer that begins with it).
+The gate reads the output as the parser splits it (:mod:`router.reasoning_parsers`), so the text
+the constraint holds for is the text the answer returns as ``content`` (or as tool calls):
+
+* ``deepseek_r1``: the output starts thinking (its template opened it); the constraint starts after
+  ``</think>``, and an output that never writes it is all thinking, unconstrained;
+* ``qwen3``: the output starts with the answer, constrained from its first token, unless that token
+  is ``<think>`` (where the vocabulary has it as one token, as Qwen3's has), which opens a thinking.
+
+The prompt is not read (vLLM reads its last marker): a user's text that mentions ``<think>`` must not
+switch the constraint off, and the answer's split does not read the prompt either. ``</think>`` is
+matched as the tokenizer writes it, as written and after a space.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdcluster.v1 import worker_pb2
+from pdcluster.v1 import common_pb2, worker_pb2
 from router.reasoning_parsers import END, REASONING_PARSERS, START
 
 
@@ -27,26 +32,26 @@ class GateTokens:
     """A reasoning parser's markers in the served tokenizer.
 
     Attributes:
-        end_ids: the tokenizer's encoding of ``</think>``.
+        ends: the tokenizer's encodings of ``</think>`` (as written; after a space where that differs).
         opener: ``<think>``'s id where it is one token, else None.
-        implicit_start: a prompt without markers leaves the thinking open (``deepseek_r1``).
+        thinking: the output starts thinking (``deepseek_r1``).
     """
 
-    end_ids: tuple[int, ...]
+    ends: tuple[tuple[int, ...], ...]
     opener: int | None
-    implicit_start: bool
+    thinking: bool
 
     @classmethod
     def of(cls, parser: str, tokenizer) -> GateTokens:
         """The markers of the registered ``parser`` in ``tokenizer`` (an HF tokenizer)."""
         start = tokenizer.encode(START, add_special_tokens=False)
-        return cls(tuple(tokenizer.encode(END, add_special_tokens=False)), start[0] if len(start) == 1 else None,
-                   REASONING_PARSERS[parser].implicit_start)
+        ends = [tuple(tokenizer.encode(text, add_special_tokens=False)) for text in (END, " " + END)]
+        if ends[1] == (*tokenizer.encode(" ", add_special_tokens=False), *ends[0]):
+            del ends[1]  # the space is a token of its own: the marker's own encoding follows it
+        return cls(tuple(ends), start[0] if len(start) == 1 else None, REASONING_PARSERS[parser].implicit_start)
 
-    def gate(self, prompt_text: str) -> worker_pb2.ReasoningGate:
-        """The gate of a constrained request whose prompt, decoded with its special tokens, is
-        ``prompt_text``."""
-        opened, closed = prompt_text.rfind(START), prompt_text.rfind(END)
-        thinking = opened > closed if opened != closed else self.implicit_start
-        return worker_pb2.ReasoningGate(end_token_ids=self.end_ids, thinking=thinking,
-                                        opener_token_id=None if thinking else self.opener)
+    def gate(self) -> worker_pb2.ReasoningGate:
+        """The gate of a constrained request."""
+        return worker_pb2.ReasoningGate(end_token_ids=[common_pb2.TokenSequence(ids=e) for e in self.ends],
+                                        thinking=self.thinking,
+                                        opener_token_id=None if self.thinking else self.opener)

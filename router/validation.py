@@ -100,17 +100,12 @@ class RequestValidator:
             worker_request=worker_pb2.WorkerRequest(
                 request_id=rid, prompt_token_ids=ids, sampling=self._resolve_sampling(s, n, chat=chat),
                 structured_outputs=req.structured_outputs if constrained else None,
-                reasoning_gate=self._reasoning_gate(ids) if constrained else None,
+                reasoning_gate=self._gate.gate() if constrained and self._gate else None,
                 bad_words_token_ids=[common_pb2.TokenSequence(ids=w) for w in self._bad_words(s.bad_words)]),
             stop=list(s.stop), logprobs=s.logprobs, stream=req.stream,
             include_stop_str_in_output=s.include_stop_str_in_output, min_tokens=s.min_tokens,
             skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True,
         )
-
-    def _reasoning_gate(self, ids: list[int]) -> worker_pb2.ReasoningGate | None:
-        """Where a constrained answer starts after the thinking (:mod:`router.reasoning_gate`; None
-        without a reasoning parser)."""
-        return None if self._gate is None else self._gate.gate(self.tokenizer.decode(ids, skip_special_tokens=False))
 
     def _bad_words(self, words) -> list[list[int]]:
         """vLLM's tokenization of ``bad_words`` (``SamplingParams.update_from_tokenizer``): each word,

@@ -19,7 +19,7 @@ import torch
 
 from common.sampling_params import Target, read_sampling
 from common.structured_outputs import read_structured, structured_problem
-from engine.reasoning_gate import ReasoningGate
+from engine.reasoning_gate import MAX_GATE_END_TOKENS, MAX_GATE_ENDS, ReasoningGate
 from engine.request import Request, RequestParams
 from engine.sampling import SamplingOptions, make_generator, skip_draw
 from engine.step import TokenLogprobs
@@ -47,7 +47,8 @@ def request_from_proto(msg: worker_pb2.WorkerRequest, transfer_id: str, device: 
             :class:`SamplingOptions`); or ``output_token_ids`` holding ``max_tokens`` tokens or
             more (nothing left to generate); a structured output that is malformed, does not compile, or
             that ``output_token_ids`` do not follow, or one sent to a worker without ``grammars``; a
-            ``reasoning_gate`` with no end tokens or a token id outside the vocabulary; an
+            ``reasoning_gate`` with no end sequence, an empty one, too many or too long, or a token id outside
+            the vocabulary; an
             empty ``bad_words_token_ids`` entry or one with an id outside the vocabulary.
     """
     if not msg.request_id:
@@ -106,10 +107,14 @@ def _gate(msg: worker_pb2.WorkerRequest, vocab_size: int | None) -> ReasoningGat
         return None
     g = msg.reasoning_gate
     opener = g.opener_token_id if g.HasField("opener_token_id") else None
-    ids = [*g.end_token_ids, *([] if opener is None else [opener])]
+    ends = tuple(tuple(seq.ids) for seq in g.end_token_ids)
+    if len(ends) > MAX_GATE_ENDS or any(len(end) > MAX_GATE_END_TOKENS for end in ends):
+        raise ValueError(f"reasoning_gate.end_token_ids: at most {MAX_GATE_ENDS} sequences of at most "
+                         f"{MAX_GATE_END_TOKENS} tokens")
+    ids = [t for end in ends for t in end] + ([] if opener is None else [opener])
     if vocab_size is not None and any(t >= vocab_size for t in ids):
         raise ValueError(f"reasoning_gate: token ids must be below the vocabulary size ({vocab_size})")
-    return ReasoningGate(tuple(g.end_token_ids), g.thinking, opener)
+    return ReasoningGate(ends, g.thinking, opener)
 
 
 def logprobs_to_proto(token_id: int, lp: TokenLogprobs | None) -> common_pb2.TokenLogprob:

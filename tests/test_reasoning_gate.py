@@ -1,6 +1,6 @@
 """Reasoning-aware structured outputs: a constraint holds for the answer after the thinking only.
 
-The router's gate from the prompt (:mod:`router.reasoning_gate`), the workers' gate over the outputs
+The router's gate per reasoning parser (:mod:`router.reasoning_gate`), the workers' gate over the outputs
 (:mod:`engine.reasoning_gate` inside :class:`engine.structured_output.GrammarState`), and real prefill
 and decode schedulers against HF float32 greedy: unconstrained while thinking, under xgrammar's mask
 after ``</think>``, whether the worker sampled the marker's last token or a migration replayed it.
@@ -53,30 +53,30 @@ def _allowed(mask, vocab: int) -> set[int]:
     return set(unpack_bitmask(mask, vocab).nonzero().flatten().tolist())
 
 
-@pytest.mark.parametrize("parser,prompt,thinking", [
-    ("qwen3", "Hi", False), ("qwen3", "Hi<think>\nhm", True), ("qwen3", "<think>a</think>\n\n", False),
-    ("deepseek_r1", "Hi", True), ("deepseek_r1", "<think>a</think>", False),
-    ("deepseek_r1", "x</think><think>\n", True)])
-def test_the_prompt_decides_whether_the_output_starts_thinking(tokenizer, end_ids, parser, prompt, thinking):
-    gate = GateTokens.of(parser, tokenizer).gate(prompt)
-    assert (list(gate.end_token_ids), gate.thinking) == (end_ids, thinking)
-    assert not gate.HasField("opener_token_id")  # SmolLM2 writes "<think>" as three tokens
+def test_each_parser_reads_the_output_as_its_text_split_does(tokenizer, end_ids):
+    """deepseek_r1 starts thinking, qwen3 answering, whatever the prompt says (a user's text may mention the
+    tags); "</think>" is matched as written and after a space (SmolLM2 writes " </think>" otherwise)."""
+    spaced = tokenizer.encode(" </think>", add_special_tokens=False)
+    for parser, thinking in (("deepseek_r1", True), ("qwen3", False)):
+        gate = GateTokens.of(parser, tokenizer).gate()
+        assert ([list(e.ids) for e in gate.end_token_ids], gate.thinking) == ([end_ids, spaced], thinking)
+        assert not gate.HasField("opener_token_id")  # SmolLM2 writes "<think>" as three tokens
 
 
 def test_a_one_token_think_may_open_the_answer(model_dir):
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
-    tokens = GateTokens.of("qwen3", tok)
     opener, end = tok.convert_tokens_to_ids(["<think>", "</think>"])
-    assert (tokens.opener, tokens.end_ids) == (opener, (end,))
-    assert tokens.gate("Hi").opener_token_id == opener
-    assert not tokens.gate("Hi<think>").HasField("opener_token_id")  # already thinking
+    qwen3 = GateTokens.of("qwen3", tok)
+    assert (qwen3.opener, qwen3.ends) == (opener, ((end,),))  # " </think>" is a space, then the marker
+    assert qwen3.gate().opener_token_id == opener
+    assert not GateTokens.of("deepseek_r1", tok).gate().HasField("opener_token_id")  # already thinking
 
 
 def test_the_router_gates_constrained_requests_only(tokenizer, model_config):
     plain = RequestValidator(tokenizer, Limits(256, model_config.vocab_size))
     gated = RequestValidator(tokenizer, Limits(256, model_config.vocab_size), reasoning_parser="deepseek_r1")
-    constrained = build_request("Hi", structured_outputs={"regex": DIGITS}, max_tokens=4)
+    constrained = build_request("Hi </think>", structured_outputs={"regex": DIGITS}, max_tokens=4)
     assert not plain.prepare(constrained).worker_request.HasField("reasoning_gate")
     assert not gated.prepare(build_request("Hi", max_tokens=4)).worker_request.HasField("reasoning_gate")
     assert gated.prepare(constrained).worker_request.reasoning_gate.thinking
@@ -84,7 +84,7 @@ def test_the_router_gates_constrained_requests_only(tokenizer, model_config):
 
 def test_the_grammar_waits_for_the_end_of_the_thinking(grammars, model_config, tokenizer, end_ids):
     vocab = model_config.vocab_size
-    state = _state(grammars, ReasoningGate(tuple(end_ids), thinking=True))
+    state = _state(grammars, ReasoningGate((tuple(end_ids),), thinking=True))
     fresh = _allowed(_state(grammars, None).bitmask([]), vocab)
     outputs = tokenizer.encode("I think </ think", add_special_tokens=False)  # no marker yet
     assert state.bitmask(outputs) is None and not state.ended(outputs)
@@ -95,16 +95,18 @@ def test_the_grammar_waits_for_the_end_of_the_thinking(grammars, model_config, t
     assert state.advance(outputs) and state.num_accepted == len(digits)
     outputs += tokenizer.encode("ab", add_special_tokens=False)
     assert state.ended(outputs) and state.rejected_at == len(outputs) - 1
+    spaced = _state(grammars, ReasoningGate((tuple(end_ids), (22577, 17400, 46)), thinking=True))  # " </think>"
+    assert spaced.bitmask([5, 22577, 17400]) is None and spaced.bitmask([5, 22577, 17400, 46]) is not None
 
 
 def test_an_opener_first_opens_a_thinking_else_the_grammar_starts_at_once(grammars, model_config, tokenizer):
     vocab, opener, end = model_config.vocab_size, 63, (9617, 17400, 46)  # stand-ins (63: a word's sign bit)
     fresh = _allowed(_state(grammars, None).bitmask([]), vocab)
-    state = _state(grammars, ReasoningGate(end, thinking=False, opener=opener))
+    state = _state(grammars, ReasoningGate((end,), thinking=False, opener=opener))
     assert _allowed(state.bitmask([]), vocab) == fresh | {opener}
     assert state.bitmask([opener, 5]) is None
     assert _allowed(state.bitmask([opener, 5, *end]), vocab) == fresh
-    direct = _state(grammars, ReasoningGate(end, thinking=False, opener=opener))
+    direct = _state(grammars, ReasoningGate((end,), thinking=False, opener=opener))
     digit = tokenizer.encode("1", add_special_tokens=False)
     assert direct.advance(digit) and direct.num_accepted == 1 and opener not in _allowed(direct.bitmask(digit), vocab)
 
@@ -118,13 +120,18 @@ def test_the_workers_read_the_gate_and_refuse_a_bad_one(grammars, model_config, 
 
     vocab = model_config.vocab_size
     thinking = tokenizer.encode("no digits here", add_special_tokens=False) + end_ids + tokenizer.encode("7", add_special_tokens=False)
-    req = request_from_proto(wreq(worker_pb2.ReasoningGate(end_token_ids=end_ids, thinking=True), thinking),
+    def ends(*seqs):
+        return [common_pb2.TokenSequence(ids=s) for s in seqs]
+
+    req = request_from_proto(wreq(worker_pb2.ReasoningGate(end_token_ids=ends(end_ids), thinking=True), thinking),
                              "t", CPU, vocab, grammars)
     assert req.grammar.num_accepted == 1
-    with pytest.raises(ValueError, match="reasoning_gate.end_token_ids is empty"):
-        request_from_proto(wreq(worker_pb2.ReasoningGate(thinking=True)), "t", CPU, vocab, grammars)
-    with pytest.raises(ValueError, match="reasoning_gate: token ids must be below the vocabulary size"):
-        request_from_proto(wreq(worker_pb2.ReasoningGate(end_token_ids=[vocab])), "t", CPU, vocab, grammars)
+    for bad, why in [(ends(), "must hold at least one sequence, none empty"), (ends(end_ids, []), "none empty"),
+                     (ends(*[[1]] * 9), "at most 8 sequences of at most 16 tokens"),
+                     (ends([1] * 17), "at most 8 sequences"), (ends([vocab]), "must be below the vocabulary size")]:
+        with pytest.raises(ValueError, match=why):
+            request_from_proto(wreq(worker_pb2.ReasoningGate(end_token_ids=bad, thinking=True)), "t", CPU, vocab,
+                               grammars)
 
 
 def _wreq(rid, prompt, outputs=(), bias=None, gate=None, max_tokens=N):
@@ -141,7 +148,7 @@ def test_workers_think_freely_then_answer_in_the_grammar_as_hf(model, model_conf
     where the prefill worker samples the marker's last token (a logit bias makes it), the decode worker
     sees the marker and the rest equals HF greedy under xgrammar's mask after it."""
     prompt = tokenizer.encode(PROMPT)
-    gate = worker_pb2.ReasoningGate(end_token_ids=end_ids, thinking=True)
+    gate = worker_pb2.ReasoningGate(end_token_ids=[common_pb2.TokenSequence(ids=end_ids)], thinking=True)
     ref, gaps = hf_greedy(hf_model, prompt, N_FREE)
     assert tokenizer.decode(ref).strip().startswith("The answer")  # free text, not in the grammar
     assert not any(ref[i:i + len(end_ids)] == end_ids for i in range(len(ref)))  # and no marker

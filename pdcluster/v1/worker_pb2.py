@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdcluster.v1 import common_pb2 as pdcluster_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdcluster/v1/worker.proto\x12\x0cpdcluster.v1\x1a\x19pdcluster/v1/common.proto\"\xb3\x02\n\rWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\x12;\n\x12structured_outputs\x18\x05 \x01(\x0b\x32\x1f.pdcluster.v1.StructuredOutputs\x12\x38\n\x13\x62\x61\x64_words_token_ids\x18\x06 \x03(\x0b\x32\x1b.pdcluster.v1.TokenSequence\x12\x33\n\x0ereasoning_gate\x18\x07 \x01(\x0b\x32\x1b.pdcluster.v1.ReasoningGate\"j\n\rReasoningGate\x12\x15\n\rend_token_ids\x18\x01 \x03(\r\x12\x10\n\x08thinking\x18\x02 \x01(\x08\x12\x1c\n\x0fopener_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x12\n\x10_opener_token_id\"S\n\x0eReserveRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.pdcluster.v1.WorkerRequest\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\"\x81\x01\n\rKvDestination\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\r\n\x05\x64type\x18\x06 \x01(\t\"\x80\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12,\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.pdcluster.v1.FinishReason\"v\n\x0b\x44\x65\x63odeEvent\x12\x32\n\x0breservation\x18\x01 \x01(\x0b\x32\x1b.pdcluster.v1.KvDestinationH\x00\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.pdcluster.v1.TokenDeltaH\x00\x42\x07\n\x05\x65vent\"\x85\x01\n\x0ePrefillRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.pdcluster.v1.WorkerRequest\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x30\n\x0b\x64\x65stination\x18\x03 \x01(\x0b\x32\x1b.pdcluster.v1.KvDestination\"\xc6\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x15\n\rkv_bytes_sent\x18\x03 \x01(\x04\x12\x17\n\x0fprefill_seconds\x18\x04 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12\x33\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"N\n\x13\x46\x61ilTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xdb\x01\n\x14\x46\x61ilTransferResponse\x12;\n\x07outcome\x18\x01 \x01(\x0e\x32*.pdcluster.v1.FailTransferResponse.Outcome\"\x85\x01\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x1b\n\x17OUTCOME_UNKNOWN_REQUEST\x10\x01\x12\x12\n\x0eOUTCOME_FAILED\x10\x02\x12\x17\n\x13OUTCOME_RECOMPUTING\x10\x03\x12\x17\n\x13OUTCOME_KV_COMPLETE\x10\x04\"\x10\n\x0eGetLoadRequest\"\xf2\x01\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\r\x12\x14\n\x0cnum_finished\x18\x07 \x01(\x04\x12\x1c\n\x14num_failed_transfers\x18\x08 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x19\n\x11num_kv_recomputes\x18\n \x01(\x04\x32\xbc\x02\n\x0c\x44\x65\x63odeWorker\x12\x44\n\x07Reserve\x12\x1c.pdcluster.v1.ReserveRequest\x1a\x19.pdcluster.v1.DecodeEvent0\x01\x12L\n\x05\x41\x62ort\x12 .pdcluster.v1.WorkerAbortRequest\x1a!.pdcluster.v1.WorkerAbortResponse\x12\x41\n\x07GetLoad\x12\x1c.pdcluster.v1.GetLoadRequest\x1a\x18.pdcluster.v1.WorkerLoad\x12U\n\x0c\x46\x61ilTransfer\x12!.pdcluster.v1.FailTransferRequest\x1a\".pdcluster.v1.FailTransferResponse2\xe8\x01\n\rPrefillWorker\x12\x46\n\x07Prefill\x12\x1c.pdcluster.v1.PrefillRequest\x1a\x1d.pdcluster.v1.PrefillResponse\x12L\n\x05\x41\x62ort\x12 .pdcluster.v1.WorkerAbortRequest\x1a!.pdcluster.v1.WorkerAbortResponse\x12\x41\n\x07GetLoad\x12\x1c.pdcluster.v1.GetLoadRequest\x1a\x18.pdcluster.v1.WorkerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdcluster/v1/worker.proto\x12\x0cpdcluster.v1\x1a\x19pdcluster/v1/common.proto\"\xb3\x02\n\rWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\x12;\n\x12structured_outputs\x18\x05 \x01(\x0b\x32\x1f.pdcluster.v1.StructuredOutputs\x12\x38\n\x13\x62\x61\x64_words_token_ids\x18\x06 \x03(\x0b\x32\x1b.pdcluster.v1.TokenSequence\x12\x33\n\x0ereasoning_gate\x18\x07 \x01(\x0b\x32\x1b.pdcluster.v1.ReasoningGate\"\x87\x01\n\rReasoningGate\x12\x32\n\rend_token_ids\x18\x01 \x03(\x0b\x32\x1b.pdcluster.v1.TokenSequence\x12\x10\n\x08thinking\x18\x02 \x01(\x08\x12\x1c\n\x0fopener_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x12\n\x10_opener_token_id\"S\n\x0eReserveRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.pdcluster.v1.WorkerRequest\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\"\x81\x01\n\rKvDestination\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\r\n\x05\x64type\x18\x06 \x01(\t\"\x80\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12,\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.pdcluster.v1.FinishReason\"v\n\x0b\x44\x65\x63odeEvent\x12\x32\n\x0breservation\x18\x01 \x01(\x0b\x32\x1b.pdcluster.v1.KvDestinationH\x00\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.pdcluster.v1.TokenDeltaH\x00\x42\x07\n\x05\x65vent\"\x85\x01\n\x0ePrefillRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.pdcluster.v1.WorkerRequest\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x30\n\x0b\x64\x65stination\x18\x03 \x01(\x0b\x32\x1b.pdcluster.v1.KvDestination\"\xc6\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x15\n\rkv_bytes_sent\x18\x03 \x01(\x04\x12\x17\n\x0fprefill_seconds\x18\x04 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12\x33\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"N\n\x13\x46\x61ilTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xdb\x01\n\x14\x46\x61ilTransferResponse\x12;\n\x07outcome\x18\x01 \x01(\x0e\x32*.pdcluster.v1.FailTransferResponse.Outcome\"\x85\x01\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x1b\n\x17OUTCOME_UNKNOWN_REQUEST\x10\x01\x12\x12\n\x0eOUTCOME_FAILED\x10\x02\x12\x17\n\x13OUTCOME_RECOMPUTING\x10\x03\x12\x17\n\x13OUTCOME_KV_COMPLETE\x10\x04\"\x10\n\x0eGetLoadRequest\"\xf2\x01\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\r\x12\x14\n\x0cnum_finished\x18\x07 \x01(\x04\x12\x1c\n\x14num_failed_transfers\x18\x08 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x19\n\x11num_kv_recomputes\x18\n \x01(\x04\x32\xbc\x02\n\x0c\x44\x65\x63odeWorker\x12\x44\n\x07Reserve\x12\x1c.pdcluster.v1.ReserveRequest\x1a\x19.pdcluster.v1.DecodeEvent0\x01\x12L\n\x05\x41\x62ort\x12 .pdcluster.v1.WorkerAbortRequest\x1a!.pdcluster.v1.WorkerAbortResponse\x12\x41\n\x07GetLoad\x12\x1c.pdcluster.v1.GetLoadRequest\x1a\x18.pdcluster.v1.WorkerLoad\x12U\n\x0c\x46\x61ilTransfer\x12!.pdcluster.v1.FailTransferRequest\x1a\".pdcluster.v1.FailTransferResponse2\xe8\x01\n\rPrefillWorker\x12\x46\n\x07Prefill\x12\x1c.pdcluster.v1.PrefillRequest\x1a\x1d.pdcluster.v1.PrefillResponse\x12L\n\x05\x41\x62ort\x12 .pdcluster.v1.WorkerAbortRequest\x1a!.pdcluster.v1.WorkerAbortResponse\x12\x41\n\x07GetLoad\x12\x1c.pdcluster.v1.GetLoadRequest\x1a\x18.pdcluster.v1.WorkerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,36 +34,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERREQUEST']._serialized_start=71
   _globals['_WORKERREQUEST']._serialized_end=378
-  _globals['_REASONINGGATE']._serialized_start=380
-  _globals['_REASONINGGATE']._serialized_end=486
-  _globals['_RESERVEREQUEST']._serialized_start=488
-  _globals['_RESERVEREQUEST']._serialized_end=571
-  _globals['_KVDESTINATION']._serialized_start=574
-  _globals['_KVDESTINATION']._serialized_end=703
-  _globals['_TOKENDELTA']._serialized_start=706
-  _globals['_TOKENDELTA']._serialized_end=834
-  _globals['_DECODEEVENT']._serialized_start=836
-  _globals['_DECODEEVENT']._serialized_end=954
-  _globals['_PREFILLREQUEST']._serialized_start=957
-  _globals['_PREFILLREQUEST']._serialized_end=1090
-  _globals['_PREFILLRESPONSE']._serialized_start=1093
-  _globals['_PREFILLRESPONSE']._serialized_end=1291
-  _globals['_WORKERABORTREQUEST']._serialized_start=1293
-  _globals['_WORKERABORTREQUEST']._serialized_end=1333
-  _globals['_WORKERABORTRESPONSE']._serialized_start=1335
-  _globals['_WORKERABORTRESPONSE']._serialized_end=1371
-  _globals['_FAILTRANSFERREQUEST']._serialized_start=1373
-  _globals['_FAILTRANSFERREQUEST']._serialized_end=1451
-  _globals['_FAILTRANSFERRESPONSE']._serialized_start=1454
-  _globals['_FAILTRANSFERRESPONSE']._serialized_end=1673
-  _globals['_FAILTRANSFERRESPONSE_OUTCOME']._serialized_start=1540
-  _globals['_FAILTRANSFERRESPONSE_OUTCOME']._serialized_end=1673
-  _globals['_GETLOADREQUEST']._serialized_start=1675
-  _globals['_GETLOADREQUEST']._serialized_end=1691
-  _globals['_WORKERLOAD']._serialized_start=1694
-  _globals['_WORKERLOAD']._serialized_end=1936
-  _globals['_DECODEWORKER']._serialized_start=1939
-  _globals['_DECODEWORKER']._serialized_end=2255
-  _globals['_PREFILLWORKER']._serialized_start=2258
-  _globals['_PREFILLWORKER']._serialized_end=2490
+  _globals['_REASONINGGATE']._serialized_start=381
+  _globals['_REASONINGGATE']._serialized_end=516
+  _globals['_RESERVEREQUEST']._serialized_start=518
+  _globals['_RESERVEREQUEST']._serialized_end=601
+  _globals['_KVDESTINATION']._serialized_start=604
+  _globals['_KVDESTINATION']._serialized_end=733
+  _globals['_TOKENDELTA']._serialized_start=736
+  _globals['_TOKENDELTA']._serialized_end=864
+  _globals['_DECODEEVENT']._serialized_start=866
+  _globals['_DECODEEVENT']._serialized_end=984
+  _globals['_PREFILLREQUEST']._serialized_start=987
+  _globals['_PREFILLREQUEST']._serialized_end=1120
+  _globals['_PREFILLRESPONSE']._serialized_start=1123
+  _globals['_PREFILLRESPONSE']._serialized_end=1321
+  _globals['_WORKERABORTREQUEST']._serialized_start=1323
+  _globals['_WORKERABORTREQUEST']._serialized_end=1363
+  _globals['_WORKERABORTRESPONSE']._serialized_start=1365
+  _globals['_WORKERABORTRESPONSE']._serialized_end=1401
+  _globals['_FAILTRANSFERREQUEST']._serialized_start=1403
+  _globals['_FAILTRANSFERREQUEST']._serialized_end=1481
+  _globals['_FAILTRANSFERRESPONSE']._serialized_start=1484
+  _globals['_FAILTRANSFERRESPONSE']._serialized_end=1703
+  _globals['_FAILTRANSFERRESPONSE_OUTCOME']._serialized_start=1570
+  _globals['_FAILTRANSFERRESPONSE_OUTCOME']._serialized_end=1703
+  _globals['_GETLOADREQUEST']._serialized_start=1705
+  _globals['_GETLOADREQUEST']._serialized_end=1721
+  _globals['_WORKERLOAD']._serialized_start=1724
+  _globals['_WORKERLOAD']._serialized_end=1966
+  _globals['_DECODEWORKER']._serialized_start=1969
+  _globals['_DECODEWORKER']._serialized_end=2285
+  _globals['_PREFILLWORKER']._serialized_start=2288
+  _globals['_PREFILLWORKER']._serialized_end=2520
 # @@protoc_insertion_point(module_scope)

@@ -31,10 +31,10 @@ class ReasoningGate(_message.Message):
     END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     THINKING_FIELD_NUMBER: _ClassVar[int]
     OPENER_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    end_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    end_token_ids: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenSequence]
     thinking: bool
     opener_token_id: int
-    def __init__(self, end_token_ids: _Optional[_Iterable[int]] = ..., thinking: _Optional[bool] = ..., opener_token_id: _Optional[int] = ...) -> None: ...
+    def __init__(self, end_token_ids: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ..., thinking: _Optional[bool] = ..., opener_token_id: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request", "transfer_id")
