@@ -33,6 +33,7 @@ from pdcluster.client_types import (
     GenerationResult,
     Prompt,
     TokenLogprob,  # noqa: F401
+    ToolCall,  # noqa: F401
     Usage,  # noqa: F401
     accumulate,
     build_request,

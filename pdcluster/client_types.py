@@ -55,12 +55,24 @@ class TokenLogprob:
         return cls(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top], lp.rank or None)
 
 
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call of a chat answer: its id, the function's name and its arguments (JSON text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 @dataclass
 class GenerationResult:
     """The whole result of one request.
 
     ``finish_reason`` is the enum name without its prefix: ``"STOP"``,
-    ``"LENGTH"``, ``"ABORT"`` (``"UNSPECIFIED"`` if the server never set it).
+    ``"LENGTH"``, ``"ABORT"``, ``"TOOL_CALLS"`` (the model ended its turn after calls it chose),
+    ``"UNSPECIFIED"`` if the server never set it. A chat answer whose tool calls the router reads
+    (``chat_options`` ``tool_choice``) has them in ``tool_calls``, not in ``text``; with the router's
+    reasoning parser, its thinking is ``reasoning_text`` and ``text`` the rest.
     ``logprobs`` is ``None`` unless the server returned log-probabilities.
     ``stop_reason`` is the stop string (``str``) or stop token id (``int``) that ended the
     request, as vLLM's; ``None`` when an EOS token or a limit ended it. ``prompt_logprobs``
@@ -76,6 +88,8 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    reasoning_text: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 def finish_reason_name(value: int) -> str:
@@ -101,11 +115,18 @@ def accumulate(chunks: Iterable[router_pb2.GenerateResponse]) -> GenerationResul
     logprobs: list[TokenLogprob] = []
     prompt_logprobs: list[TokenLogprob] = []
     finish, usage, seen, stop = 0, Usage(), False, None
+    reasoning: list[str] = []
+    calls: dict[int, list[str]] = {}  # index -> [id, name, arguments]
     for chunk in chunks:
         seen = True
         request_id = chunk.request_id or request_id
         token_ids.extend(chunk.token_ids)
         text_parts.append(chunk.text)
+        reasoning.append(chunk.reasoning_text)
+        for piece in chunk.tool_calls:
+            call = calls.setdefault(piece.index, ["", "", ""])
+            call[0], call[1] = call[0] or piece.id, call[1] or piece.name
+            call[2] += piece.arguments
         logprobs.extend(TokenLogprob.from_proto(lp) for lp in chunk.logprobs)
         if chunk.prompt_logprobs and not prompt_logprobs:  # the first prompt token has no logprob
             prompt_logprobs.append(TokenLogprob(chunk.prompt_logprobs[0].token_id, None))
@@ -128,6 +149,8 @@ def accumulate(chunks: Iterable[router_pb2.GenerateResponse]) -> GenerationResul
         logprobs=logprobs or None,
         stop_reason=stop,
         prompt_logprobs=prompt_logprobs or None,
+        reasoning_text="".join(reasoning),
+        tool_calls=[ToolCall(*calls[i]) for i in sorted(calls)],
     )
 
 
@@ -198,10 +221,12 @@ def build_request(
 
     ``chat_options`` (chat messages only): vLLM's ``add_generation_prompt`` (bool,
     default true), ``continue_final_message`` (bool), ``chat_template_kwargs``
-    (a JSON-serializable dict of template variables) and ``tools`` (OpenAI's tool objects, given to
-    the chat template), checked by the server. A message may carry OpenAI's ``tool_calls``,
-    ``tool_call_id`` and ``name``; reading calls out of the answer is the HTTP API's
-    (``tool_choice``).
+    (a JSON-serializable dict of template variables), ``tools`` (OpenAI's tool objects, given to
+    the chat template), OpenAI's ``tool_choice`` (``"none"``, ``"auto"``, ``"required"`` or
+    ``{"type": "function", "function": {"name": ...}}``) and ``parallel_tool_calls`` (bool), and
+    vLLM's ``include_reasoning`` (bool), checked by the server. The answer's calls come back as
+    :attr:`GenerationResult.tool_calls`, its thinking (with the router's reasoning parser) as
+    ``reasoning_text``. A message may carry OpenAI's ``tool_calls``, ``tool_call_id`` and ``name``.
 
     ``structured_outputs``: vLLM's dict, exactly one of ``{"json": schema}`` (a dict or its JSON
     text), ``{"regex": str}``, ``{"choice": [str, ...]}``, ``{"grammar": ebnf}``,
@@ -226,7 +251,8 @@ def build_request(
     return req
 
 
-_CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
+_CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "parallel_tool_calls", "include_reasoning",
+                 "chat_template_kwargs", "tools", "tool_choice")
 
 
 def _set_chat_options(req: router_pb2.GenerateRequest, options: Mapping[str, Any]) -> None:
@@ -235,10 +261,13 @@ def _set_chat_options(req: router_pb2.GenerateRequest, options: Mapping[str, Any
     unknown = sorted(set(options) - set(_CHAT_OPTIONS))
     if unknown:
         raise ValueError(f"chat_options: unknown option {unknown[0]!r}; known: {', '.join(_CHAT_OPTIONS)}")
-    for flag in _CHAT_OPTIONS[:2]:
+    for flag in _CHAT_OPTIONS[:4]:
         if options.get(flag) is not None:
             setattr(req.messages, flag, options[flag])
     if options.get("chat_template_kwargs"):
         req.messages.chat_template_kwargs = json.dumps(options["chat_template_kwargs"], ensure_ascii=False)
     if options.get("tools"):
         req.messages.tools = json.dumps(list(options["tools"]), ensure_ascii=False)
+    choice = options.get("tool_choice")
+    if choice is not None:
+        req.messages.tool_choice = choice if isinstance(choice, str) else json.dumps(choice, ensure_ascii=False)

@@ -190,6 +190,15 @@ class RequestRouter:
         self._invalid_argument(request_id, reason)
         return request_id
 
+    def refuse_invalid(self, request: router_pb2.GenerateRequest, message: str) -> RouterError:
+        """Count and log an INVALID_ARGUMENT refusal a front door found before :meth:`start` (its
+        request named first, as :meth:`start` names it); returns the error to answer."""
+        try:
+            self._name(request)
+        except RouterError as e:
+            return e
+        return self._invalid_argument(request.request_id, message)
+
     def _invalid_argument(self, request_id: str, message: str) -> RouterError:
         """Count and log (throttled) an INVALID_ARGUMENT refusal of ``request_id``; returns its error."""
         self.metrics.inc("request_errors", code=grpc.StatusCode.INVALID_ARGUMENT.name)

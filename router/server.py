@@ -40,6 +40,7 @@ from router.breaker import CircuitBreaker
 from router.cache_aware import cached_prefix_tokens
 from router.core import RequestRouter
 from router.fleet import FleetGauges
+from router.grpc_answers import GrpcReading
 from router.http import HttpServer
 from router.config import RouterConfig
 from router.limits import Limits
@@ -113,7 +114,8 @@ class RouterServer:
             tokenizer, Placer(self.view, policy, self.breaker), load, self.metrics,
             StubCache(lambda address: watched_channel(connect(address), address, self.breaker, self.prefill_rates)),
             self.admission, max_migrations=cfg.max_migrations)
-        self.servicer = RouterServicer(self.core, info)
+        self.servicer = RouterServicer(self.core, info, GrpcReading(cfg.tool_call_parser, cfg.reasoning_parser,
+                                                                    tokenizer))
         self.server = make_server(cfg.security, Plane.PUBLIC,
                                   max_workers=cfg.admission.max_admitted_requests + SPARE_THREADS,
                                   options=[(k, int(cfg.reuse_port) if k == "grpc.so_reuseport" else v)

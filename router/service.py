@@ -8,7 +8,8 @@ metadata); a client that cancels or disconnects cancels the request on both work
 field) is refused with INVALID_ARGUMENT naming the field, counted and logged as the router's own refusals
 are. A refused ``Generate`` carries its request id (the client's, or the one minted for it) as
 ``x-request-id`` trailing metadata. A request without a ``request_id`` takes the one its call's
-``x-request-id`` metadata gives, if any (checked as any client id).
+``x-request-id`` metadata gives, if any (checked as any client id). A chat answer's tool calls and
+reasoning are read out of its text as on the HTTP door (:mod:`router.grpc_answers`).
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from google.protobuf import message_factory
 
 from common.grpc_metadata import AUTHORIZATION, bearer_token, metadata_value
 from pdcluster.v1 import router_pb2, router_pb2_grpc
+from router.answer import AnswerReading
 from router.core import RequestRouter
-from router.errors import RouterError
 from router.decoding import Unparsable, parse_or_refusal
-from router.validation import request_id_problem
+from router.errors import RouterError
+from router.grpc_answers import GrpcReading, read_responses
+from router.validation import InvalidRequest, request_id_problem
 from serving.logs import REQUEST_ID_METADATA
 from serving.rpc import RETRY_AFTER_METADATA
 
@@ -37,23 +40,28 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     Args:
         core: the request path shared with the HTTP front door.
         model_info: answer of ``GetModelInfo``.
+        reading: the router's tool call and reasoning parsers (None: answers are text as is).
     """
 
-    def __init__(self, core: RequestRouter, model_info: router_pb2.ModelInfo) -> None:
+    def __init__(self, core: RequestRouter, model_info: router_pb2.ModelInfo,
+                 reading: GrpcReading | None = None) -> None:
         self.core = core
         self.model_info = model_info
+        self.reading = reading
 
     def Generate(self, request, context):
         if not request.request_id:  # a tracing client's id in metadata names the request, as X-Request-Id does
             request.request_id = metadata_value(context.invocation_metadata(), REQUEST_ID_METADATA) or ""
         try:
+            reading = self._reading(request)
             active = self.core.start(request, owner_of(context))
             if not context.add_callback(active.cancel):  # client cancelled or disconnected
                 log.info("request %s cancelled by the client before it was placed", active.request_id)
                 # a terminated call runs no callback it is given afterwards; counted, as every request is
                 active.discard(RouterError(grpc.StatusCode.CANCELLED, "client cancelled"))
                 return
-            yield from active.responses()
+            responses = active.responses()
+            yield from responses if reading is None else read_responses(responses, reading)
         except RouterError as e:
             rid = request.request_id  # echoed only when it can be metadata (an invalid one is what was refused)
             trailing = [(REQUEST_ID_METADATA, rid)] if rid and request_id_problem(rid) is None else []
@@ -61,6 +69,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 trailing.append((RETRY_AFTER_METADATA, str(e.retry_after_ms)))
             context.set_trailing_metadata(tuple(trailing))
             context.abort(e.code, e.message)
+
+    def _reading(self, request: router_pb2.GenerateRequest) -> AnswerReading | None:
+        """How a chat answer's tool calls and reasoning are read (:mod:`router.grpc_answers`).
+
+        Raises:
+            RouterError: INVALID_ARGUMENT (counted and logged as the core's own refusals).
+        """
+        try:
+            return None if self.reading is None else self.reading.prepare(request)
+        except InvalidRequest as e:
+            raise self.core.refuse_invalid(request, str(e)) from None
 
     def refuse_unparsable(self, method: str, request: Unparsable, context) -> None:
         """Refuse a request gRPC could not parse: INVALID_ARGUMENT naming the field; a ``Generate``

@@ -277,7 +277,7 @@ class RequestValidator:
                                          f"got {type(kwargs[name]).__name__}")
                 flags[name] = kwargs.pop(name)
         try:
-            return ChatOptions(**flags, template_kwargs=kwargs, tools=_tools(chat.tools, self.tokenizer))
+            return ChatOptions(**flags, template_kwargs=kwargs, tools=parse_tools(chat.tools, self.tokenizer))
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
 
@@ -309,7 +309,7 @@ def _template_kwargs(text: str, tokenizer) -> dict:
     return value
 
 
-def _tools(text: str, tokenizer) -> list | None:
+def parse_tools(text: str, tokenizer) -> list | None:
     """``MessageList.tools`` (a JSON array; empty: none) as a list.
 
     Raises:

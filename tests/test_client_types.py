@@ -34,8 +34,8 @@ def test_chat_options_set_the_message_list():
     for options in ({"continue_final_message": True}, {}):  # an empty dict too (verification-helper finding)
         with pytest.raises(ValueError, match="need a prompt of chat messages"):
             build_request("text", chat_options=options)
-    with pytest.raises(ValueError, match="unknown option 'tool_choice'"):
-        build_request(chat, chat_options={"tool_choice": "auto"})
+    with pytest.raises(ValueError, match="unknown option 'functions'"):
+        build_request(chat, chat_options={"functions": []})
     tools = [{"type": "function", "function": {"name": "f"}}]
     calls = [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
@@ -45,3 +45,9 @@ def test_chat_options_set_the_message_list():
     call = req.messages.messages[-2].tool_calls[0]
     assert (call.id, call.name, json.loads(call.arguments)) == ("c1", "f", {"x": 1})
     assert req.messages.messages[-2].content == "" and req.messages.messages[-1].tool_call_id == "c1"
+    named = {"type": "function", "function": {"name": "f"}}
+    req = build_request(chat, chat_options={"tools": tools, "tool_choice": named, "parallel_tool_calls": False,
+                                            "include_reasoning": False})
+    assert json.loads(req.messages.tool_choice) == named and req.messages.HasField("parallel_tool_calls")
+    assert not req.messages.parallel_tool_calls and not req.messages.include_reasoning
+    assert build_request(chat, chat_options={"tool_choice": "required"}).messages.tool_choice == "required"

@@ -1,11 +1,11 @@
 """Reasoning parsers (router/reasoning_parsers.py) and the chat answer reader that chains them with tool parsers
-(router/openai/answer.py): a stream split anywhere reads as the whole answer."""
+(router/answer.py): a stream split anywhere reads as the whole answer."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.openai.answer import AnswerReader, AnswerReading
+from router.answer import AnswerReader, AnswerReading
 from router.openai.chat import chat_requests
 from router.openai.protocol import ChatCompletionRequest
 from router.reasoning_parsers import REASONING_PARSERS, check_reasoning_parser

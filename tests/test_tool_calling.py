@@ -12,6 +12,7 @@ import pytest
 
 from common.tokenizer import load_tokenizer
 from pdcluster.cli import build_parser
+from pdcluster.client import accumulate
 from pdcluster.v1 import common_pb2, router_pb2
 from router.chat import ChatOptions
 from router.config import RouterConfig
@@ -20,10 +21,11 @@ from router.openai.chat import chat_prompt, chat_requests
 from router.openai.protocol import ChatCompletionRequest
 from router.openai.requests import OpenAIRequestError
 from router.openai.responses import ResponseBuilder
-from router.openai.tools import MAX_TOOLS, required_schema, tool_choice
+from router.tool_choice import MAX_TOOLS, required_schema, tool_choice
 from router.validation import InvalidRequest, RequestValidator
 
-from cluster_utils import assert_greedy_matches, assert_no_leak, hf_constrained_greedy, render_chat, running_cluster
+from cluster_utils import (assert_greedy_matches, assert_no_leak, grpc, hf_constrained_greedy, render_chat, router_client,
+                           running_cluster)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -341,4 +343,31 @@ def test_reasoning_end_to_end(state):
         mention = {**base, "messages": [{"role": "user", "content": "What does the <think> tag do?"}], "max_tokens": 8}
         got = oai.chat.completions.create(extra_body={"structured_outputs": {"regex": "[0-9]{64}"}}, **mention)
         assert got.choices[0].message.content.isdigit(), got  # qwen3: an answer without <think> is constrained
+    assert_no_leak(state)
+
+
+def test_tool_calls_and_reasoning_over_grpc(state):
+    """The gRPC door reads calls and reasoning as the HTTP door does: a named call equals HTTP's; a Hermes call
+    the model writes after its thinking (forced by a regex) is a call with FINISH_REASON_TOOL_CALLS, streamed
+    alike; a malformed choice is INVALID_ARGUMENT naming the field."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    call = r'<think>[a-z ]{1,16}</think>\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Oslo"\}\}\n</tool_call>'
+    with openai.OpenAI(base_url=f"http://{state['router_http_address']}/v1", api_key="unused", max_retries=0,
+                       timeout=300) as oai, router_client(state) as client:
+        http = oai.chat.completions.create(model="", messages=messages, tools=[WEATHER, TIME], tool_choice=named,
+                                           temperature=0, max_tokens=64).choices[0]
+        got = client.generate(messages, chat_options={"tools": [WEATHER, TIME], "tool_choice": named}, temperature=0,
+                              max_tokens=64)
+        assert (got.text, got.finish_reason) == ("", "STOP")
+        assert [(c.name, c.arguments) for c in got.tool_calls] == \
+            [(c.function.name, c.function.arguments) for c in http.message.tool_calls]
+        kw = dict(chat_options={"tools": [WEATHER]}, structured_outputs={"regex": call}, temperature=0, max_tokens=80)
+        for got in (client.generate(messages, **kw), accumulate(client.stream(messages, **kw))):
+            assert got.finish_reason == "TOOL_CALLS" and got.reasoning_text and not got.text.strip(), got
+            assert [(c.name, json.loads(c.arguments)) for c in got.tool_calls] == [("get_weather", {"city": "Oslo"})]
+        with pytest.raises(grpc.RpcError) as refused:
+            client.generate(messages, chat_options={"tool_choice": "required"}, max_tokens=4)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "messages.tool_choice needs messages.tools" in refused.value.details()
     assert_no_leak(state)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdcluster.v1 import common_pb2 as pdcluster_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdcluster/v1/router.proto\x12\x0cpdcluster.v1\x1a\x19pdcluster/v1/common.proto\"\xc5\x01\n\x0bMessageList\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.pdcluster.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x1c\n\x14\x63hat_template_kwargs\x18\x04 \x01(\t\x12\r\n\x05tools\x18\x05 \x01(\tB\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x98\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.pdcluster.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x04 \x01(\x0b\x32\x19.pdcluster.v1.MessageListH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12\x0e\n\x06stream\x18\x06 \x01(\x08\x12;\n\x12structured_outputs\x18\x07 \x01(\x0b\x32\x1f.pdcluster.v1.StructuredOutputsB\x08\n\x06prompt\"\xc0\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.pdcluster.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.pdcluster.v1.Usage\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12\x33\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprobB\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"u\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r2\xe3\x01\n\x06Router\x12K\n\x08Generate\x12\x1d.pdcluster.v1.GenerateRequest\x1a\x1e.pdcluster.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponse\x12J\n\x0cGetModelInfo\x12!.pdcluster.v1.GetModelInfoRequest\x1a\x17.pdcluster.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdcluster/v1/router.proto\x12\x0cpdcluster.v1\x1a\x19pdcluster/v1/common.proto\"\xca\x02\n\x0bMessageList\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.pdcluster.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x1c\n\x14\x63hat_template_kwargs\x18\x04 \x01(\t\x12\r\n\x05tools\x18\x05 \x01(\t\x12\x13\n\x0btool_choice\x18\x06 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x07 \x01(\x08H\x01\x88\x01\x01\x12\x1e\n\x11include_reasoning\x18\x08 \x01(\x08H\x02\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x16\n\x14_parallel_tool_callsB\x14\n\x12_include_reasoning\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x98\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.pdcluster.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x04 \x01(\x0b\x32\x19.pdcluster.v1.MessageListH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12\x0e\n\x06stream\x18\x06 \x01(\x08\x12;\n\x12structured_outputs\x18\x07 \x01(\x0b\x32\x1f.pdcluster.v1.StructuredOutputsB\x08\n\x06prompt\"\x89\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.pdcluster.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.pdcluster.v1.Usage\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12\x33\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\x12\x16\n\x0ereasoning_text\x18\n \x01(\t\x12/\n\ntool_calls\x18\x0b \x03(\x0b\x32\x1b.pdcluster.v1.ToolCallDeltaB\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"u\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r2\xe3\x01\n\x06Router\x12K\n\x08Generate\x12\x1d.pdcluster.v1.GenerateRequest\x1a\x1e.pdcluster.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponse\x12J\n\x0cGetModelInfo\x12!.pdcluster.v1.GetModelInfoRequest\x1a\x17.pdcluster.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdcluster.v1.router_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MESSAGELIST']._serialized_start=71
-  _globals['_MESSAGELIST']._serialized_end=268
-  _globals['_TOKENIDS']._serialized_start=270
-  _globals['_TOKENIDS']._serialized_end=293
-  _globals['_GENERATEREQUEST']._serialized_start=296
-  _globals['_GENERATEREQUEST']._serialized_end=576
-  _globals['_GENERATERESPONSE']._serialized_start=579
-  _globals['_GENERATERESPONSE']._serialized_end=899
-  _globals['_ABORTREQUEST']._serialized_start=901
-  _globals['_ABORTREQUEST']._serialized_end=935
-  _globals['_ABORTRESPONSE']._serialized_start=937
-  _globals['_ABORTRESPONSE']._serialized_end=967
-  _globals['_GETMODELINFOREQUEST']._serialized_start=969
-  _globals['_GETMODELINFOREQUEST']._serialized_end=990
-  _globals['_MODELINFO']._serialized_start=992
-  _globals['_MODELINFO']._serialized_end=1109
-  _globals['_ROUTER']._serialized_start=1112
-  _globals['_ROUTER']._serialized_end=1339
+  _globals['_MESSAGELIST']._serialized_end=401
+  _globals['_TOOLCALLDELTA']._serialized_start=403
+  _globals['_TOOLCALLDELTA']._serialized_end=478
+  _globals['_TOKENIDS']._serialized_start=480
+  _globals['_TOKENIDS']._serialized_end=503
+  _globals['_GENERATEREQUEST']._serialized_start=506
+  _globals['_GENERATEREQUEST']._serialized_end=786
+  _globals['_GENERATERESPONSE']._serialized_start=789
+  _globals['_GENERATERESPONSE']._serialized_end=1182
+  _globals['_ABORTREQUEST']._serialized_start=1184
+  _globals['_ABORTREQUEST']._serialized_end=1218
+  _globals['_ABORTRESPONSE']._serialized_start=1220
+  _globals['_ABORTRESPONSE']._serialized_end=1250
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1252
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1273
+  _globals['_MODELINFO']._serialized_start=1275
+  _globals['_MODELINFO']._serialized_end=1392
+  _globals['_ROUTER']._serialized_start=1395
+  _globals['_ROUTER']._serialized_end=1622
 # @@protoc_insertion_point(module_scope)

@@ -4,7 +4,7 @@ Messages keep what a chat template reads: role, text content (a string, or text 
 newlines), an assistant message's ``tool_calls``, a tool message's ``tool_call_id`` and a
 message's ``name``. An assistant message that only calls tools may have no content (OpenAI's
 ``null``): the template gets ``""``, as vLLM gives it. The request's ``tools`` go to the
-template too, and ``tool_choice`` decides how the answer is read (:mod:`router.openai.tools`).
+template too, and ``tool_choice`` decides how the answer is read (:mod:`router.tool_choice`).
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import json
 from dataclasses import replace
 
 from pdcluster.v1 import common_pb2, router_pb2
-from router.openai.answer import AnswerReading
+from router.answer import AnswerReading
 from router.openai.protocol import ChatCompletionRequest
 from router.openai.requests import (CHAT_ROUTE, ID_PREFIXES, OpenAIRequestError, SubRequest, check_utf8, expand,
                                     field_of, refuse_unsupported)
-from router.openai.tools import ToolChoice, ToolRequestError, tool_choice, tools_json
+from router.tool_choice import ToolChoice, ToolRequestError, tool_choice, tools_json
 
 
 def chat_prompt(request, tools: ToolChoice | None = None) -> router_pb2.MessageList:
@@ -110,7 +110,7 @@ def chat_requests(body: ChatCompletionRequest, client_id: str | None = None, too
                   tokenizer=None, reasoning_parser: str | None = None) -> tuple[str, list[SubRequest]]:
     """The sub-requests of a ``/v1/chat/completions`` body (``n`` of them) and their base id
     (``chatcmpl-<client_id>`` with the client's ``X-Request-Id``, as vLLM's), each with how its
-    answer is read (:class:`router.openai.answer.AnswerReading`: the router's ``tool_parser``
+    answer is read (:class:`router.answer.AnswerReading`: the router's ``tool_parser``
     for ``tool_choice: "auto"`` and ``reasoning_parser``); where a marker they read is a special
     token of ``tokenizer``, the text keeps special tokens unless the request says otherwise.
 

@@ -117,7 +117,7 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: StrictBool | None = None  # vLLM's chat options (router.chat.ChatOptions)
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict] | None = None  # router.openai.tools
+    tools: list[dict] | None = None  # router.tool_choice
     tool_choice: Union[str, dict, None] = None
     parallel_tool_calls: StrictBool | None = None
-    include_reasoning: StrictBool = True  # vLLM's: false leaves reasoning_content out (router.openai.answer)
+    include_reasoning: StrictBool = True  # vLLM's: false leaves reasoning_content out (router.answer)

@@ -34,8 +34,8 @@ from pdcluster.v1 import common_pb2, router_pb2
 from router.limits import MAX_CHOICES, MAX_N
 from router.openai.errors import request_aliases
 from router.openai.protocol import CompletionRequest
-from router.openai.answer import AnswerReading
-from router.openai.tools import ToolChoice
+from router.answer import AnswerReading
+from router.tool_choice import ToolChoice
 
 _UINT32_LIMIT = 1 << 32
 _OPENAI_SHAPED = frozenset({"max_tokens", "logprobs", "stop", "logit_bias"})

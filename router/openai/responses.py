@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from pdcluster.v1 import common_pb2
 from router.openai.echo import Echo, echo_of
-from router.openai.answer import AnswerReader, AnswerReading
+from router.answer import AnswerReader, AnswerReading
 from router.tool_parsers import CallDelta
 from router.openai.chat import answer_role
 
@@ -206,7 +206,7 @@ class ResponseBuilder:
 
     def _message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
         """A whole chat answer's ``message`` and ``finish_reason``: with a reading
-        (:mod:`router.openai.answer`), its ``reasoning_content`` (with a reasoning parser), its calls as
+        (:mod:`router.answer`), its ``reasoning_content`` (with a reasoning parser), its calls as
         ``tool_calls`` and the rest as content (``None`` when nothing but them is left)."""
         if self.reading is None:
             return {"role": self.role, "content": text}, finish

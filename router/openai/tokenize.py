@@ -26,7 +26,7 @@ from router.openai.chat import chat_prompt
 from router.openai.errors import error_response, named_param, unknown_model
 from router.openai.protocol import ChatMessageIn, _Body
 from router.openai.requests import OpenAIRequestError, check_utf8, refuse_unsupported
-from router.openai.tools import ToolRequestError, template_tools
+from router.tool_choice import ToolRequestError, template_tools
 from router.validation import InvalidRequest
 
 

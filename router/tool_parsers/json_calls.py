@@ -5,7 +5,7 @@
   separated by ``;`` (vLLM's ``llama3_json`` parser reads the same). An answer that does not begin
   with ``{`` or the tag is content.
 * :class:`RequiredParser`: ``tool_choice: "required"``, the answer constrained to a JSON array of
-  ``{"name": ..., "parameters": {...}}`` (:func:`router.openai.tools.required_schema`).
+  ``{"name": ..., "parameters": {...}}`` (:func:`router.tool_choice.required_schema`).
 * :class:`NamedParser`: ``tool_choice`` naming a function: the whole answer is that function's
   arguments (constrained to its parameters' schema), streamed as they come.
 

@@ -1,5 +1,5 @@
 """Reading a chat answer's text: reasoning first (:mod:`router.reasoning_parsers`), then tool calls in
-what remains (:mod:`router.openai.tools`), one :class:`AnswerReader` per choice, fed as the text
+what remains (:mod:`router.tool_choice`), one :class:`AnswerReader` per choice, fed as the text
 arrives; a whole answer is one feed. The router's parsers and the request's choices make an
 :class:`AnswerReading`."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from router.openai.tools import ToolChoice
+from router.tool_choice import ToolChoice
 from router.reasoning_parsers import REASONING_PARSERS
 from router.tool_parsers import CallDelta
 
