@@ -133,7 +133,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     _add_sampling_flags(p)
     p.add_argument("--request-id", default="", help="client-chosen request id")
     p.add_argument("--chat", action="store_true",
-                   help="send PROMPT as a user chat message (server applies the chat template)")
+                   help="send PROMPT as a user chat message (server applies the chat template); with the router's "
+                        "--reasoning-parser, the model's thinking is printed to stderr and the answer to stdout")
     p.add_argument("--system", default=None, metavar="TEXT", help="system message (requires --chat)")
     p.add_argument("--structured-outputs", type=_json_object, default=None, metavar="JSON",
                    help='constrain the output (vLLM\'s structured_outputs), e.g. \'{"choice": ["yes", "no"]}\', '
@@ -223,6 +224,9 @@ def _stream_print(client: PdclusterClient, prompt, params: dict) -> GenerationRe
     try:
         for chunk in stream:
             chunks.append(chunk)
+            if chunk.reasoning_text:  # a reasoning model's thinking (the router's --reasoning-parser)
+                sys.stderr.write(chunk.reasoning_text)
+                sys.stderr.flush()
             if chunk.text:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
@@ -261,6 +265,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 result = _stream_print(client, prompt, params)
             else:
                 result = client.generate(prompt, **params)
+                if result.reasoning_text:
+                    print(result.reasoning_text, file=sys.stderr, flush=True)
                 print(result.text, flush=True)
     except grpc.RpcError as exc:
         hint = _fallback_hint(args, address, FALLBACK_ADDRESS) if exc.code() == grpc.StatusCode.UNAVAILABLE else ""

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from common.tokenizer import load_tokenizer
-from pdcluster.cli import build_parser
+from pdcluster.cli import build_parser, main
 from pdcluster.client import accumulate
 from pdcluster.v1 import common_pb2, router_pb2
 from router.chat import ChatOptions
@@ -346,10 +346,11 @@ def test_reasoning_end_to_end(state):
     assert_no_leak(state)
 
 
-def test_tool_calls_and_reasoning_over_grpc(state):
+def test_tool_calls_and_reasoning_over_grpc(state, capsys):
     """The gRPC door reads calls and reasoning as the HTTP door does: a named call equals HTTP's; a Hermes call
     the model writes after its thinking (forced by a regex) is a call with FINISH_REASON_TOOL_CALLS, streamed
-    alike; a malformed choice is INVALID_ARGUMENT naming the field."""
+    alike; a malformed choice is INVALID_ARGUMENT naming the field; `pdcluster generate --chat` prints the
+    thinking to stderr and the answer to stdout, streamed or not."""
     named = {"type": "function", "function": {"name": "get_weather"}}
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     call = r'<think>[a-z ]{1,16}</think>\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Oslo"\}\}\n</tool_call>'
@@ -370,4 +371,12 @@ def test_tool_calls_and_reasoning_over_grpc(state):
             client.generate(messages, chat_options={"tool_choice": "required"}, max_tokens=4)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "messages.tool_choice needs messages.tools" in refused.value.details()
+        think = json.dumps({"regex": r"<think>[a-z ]{1,8}</think>\nThe answer is [0-9]\."})
+        ref = client.generate([{"role": "user", "content": "What is 2 + 2?"}], structured_outputs=json.loads(think),
+                              temperature=0, max_tokens=24)
+    for stream in ([], ["--stream"]):
+        assert main(["generate", "--address", state["router_address"], "--chat", "--temperature", "0", *stream,
+                     "--max-tokens", "24", "--structured-outputs", think, "What is 2 + 2?"]) == 0
+        out, err = capsys.readouterr()
+        assert out.strip() == ref.text.strip() and ref.reasoning_text and err.startswith(ref.reasoning_text), (out, err)
     assert_no_leak(state)
