@@ -20,11 +20,16 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
+
 from common.structured_outputs import write_structured
 from pdcluster.v1 import common_pb2, router_pb2
 from router.answer import AnswerReader, AnswerReading
+from router.errors import RouterError
 from router.tool_choice import ToolChoice, ToolRequestError, tool_choice
 from router.validation import InvalidRequest, parse_tools
+
+_CONSTRAINT = "structured_outputs.json"  # how the workers name a constraint's schema
 
 
 @dataclass(frozen=True)
@@ -73,11 +78,14 @@ class GrpcReading:
             if text not in ("", "none"):
                 raise InvalidRequest("messages.tool_choice needs messages.tools: this request gives none")
             return None
-        tools = parse_tools(chat.tools, self.tokenizer)
+        try:
+            tools = parse_tools(chat.tools, self.tokenizer)
+        except InvalidRequest as e:
+            raise InvalidRequest(f"messages.{e}") from None
         if text.startswith("{"):
             try:
                 choice: Any = json.loads(text)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise InvalidRequest(f"messages.tool_choice is not valid JSON: {str(e)[:80]}") from None
         else:
             choice = text or (None if self.tool_parser else "none")
@@ -87,6 +95,16 @@ class GrpcReading:
             return tool_choice(body, self.tool_parser)
         except ToolRequestError as e:
             raise InvalidRequest(f"messages.{e}") from None
+
+
+def forced_choice_error(error: RouterError, reading: AnswerReading | None) -> RouterError:
+    """``error`` as the client should read it: where the workers refused the constraint of a named or
+    required tool choice, it names the tools that constraint came from (as the HTTP door names them)."""
+    forced = reading is not None and reading.tools is not None and reading.tools.constraint is not None
+    if not forced or error.code != grpc.StatusCode.INVALID_ARGUMENT or not error.message.startswith(_CONSTRAINT):
+        return error
+    rest = error.message[len(_CONSTRAINT):]
+    return RouterError(error.code, f"messages.tools (the schema the tool choice constrains the answer to){rest}")
 
 
 def read_responses(responses: Iterable[router_pb2.GenerateResponse],

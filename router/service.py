@@ -26,7 +26,7 @@ from router.answer import AnswerReading
 from router.core import RequestRouter
 from router.decoding import Unparsable, parse_or_refusal
 from router.errors import RouterError
-from router.grpc_answers import GrpcReading, read_responses
+from router.grpc_answers import GrpcReading, forced_choice_error, read_responses
 from router.validation import InvalidRequest, request_id_problem
 from serving.logs import REQUEST_ID_METADATA
 from serving.rpc import RETRY_AFTER_METADATA
@@ -52,6 +52,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def Generate(self, request, context):
         if not request.request_id:  # a tracing client's id in metadata names the request, as X-Request-Id does
             request.request_id = metadata_value(context.invocation_metadata(), REQUEST_ID_METADATA) or ""
+        reading = None
         try:
             reading = self._reading(request)
             active = self.core.start(request, owner_of(context))
@@ -62,7 +63,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 return
             responses = active.responses()
             yield from responses if reading is None else read_responses(responses, reading)
-        except RouterError as e:
+        except RouterError as error:
+            e = forced_choice_error(error, reading)
             rid = request.request_id  # echoed only when it can be metadata (an invalid one is what was refused)
             trailing = [(REQUEST_ID_METADATA, rid)] if rid and request_id_problem(rid) is None else []
             if e.retry_after_ms is not None:

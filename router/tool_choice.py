@@ -115,8 +115,9 @@ def tool_choice(body, parser: str | None) -> ToolChoice | None:
         function = _named(choice, {t["function"]["name"] for t in tools})
         choice = "function"
     elif choice not in _CHOICES:
+        got = repr(choice) if len(repr(choice)) <= 64 else f"{repr(choice)[:60]}..."
         raise ToolRequestError(f"tool_choice must be one of {', '.join(map(repr, _CHOICES))} or "
-                               '{"type": "function", "function": {"name": ...}}, got ' f"{choice!r}", "tool_choice")
+                               '{"type": "function", "function": {"name": ...}}, got ' f"{got}", "tool_choice")
     if choice == "auto" and parser is None:
         raise ToolRequestError('tool_choice "auto" needs a tool call parser: this server was started without '
                                "--tool-call-parser (name a function, or use \"required\" or \"none\")", "tool_choice")

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import pytest
 
 from pdcluster.client import ToolCall, accumulate, build_request
 from pdcluster.v1 import common_pb2, router_pb2
-from router.grpc_answers import GrpcReading, read_responses
+from router.errors import RouterError
+from router.grpc_answers import GrpcReading, forced_choice_error, read_responses
 from router.validation import InvalidRequest
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -50,7 +52,10 @@ def test_a_forced_choice_becomes_the_constraint_and_auto_needs_a_parser(readings
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, None,
      "messages.tool_choice names function 'nope', which is not in tools"),
     ({"tools": [WEATHER], "tool_choice": "required"}, {"regex": "a"}, "give structured_outputs or a named or required"),
-    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, None, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, None, r"^messages\.tools\[0\]"),
+    ({"tools": [WEATHER], "tool_choice": '{"a":' * 3000 + "1" + "}" * 3000}, None,  # helper 19: was UNKNOWN
+     "messages.tool_choice is not valid JSON: maximum recursion depth"),
+    ({"tools": [WEATHER], "tool_choice": "a" * 20000}, None, r"got 'a{59}\.\.\.$"),  # clipped: the status stays small
 ])
 def test_malformed_choices_are_refused_naming_the_field(readings, options, structured, message):
     with pytest.raises(InvalidRequest, match=message):
@@ -83,3 +88,13 @@ def test_a_named_call_streams_its_arguments_and_ends_with_stop(readings):
     got = accumulate(read_responses(_stream(['{"city": ', '"Oslo"}']), reading))
     assert (got.text, got.finish_reason) == ("", "STOP")
     assert got.tool_calls == [ToolCall(got.tool_calls[0].id, "get_weather", '{"city": "Oslo"}')]
+
+
+def test_a_forced_choice_whose_schema_does_not_compile_names_the_tools(readings):
+    """The workers name the constraint ``structured_outputs.json``; the client sent tools (helper 19)."""
+    worker = RouterError(grpc.StatusCode.INVALID_ARGUMENT, "structured_outputs.json does not compile: bad regex")
+    forced = readings["none"].prepare(_chat(tools=[WEATHER], tool_choice="required"))
+    assert forced_choice_error(worker, forced).message == \
+        "messages.tools (the schema the tool choice constrains the answer to) does not compile: bad regex"
+    own = _chat(structured={"regex": "(("}, include_reasoning=False)
+    assert forced_choice_error(worker, readings["hermes"].prepare(own)) is worker  # the client's own constraint

@@ -371,6 +371,12 @@ def test_tool_calls_and_reasoning_over_grpc(state, capsys):
             client.generate(messages, chat_options={"tool_choice": "required"}, max_tokens=4)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "messages.tool_choice needs messages.tools" in refused.value.details()
+        bad = [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}}}}]
+        with pytest.raises(grpc.RpcError) as refused:  # the workers' compile error names the tools (helper 19)
+            client.generate(messages, chat_options={"tools": bad, "tool_choice": "required"}, max_tokens=4)
+        assert refused.value.details().startswith("messages.tools (the schema the tool choice constrains"), \
+            refused.value.details()
         think = json.dumps({"regex": r"<think>[a-z ]{1,8}</think>\nThe answer is [0-9]\."})
         ref = client.generate([{"role": "user", "content": "What is 2 + 2?"}], structured_outputs=json.loads(think),
                               temperature=0, max_tokens=24)

@@ -56,7 +56,7 @@ PARSED = [  # (parser, answer, content, calls)
     (RequiredParser, '[{"name": "f", "parameters": {"a"', '[{"name": "f", "parameters": {"a"', []),
     (RequiredParser, '[{"name": "f", "parameters": {}}, {"name": "f", "para', "", [(0, "f", "{}")]),
     (lambda: NamedParser("f"), '{"a": 1}', "", [(0, "f", '{"a": 1}')]),
-    (lambda: NamedParser("f"), "", "", [(0, "f", "")]),
+    (lambda: NamedParser("f"), "", "", []),  # no text (a thinking never ended): no call
 ]
 
 

@@ -135,18 +135,17 @@ class RequiredParser(_JsonSequence):
 
 class NamedParser(ToolParser):
     """One call of function ``name`` whose arguments are the whole answer (OpenAI's named
-    ``tool_choice``): each text delta is a piece of its arguments."""
+    ``tool_choice``): each text delta is a piece of its arguments. An answer with no text (a
+    reasoning model that never ended its thinking) makes no call: empty arguments are no JSON."""
 
     def __init__(self, name: str) -> None:
         super().__init__()
         self._name = name
 
     def _feed(self, text: str) -> None:
+        if not text:
+            return
         if not self.called:
             self._call(self._name, text)
-        elif text:
+        else:
             self._out.calls.append(CallDelta(0, text))
-
-    def _finish(self) -> None:
-        if not self.called:
-            self._call(self._name, "")
