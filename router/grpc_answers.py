@@ -63,7 +63,10 @@ class GrpcReading:
         if choice is not None and choice.constraint is not None:
             if request.HasField("structured_outputs"):
                 raise InvalidRequest("give structured_outputs or a named or required messages.tool_choice, not both")
-            write_structured(request.structured_outputs, choice.constraint, field="messages.tool_choice")
+            try:
+                write_structured(request.structured_outputs, choice.constraint, field="messages.tools")
+            except TypeError as e:  # a lone surrogate escaped in the tools' schemas
+                raise InvalidRequest(str(e)) from None
         include = chat.include_reasoning if chat.HasField("include_reasoning") else True
         reading = AnswerReading(self.reasoning_parser, include, choice)
         if not reading.reads:

@@ -76,12 +76,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """How a chat answer's tool calls and reasoning are read (:mod:`router.grpc_answers`).
 
         Raises:
-            RouterError: INVALID_ARGUMENT (counted and logged as the core's own refusals).
+            RouterError: INVALID_ARGUMENT (counted and logged as the core's own refusals); INTERNAL for
+                any other exception (logged with its traceback).
         """
         try:
             return None if self.reading is None else self.reading.prepare(request)
         except InvalidRequest as e:
             raise self.core.refuse_invalid(request, str(e)) from None
+        except Exception as e:  # noqa: BLE001 - a bug here answers INTERNAL, as the core's own preparation does
+            log.exception("request %s: reading its tool choice failed", request.request_id)
+            raise RouterError(grpc.StatusCode.INTERNAL, f"internal error while preparing the request "
+                              f"({type(e).__name__}); the router's log has the details") from None
 
     def refuse_unparsable(self, method: str, request: Unparsable, context) -> None:
         """Refuse a request gRPC could not parse: INVALID_ARGUMENT naming the field; a ``Generate``

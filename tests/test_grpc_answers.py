@@ -62,6 +62,14 @@ def test_malformed_choices_are_refused_naming_the_field(readings, options, struc
         readings["none"].prepare(_chat(structured, **options))
 
 
+def test_an_escaped_lone_surrogate_in_a_forced_choices_schema_is_refused(readings):
+    req = _chat(tool_choice="required")
+    req.messages.tools = ('[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", '
+                          '"properties": {"a": {"enum": ["\\ud800"]}}}}}]')  # JSON's escape: valid UTF-8 on the wire
+    with pytest.raises(InvalidRequest, match="messages.tools is not valid Unicode"):
+        readings["none"].prepare(req)
+
+
 def _stream(texts: list[str], finish=common_pb2.FINISH_REASON_STOP) -> list[router_pb2.GenerateResponse]:
     out = [router_pb2.GenerateResponse(request_id="r", token_ids=[i], text=t) for i, t in enumerate(texts)]
     out[-1].finish_reason = finish
