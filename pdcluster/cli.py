@@ -139,6 +139,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--structured-outputs", type=_json_object, default=None, metavar="JSON",
                    help='constrain the output (vLLM\'s structured_outputs), e.g. \'{"choice": ["yes", "no"]}\', '
                         '\'{"regex": "[0-9]+"}\', \'{"json": {"type": "object"}}\', \'{"json_object": true}\'')
+    p.add_argument("--tools", type=_json_array, default=None, metavar="JSON",
+                   help="OpenAI tool objects the model may call, a JSON array (requires --chat); the calls the "
+                        "answer makes are printed after its text, one JSON object per line")
+    p.add_argument("--tool-choice", default=None, metavar="CHOICE",
+                   help="none, auto (needs the router's --tool-call-parser), required, or a function's name "
+                        "(the answer is that call); default: OpenAI's (auto where the router reads calls)")
     p.add_argument("prompt", metavar="PROMPT")
     p.set_defaults(func=cmd_generate, usage_error=p.error)  # the subcommand's usage line with the error
     return p
@@ -153,6 +159,27 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
     return value
+
+
+def _json_array(text: str) -> list:
+    """``--tools``: a JSON array (argparse reports anything else as a usage error)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError(f"must be a JSON array, got {type(value).__name__}")
+    return value
+
+
+def _tool_options(args: argparse.Namespace) -> dict | None:
+    """The ``chat_options`` of ``--tools`` / ``--tool-choice`` (None: neither)."""
+    if args.tools is None:
+        return None
+    choice = args.tool_choice
+    if choice is not None and choice not in ("none", "auto", "required"):
+        choice = {"type": "function", "function": {"name": choice}}
+    return {"tools": args.tools, "tool_choice": choice}
 
 
 def _add_top(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -249,7 +276,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         messages = [{"role": "system", "content": args.system}] if args.system is not None else []
         prompt = messages + [{"role": "user", "content": args.prompt}]
     params = {**_sampling_kwargs(args), "request_id": args.request_id,
-              "structured_outputs": args.structured_outputs}
+              "structured_outputs": args.structured_outputs, "chat_options": _tool_options(args)}
     address = _address(args, "router_address", FALLBACK_ADDRESS)
     if address is None:
         return 1
@@ -268,6 +295,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 if result.reasoning_text:
                     print(result.reasoning_text, file=sys.stderr, flush=True)
                 print(result.text, flush=True)
+            for call in result.tool_calls:
+                print(json.dumps({"id": call.id, "name": call.name, "arguments": call.arguments}), flush=True)
     except grpc.RpcError as exc:
         hint = _fallback_hint(args, address, FALLBACK_ADDRESS) if exc.code() == grpc.StatusCode.UNAVAILABLE else ""
         print(f"error: {rpc_error_text(exc)}{hint}", file=sys.stderr)
@@ -295,6 +324,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "generate" and args.system is not None and not args.chat:
         args.usage_error("--system requires --chat")
+    if args.command == "generate" and args.tools is not None and not args.chat:
+        args.usage_error("--tools requires --chat")
+    if args.command == "generate" and args.tool_choice is not None and args.tools is None:
+        args.usage_error("--tool-choice requires --tools")
     if args.command == "top" and not args.interval > 0:
         args.usage_error(f"--interval must be > 0 (seconds), got {args.interval:g}")
     if args.command == "top" and args.iterations is not None and args.iterations < 1:

@@ -326,9 +326,10 @@ def test_cli_stream_error_exits_1(server, capsys):
     assert rc == 1 and "error: INVALID_ARGUMENT: temperature must be >= 0" in capsys.readouterr().err
 
 
-def test_cli_system_requires_chat(capsys):
+@pytest.mark.parametrize("argv", [["--system", "s"], ["--tools", "[]"], ["--chat", "--tool-choice", "f"], ["--chat", "--tools", "{}"]])
+def test_cli_flags_that_need_another_are_usage_errors(argv, capsys):  # --system / --tools need --chat, ...
     with pytest.raises(SystemExit) as info:
-        cli.main(["generate", "--system", "s", "x"])
+        cli.main(["generate", *argv, "x"])
     assert info.value.code == 2
 
 

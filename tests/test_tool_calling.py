@@ -358,8 +358,8 @@ def test_tool_calls_and_reasoning_over_grpc(state, capsys):
                        timeout=300) as oai, router_client(state) as client:
         http = oai.chat.completions.create(model="", messages=messages, tools=[WEATHER, TIME], tool_choice=named,
                                            temperature=0, max_tokens=64).choices[0]
-        got = client.generate(messages, chat_options={"tools": [WEATHER, TIME], "tool_choice": named}, temperature=0,
-                              max_tokens=64)
+        got = got_named = client.generate(messages, chat_options={"tools": [WEATHER, TIME], "tool_choice": named},
+                                          temperature=0, max_tokens=64)
         assert (got.text, got.finish_reason) == ("", "STOP")
         assert [(c.name, c.arguments) for c in got.tool_calls] == \
             [(c.function.name, c.function.arguments) for c in http.message.tool_calls]
@@ -380,6 +380,10 @@ def test_tool_calls_and_reasoning_over_grpc(state, capsys):
         think = json.dumps({"regex": r"<think>[a-z ]{1,8}</think>\nThe answer is [0-9]\."})
         ref = client.generate([{"role": "user", "content": "What is 2 + 2?"}], structured_outputs=json.loads(think),
                               temperature=0, max_tokens=24)
+    assert main(["generate", "--address", state["router_address"], "--chat", "--temperature", "0", "--max-tokens", "64",
+                 "--tools", json.dumps([WEATHER, TIME]), "--tool-choice", "get_weather", messages[0]["content"]]) == 0
+    out, _ = capsys.readouterr()  # the named call as one JSON line after the (empty) text
+    assert json.loads(out.splitlines()[-1])["arguments"] == got_named.tool_calls[0].arguments, out
     for stream in ([], ["--stream"]):
         assert main(["generate", "--address", state["router_address"], "--chat", "--temperature", "0", *stream,
                      "--max-tokens", "24", "--structured-outputs", think, "What is 2 + 2?"]) == 0
