@@ -136,10 +136,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="send PROMPT as a user chat message (server applies the chat template); with the router's "
                         "--reasoning-parser, the model's thinking is printed to stderr and the answer to stdout")
     p.add_argument("--system", default=None, metavar="TEXT", help="system message (requires --chat)")
-    p.add_argument("--structured-outputs", type=_json_object, default=None, metavar="JSON",
+    p.add_argument("--structured-outputs", type=_json_of(dict, "object"), default=None, metavar="JSON",
                    help='constrain the output (vLLM\'s structured_outputs), e.g. \'{"choice": ["yes", "no"]}\', '
                         '\'{"regex": "[0-9]+"}\', \'{"json": {"type": "object"}}\', \'{"json_object": true}\'')
-    p.add_argument("--tools", type=_json_array, default=None, metavar="JSON",
+    p.add_argument("--tools", type=_json_of(list, "array"), default=None, metavar="JSON",
                    help="OpenAI tool objects the model may call, a JSON array (requires --chat); the calls the "
                         "answer makes are printed after its text, one JSON object per line")
     p.add_argument("--tool-choice", default=None, metavar="CHOICE",
@@ -150,26 +150,18 @@ def _add_generate(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-def _json_object(text: str) -> dict:
-    """``--structured-outputs``: a JSON object (argparse reports anything else as a usage error)."""
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
-    return value
-
-
-def _json_array(text: str) -> list:
-    """``--tools``: a JSON array (argparse reports anything else as a usage error)."""
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, list):
-        raise argparse.ArgumentTypeError(f"must be a JSON array, got {type(value).__name__}")
-    return value
+def _json_of(kind: type, name: str):
+    """An argparse ``type``: JSON text whose value is a ``kind`` (``--structured-outputs``: an object,
+    ``--tools``: an array); argparse reports anything else as a usage error."""
+    def parse(text: str):
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+        if not isinstance(value, kind):
+            raise argparse.ArgumentTypeError(f"must be a JSON {name}, got {type(value).__name__}")
+        return value
+    return parse
 
 
 def _tool_options(args: argparse.Namespace) -> dict | None:
