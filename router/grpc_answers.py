@@ -22,7 +22,6 @@ from typing import Any
 
 import grpc
 
-from common.structured_outputs import write_structured
 from pdcluster.v1 import common_pb2, router_pb2
 from router.answer import AnswerReader, AnswerReading
 from router.errors import RouterError
@@ -64,8 +63,8 @@ class GrpcReading:
             if request.HasField("structured_outputs"):
                 raise InvalidRequest("give structured_outputs or a named or required messages.tool_choice, not both")
             try:
-                write_structured(request.structured_outputs, choice.constraint, field="messages.tools")
-            except TypeError as e:  # a lone surrogate escaped in the tools' schemas
+                request.structured_outputs.CopyFrom(choice.structured_outputs("messages.tools"))
+            except ToolRequestError as e:  # a lone surrogate escaped in the tools' schemas
                 raise InvalidRequest(str(e)) from None
         include = chat.include_reasoning if chat.HasField("include_reasoning") else True
         reading = AnswerReading(self.reasoning_parser, include, choice)

@@ -29,6 +29,8 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 
+from common.structured_outputs import write_structured
+from pdcluster.v1 import common_pb2
 from router.tool_parsers import TOOL_PARSERS, NamedParser, RequiredParser, ToolParser
 from router.tool_specs import MAX_TOOLS, check_tools
 
@@ -75,6 +77,22 @@ class ToolChoice:
         if self.choice == "required":
             return {"json": required_schema(self.tools, self.parallel)}
         return None
+
+    def structured_outputs(self, field: str = "tools") -> common_pb2.StructuredOutputs | None:
+        """:attr:`constraint` as the request's ``StructuredOutputs`` (``None``: the choice forces nothing);
+        ``field`` names the tools in an error.
+
+        Raises:
+            ToolRequestError: a lone surrogate escaped in the tools' schemas (``param`` ``tools``).
+        """
+        if self.constraint is None:
+            return None
+        msg = common_pb2.StructuredOutputs()
+        try:
+            write_structured(msg, self.constraint, field=field)
+        except TypeError as e:
+            raise ToolRequestError(str(e), "tools") from None
+        return msg
 
     def new_parser(self) -> ToolParser | None:
         """A parser for one choice's answer (``None``: the answer is plain content)."""

@@ -35,7 +35,7 @@ from router.limits import MAX_CHOICES, MAX_N
 from router.openai.errors import request_aliases
 from router.openai.protocol import CompletionRequest
 from router.answer import AnswerReading
-from router.tool_choice import ToolChoice
+from router.tool_choice import ToolChoice, ToolRequestError
 
 _UINT32_LIMIT = 1 << 32
 _OPENAI_SHAPED = frozenset({"max_tokens", "logprobs", "stop", "logit_bias"})
@@ -245,11 +245,10 @@ def expand(prompts: list[dict], body, logprobs: int, top_logprobs: int, max_toke
         if constraint is not None:
             raise OpenAIRequestError("a named or required tool_choice constrains the answer itself: give no "
                                      "response_format or structured_outputs with it", param="tool_choice")
-        constraint = common_pb2.StructuredOutputs()
         try:
-            write_structured(constraint, forced, field="tools")
-        except TypeError as e:
-            raise OpenAIRequestError(str(e), param="tools") from None
+            constraint = tools.structured_outputs()
+        except ToolRequestError as e:
+            raise OpenAIRequestError(str(e), param=e.param) from None
     subs = []
     for p, prompt in enumerate(prompts):
         for j in range(body.n):
