@@ -133,7 +133,8 @@ def tool_choice(body, parser: str | None) -> ToolChoice | None:
         function = _named(choice, {t["function"]["name"] for t in tools})
         choice = "function"
     elif choice not in _CHOICES:
-        got = repr(choice) if len(repr(choice)) <= 64 else f"{repr(choice)[:60]}..."
+        got = repr(choice)
+        got = got if len(got) <= 64 else f"{got[:60]}..."
         raise ToolRequestError(f"tool_choice must be one of {', '.join(map(repr, _CHOICES))} or "
                                '{"type": "function", "function": {"name": ...}}, got ' f"{got}", "tool_choice")
     if choice == "auto" and parser is None:
