@@ -142,17 +142,35 @@ def hf_constrained_greedy(hf_model, tokenizer, model_config, prompt_ids, compile
 
     matcher = xgr.GrammarMatcher(compiled)
     tokens, gaps = [], []
-    with torch.no_grad():
-        while len(tokens) < max_new and not matcher.is_terminated():
-            logits = hf_model(torch.tensor([prompt_ids + tokens])).logits[0, -1:].float().clone()
-            mask = xgr.allocate_token_bitmask(1, model_config.vocab_size)
-            matcher.fill_next_token_bitmask(mask)
-            xgr.apply_token_bitmask_inplace(logits, mask)
-            top2 = logits[0].topk(2).values
-            gaps.append(float(top2[0] - top2[1]))
-            tokens.append(int(logits[0].argmax()))
-            assert matcher.accept_token(tokens[-1])
+    hf = HfSteps(hf_model, prompt_ids)
+    while len(tokens) < max_new and not matcher.is_terminated():
+        logits = hf.logits[None].clone()
+        mask = xgr.allocate_token_bitmask(1, model_config.vocab_size)
+        matcher.fill_next_token_bitmask(mask)
+        xgr.apply_token_bitmask_inplace(logits, mask)
+        top2 = logits[0].topk(2).values
+        gaps.append(float(top2[0] - top2[1]))
+        tokens.append(int(logits[0].argmax()))
+        assert matcher.accept_token(tokens[-1])
+        hf.append(tokens[-1])
     return tokens, gaps
+
+
+class HfSteps:
+    """HF transformers float32 over a growing sequence, one token per forward through HF's own KV
+    cache (as its ``generate``): :attr:`logits` (``[vocab]`` float32) are the next-token logits after
+    ``prompt_ids`` and every token :meth:`append` added."""
+
+    def __init__(self, hf_model, prompt_ids: list[int]) -> None:
+        self._model = hf_model
+        with torch.inference_mode():
+            self._out = hf_model(torch.tensor([prompt_ids]), use_cache=True)
+        self.logits = self._out.logits[0, -1].float()
+
+    def append(self, token: int) -> None:
+        with torch.inference_mode():
+            self._out = self._model(torch.tensor([[token]]), cache=self._out.cache, use_cache=True)
+        self.logits = self._out.logits[0, -1].float()
 
 
 def assert_greedy_matches(ours: list[int], ref: list[int], gaps: list[float], label: str = "") -> None:

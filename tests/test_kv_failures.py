@@ -38,6 +38,7 @@ from pdcluster.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from serving.registry import WorkerRegistry
 
 from cluster_utils import (
+    HfSteps,
     assert_greedy_matches,
     assert_no_leak,
     hf_greedy,
@@ -84,16 +85,15 @@ def _num_chunks(model_config, prompt_len: int, layers_per_chunk: int) -> int:
 
 def _hf_greedy_past_eos(hf_model, prompt_ids: list[int], n: int) -> tuple[list[int], list[float]]:
     """HF transformers float32 greedy continuation of ``n`` tokens that, like a request
-    with ``ignore_eos``, goes on past EOS (full forward each step, no cache); and per
-    step the gap between its top-2 logits."""
-    ids, gaps = list(prompt_ids), []
-    with torch.no_grad():
-        for _ in range(n):
-            logits = hf_model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-            top2 = logits.topk(2).values
-            gaps.append(float(top2[0] - top2[1]))
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt_ids):], gaps
+    with ``ignore_eos``, goes on past EOS (HF's own KV cache); and per step the gap between its
+    top-2 logits."""
+    hf, ids, gaps = HfSteps(hf_model, prompt_ids), [], []
+    for _ in range(n):
+        top2 = hf.logits.topk(2).values
+        gaps.append(float(top2[0] - top2[1]))
+        ids.append(int(hf.logits.argmax()))
+        hf.append(ids[-1])
+    return ids, gaps
 
 
 def _wait_until(pred, timeout_s: float, what: str, poll_s: float = 0.05):
