@@ -217,27 +217,10 @@ def op_profile(out: dict, num_steps: int, top: int = 12):
         t0 = time.perf_counter()
         yield
         wall_ms = (time.perf_counter() - t0) * 1e3 / num_steps
-    events = self_times(prof)
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
     out["wall_ms_per_step"] = wall_ms
-    out["ops_self_ms_per_step"] = sum(us for _, us, _ in events) / 1e3 / num_steps
-    out["top"] = [{"op": key, "self_ms_per_step": us / 1e3 / num_steps, "calls_per_step": calls / num_steps,
-                   "share_of_wall": us / 1e3 / num_steps / wall_ms} for key, us, calls in events[:top]]
-
-
-def self_times(prof) -> list[tuple[str, float, int]]:
-    """``(operator, self CPU microseconds, calls)`` of a finished ``torch.profiler`` run, largest
-    first. An operator run inside one of this project's kernel ranges (``pdcluster::...``, e.g.
-    the batched GEMM of ``pdcluster::panel_gemm_library``) counts as that kernel, so a linear
-    layer's ``aten::bmm`` is not taken for attention's."""
-    totals: dict[str, list[float]] = {}
-    for e in prof.events():
-        key, parent = e.key, e.cpu_parent
-        while parent is not None:
-            if parent.key.startswith("pdcluster::"):
-                key = parent.key
-            parent = parent.cpu_parent
-        t = totals.setdefault(key, [0.0, 0])
-        t[0] += e.self_cpu_time_total
-        t[1] += int(key == e.key)
-    out = [(k, us, int(n)) for k, (us, n) in totals.items() if us > 0]
-    return sorted(out, key=lambda e: e[1], reverse=True)
+    out["ops_self_ms_per_step"] = sum(e.self_cpu_time_total for e in events) / 1e3 / num_steps
+    out["top"] = [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1e3 / num_steps,
+                   "calls_per_step": e.count / num_steps,
+                   "share_of_wall": e.self_cpu_time_total / 1e3 / num_steps / wall_ms} for e in events[:top]]

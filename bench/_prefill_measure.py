@@ -165,7 +165,8 @@ def profile_step(runner: ModelRunner, plans: list[StepPlan], top: int = 12, gemm
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         wall_s, _ = run_plans(runner, plans)
     gemm = (gemm_before + _common.gemm_GFLOPs(gemm_n, 2)) / 2
-    events = [(k, us / 1e3, n) for k, us, n in _common.self_times(prof)]
+    events = [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    events.sort(key=lambda e: e[1], reverse=True)
     wall_ms = wall_s * 1e3
     return {"wall_ms": wall_ms, "gemm_GFLOPs": gemm,
             "top": [{"op": k, "self_ms": ms, "calls": n, "share_of_wall": ms / wall_ms} for k, ms, n in events[:top]],

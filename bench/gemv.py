@@ -8,9 +8,7 @@ Measured in one run, at each thread count (``torch.set_num_threads``):
     ``bench/decode.py``) and read bandwidth (``torch.sum`` of the same tensor, bytes read);
 (b) one pass of ``rows``-row inputs over every matrix with each variant: ``F.linear`` (MKL),
     oneDNN prepacked (``PackedLinear``'s ops), oneDNN on the plain weight, this project's fp32
-    GEMV kernel (``csrc/gemv.cpp``), its panel GEMM (``csrc/panel_gemm.cpp``), torch's batched
-    GEMM over the same panels (``panel_library``, what the ``"panel"`` backend runs from
-    ``panel_gemm.LIBRARY_ROWS`` rows up), the int8 kernel (int8 activations too:
+    GEMV kernel (``csrc/gemv.cpp``), its panel GEMM (``csrc/panel_gemm.cpp``), the int8 kernel (int8 activations too:
     ``csrc/w8a8_gemm.cpp``) and the Q4_1 kernel (int8 activations too: ``csrc/w4a8_gemm.cpp``),
     alternating the variants ``--reps`` times and keeping each one's fastest pass (a shared
     machine only ever slows a pass down).
@@ -50,7 +48,7 @@ import _common
 HIDDEN, INTER, VOCAB, KV_DIM, LAYERS = 576, 1536, 49152, 192, 30
 LAYER_SHAPES = ((HIDDEN, HIDDEN), (KV_DIM, HIDDEN), (KV_DIM, HIDDEN), (HIDDEN, HIDDEN),
                 (INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER))
-FP32_VARIANTS = ("f_linear", "onednn_packed", "onednn_plain", "gemv_f32", "panel_f32", "panel_library")
+FP32_VARIANTS = ("f_linear", "onednn_packed", "onednn_plain", "gemv_f32", "panel_f32")
 
 log = _common.logger("gemv")
 
@@ -117,8 +115,6 @@ def variants(w: dict, rows: int, quant: bool) -> dict:
     if "panels" in w:
         pg = load(panel_gemm.NAME)
         out["panel_f32"] = ("fp32", lambda: [pg.linear(x, p, m.shape[0]) for x, p, m in zip(xs, w["panels"], w["f32"])])
-        out["panel_library"] = ("fp32", lambda: [panel_gemm.library_linear(x, p, m.shape[0])
-                                                 for x, p, m in zip(xs, w["panels"], w["f32"])])
     if w8 is not None and quant:
         out["int8"] = ("int8", lambda: [w8.linear_w8a8(x, *p, n) for x, (p, n) in zip(xs, w["int8_packed"])])
     if q is not None and quant:

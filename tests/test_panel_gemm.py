@@ -1,5 +1,5 @@
-"""The C++ panel GEMM (``engine/kernels/cpu/csrc/panel_gemm.cpp``), torch's GEMM over the same
-panels (``library_linear``) and the ``"panel"`` linear backend that picks one by row count: against float64 references over SmolLM2-135M's shapes, odd ones (output features not a
+"""The C++ panel GEMM (``engine/kernels/cpu/csrc/panel_gemm.cpp``) and the ``"panel"`` linear
+backend: against float64 references over SmolLM2-135M's shapes, odd ones (output features not a
 multiple of 32, K of 1) and row counts from batch-1 decode to past a 128-row prefill block, at 1
 and 2 threads, with and without bias; packing round trip; argument checks; the backend as the CPU
 float32 default. (Greedy tokens against HF: ``tests/test_cpu_kernels.py``; the whole suite runs on
@@ -31,10 +31,9 @@ def test_matches_float64_reference(rows, n, k, with_bias, threads):
     x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if with_bias else None
     ref = x.double() @ w.double().T + (b.double() if with_bias else 0)
-    panels = panel_gemm.pack(w)
-    for y in (panel_gemm.linear(x, panels, n, b), panel_gemm.library_linear(x, panels, n, b)):
-        assert y.dtype == torch.float32 and y.shape == (rows, n) and y.is_contiguous()
-        torch.testing.assert_close(y.double(), ref, atol=1e-6 * k ** 0.5 * (ref.abs().max().item() + 1), rtol=1e-5)
+    y = panel_gemm.linear(x, panel_gemm.pack(w), n, b)
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    torch.testing.assert_close(y.double(), ref, atol=1e-6 * k ** 0.5 * (ref.abs().max().item() + 1), rtol=1e-5)
 
 
 def test_pack_round_trip_and_padding():
@@ -64,9 +63,8 @@ def test_bad_arguments_raise_naming_them(bad, match):
 
 
 @needs_kernel
-@pytest.mark.parametrize("lead", [(1,), (5,), (2, 3), (panel_gemm.LIBRARY_ROWS,), (3, 17)])
+@pytest.mark.parametrize("lead", [(1,), (5,), (2, 3)])
 def test_panel_linear_module(lead):
-    """Below ``LIBRARY_ROWS`` rows the C++ kernel, from there up torch's GEMM over the panels."""
     lin = torch.nn.Linear(576, 193)
     mod = PanelLinear(lin.weight, lin.bias)
     x = torch.randn(*lead, 576)
@@ -91,7 +89,6 @@ def test_kernel_calls_show_in_profiler_traces():
     cache = torch.zeros(1, 2, 2, 4, 1, 8)
     with torch.profiler.profile() as prof:
         mod(torch.randn(3, 16))
-        mod(torch.randn(panel_gemm.LIBRARY_ROWS, 16))
         rope_store_cpu(q, k, k.clone(), torch.ones(1, 8), torch.zeros(1, 8), cache, 0, torch.tensor([1]))
     names = {e.key for e in prof.key_averages()}
-    assert {"pdcluster::panel_gemm", "pdcluster::panel_gemm_library", "pdcluster::rope_store"} <= names, names
+    assert {"pdcluster::panel_gemm", "pdcluster::rope_store"} <= names, names

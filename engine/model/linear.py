@@ -4,11 +4,9 @@ kernel, or its panel GEMM (the CPU float32 default).
 ``"torch"`` leaves every ``nn.Linear`` as it is. ``"panel"`` (the default for CPU float32 where
 its C++ kernel is built) replaces the decoder's ``nn.Linear`` modules and the LM head with
 :class:`PanelLinear`: the weight packed once in panels of 32 output features and multiplied by the
-register-blocked GEMM of ``engine/kernels/cpu/csrc/panel_gemm.cpp`` below 32 rows, and by torch's
-batched GEMM over the same panels from 32 rows up (compute-bound, where the BLAS library's
-kernels, tuned per CPU, win: ``panel_gemm.LIBRARY_ROWS``), one weight copy. The kernel, measured on
-this project's 2-core machine (SmolLM2-135M's matrices, 1 thread, one run;
-``bench/results/gemv.md``): 1.39x oneDNN prepacked at 1 row, 1.31x at 8, 1.18x at 32,
+register-blocked GEMM of ``engine/kernels/cpu/csrc/panel_gemm.cpp`` for every row count, one
+weight copy. Measured on this project's 2-core machine (SmolLM2-135M's matrices, 1 thread, one
+run; ``bench/results/gemv.md``): 1.39x oneDNN prepacked at 1 row, 1.31x at 8, 1.18x at 32,
 1.0x at 64-256 and at prefill sizes; as a whole decode step at 2 threads it took 0.83-0.99x
 oneDNN's step time at batch 1, 8 and 32 (``bench/results/decode.md`` has the quiet run).
 ``"onednn"`` (the default without the kernel) uses :class:`PackedLinear`, whose weight was
@@ -33,7 +31,6 @@ from torch import nn
 
 from engine.kernels.cpu import panel_gemm
 from engine.kernels.cpu.build import load_function
-from engine.kernels.cpu.trace import traced
 
 BATCH_HINT = 32
 """Rows oneDNN tunes the packed layout for (any row count works; 1-512 measured within 10%)."""
@@ -137,9 +134,7 @@ class GemvLinear(nn.Module):
 
 class PanelLinear(nn.Module):
     """``y = x @ W.T + b`` on CPU float32 with ``W`` packed in panels of 32 output features, by the
-    C++ panel GEMM (:mod:`engine.kernels.cpu.panel_gemm`) below
-    :data:`~engine.kernels.cpu.panel_gemm.LIBRARY_ROWS` input rows and by torch's batched GEMM over
-    the same panels from there up (prefill, large decode batches).
+    C++ panel GEMM (:mod:`engine.kernels.cpu.panel_gemm`) for any row count.
 
     Args:
         weight: ``[out_features, in_features]`` CPU float32; copied into panels (the original can
@@ -160,7 +155,6 @@ class PanelLinear(nn.Module):
         self.register_buffer("panels", panel_gemm.pack(weight))
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous().clone())
         self._linear = load_function(panel_gemm.NAME, "linear", "pdcluster::panel_gemm")
-        self._library = traced("pdcluster::panel_gemm_library", panel_gemm.library_linear)
 
     def dense_weight(self) -> torch.Tensor:
         """A plain ``[out_features, in_features]`` float32 copy of the weight."""
@@ -169,12 +163,9 @@ class PanelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` float32 -> ``[..., out_features]`` float32."""
         if x.dim() == 2:
-            return self._matmul(x)
-        return self._matmul(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        fn = self._library if x.shape[0] >= panel_gemm.LIBRARY_ROWS else self._linear
-        return fn(x, self.panels, self.out_features, self.bias)
+            return self._linear(x, self.panels, self.out_features, self.bias)
+        y = self._linear(x.reshape(-1, self.in_features), self.panels, self.out_features, self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 def _convert_all(model: nn.Module, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> int:

@@ -1,6 +1,5 @@
 """fp32 matmul over panel-packed weights on CPU: the C++ kernel ``csrc/panel_gemm.cpp`` (any row
-count, from batch-1 decode to prefill), torch's batched GEMM over the same panels
-(:func:`library_linear`), and the packing.
+count, from batch-1 decode to prefill) and the packing.
 
 A weight ``[N, K]`` is stored as ``ceil(N / 32)`` panels of 32 output features, each ``[K, 32]``
 contiguous (the last zero-padded): :func:`pack` / :func:`unpack`. Algorithm: the outer-product
@@ -18,15 +17,6 @@ from engine.kernels.cpu.build import load
 NAME = "panel_gemm"
 PANEL = 32
 """Output features per panel (two AVX-512 registers)."""
-
-LIBRARY_ROWS = 32
-"""From this many input rows up, :class:`engine.model.linear.PanelLinear` multiplies by torch's GEMM
-(:func:`library_linear`) instead of the C++ kernel. Below it (decode's small batches) the kernel streams the weight at
-memory speed; above it the product is compute-bound, where the BLAS library's kernels, tuned per
-microarchitecture, win: on an AVX2 EPYC whose FMA rate is half the one the kernel was tuned on, the
-kernel reached 19 GFLOP/s at 1 thread from 16 rows up while the batched GEMM reached 26-32 (1.4-1.7x;
-``bench/results/gemv.md``, variants ``panel_f32`` and ``panel_library``); where the kernel was tuned
-it is 1.18x oneDNN at 32 rows and on par from 64."""
 
 
 def available() -> bool:
@@ -75,29 +65,3 @@ def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | N
     if ext is None:
         raise RuntimeError("the C++ panel_gemm kernel is not built on this machine")
     return ext.linear(x, panels, int(n), bias)
-
-
-def library_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T + bias`` with ``W`` packed by :func:`pack`, by torch's batched GEMM (``torch.matmul``
-    of ``x`` with each panel: oneDNN / MKL), no copy of the weight.
-
-    Args:
-        x: ``[M, K]`` float32.
-        panels: ``[ceil(n / 32), K, 32]`` float32.
-        n: output features ``N``.
-        bias: ``[N]`` float32 or None.
-
-    Returns:
-        ``[M, N]`` float32, contiguous.
-
-    Raises:
-        RuntimeError: shapes that do not match (torch's message).
-    """
-    m = x.shape[0]
-    y = torch.matmul(x, panels).transpose(0, 1).reshape(m, -1)  # [P, M, 32] -> [M, P * 32] (a copy)
-    if y.shape[1] != n:
-        y = y[:, :n].contiguous()
-    if bias is not None:
-        y += bias
-    return y
-
