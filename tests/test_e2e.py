@@ -258,7 +258,8 @@ def test_abort_storm_returns_every_pool_to_baseline(cluster, client):
     transferring, decoding): most on a timer from the request's start, whether or not a
     token came, one in five once it decodes. Every pool is back at its baseline once the
     prefill step in flight at the last stop has ended (a step is not interrupted: up to a
-    2048-token budget, ~17 s at this machine's one-thread rate), and the cluster still serves."""
+    2048-token budget, ~26 s at 80 prompt tokens/s, one thread of a slow 2-core machine), and
+    the cluster still serves."""
     import random
 
     rng = random.Random(7)
@@ -291,5 +292,5 @@ def test_abort_storm_returns_every_pool_to_baseline(cluster, client):
         tokens = list(pool.map(one, range(100)))
     # stopped before their first token (queued or prefilling) and while decoding
     assert 0 in tokens and any(0 < t < 64 for t in tokens), tokens
-    assert_no_leak(cluster, timeout_s=30.0)
+    assert_no_leak(cluster, timeout_s=60.0)
     assert client.generate("Still serving?", max_tokens=3, temperature=0).usage.completion_tokens == 3
