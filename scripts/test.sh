@@ -8,4 +8,5 @@ bash scripts/install.sh
 source .venv/bin/activate
 # the architecture's layering contracts (pyproject.toml [tool.importlinter])
 lint-imports
-python -m pytest -q tests "$@"
+# one line per test, named as it starts: a run that ends abruptly (a process killed) shows where
+python -m pytest -v tests "$@"

@@ -3,9 +3,18 @@ for the CPU kernel tests."""
 
 from __future__ import annotations
 
+import os
+
 from deploy.ray_env import use_loopback_ray
 
 use_loopback_ray()  # local test clusters stay on loopback (before anything imports ray)
+
+# This process is a Ray driver while `up`, `down` and `scale` run in it. Ray ends a driver whose GCS
+# has been unreachable for 60 s with exit code 1 and one line on stderr, which pytest's output
+# capture swallows: the whole run would stop there without a word. With an hour, such a loss
+# fails the test it happened in, with its traceback. (The clusters' own Ray processes inherit
+# it; nothing here waits for them to notice a lost GCS: `down` kills a head's whole session.)
+os.environ.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", "3600")
 
 import pytest  # noqa: E402
 
