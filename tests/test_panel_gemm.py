@@ -1,9 +1,9 @@
 """The C++ panel GEMM (``engine/kernels/cpu/csrc/panel_gemm.cpp``) and the ``"panel"`` linear
 backend: against float64 references over SmolLM2-135M's shapes, odd ones (output features not a
 multiple of 32, K of 1) and row counts from batch-1 decode to past a 128-row prefill block, at 1
-and 2 threads, with and without bias; packing round trip; argument checks; the backend as the CPU
-float32 default. (Greedy tokens against HF: ``tests/test_cpu_kernels.py``; the whole suite runs on
-the default backend.)
+and 2 threads, with and without bias; a row's outputs bit-identical at any row count; packing
+round trip; argument checks; the backend as the CPU float32 default. (Greedy tokens against HF:
+``tests/test_cpu_kernels.py``; the whole suite runs on the default backend.)
 
 Skipped, with the reason, where the extension cannot be built (no compiler).
 """
@@ -34,6 +34,22 @@ def test_matches_float64_reference(rows, n, k, with_bias, threads):
     y = panel_gemm.linear(x, panel_gemm.pack(w), n, b)
     assert y.dtype == torch.float32 and y.shape == (rows, n)
     torch.testing.assert_close(y.double(), ref, atol=1e-6 * k ** 0.5 * (ref.abs().max().item() + 1), rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [576, 70, 9])
+def test_a_rows_outputs_do_not_depend_on_the_row_count(n, threads):
+    """Every output is one k-ordered FMA chain whatever tile computes it (2 x 32 up to 5 rows,
+    6 x 16 from 6 on AVX2), so a row's outputs are bit-identical alone, in any batch and at any
+    position in it: chunked, batched and whole-prompt prefill write the same KV."""
+    g = torch.Generator().manual_seed(n)
+    x, w = torch.randn(301, 576, generator=g), torch.randn(n, 576, generator=g)
+    panels = panel_gemm.pack(w)
+    whole = panel_gemm.linear(x, panels, n)
+    for rows in [1, 2, 5, 6, 7, 11, 12, 13, 128, 129]:
+        for start in [0, 3, 301 - rows]:
+            part = panel_gemm.linear(x[start:start + rows], panels, n)
+            assert torch.equal(part, whole[start:start + rows]), (rows, start)
 
 
 def test_pack_round_trip_and_padding():

@@ -7,14 +7,17 @@
 // oneDNN's AVX-512 kernels (Van Zee and van de Geijn, "BLIS: A Framework for Rapidly Instantiating
 // BLAS Functionality", 2015): per k, the panel's 32 weights are two vector loads and each input
 // row's x[m, k] one broadcast, FMA'd into MT x 32 accumulators held in registers (MT = 8 with
-// AVX-512's 32 registers, 2 with AVX2's 16); no horizontal sums.
+// AVX-512's 32 registers; with AVX2's 16, 2 rows x 32 for up to 5 rows, and from 6 rows BLIS's
+// 6 x 16 Haswell tile over each half of the panel); no horizontal sums.
 //  * One row (batch-1 decode): each thread streams its panels front to back, one sequential read of
 //    its share of the weight: the rate is the memory's, as the row-major GEMV's.
 //  * More rows: a panel (K x 128 bytes: 72 KiB for K = 576) is read from memory once for the first
 //    tile of rows and from L2 for the others; past 128 rows (prefill) the rows go in blocks of 128,
 //    each kept in L2 while the thread's panels pass over it.
 // Panels are split over torch's intra-op threads (at::parallel_for). Each output is one k-ordered
-// FMA chain: results agree with F.linear / oneDNN to float rounding (~1e-6 relative), not bit for bit.
+// FMA chain whatever the tile, so a row's outputs are bit-identical whatever the row count (chunked,
+// batched and whole-prompt prefill write the same KV); they agree with F.linear / oneDNN to float
+// rounding (~1e-6 relative), not bit for bit.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -22,6 +25,10 @@
 #include <cstdint>
 
 #include "simd.h"
+
+// Fully unroll the loops over a tile's rows and vectors, so that its accumulators stay in registers
+// (without it GCC stores each one to the stack every k: one store per FMA, half the FMA rate).
+#define PDC_UNROLL _Pragma("GCC unroll 8")
 
 namespace {
 
@@ -34,9 +41,11 @@ constexpr int MT_MAX = 8;
 template <int MT>
 inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, int64_t cols) {
   __m512 acc[MT][2];
+  PDC_UNROLL
   for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const __m512 w0 = _mm512_loadu_ps(w + k * P), w1 = _mm512_loadu_ps(w + k * P + 16);
+    PDC_UNROLL
     for (int m = 0; m < MT; ++m) {
       const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
       acc[m][0] = _mm512_fmadd_ps(xb, w0, acc[m][0]);
@@ -45,6 +54,7 @@ inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, float*
   }
   const __mmask16 lo = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
   const __mmask16 hi = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  PDC_UNROLL
   for (int m = 0; m < MT; ++m) {
     _mm512_mask_storeu_ps(y + m * ldy, lo, acc[m][0]);
     _mm512_mask_storeu_ps(y + m * ldy + 16, hi, acc[m][1]);
@@ -52,22 +62,58 @@ inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, float*
 }
 #elif defined(PDC_AVX2)
 constexpr int MT_MAX = 2;
+// the whole panel (4 vectors) for MT <= 2 rows: few rows (decode's small batches), one pass
 template <int MT>
 inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, int64_t cols) {
   __m256 acc[MT][4];
-  for (int m = 0; m < MT; ++m)
+  PDC_UNROLL
+  for (int m = 0; m < MT; ++m) {
+    PDC_UNROLL
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
+  }
   for (int64_t k = 0; k < K; ++k) {
     __m256 wv[4];
+    PDC_UNROLL
     for (int j = 0; j < 4; ++j) wv[j] = _mm256_loadu_ps(w + k * P + 8 * j);
+    PDC_UNROLL
     for (int m = 0; m < MT; ++m) {
       const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
+      PDC_UNROLL
       for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_fmadd_ps(xb, wv[j], acc[m][j]);
     }
   }
   alignas(32) float out[P];
+  PDC_UNROLL
   for (int m = 0; m < MT; ++m) {
+    PDC_UNROLL
     for (int j = 0; j < 4; ++j) _mm256_store_ps(out + 8 * j, acc[m][j]);
+    std::copy(out, out + cols, y + m * ldy);
+  }
+}
+// Half a panel (16 output features, cols <= 16 of them valid) for MT <= 6 rows: 12 accumulators,
+// 2 weight loads and MT broadcasts per k (BLIS's 6 x 16 Haswell tile); used from 6 rows up.
+constexpr int MT_HALF = 6;
+constexpr int64_t HALF = 16;
+template <int MT>
+inline void micro_half(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
+                       int64_t cols) {
+  __m256 acc[MT][2];
+  PDC_UNROLL
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(w + k * P), w1 = _mm256_loadu_ps(w + k * P + 8);
+    PDC_UNROLL
+    for (int m = 0; m < MT; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
+      acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
+    }
+  }
+  alignas(32) float out[HALF];
+  PDC_UNROLL
+  for (int m = 0; m < MT; ++m) {
+    _mm256_store_ps(out, acc[m][0]);
+    _mm256_store_ps(out + 8, acc[m][1]);
     std::copy(out, out + cols, y + m * ldy);
   }
 }
@@ -84,9 +130,16 @@ inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, float*
 }
 #endif
 
-// every input row against one panel, in tiles of MT_MAX rows (then 4, 2, 1)
+// every input row against one panel, in tiles of MT_MAX rows (then 4, 2, 1); with AVX2, from 6
+// rows up, tiles of 6 rows against each half of the panel first
 inline void panel_rows(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t cols) {
   int64_t m = 0;
+#if defined(PDC_AVX2) && !defined(PDC_AVX512)
+  for (int64_t h = 0; h < cols && M >= MT_HALF; h += HALF) {
+    for (m = 0; m + MT_HALF <= M; m += MT_HALF)
+      micro_half<MT_HALF>(x + m * K, K, w + h, K, y + m * N + h, N, std::min(HALF, cols - h));
+  }
+#endif
   for (; m + MT_MAX <= M; m += MT_MAX) micro<MT_MAX>(x + m * K, K, w, K, y + m * N, N, cols);
   if constexpr (MT_MAX > 4) {
     if (m + 4 <= M) { micro<4>(x + m * K, K, w, K, y + m * N, N, cols); m += 4; }
