@@ -193,7 +193,8 @@ class PrefillScheduler:
         """Between two layers of a step (loop thread): handle the mail about requests
         outside the step now, so a transfer acknowledged during a long prefill step is
         answered (and its blocks freed) within a layer's time instead of after the step;
-        mail about the step's own requests waits, in order, for the step's end."""
+        mail about the step's own requests waits, in order, for the step's end (where an
+        abort among it keeps the KV of a prompt the step completed from being sent)."""
         for msg in self._inbox.drain(block=False):
             rid = msg.request.request_id if isinstance(msg, _Add) else msg.request_id
             if rid in in_step:
@@ -316,6 +317,7 @@ class PrefillScheduler:
             if entry.block_hashes:
                 self._publish_blocks(entry, s.num_computed)
         now = time.monotonic()
+        stopped = {m.request_id for m in self._deferred if isinstance(m, _Abort)}  # aborted during the step
         for rid, tok, lp in zip(out.request_ids, out.token_ids, out.logprobs):
             entry = self._entries[rid]
             entry.first_token, entry.first_logprobs = tok, lp
@@ -324,7 +326,12 @@ class PrefillScheduler:
             if self.on_computed is not None:
                 self.on_computed(entry.request.num_tokens, entry.cached_tokens, entry.queue_s, entry.prefill_s)
             self._queue.remove(rid)
-            if rid in streams:
+            if rid in stopped:  # no KV to send: a started stream ends (its blocks free when the sender returns)
+                if rid in streams:
+                    streams[rid].fail("request aborted")
+                else:
+                    self._fail(rid, PrefillError(grpc.StatusCode.CANCELLED, "request aborted"))
+            elif rid in streams:
                 streams[rid].finish(tok, logprobs_to_dict(lp))
             else:
                 self._senders.submit(self._send, entry, LayerProgress.ready(self.num_layers, tok, logprobs_to_dict(lp)))

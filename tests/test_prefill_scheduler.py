@@ -312,18 +312,21 @@ def test_prefill_rejects_oversized_and_duplicate(prefill_env, text_ids):
     _no_leak(sched)
 
 
-def test_prefill_answers_a_transfer_acknowledged_during_another_step(prefill_env, text_ids):
+@pytest.mark.parametrize("layerwise", [False, True], ids=["after-step", "layerwise"])
+def test_prefill_answers_a_transfer_acknowledged_during_another_step(prefill_env, text_ids, layerwise):
     """A transfer that ends while another prompt's step runs is answered between two
     layers of that step, its blocks free at once (not a whole step later: the router's
     final token waits for this answer); mail about the running step's own request (an
-    abort) waits for the step's end and is then handled in order."""
-    runner, sched = prefill_env()
+    abort) waits for the step's end, where it keeps that prompt's KV from being sent (a
+    layer-wise stream already under way ends)."""
+    runner, sched = prefill_env(layerwise=layerwise)
     gate = threading.Event()
     send = FakeSend(runner, gate=gate)
     fa = sched.submit(_req("a", text_ids[:40]), send)  # 3 blocks
     sched.step()
     assert send.entered.wait(10) and not fa.done()
-    fb = sched.submit(_req("b", text_ids[:30]), FakeSend(runner))  # 2 blocks
+    send_b = FakeSend(runner)
+    fb = sched.submit(_req("b", text_ids[:30]), send_b)  # 2 blocks
     execute, seen = runner.execute, {}
 
     def run(plan: StepPlan):
@@ -351,4 +354,5 @@ def test_prefill_answers_a_transfer_acknowledged_during_another_step(prefill_env
     with pytest.raises(PrefillError) as e:
         fb.result(0)
     assert e.value.code == grpc.StatusCode.CANCELLED
+    assert send_b.calls == []  # b's KV never left (a layer-wise sender saw its stream end)
     _no_leak(sched)
