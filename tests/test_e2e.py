@@ -258,8 +258,8 @@ def test_abort_storm_returns_every_pool_to_baseline(cluster, client):
     transferring, decoding): most on a timer from the request's start, whether or not a
     token came, one in five once it decodes. Every pool is back at its baseline once the
     prefill step in flight at the last stop has ended (a step is not interrupted: up to a
-    2048-token budget, ~26 s at 80 prompt tokens/s, one thread of a slow 2-core machine), and
-    the cluster still serves."""
+    2048-token budget, ~26 s on one thread of a slow 2-core machine before the panel GEMM's AVX2
+    tile, ~0.6 of that since: bench/results/prefill_avx2.md), and the cluster still serves."""
     import random
 
     rng = random.Random(7)
