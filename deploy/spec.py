@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import replace
 
+from common.model_arch import DecoderArch
 from common.model_config import ConfigError, FieldError, ModelConfig
 from deploy.cluster import ClusterSpec
 from deploy.placement import PlacementConfig
@@ -163,13 +164,14 @@ def security_from_args(args, cluster_secret: str, internal_ca: KeyPair | None) -
                           internal_ca_key=internal_ca.key_pem if internal_ca else "")
 
 
-def checked_model(args, folder) -> ModelConfig:
-    """The config of the model in ``folder``, refused before anything starts when the engine
-    does not serve its architecture (:func:`load_arch`) or it does not split over the TP flags."""
-    load_arch(folder)
+def checked_model(args, folder) -> tuple[ModelConfig, DecoderArch]:
+    """The config and the family's layer differences (:func:`load_arch`) of the model in
+    ``folder``, refused before anything starts when the engine does not serve its architecture
+    or the model does not split over the TP flags."""
+    arch = load_arch(folder)
     model_cfg = ModelConfig.from_hf_folder(folder, name=args.model)
     check_tp(args, model_cfg)
-    return model_cfg
+    return model_cfg, arch
 
 
 def check_tp(args, model_cfg: ModelConfig) -> None:
@@ -221,7 +223,7 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
     """
     check_flag_shapes(args)
     folder = resolve_model(args.model)  # dequantize once here, not in every worker
-    model_cfg = checked_model(args, folder)
+    model_cfg, arch = checked_model(args, folder)
     kv_dtype = "float32" if args.dtype in ("auto", "float32") and not use_cuda else (
         "bfloat16" if args.dtype == "auto" else args.dtype)
     blocks = args.num_kv_blocks or num_kv_blocks(model_cfg, args.block_size, kv_dtype, args.kv_cache_gb)
@@ -245,7 +247,8 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
                           prefill_cache=prefill_cache, prefill_scheduler=prefill_sched, log=log,
                           security=security.for_workers(),
                           max_queued_requests=args.max_queued_requests, cpu_nice=args.worker_nice,
-                          prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, quantization=args.quantization)
+                          prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, quantization=args.quantization,
+                          arch=arch)
     router = _router_config(args, str(folder), redis_url, max_model_len, log, security)
     return cluster_from_args(args, worker, router)
 

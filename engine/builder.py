@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from common.model_arch import DecoderArch
 from common.model_config import ConfigError, ModelConfig
 from engine.config import CacheConfig, check_quantization
 from engine.kernels.cpu.build import load_all as load_cpu_kernels
@@ -16,7 +17,8 @@ from engine.tp.runner import start_tp_runner
 
 def build_runner(model: str, cache: CacheConfig, *, device: str = "auto", dtype: str = "auto",
                  num_threads: int = 1, model_cache_dir: str | None = None,
-                 tp: int = 1, quantization: str = "none") -> tuple[ModelConfig, ModelRunner]:
+                 tp: int = 1, quantization: str = "none",
+                 arch: DecoderArch | None = None) -> tuple[ModelConfig, ModelRunner]:
     """Load (building where needed) the C++ CPU kernels, resolve ``model``, load its weights,
     allocate the KV cache (``cache``), set the torch thread budget.
 
@@ -30,6 +32,10 @@ def build_runner(model: str, cache: CacheConfig, *, device: str = "auto", dtype:
             (:func:`engine.tp.runner.start_tp_runner`), and ``runner.close()`` stops them.
         quantization: one of :data:`engine.config.QUANTIZATIONS` (decoder projections served as
             int8 or Q4_1, :func:`engine.model.load_model`); only with ``tp == 1``.
+        arch: the model family's layer differences, when the caller has read them already
+            (``pdcluster up`` has: a worker then does not import ``transformers`` to read them
+            again, ~3 s of its start); None reads them from the model's folder
+            (:func:`engine.model.families.load_arch`).
 
     Raises:
         ModelNotFoundError: the model spec names nothing loadable.
@@ -46,7 +52,7 @@ def build_runner(model: str, cache: CacheConfig, *, device: str = "auto", dtype:
     model_cfg = ModelConfig.from_hf_folder(folder, name=model)
     dev, dt = resolve_device_dtype(device, dtype)
     if tp > 1:
-        return model_cfg, start_tp_runner(model_cfg, cache, tp, dev, dt, num_threads)
-    net = load_model(model_cfg, dev, dt, quantization=quantization, gguf_path=gguf)
+        return model_cfg, start_tp_runner(model_cfg, cache, tp, dev, dt, num_threads, arch=arch)
+    net = load_model(model_cfg, dev, dt, arch=arch, quantization=quantization, gguf_path=gguf)
     kv_cache = allocate_kv_cache(model_cfg, cache, dev)
     return model_cfg, ModelRunner(net, kv_cache, cache.block_size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from common.model_arch import DecoderArch
 from common.model_config import ConfigError
 from engine.config import DTYPES, QUANTIZATIONS, CacheConfig, SchedulerConfig, check_quantization
 from kvtransfer.config import KvTransferConfig
@@ -82,6 +83,7 @@ class WorkerConfig:
     prefill_tp: int | None = None
     decode_tp: int | None = None
     quantization: str = "none"
+    arch: DecoderArch | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -110,7 +112,8 @@ class WorkerConfig:
         ``cache``) this worker's model is loaded with: where, in what dtype and quantization, on
         how many threads and tensor-parallel ranks."""
         return {"device": self.device, "dtype": self.dtype, "num_threads": self.num_threads,
-                "model_cache_dir": self.model_cache_dir, "tp": self.tp, "quantization": self.quantization}
+                "model_cache_dir": self.model_cache_dir, "tp": self.tp, "quantization": self.quantization,
+                "arch": self.arch}
 
     def for_role(self, role: str, worker_id: str, **changes) -> "WorkerConfig":
         """This template as the config of one worker: ``role`` and ``worker_id`` set,
@@ -134,9 +137,10 @@ class WorkerConfig:
         Raises:
             TypeError / ConfigError: the dict does not describe a valid config.
         """
-        pc, ps = d.get("prefill_cache"), d.get("prefill_scheduler")
+        pc, ps, arch = d.get("prefill_cache"), d.get("prefill_scheduler"), d.get("arch")
         return cls(**{**d, "cache": CacheConfig(**d["cache"]), "scheduler": SchedulerConfig(**d["scheduler"]),
                       "kv": KvTransferConfig(**d.get("kv", {})),
                       "prefill_cache": CacheConfig(**pc) if pc else None,
                       "prefill_scheduler": SchedulerConfig(**ps) if ps else None,
-                      "log": LogConfig(**d.get("log", {})), "security": SecurityConfig(**d.get("security", {}))})
+                      "log": LogConfig(**d.get("log", {})), "security": SecurityConfig(**d.get("security", {})),
+                      "arch": DecoderArch.from_dict(arch) if arch else None})

@@ -23,6 +23,8 @@ import torch
 
 from common.model_config import ConfigError, ModelConfig
 from deploy import local
+from deploy.cluster import worker_config_from_dict, worker_config_to_dict
+from deploy.spec import spec_from_args
 from engine.attention import SeqSlice, build_attention_metadata
 from engine.config import CacheConfig
 from engine.kv_cache import allocate_kv_cache
@@ -35,6 +37,7 @@ from engine.step import ScheduledSeq, StepPlan
 from family_models import FAMILIES, build_tiny, hf_model
 from pdcluster.cli import build_parser
 
+from cli_helpers import parse_up
 from cluster_utils import assert_greedy_matches, hf_greedy
 
 CPU = torch.device("cpu")
@@ -99,6 +102,22 @@ def test_family_configs_reach_the_decoder(tiny_models):
     assert g.layer_windows == (8, None, 8, None) and g.sandwich_norm and g.qk_norm and g.norm_offset == 1.0
     assert (g.rope.theta, g.local_rope.theta) == (1e6, 1e4) and g.rope_for(0) is g.local_rope
     assert g.activation == "gelu_pytorch_tanh" and g.embed_scale == 8.0 and g.attn_scale == 0.25
+
+
+def test_up_ships_each_familys_arch_to_its_workers(tiny_models):
+    """``pdcluster up`` reads the arch once and puts it in the worker template: a worker builds
+    its model from it without importing ``transformers``. It survives the state file's JSON
+    round trip (kept for ``scale`` and the controller's restarts) unchanged, tuples and nested
+    RoPE specs included, and a model loaded from it runs as one loaded from the folder."""
+    for name, folder in tiny_models.items():
+        spec = spec_from_args(parse_up("--model", str(folder)), "redis://127.0.0.1:1")
+        assert spec.worker.arch == load_arch(folder), name
+        assert worker_config_from_dict(json.loads(json.dumps(worker_config_to_dict(spec.worker)))) == spec.worker, name
+    folder = tiny_models["gemma3"]  # two RoPEs, windows, sandwich norms
+    cfg, arch = ModelConfig.from_hf_folder(folder), spec.worker.arch
+    prompts = _prompts(cfg.vocab_size, lens=(23,))
+    assert (_engine_greedy(load_model(cfg, CPU, torch.float32, arch=arch), cfg, prompts, 4)
+            == _engine_greedy(load_model(cfg, CPU, torch.float32), cfg, prompts, 4))
 
 
 def test_gemma3_window_changes_the_output(tiny_models):

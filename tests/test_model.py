@@ -14,7 +14,7 @@ from common.model_config import ModelConfig
 from engine.attention import SeqSlice, build_attention_metadata
 from engine.config import CacheConfig
 from engine.kv_cache import allocate_kv_cache
-from engine.model import load_model
+from engine.model import build_unloaded, load_model
 from engine.model_runner import ModelRunner
 from engine.sampling import SamplingOptions
 from engine.step import ScheduledSeq, StepPlan
@@ -189,3 +189,17 @@ def test_qwen2_attention_bias_matches_hf(tmp_path):
         ref_last = hf(torch.tensor([prompts[0] + [nxt]])).logits[0, -1]
     assert out.token_ids == [int(ref_last.argmax())]
     assert out.logprobs[0].logprob == pytest.approx(float(ref_last.log_softmax(-1).max()), abs=1e-4)
+
+
+def test_the_model_is_built_without_random_initialisation():
+    """``load_model`` builds the layers with their random initialisation skipped (the checkpoint
+    writes every parameter): no draw from torch's generator while they are built, and the
+    generator works as usual after."""
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    layers = build_unloaded(lambda: torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 8)),
+                            CPU, torch.float32)
+    assert torch.equal(torch.rand(4), expected)
+    assert not any(p.requires_grad for p in layers.parameters())
+    assert torch.nn.Linear(8, 8).weight.abs().sum() > 0  # random initialisation is back outside the builder

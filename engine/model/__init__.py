@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors.torch import load_file
+from torch import nn
+from torch.overrides import TorchFunctionMode
 
+from common.model_arch import DecoderArch
 from common.model_config import ModelConfig
 from engine.attention import get_attention_backend
 from engine.config import check_quantization
 from engine.gguf_blocks import matching_blocks, read_q4_1_blocks
-from engine.model.arch import DecoderArch
 from engine.model.decoder import CausalLM
 from engine.model.families import load_arch
 from engine.model.fuse import merge_projections
 from engine.model.linear import apply_linear_backend, default_linear_backend
 from engine.model.quant import apply_quantization
 
+M = TypeVar("M", bound=nn.Module)
+_RANDOM_INITS = frozenset({nn.init.uniform_, nn.init.normal_, nn.init.trunc_normal_, nn.init.kaiming_uniform_,
+                           torch.Tensor.uniform_, torch.Tensor.normal_})
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -50,6 +57,31 @@ def read_state(folder: str | Path) -> dict[str, torch.Tensor]:
     for f in files:
         state.update(load_file(str(f)))
     return state
+
+
+class _SkipRandomInit(TorchFunctionMode):
+    """Leaves the tensors a module's constructor would fill with random values as allocated."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _RANDOM_INITS:  # torch.nn.init's functions pass the tensor by keyword, its methods first
+            return kwargs["tensor"] if "tensor" in kwargs else args[0]
+        return func(*args, **kwargs)
+
+
+def build_unloaded(make: Callable[[], M], device: torch.device, dtype: torch.dtype) -> M:
+    """``make()`` (a model's constructor) on ``device`` in ``dtype``, its parameters allocated but
+    not randomly initialised, for a loader that then writes every one of them.
+
+    The random initialisation a checkpoint overwrites is skipped (the calls of ``torch.nn.init``
+    and ``Tensor.uniform_`` / ``normal_`` while ``make`` runs return their tensor as it is), as
+    ``transformers`` skips it when loading a checkpoint: ~1 s of a worker's start for SmolLM2 at
+    one thread. Building on the ``meta`` device instead would cost more here: its ``normal_``
+    imports ``torch._dynamo`` (~3 s).
+    """
+    with torch.device(device), _SkipRandomInit():
+        model = make()
+    return model.to(dtype).requires_grad_(False)
 
 
 def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
@@ -85,9 +117,8 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
     arch = arch or load_arch(cfg.path)
     state = read_state(cfg.path)
     backend = get_attention_backend(attention_backend or default_attention_backend(device))
-    with torch.device(device):
-        model = CausalLM(cfg, arch, backend).to(dtype).requires_grad_(False)
-    model.load_weights(state)
+    model = build_unloaded(lambda: CausalLM(cfg, arch, backend), device, dtype)
+    model.load_weights(state)  # writes every parameter (raises KeyError for one the checkpoint lacks)
     model.eval()
     blocks = None
     if quantization == "q4" and gguf_path is not None:

@@ -4,7 +4,7 @@ Written for this engine: it takes a flat token batch with one position per token
 and an :class:`~engine.attention.AttentionMetadata`, writes each layer's K/V into
 the paged cache at ``slot_mapping`` and attends through the block tables. A family's
 differences (biases, q/k norm, Gemma's norms and embedding scale, activation,
-sliding-window layers, per-layer RoPE) come from its :class:`~engine.model.arch.DecoderArch`;
+sliding-window layers, per-layer RoPE) come from its :class:`~common.model_arch.DecoderArch`;
 the math follows HF ``transformers``' modelling code of each family (RMSNorm in
 float32, rotate-half RoPE, gated MLP) so greedy outputs match it. On CPU in float32 some of its
 steps take one C++ call each: RMSNorm (``rms_norm``, a few ulp from torch's rounding), a residual
@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.model_arch import DecoderArch, RopeSpec
 from common.model_config import ModelConfig
 from engine.attention import AttentionMetadata
 from engine.attention.registry import AttentionBackend
 from engine.kernels.cpu import activation as activation_kernel
 from engine.kernels.cpu import rms_norm as rms_norm_kernel
-from engine.model.arch import DecoderArch, RopeSpec
 from engine.model.rope import RopeStep, RotaryEmbedding
 
 _ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -1,7 +1,7 @@
 """Rotary position embeddings (rotate-half), computed as HF ``transformers`` does.
 
 The inverse frequencies follow ``transformers.modeling_rope_utils`` for each
-:data:`~engine.model.arch.ROPE_KINDS` (default, linear, dynamic NTK, Llama 3.1,
+:data:`~common.model_arch.ROPE_KINDS` (default, linear, dynamic NTK, Llama 3.1,
 YaRN), in float32, so greedy outputs match HF token for token. Static kinds use a
 cos/sin table ``[max_position, head_dim]`` looked up once per step. ``dynamic``
 grows the NTK base with the sequence past ``max_position`` the way HF's
@@ -17,9 +17,9 @@ import math
 
 import torch
 
+from common.model_arch import RopeSpec
 from engine.attention import AttentionMetadata
 from engine.kernels.cpu.rope_cache import rope_store_cpu, rope_store_reference, supports
-from engine.model.arch import RopeSpec
 
 
 def inv_freq(spec: RopeSpec, dim: int, seq_len: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.model_arch import DecoderArch
 from common.model_config import ModelConfig
 from engine.config import CacheConfig
 from engine.kv_cache import allocate_kv_cache
@@ -34,6 +35,7 @@ class RankSpec:
         cache: KV cache geometry (blocks, block size, dtype) of every rank's share.
         device / dtype: resolved (``"cuda:1"``, ``torch.float32``...).
         num_threads: torch intra-op threads of the rank; timeout_s: collective timeout.
+        arch: the model family's layer differences (read once, by rank 0).
     """
 
     rank: int
@@ -45,6 +47,7 @@ class RankSpec:
     dtype: torch.dtype
     num_threads: int
     timeout_s: float
+    arch: DecoderArch
 
 
 def share(kv: torch.Tensor) -> torch.Tensor:
@@ -57,7 +60,7 @@ def build_rank(spec: RankSpec) -> ModelRunner:
     torch.set_num_threads(spec.num_threads)
     dev = torch.device(spec.device)
     group = connect(spec.port, spec.rank, spec.layout.size, dev, spec.timeout_s)
-    model = load_tp_model(spec.model, spec.layout, group, dev, spec.dtype)
+    model = load_tp_model(spec.model, spec.layout, group, dev, spec.dtype, arch=spec.arch)
     kv = share(allocate_kv_cache(spec.layout.local_config(spec.model), spec.cache, dev))
     return ModelRunner(model, kv, spec.cache.block_size)
 

@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.model_arch import DecoderArch
 from common.model_config import ModelConfig
 from engine.attention import get_attention_backend
-from engine.model import default_attention_backend, read_state
+from engine.model import build_unloaded, default_attention_backend, read_state
 from engine.model.decoder import CausalLM
 from engine.model.families import load_arch
 from engine.model.fuse import merge_projections
@@ -95,17 +96,20 @@ def shard_state(state: dict[str, torch.Tensor], cfg: ModelConfig, layout: TpLayo
 
 
 def load_tp_model(cfg: ModelConfig, layout: TpLayout, group: TpGroup, device: torch.device, dtype: torch.dtype,
-                  attention_backend: str | None = None, linear_backend: str | None = None) -> TpCausalLM:
+                  attention_backend: str | None = None, linear_backend: str | None = None,
+                  arch: DecoderArch | None = None) -> TpCausalLM:
     """Build rank ``group.rank``'s shard of the model in ``cfg.path`` on ``device``.
+
+    ``arch``: the family's layer differences; None reads them from ``cfg.path``
+    (:func:`engine.model.families.load_arch`).
 
     Raises:
         FileNotFoundError / KeyError / ConfigError: as :func:`engine.model.load_model`.
     """
-    arch = load_arch(cfg.path)
+    arch = arch or load_arch(cfg.path)
     state = shard_state(read_state(cfg.path), cfg, layout, group.rank)
     backend = get_attention_backend(attention_backend or default_attention_backend(device))
-    with torch.device(device):
-        model = TpCausalLM(cfg, layout, group, arch, backend).to(dtype).requires_grad_(False)
+    model = build_unloaded(lambda: TpCausalLM(cfg, layout, group, arch, backend), device, dtype)
     model.load_weights(state)
     model.eval()
     emb = model.model.embed_tokens

@@ -13,9 +13,11 @@ from dataclasses import replace
 import torch
 import torch.multiprocessing as mp
 
+from common.model_arch import DecoderArch
 from common.model_config import ModelConfig
 from engine.config import CacheConfig
 from engine.kv_cache import allocate_kv_cache
+from engine.model.families import load_arch
 from engine.model_runner import ModelRunner
 from engine.step import StepOutput, StepPlan
 from engine.tp import TpLayout
@@ -92,22 +94,27 @@ def _collect_shards(kv_queue, n: int, timeout_s: float) -> dict[int, torch.Tenso
 
 
 def start_tp_runner(model_cfg: ModelConfig, cache: CacheConfig, size: int, device: torch.device,
-                    dtype: torch.dtype, num_threads: int, timeout_s: float = 300.0) -> TpModelRunner:
+                    dtype: torch.dtype, num_threads: int, timeout_s: float = 300.0,
+                    arch: DecoderArch | None = None) -> TpModelRunner:
     """Start ranks ``1..size-1`` (rank ``r`` on ``cuda:r`` when ``device`` is CUDA), load
     this rank's shard, and return rank 0's runner once every rank holds its KV share.
+
+    ``arch``: the family's layer differences; None reads them here, once for every rank
+    (:func:`engine.model.families.load_arch`).
 
     Raises:
         ConfigError: the model does not split over ``size`` ranks.
         RuntimeError: a rank failed or did not start within ``timeout_s`` seconds.
     """
     layout = TpLayout.of(model_cfg, size)
+    arch = arch or load_arch(model_cfg.path)
     store = host_store(size, timeout_s)
     ctx = mp.get_context("spawn")
     kv_queue = ctx.Queue()
     conns, procs = [], []
     for r in range(1, size):
         dev = f"cuda:{r}" if device.type == "cuda" else str(device)
-        spec = RankSpec(r, store.port, model_cfg, layout, cache, dev, dtype, num_threads, timeout_s)
+        spec = RankSpec(r, store.port, model_cfg, layout, cache, dev, dtype, num_threads, timeout_s, arch)
         here, there = ctx.Pipe()
         p = ctx.Process(target=rank_main, args=(spec, there, kv_queue), daemon=True, name=f"tp-rank{r}")
         p.start()
@@ -116,7 +123,7 @@ def start_tp_runner(model_cfg: ModelConfig, cache: CacheConfig, size: int, devic
         procs.append(p)
     try:
         group = TpGroup(store, 0, size, device, timeout_s)
-        model = load_tp_model(model_cfg, layout, group, device, dtype)
+        model = load_tp_model(model_cfg, layout, group, device, dtype, arch=arch)
         own = allocate_kv_cache(layout.local_config(model_cfg), cache, device)  # read by this process only
         others = _collect_shards(kv_queue, size - 1, timeout_s)
     except BaseException:

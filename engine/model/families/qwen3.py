@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.model.arch import DecoderArch
+from common.model_arch import DecoderArch
 from engine.model.families.registry import Family, layer_windows, register_family, rope_spec
 
 

@@ -1,7 +1,7 @@
 """The model families pdcluster serves, by HF ``model_type``: one :class:`Family` each.
 
 A family module (``engine/model/families/<family>.py``) declares its HF config mapping
-(``arch``: HF config object -> :class:`~engine.model.arch.DecoderArch`) and registers it
+(``arch``: HF config object -> :class:`~common.model_arch.DecoderArch`) and registers it
 with :func:`register_family`; that is the one place to add a family. The HF config is
 read with ``transformers.AutoConfig``, so every default and legacy field spelling is
 HF's own.
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.model_arch import DecoderArch, RopeSpec
 from common.model_config import ConfigError
-from engine.model.arch import DecoderArch, RopeSpec
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,19 @@ class DecoderArch:
             if w is not None and w < 1:
                 raise ConfigError(f"sliding_window must be >= 1 token, got {w}")
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "DecoderArch":
+        """Inverse of :func:`dataclasses.asdict`, also after a JSON round trip (lists back to
+        tuples): how a worker gets the arch ``pdcluster up`` read (:class:`serving.worker_config.WorkerConfig`).
+
+        Raises:
+            TypeError / ConfigError: the dict does not describe a valid arch.
+        """
+        local = d.get("local_rope")
+        return cls(**{**d, "rope": RopeSpec(**d["rope"]), "local_rope": RopeSpec(**local) if local else None,
+                      "local_layers": tuple(d.get("local_layers", ())),
+                      "layer_windows": tuple(d.get("layer_windows", ()))})
+
     def window(self, layer: int) -> int | None:
         """Sliding window of ``layer`` in tokens, None = global attention."""
         return self.layer_windows[layer] if self.layer_windows else None
