@@ -3,7 +3,9 @@
 A family module (:mod:`engine.model.families`) maps an HF config to a
 :class:`DecoderArch`; :mod:`engine.model.decoder` builds the layers from it. The
 dimensions (hidden size, heads, layers, vocabulary) stay in
-:class:`common.model_config.ModelConfig`, which every process reads.
+:class:`common.model_config.ModelConfig`, which every process reads. It lives in ``common``
+because it travels in the worker config (:class:`serving.worker_config.WorkerConfig`), which
+torch-free processes read too: ``pdcluster up`` reads it once and every worker builds from it.
 """
 
 from __future__ import annotations
