@@ -13,7 +13,6 @@ from common.model_config import ModelConfig
 from engine.attention import get_attention_backend
 from engine.model import build_unloaded, default_attention_backend, read_state
 from engine.model.decoder import CausalLM
-from engine.model.families import load_arch
 from engine.model.fuse import merge_projections
 from engine.model.linear import apply_linear_backend, default_linear_backend
 from engine.tp import TpLayout
@@ -96,17 +95,16 @@ def shard_state(state: dict[str, torch.Tensor], cfg: ModelConfig, layout: TpLayo
 
 
 def load_tp_model(cfg: ModelConfig, layout: TpLayout, group: TpGroup, device: torch.device, dtype: torch.dtype,
-                  attention_backend: str | None = None, linear_backend: str | None = None,
-                  arch: DecoderArch | None = None) -> TpCausalLM:
+                  arch: DecoderArch, attention_backend: str | None = None,
+                  linear_backend: str | None = None) -> TpCausalLM:
     """Build rank ``group.rank``'s shard of the model in ``cfg.path`` on ``device``.
 
-    ``arch``: the family's layer differences; None reads them from ``cfg.path``
-    (:func:`engine.model.families.load_arch`).
+    ``arch``: the family's layer differences, read once by rank 0
+    (:func:`engine.tp.runner.start_tp_runner`) for every rank.
 
     Raises:
         FileNotFoundError / KeyError / ConfigError: as :func:`engine.model.load_model`.
     """
-    arch = arch or load_arch(cfg.path)
     state = shard_state(read_state(cfg.path), cfg, layout, group.rank)
     backend = get_attention_backend(attention_backend or default_attention_backend(device))
     model = build_unloaded(lambda: TpCausalLM(cfg, layout, group, arch, backend), device, dtype)
