@@ -135,6 +135,36 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> tuple[lis
     return tokens, gaps
 
 
+def hf_greedy_batch(hf_model, prompts: list[list[int]], max_new_tokens: int, group: int = 10,
+                    pad_id: int = 2) -> list[tuple[list[int], list[float]]]:
+    """:func:`hf_greedy` of every prompt, ``group`` prompts of similar length per HF ``generate`` call
+    (left-padded, masked): at batch 1 each HF decode step streams all the weights for one token, so
+    this is ~3x faster for 20 prompts. Padding changes HF's logits only by float rounding (~1e-5
+    here), far inside the 1e-2 near-tie rule; each row is cut after its first EOS, as unbatched
+    ``generate`` stops there. Returns one ``(tokens, gaps)`` per prompt, in order."""
+    eos = hf_model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list = [None] * len(prompts)
+    for start in range(0, len(order), group):
+        rows = order[start:start + group]
+        width = max(len(prompts[i]) for i in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, i in enumerate(rows):
+            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[r, width - len(prompts[i]):] = 1
+        with torch.no_grad():
+            gen = hf_model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                    output_logits=True, return_dict_in_generate=True, pad_token_id=pad_id)
+        top2 = torch.stack([step.float().topk(2).values for step in gen.logits], dim=1)  # [rows, steps, 2]
+        for r, i in enumerate(rows):
+            tokens = gen.sequences[r, width:].tolist()
+            n = next((k + 1 for k, t in enumerate(tokens) if t in eos), len(tokens))
+            out[i] = (tokens[:n], (top2[r, :n, 0] - top2[r, :n, 1]).tolist())
+    return out
+
+
 def hf_constrained_greedy(hf_model, tokenizer, model_config, prompt_ids, compiled, max_new):
     """HF float32 greedy under xgrammar's own mask (``apply_token_bitmask_inplace``): the oracle of a
     structured output; per step the gap between the masked top-2 logits."""
@@ -185,6 +215,6 @@ def assert_greedy_matches(ours: list[int], ref: list[int], gaps: list[float], la
     assert len(ours) == len(ref), f"{label}: length {len(ours)} != HF {len(ref)}; ours={ours} ref={ref}"
 
 
-__all__ = ["running_cluster", "router_client", "worker_channel", "worker_connect", "worker_loads", "assert_no_leak", "hf_greedy", "hf_constrained_greedy",
+__all__ = ["running_cluster", "router_client", "worker_channel", "worker_connect", "worker_loads", "assert_no_leak", "hf_greedy", "hf_greedy_batch", "hf_constrained_greedy",
            "assert_greedy_matches",
            "render_chat", "grpc"]

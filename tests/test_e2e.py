@@ -18,6 +18,7 @@ from cluster_utils import (
     assert_greedy_matches,
     assert_no_leak,
     hf_greedy,
+    hf_greedy_batch,
     render_chat,
     router_client,
     running_cluster,
@@ -75,9 +76,8 @@ def test_mt_bench_token_exact(cluster, client, hf_model, tokenizer):
     with ThreadPoolExecutor(20) as pool:
         results = list(pool.map(lambda p: client.generate([{"role": "user", "content": p}], max_tokens=32,
                                                           temperature=0), prompts))
-    for prompt, res in zip(prompts, results):
-        ids = render_chat(tokenizer, [{"role": "user", "content": prompt}])
-        ref, gaps = hf_greedy(hf_model, ids, 32)
+    chats = [render_chat(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    for prompt, ids, res, (ref, gaps) in zip(prompts, chats, results, hf_greedy_batch(hf_model, chats, 32)):
         assert res.usage.prompt_tokens == len(ids)
         assert_greedy_matches(res.token_ids, ref, gaps, label=prompt[:40])
         assert res.text == tokenizer.decode(res.token_ids, skip_special_tokens=True)

