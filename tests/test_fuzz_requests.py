@@ -235,7 +235,7 @@ def _generate(channel: grpc.Channel, data: bytes) -> tuple[grpc.StatusCode, str]
 def test_grpc_requests_are_answered_or_refused(cluster, fuzz_examples):
     answers: Counter = Counter()
     with grpc.insecure_channel(cluster["router_address"]) as channel:
-        @_settings(fuzz_examples(280))
+        @_settings(fuzz_examples(150))
         @given(generate_requests())
         def check(request):
             data, mode, corrupt = request
@@ -364,7 +364,7 @@ def test_http_bodies_are_answered_or_refused(cluster, fuzz_examples):
     base = f"http://{cluster['router_http_address']}"
     answers: Counter = Counter()
 
-    @_settings(fuzz_examples(200))
+    @_settings(fuzz_examples(120))
     @given(http_bodies())
     def check(request):
         path, body, mode = request
