@@ -114,7 +114,7 @@ def _needs_build(source: Path, built: Path) -> bool:
 def load_all() -> dict[str, bool]:
     """Build (where missing or stale) and load every kernel now; whether each is available. A
     worker calls this before it serves: built lazily, the first request would wait for the
-    compiler (25-50 s per kernel on these 2 cores, one after another; ``main`` builds them in parallel)."""
+    compiler (~25 s per kernel on these 2 cores, one after another; ``main`` builds them in parallel)."""
     return {name: load(name) is not None for name in kernel_names()}
 
 
@@ -136,7 +136,7 @@ def build_in_parallel(jobs: int | None = None) -> None:
     jobs = jobs or os.cpu_count() or 1
     todo = [n for n in kernel_names() if _needs_build(CSRC / f"{n}.cpp", _library(n))]
     if todo:
-        log.warning("building %d CPU kernels, %d at a time (about a minute each)", len(todo), jobs)
+        log.warning("building %d CPU kernels, %d at a time (about half a minute each)", len(todo), jobs)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         list(pool.map(build, todo))
 

@@ -3,7 +3,7 @@
 // It runs torch's own silu and mul kernels (ATen, called from C++), so the result is bit for bit what
 // `F.silu(gate) * up` gives; what it saves is the Python side of three operators per layer (chunk, silu,
 // mul), microseconds each against a batch-1 decode step's few hundred floats of work.
-#include <torch/extension.h>
+#include "torch_ext.h"
 
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0,

@@ -15,7 +15,7 @@
 // (what gRPC Python sends), with the payload's CRC32C written big-endian into the prefix at
 // crc_pos (the 4 bytes of a msgpack uint32 placeholder). gather_crc: rows[:, index] into a given
 // contiguous tensor, returning its CRC32C (a tensor sent outside the message).
-#include <torch/extension.h>
+#include "torch_ext.h"
 #include <Python.h>
 
 #include <cstdint>

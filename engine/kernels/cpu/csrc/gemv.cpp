@@ -10,7 +10,7 @@
 // AVX2+FMA, else scalar), and further input rows reuse the row from L1. The usual register-blocked dot-product GEMV (as in llama.cpp's
 // ggml_vec_dot_f32 or BLAS sgemv "T" kernels); summation order differs from oneDNN/MKL, so results
 // agree with F.linear to float rounding (~1e-6 relative), not bit for bit.
-#include <torch/extension.h>
+#include "torch_ext.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

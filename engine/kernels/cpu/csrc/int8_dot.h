@@ -3,7 +3,7 @@
 // blocks and row tiles. Included after simd.h.
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_ext.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -11,7 +11,7 @@
 // splits them over torch's intra-op threads. Contexts longer than 512 tokens are also split into
 // parts whose states are merged at the end (Flash-Decoding's split-K; see kPartTokens). float32
 // throughout.
-#include <torch/extension.h>
+#include "torch_ext.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

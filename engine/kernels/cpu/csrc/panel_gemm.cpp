@@ -18,7 +18,7 @@
 // FMA chain whatever the tile, so a row's outputs are bit-identical whatever the row count (chunked,
 // batched and whole-prompt prefill write the same KV); they agree with F.linear / oneDNN to float
 // rounding (~1e-6 relative), not bit for bit.
-#include <torch/extension.h>
+#include "torch_ext.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -10,7 +10,7 @@
 //   double: its rounding differs from torch's reduction order by a few ulp, never more. x and weight
 //   CPU float32 and contiguous; a bad argument raises RuntimeError naming it. Rows are split over
 //   torch's intra-op threads (at::parallel_for) when there are enough of them.
-#include <torch/extension.h>
+#include "torch_ext.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -15,7 +15,7 @@
 //   flat slot slot_mapping[t] (block * BS + offset) of token t; k and v are not modified. Every
 //   tensor float32 (slot_mapping int64), CPU, contiguous; a bad argument raises RuntimeError
 //   naming it. Tokens are split over torch's intra-op threads (at::parallel_for).
-#include <torch/extension.h>
+#include "torch_ext.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -15,7 +15,7 @@
 // unsigned, activations signed: 15 * 127 * 2 fits its int16 pair sums) then vpmaddwd; else scalar loops.
 // Panels are split over torch's intra-op threads; input rows go in tiles of up to 8 (AVX-512) sharing each
 // loaded weight vector, and in blocks of 256 rows for prefill.
-#include <torch/extension.h>
+#include "torch_ext.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

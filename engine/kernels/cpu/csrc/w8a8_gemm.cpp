@@ -19,7 +19,7 @@
 // mul_sum_i8_pairs; |qx|, |w| <= 127 keep its int16 pair sums from saturating). Else scalar loops.
 // Panels are split over torch's intra-op threads (at::parallel_for); input rows go in tiles of up to 8
 // (AVX-512) sharing each loaded weight vector, and in blocks of 256 rows for prefill.
-#include <torch/extension.h>
+#include "torch_ext.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
