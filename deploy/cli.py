@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 
 from deploy.cli_chat import add_chat_flags
+from deploy.heal import HealConfig
 from engine.config import DTYPES, KV_FAILURE_POLICIES, QUANTIZATIONS
 from pdcluster.client import API_KEY_ENV
 from router.limits import (
@@ -280,6 +281,9 @@ def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
     _add_api_keys(p, env_api_key)
     _add_tls(p)
     p.add_argument("--heartbeat-s", type=_positive_float, default=1.0, help="registry heartbeat period in seconds")
+    p.add_argument("--hung-after-s", type=_positive_float, default=HealConfig.hung_after_s,
+                   help="seconds a worker or router whose process still runs may go without a heartbeat (paused, "
+                        f"deadlocked) before the controller kills and restarts it (default {HealConfig.hung_after_s:g})")
     p.add_argument("--worker-nice", type=int, choices=range(20), default=DEFAULT_WORKER_NICE, metavar="N",
                    help="nice steps the worker processes run below the router, Redis and the controller (0-19; "
                         f"default {DEFAULT_WORKER_NICE}): on shared cores those answer first, e.g. refuse an "

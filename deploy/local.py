@@ -164,7 +164,8 @@ def up(args) -> dict:
         state.update(launch(spec))
         wait_healthy(state["redis_url"], args.cluster, sum(spec.counts().values()), state["router_address"],
                      args.timeout_s, router_tls=spec.router.security.public_tls)
-        _start_controller(state, spec.worker.heartbeat_s, args.timeout_s, spec.router)
+        _start_controller(state, HealConfig(period_s=spec.worker.heartbeat_s, hung_after_s=args.hung_after_s),
+                          args.timeout_s, spec.router)
     except BaseException:
         _cleanup(state)
         raise
@@ -175,12 +176,12 @@ def up(args) -> dict:
     return state
 
 
-def _start_controller(state: dict, period_s: float, timeout_s: float, router) -> None:
+def _start_controller(state: dict, heal: HealConfig, timeout_s: float, router) -> None:
     """Start the cluster controller (:mod:`deploy.controller`), supervising Redis where ``up``
     started it and keeping the ``router`` config's routers, and wait until it watches."""
     redis = (RedisSpec(state["redis_url"], state["redis_dir"], state.get("redis_pid"))
              if state.get("started_redis") else None)
-    controller = start_controller(state, HealConfig(period_s=period_s), redis, router)
+    controller = start_controller(state, heal, redis, router)
     ray.get(controller.report.remote(), timeout=timeout_s)
 
 

@@ -10,8 +10,8 @@ cluster (real Ray, Redis, processes, ``kill -9``):
   ports) and it serves again; no KV block leaks;
 - a router actor killed for good (no Ray restart) is created again by the cluster controller;
 - a paused router (SIGSTOP: its record expires, its actor does not answer) is killed and
-  restarted by the cluster controller after ``hung_after_s``, on the same address, with the
-  reason in ``status`` meanwhile.
+  restarted by the cluster controller after ``--hung-after-s`` (8 s here), on the same
+  address, with the reason in ``status`` meanwhile.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ TOKENS = 6
 def cluster(tmp_path_factory):
     state_dir = tmp_path_factory.mktemp("state")
     with running_cluster(state_dir, "--routers", "2", "--max-model-len", "256", "--num-kv-blocks", "100",
-                         "--heartbeat-s", "0.5") as state:
+                         "--heartbeat-s", "0.5", "--hung-after-s", "8") as state:
         yield {**state, "state_dir": str(state_dir)}
 
 

@@ -2,7 +2,8 @@
 
 - the only decode worker killed mid-stream: ``pdcluster status`` shows the gap, a replacement
   (next generation, same id) comes up and the stream, migrated onto it, finishes token-exact;
-- a worker paused with SIGSTOP (alive, no heartbeats) is restarted by the controller;
+- a worker paused with SIGSTOP (alive, no heartbeats) is restarted by the controller, after
+  ``--hung-after-s`` (8 s here, default 20);
 - the router killed mid-traffic: new connections succeed on the same address within 30 s;
 - Redis killed mid-traffic: no request fails, Redis is back within 10 s (not as a child of the
   controller actor, which Ray would take it down with), workers re-registered;
@@ -30,6 +31,7 @@ from serving.registry import CONTROLLER_REPORT_KEY, WorkerRegistry
 from cluster_utils import assert_greedy_matches, assert_no_leak, hf_greedy, router_client, running_cluster
 
 HEARTBEAT_S = 0.5
+HUNG_AFTER_S = 8.0
 PROMPT = [1, 504, 3458, 314, 260, 1345, 28, 216]
 
 
@@ -37,7 +39,8 @@ PROMPT = [1, 504, 3458, 314, 260, 1345, 28, 216]
 def cluster(tmp_path_factory):
     state_dir = tmp_path_factory.mktemp("state")
     with running_cluster(state_dir, "--prefill", "1", "--decode", "1", "--max-model-len", "512",
-                         "--num-kv-blocks", "200", "--heartbeat-s", str(HEARTBEAT_S)) as state:
+                         "--num-kv-blocks", "200", "--heartbeat-s", str(HEARTBEAT_S),
+                         "--hung-after-s", str(HUNG_AFTER_S)) as state:
         yield {**state, "state_dir": str(state_dir)}
 
 
@@ -128,12 +131,14 @@ def test_killed_decode_worker_is_replaced(cluster, hf_model):
 def test_paused_worker_is_restarted_by_the_controller(cluster):
     before = _live(cluster)["prefill-0"]
     os.kill(before.pid, signal.SIGSTOP)
+    t_pause = time.monotonic()
     try:
         missing = _wait(lambda: [m for m in cluster_status.collect(cluster)["missing"] if "not answering" in m["reason"]],
                         10, "the paused worker reported missing, not answering")
         assert missing[0]["worker_id"] == "prefill-0", missing
         after = _wait(lambda: (w := _live(cluster).get("prefill-0")) and w.pid != before.pid and w, 90,
                       "the controller restarting the paused worker", 0.5)
+        assert time.monotonic() - t_pause >= HUNG_AFTER_S  # silent that long before it was acted on
     finally:
         try:
             os.kill(before.pid, signal.SIGCONT)
