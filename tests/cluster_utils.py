@@ -141,7 +141,8 @@ def hf_greedy_batch(hf_model, prompts: list[list[int]], max_new_tokens: int, gro
     (left-padded, masked): at batch 1 each HF decode step streams all the weights for one token, so
     this is ~3x faster for 20 prompts. Padding changes HF's logits only by float rounding (~1e-5
     here), far inside the 1e-2 near-tie rule; each row is cut after its first EOS, as unbatched
-    ``generate`` stops there. Returns one ``(tokens, gaps)`` per prompt, in order."""
+    ``generate`` stops there. ``pad_id`` fills the masked positions (any id: they are not attended
+    to). Returns one ``(tokens, gaps)`` per prompt, in order (``tests/test_hf_oracle.py``)."""
     eos = hf_model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
