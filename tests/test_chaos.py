@@ -1,15 +1,17 @@
 """Chaos: a 2P+2D local cluster serves a 60-request mixed-length replay (Azure 2023
 conversation lengths clipped to 128 prompt tokens, real prompt text) twice: fault-free,
-then while a random worker is killed (``kill -9``) every ~10 s and Redis once. Every
+then while a random worker is killed (``kill -9``) every ~6 s and Redis once. Every
 request completes — the router migrates the ones whose worker died — with the greedy
 output of the fault-free run (a divergence only at a near tie: top-2 logprobs of the
 fault-free run within 1e-2, the suite's rule; the fault-free path itself is checked
 against HF in ``tests/test_e2e.py``), migrations are counted, and no KV block is held
 after the drain.
 
-Sized for CI: the prompts' prefill is most of the run's compute on two cores (at 256 tokens the
-test took ~4.5 minutes). ``bench/soak.py`` runs the same for 30 minutes with longer prompts and
-reports latencies with and without faults.
+Sized for CI: the prompts' prefill is most of the run's compute on two cores (at 256 tokens
+the test took ~4.5 minutes, now ~2.3). Kills come more often than the issue's ~10 s so that
+even a fast machine's short faulty phase (~50 s here: 7 workers killed, ~20 requests
+migrated) sees several. ``bench/soak.py`` runs the same for 30 minutes with longer prompts
+and reports latencies with and without faults.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def test_every_request_completes_token_exact_under_chaos(cluster, tokenizer):
 
         with ThreadPoolExecutor(6) as pool:
             refs = list(pool.map(send, range(len(work))))
-        cfg = ChaosConfig(kill_every_s=10.0, jitter_s=2.0, redis_kill_at_s=3.0, seed=7)
+        cfg = ChaosConfig(kill_every_s=6.0, jitter_s=1.0, redis_kill_at_s=3.0, seed=7)
         with ChaosMonkey(cluster["redis_url"], cluster["cluster"], cfg) as chaos, ThreadPoolExecutor(6) as pool:
             outputs = list(pool.map(send, range(len(work))))
     for i, ((ours, _), (ref, gaps)) in enumerate(zip(outputs, refs)):
