@@ -11,7 +11,6 @@
 // ggml_vec_dot_f32 or BLAS sgemv "T" kernels); summation order differs from oneDNN/MKL, so results
 // agree with F.linear to float rounding (~1e-6 relative), not bit for bit.
 #include "torch_ext.h"
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>

@@ -4,7 +4,6 @@
 #pragma once
 
 #include "torch_ext.h"
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>

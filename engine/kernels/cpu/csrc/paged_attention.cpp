@@ -12,7 +12,6 @@
 // parts whose states are merged at the end (Flash-Decoding's split-K; see kPartTokens). float32
 // throughout.
 #include "torch_ext.h"
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>

@@ -19,7 +19,6 @@
 // batched and whole-prompt prefill write the same KV); they agree with F.linear / oneDNN to float
 // rounding (~1e-6 relative), not bit for bit.
 #include "torch_ext.h"
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>

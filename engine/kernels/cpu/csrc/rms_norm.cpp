@@ -11,7 +11,6 @@
 //   CPU float32 and contiguous; a bad argument raises RuntimeError naming it. Rows are split over
 //   torch's intra-op threads (at::parallel_for) when there are enough of them.
 #include "torch_ext.h"
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>

@@ -16,7 +16,6 @@
 //   tensor float32 (slot_mapping int64), CPU, contiguous; a bad argument raises RuntimeError
 //   naming it. Tokens are split over torch's intra-op threads (at::parallel_for).
 #include "torch_ext.h"
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>

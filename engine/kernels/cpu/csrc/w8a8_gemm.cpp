@@ -20,7 +20,6 @@
 // Panels are split over torch's intra-op threads (at::parallel_for); input rows go in tiles of up to 8
 // (AVX-512) sharing each loaded weight vector, and in blocks of 256 rows for prefill.
 #include "torch_ext.h"
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
