@@ -122,17 +122,8 @@ def assert_no_leak(state: dict, timeout_s: float = 2.0) -> None:
 
 def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """HF transformers float32 greedy continuation and, per step, the gap between its
-    top-2 logits."""
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                                max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
-                                return_dict_in_generate=True, pad_token_id=2)
-    tokens = out.sequences[0, len(prompt_ids):].tolist()
-    gaps = []
-    for step_logits in out.logits:
-        top2 = step_logits[0].float().topk(2).values
-        gaps.append(float(top2[0] - top2[1]))
-    return tokens, gaps
+    top-2 logits (one prompt: :func:`hf_greedy_batch` with nothing to pad)."""
+    return hf_greedy_batch(hf_model, [prompt_ids], max_new_tokens)[0]
 
 
 def hf_greedy_batch(hf_model, prompts: list[list[int]], max_new_tokens: int, group: int = 10,
