@@ -103,6 +103,9 @@ def _instrument(runner: ModelRunner, acc: dict[str, float]):
     time stays inside ``runner_other``."""
     meta_fn = getattr(model_runner_mod, "build_attention_metadata", None)
     runner.model = _TimedModel(runner.model, acc)
+    plan = getattr(runner, "decode_plan", None)  # a decode step's forward when the model has one
+    if plan is not None:
+        runner.decode_plan = _timed(plan, acc, "forward")
     runner.sampler.sample = _timed(runner.sampler.sample, acc, "sampling")
     runner.execute = _timed(runner.execute, acc, "execute")
     if meta_fn is not None:
@@ -111,6 +114,8 @@ def _instrument(runner: ModelRunner, acc: dict[str, float]):
         yield meta_fn is not None
     finally:
         runner.model = runner.model._model
+        if plan is not None:
+            runner.decode_plan = plan
         vars(runner.sampler).pop("sample", None)
         vars(runner).pop("execute", None)
         if meta_fn is not None:

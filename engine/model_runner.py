@@ -12,6 +12,7 @@ import time
 import torch
 
 from engine.attention import SeqSlice, build_attention_metadata
+from engine.model.decode_plan import build_decode_plan
 from engine.model.decoder import CausalLM
 from engine.prompt_logprobs import compute_prompt_logprobs
 from engine.sampling import Sampler
@@ -34,6 +35,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = kv_cache.device
         self.sampler = Sampler(seed=seed)
+        # decode steps as bound calls where the model allows (engine.model.decode_plan): the same kernels
+        # and results, without the module tree's Python (~2 ms of a ~10 ms int8 batch-1 step)
+        self.decode_plan = build_decode_plan(model, kv_cache)
 
     @property
     def kv_parts(self) -> list[tuple[torch.Tensor, int, int]]:
@@ -61,7 +65,10 @@ class ModelRunner:
         )
         flat = [t for s in plan.seqs for t in s.token_ids]
         input_ids = torch.tensor(flat, dtype=torch.int64, device=self.device)
-        hidden = self.model(input_ids, meta, self.kv_cache, on_layer_done=plan.on_layer_done)
+        if self.decode_plan is not None and meta.max_query_len == 1 and plan.on_layer_done is None:
+            hidden = self.decode_plan(input_ids, meta)
+        else:
+            hidden = self.model(input_ids, meta, self.kv_cache, on_layer_done=plan.on_layer_done)
         prompt_lps = self._prompt_logprobs(plan, hidden)
         rows = [i for i, s in enumerate(plan.seqs) if s.sample]
         if not rows:

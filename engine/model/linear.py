@@ -167,6 +167,12 @@ class PanelLinear(nn.Module):
         y = self._linear(x.reshape(-1, self.in_features), self.panels, self.out_features, self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def kernel_call(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:meth:`forward` of ``[T, in_features]`` float32 rows with the weights bound (no module lookups
+        per call; :mod:`engine.model.decode_plan`)."""
+        linear, panels, n, bias = self._linear, self.panels, self.out_features, self.bias
+        return lambda x: linear(x, panels, n, bias)
+
 
 def _convert_all(model: nn.Module, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> int:
     """Every ``nn.Linear`` becomes ``make(weight, bias)``; a model with tied embeddings

@@ -56,6 +56,13 @@ def kernel_available(fmt: str = "int8") -> bool:
     return _kernel(fmt) is not None
 
 
+def kernel(fmt: str):
+    """The C++ kernel of ``fmt`` (``"int8"``: ``fn(x, wpack, spack, excess, n, bias)``; ``"q4_1"``:
+    ``fn(x, wpack, dm, n, bias)``; float32 CPU ``x`` only, as :func:`linear_int8` / :func:`linear_q4_1` call
+    it), or None where it is not built."""
+    return _kernel(fmt)
+
+
 PANEL = 16
 """Output features per panel of the integer kernels' weight layouts (one AVX-512 register of int32 sums)."""
 

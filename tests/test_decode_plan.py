@@ -1,0 +1,119 @@
+"""Decode plans (:mod:`engine.model.decode_plan`): a decode step run as bound calls gives the model's own
+forward bit for bit (hidden states and the K/V it writes), for every family it covers (Llama with llama3
+and dynamic RoPE, Mistral's sliding window, Qwen2's biases and windowed layers), with float32, int8 and
+Q4_1 projections, at one and several sequences; it is not built where it does not apply (q/k norms, Gemma's
+sandwich norms, another cache dtype), and the model runner uses it for decode steps only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.model_config import ModelConfig
+from engine.attention import SeqSlice, build_attention_metadata
+from engine.config import CacheConfig
+from engine.kv_cache import allocate_kv_cache
+from engine.model import load_model
+from engine.model.decode_plan import DecodePlan, build_decode_plan
+from engine.model_runner import ModelRunner
+from engine.sampling import SamplingOptions
+from engine.step import ScheduledSeq, StepPlan
+
+GREEDY = SamplingOptions(temperature=0.0)
+
+BLOCK = 4
+
+
+def _model(family: str, tmp_path, quantization: str = "none"):
+    from family_models import build_tiny
+
+    folder = build_tiny(family, tmp_path / family, vocab_size=128)
+    cfg = ModelConfig.from_hf_folder(folder)
+    return cfg, load_model(cfg, torch.device("cpu"), torch.float32, quantization=quantization)
+
+
+def _tables(lens: list[int], room: int) -> list[list[int]]:
+    """Disjoint block tables with room for ``room`` more tokens each (block 0 left unused)."""
+    tables, at = [], 1
+    for n in lens:
+        k = -(-(n + room) // BLOCK)
+        tables.append(list(range(at, at + k)))
+        at += k
+    return tables
+
+
+def _prefilled(model, cfg, prompts: list[list[int]], tables) -> torch.Tensor:
+    kv = allocate_kv_cache(cfg, CacheConfig(block_size=BLOCK, num_blocks=64), torch.device("cpu"))
+    meta = build_attention_metadata([SeqSlice(0, len(p), t) for p, t in zip(prompts, tables)], BLOCK,
+                                    sliding_windows=model.sliding_windows)
+    model(torch.tensor([t for p in prompts for t in p]), meta, kv)
+    return kv
+
+
+@pytest.mark.parametrize("family", ["llama3", "llama_dynamic", "mistral", "qwen2"])
+@pytest.mark.parametrize("quantization", ["none", "int8", "q4"])
+def test_plan_equals_the_model_bit_for_bit(family, quantization, tmp_path):
+    cfg, model = _model(family, tmp_path, quantization)
+    g = torch.Generator().manual_seed(3)
+    # lengths past the sliding windows (8) and, for llama_dynamic, past max_position_embeddings (32)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 13, 30)]
+    tables = _tables([len(p) for p in prompts], room=8)
+    for batch in (prompts[:1], prompts):
+        kv_model = _prefilled(model, cfg, batch, tables)
+        kv_plan = kv_model.clone()
+        plan = build_decode_plan(model, kv_plan)
+        assert isinstance(plan, DecodePlan)
+        lens = [len(p) for p in batch]
+        for step in range(4):  # several steps: the plan's writes feed its next step's attention
+            ids = torch.randint(3, 128, (len(batch),), generator=g)
+            meta = build_attention_metadata([SeqSlice(n + step, 1, t) for n, t in zip(lens, tables)],
+                                            BLOCK, sliding_windows=model.sliding_windows)
+            want = model(ids, meta, kv_model)
+            got = plan(ids, meta)
+            assert torch.equal(got, want), (family, quantization, len(batch), step)
+            assert torch.equal(kv_plan, kv_model)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_no_plan_for_layers_it_does_not_cover(family, tmp_path):
+    cfg, model = _model(family, tmp_path)
+    kv = allocate_kv_cache(cfg, CacheConfig(block_size=BLOCK, num_blocks=8), torch.device("cpu"))
+    assert build_decode_plan(model, kv) is None
+    assert ModelRunner(model, kv, BLOCK).decode_plan is None
+
+
+def test_no_plan_for_another_cache(tmp_path):
+    cfg, model = _model("llama3", tmp_path)
+    kv = allocate_kv_cache(cfg, CacheConfig(block_size=BLOCK, num_blocks=8), torch.device("cpu"))
+    assert build_decode_plan(model, kv.double()) is None
+    assert build_decode_plan(model, kv.transpose(2, 3)) is None  # not contiguous
+    with pytest.raises(ValueError, match="one new token"):
+        meta = build_attention_metadata([SeqSlice(0, 3, [1])], BLOCK)
+        build_decode_plan(model, kv)(torch.tensor([5, 6, 7]), meta)
+
+
+def test_runner_uses_the_plan_for_decode_steps_only(tmp_path):
+    cfg, model = _model("llama3", tmp_path)
+    kv = allocate_kv_cache(cfg, CacheConfig(block_size=BLOCK, num_blocks=16), torch.device("cpu"))
+    runner = ModelRunner(model, kv, BLOCK)
+    assert runner.decode_plan is not None
+    calls = []
+    plan = runner.decode_plan
+    runner.decode_plan = lambda ids, meta: calls.append(len(ids)) or plan(ids, meta)
+    prompt = [5, 9, 17, 33, 4, 8]
+    table = [1, 2, 3]
+    out = runner.execute(StepPlan([ScheduledSeq("r", prompt, 0, table, True, GREEDY)]))  # prefill: the modules
+    assert calls == []
+    tokens = prompt + out.token_ids
+    for _ in range(3):
+        out = runner.execute(StepPlan([ScheduledSeq("r", tokens[-1:], len(tokens) - 1, table, True, GREEDY)]))
+        tokens += out.token_ids
+    assert calls == [1, 1, 1]
+    # the same continuation as the model's own forward gives
+    kv2 = allocate_kv_cache(cfg, CacheConfig(block_size=BLOCK, num_blocks=16), torch.device("cpu"))
+    plain = ModelRunner(model, kv2, BLOCK)
+    plain.decode_plan = None
+    ref = prompt + plain.execute(StepPlan([ScheduledSeq("r", prompt, 0, table, True, GREEDY)])).token_ids
+    for _ in range(3):
+        ref += plain.execute(StepPlan([ScheduledSeq("r", ref[-1:], len(ref) - 1, table, True, GREEDY)])).token_ids
+    assert ref == tokens
