@@ -131,6 +131,11 @@ def _drain(q: queue.Queue) -> list:
             return out
 
 
+USE_DECODE_PLAN = True
+"""False: decode steps run the model's modules even where the runner built a decode plan
+(``engine.model.decode_plan``; ``bench/quant_decode.py --no-decode-plan``, to measure what the plan saves)."""
+
+
 def _admitted_batch(model, cfg: ModelConfig, prompts: list[list[int]], prefilled, new_tokens: int,
                     block_size: int):
     """A decode scheduler holding every prompt as a running request whose KV came from
@@ -144,6 +149,8 @@ def _admitted_batch(model, cfg: ModelConfig, prompts: list[list[int]], prefilled
     num_blocks = b * per_req + max(4, b * per_req // 50)
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks)
     runner = ModelRunner(model, allocate_kv_cache(cfg, cache, torch.device("cpu")), block_size)
+    if not USE_DECODE_PLAN:
+        runner.decode_plan = None
     sched = DecodeScheduler(runner, cache, SchedulerConfig(max_num_seqs=b, max_model_len=len(prompts[0]) + new_tokens + 1),
                             cfg.eos_token_ids)
     streams: list[queue.Queue] = []

@@ -53,6 +53,9 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--model", default="smollm2-135m-instruct", help="model spec (engine.model_loader)")
     p.add_argument("--out-dir", type=Path, default=None, help="default bench/results (temporary with --quick)")
+    p.add_argument("--name", default="quant_decode", help="output file stem")
+    p.add_argument("--no-decode-plan", action="store_true",
+                   help="run decode steps through the model's modules (engine.model.decode_plan off), for comparison")
     a = p.parse_args(argv)
     if a.quick:
         a.quantizations, a.batches, a.new_tokens, a.rounds = "int8", "1,8", 32, 2
@@ -122,6 +125,7 @@ def run(args) -> dict:
     from engine.model_loader import resolve_model_source
 
     torch.set_num_threads(args.threads)
+    _decode_ours.USE_DECODE_PLAN = not args.no_decode_plan
     model_dir, gguf = resolve_model_source(args.model)
     cfg = ModelConfig.from_hf_folder(model_dir, name=args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -129,6 +133,7 @@ def run(args) -> dict:
               for q in args.quantizations}
     res = {"benchmark": "quant_decode", "quick": args.quick, "model": args.model, "cpu": _common.cpu_name(),
            "threads": args.threads, "torch": torch.__version__, "context": args.context,
+           "decode_plan": not args.no_decode_plan,
            "new_tokens": args.new_tokens, "rounds": args.rounds, "quantizations": args.quantizations,
            "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "load_avg_1m_start": _common.load_avg_1m(), "copy_GBps_start": _common.copy_bandwidth_GBps(),
@@ -147,6 +152,8 @@ def run(args) -> dict:
 
 def markdown(res: dict) -> str:
     qs = [q for q in res["quantizations"] if q != "none"]
+    steps = ("the runner's decode plan (`engine/model/decode_plan.py`)" if res.get("decode_plan", True)
+             else "the model's modules (`--no-decode-plan`)")
     head = ["batch", "load 1m", "fp32 TPOT ms (runs)"] + [f"{q} TPOT ms (runs)" for q in qs] + \
         [f"{q} / fp32 speed (paired)" for q in qs] + [f"{q} identical to fp32" for q in qs]
     lines = [f"# Quantized vs float32 decode, one run: {res['model']}", "",
@@ -158,7 +165,7 @@ def markdown(res: dict) -> str:
              f"the model's, paired = the median over all steps of fp32's step i / the model's step i. Copy "
              f"bandwidth at the start "
              f"{res['copy_GBps_start']:.1f} GB/s; 1-minute load average {res['load_avg_1m_start']:.2f} at the start, "
-             f"{res['load_avg_1m_end']:.2f} at the end.", "",
+             f"{res['load_avg_1m_end']:.2f} at the end. Decode steps: {steps}.", "",
              "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for p in res["points"]:
         m = p["models"]
@@ -183,7 +190,7 @@ def markdown(res: dict) -> str:
 def main(argv=None) -> int:
     args = _parse(argv)
     res = run(args)
-    _, text = _common.write_results(res, args.out_dir, "quant_decode", markdown)
+    _, text = _common.write_results(res, args.out_dir, args.name, markdown)
     print(text)
     return 0
 

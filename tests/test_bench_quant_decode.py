@@ -1,5 +1,5 @@
 """Smoke test of bench/quant_decode.py: one point (batch 2, context 32, 4 new tokens) for float32 and int8 in
-one process through the decode scheduler, and the report."""
+one process through the decode scheduler, and the report (which names how decode steps ran)."""
 
 from __future__ import annotations
 
@@ -34,3 +34,5 @@ def test_one_point_both_models_and_the_report(model_config, tokenizer):
     md = quant_decode.markdown(res)
     assert "| batch | load 1m | fp32 TPOT ms (runs) | int8 TPOT ms (runs) | int8 / fp32 speed (paired) |" in md
     assert "| 2 | int8 |" in md
+    assert "the runner's decode plan" in md
+    assert "`--no-decode-plan`" in quant_decode.markdown({**res, "decode_plan": False})
