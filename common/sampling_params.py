@@ -76,6 +76,7 @@ class SamplingParam:
         token_ids: elements (``REPEATED``) / keys (``MAP``) are token ids: ``>= 0``,
             and ``< vocab_size`` (checked by the router, which knows the vocabulary).
         nonempty: ``str`` elements must be non-empty.
+        nonblank: ``str`` elements must hold a character other than whitespace.
         context_limited: counts against ``max_model_len``: prompt + value must fit;
             unset resolves to ``min(default, max_model_len - prompt tokens)``.
         cli: has a ``pdcluster generate`` flag; ``flag`` overrides its name.
@@ -97,6 +98,7 @@ class SamplingParam:
     target: Target = Target.SAMPLER
     token_ids: bool = False
     nonempty: bool = False
+    nonblank: bool = False
     context_limited: bool = False
     cli: bool = True
     flag: str = ""
@@ -116,6 +118,8 @@ class SamplingParam:
             raise ValueError(f"{self.name}: max_items is a positive limit of a repeated field or a map")
         if self.max_len is not None and (self.shape is not Shape.REPEATED or self.type is not str or self.max_len < 1):
             raise ValueError(f"{self.name}: max_len is a positive limit of repeated strings")
+        if self.nonblank and (self.shape is not Shape.REPEATED or self.type is not str or not self.nonempty):
+            raise ValueError(f"{self.name}: nonblank applies to non-empty repeated strings")
 
     @property
     def cli_flag(self) -> str:
@@ -125,7 +129,9 @@ class SamplingParam:
     def requirement(self) -> str:
         """The valid range in words (``"in [-2, 2]"``), ``""`` when any value is."""
         parts = [self.range.describe(self.type is float)] if self.range else []
-        if self.nonempty:
+        if self.nonblank:
+            parts.append("not only whitespace")
+        elif self.nonempty:
             parts.append("non-empty")
         if self.token_ids:
             parts.append("token id < vocab size")
@@ -201,6 +207,8 @@ class SamplingParam:
             for i, v in enumerate(value):
                 if self.nonempty and not v:
                     return f"{self.name}[{i}] must be non-empty"
+                if self.nonblank and not v.strip():
+                    return f"{self.name}[{i}] is only whitespace"
                 if self.max_len is not None and len(v) > self.max_len:
                     return f"{self.name}[{i}] has {len(v)} characters; at most {self.max_len}"
                 if self.token_ids and v < 0:
@@ -307,7 +315,7 @@ SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
                   "token's own only", Range(0, MAX_LOGPROBS), presence=True, target=Target.REQUEST, cli=False),
     SamplingParam("bad_words", str, (), "word kept out of the output: its tokens as the tokenizer spells it, bare "
                   "and after a space, are banned (vLLM's)", shape=Shape.REPEATED,
-                  target=Target.ROUTER, nonempty=True, flag="--bad-word", max_items=MAX_BAD_WORDS,
+                  target=Target.ROUTER, nonempty=True, nonblank=True, flag="--bad-word", max_items=MAX_BAD_WORDS,
                   max_len=MAX_STOP_CHARS),
 )
 

@@ -110,15 +110,11 @@ class RequestValidator:
     def _bad_words(self, words) -> list[list[int]]:
         """vLLM's tokenization of ``bad_words`` (``SamplingParams.update_from_tokenizer``): each word,
         its leading whitespace stripped, as is (at the start of the text) and after a space (inside
-        it), the second only where it makes a different first token and as many tokens.
-
-        Raises:
-            InvalidRequest: a word that is only whitespace.
+        it), the second only where it makes a different first token and as many tokens. A word that is
+        only whitespace was refused before (its declaration's ``nonblank``, :meth:`_resolve_sampling`).
         """
         out: list[list[int]] = []
-        for i, word in enumerate(words):
-            if not word.strip():
-                raise InvalidRequest(f"sampling.bad_words[{i}] is only whitespace")
+        for word in words:
             bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             out.append(bare)

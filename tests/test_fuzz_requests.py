@@ -135,7 +135,8 @@ def _valid(p: SamplingParam) -> st.SearchStrategy:
     if p.shape is Shape.MAP:
         return st.dictionaries(_vocab_ids, _valid_number(p, p.range), max_size=3)
     if p.shape is Shape.REPEATED:
-        return st.lists(_vocab_ids if p.token_ids else st.text(min_size=1, max_size=12), max_size=3)
+        words = st.text(min_size=1, max_size=12)
+        return st.lists(_vocab_ids if p.token_ids else words.filter(str.strip) if p.nonblank else words, max_size=3)
     return _valid_number(p, p.range) if p.range else st.integers(0, 50)
 
 

@@ -82,7 +82,7 @@ def test_declaration_matches_the_engine_types():
 @pytest.mark.parametrize("kwargs", [
     dict(shape=Shape.REPEATED, presence=True), dict(shape=Shape.MAP, token_ids=True),
     dict(shape=Shape.MAP, cli=False), dict(context_limited=True), dict(default=0.5), dict(max_items=4),
-    dict(shape=Shape.REPEATED, max_items=0), dict(shape=Shape.REPEATED, max_len=8),
+    dict(shape=Shape.REPEATED, max_items=0), dict(shape=Shape.REPEATED, max_len=8), dict(nonblank=True),
 ])
 def test_inconsistent_entries_are_refused(kwargs):
     with pytest.raises(ValueError):
@@ -117,6 +117,7 @@ def test_range_bounds_and_words(rng, inside, outside, text):
     (dict(top_k=-2), "sampling.top_k must be >= -1, got -2"),
     (dict(logprobs=MAX_LOGPROBS + 1), "sampling.logprobs must be in [0, 20], got 21"),
     (dict(stop=["a", ""]), "sampling.stop[1] must be non-empty"),
+    (dict(bad_words=["a", " \n"]), "sampling.bad_words[1] is only whitespace"),
     (dict(stop=["s"] * (MAX_STOP_STRINGS + 1)), "sampling.stop has 17 entries; at most 16"),
     (dict(stop=["a", "x" * (MAX_STOP_CHARS + 1)]), "sampling.stop[1] has 257 characters; at most 256"),
     (dict(logit_bias=dict.fromkeys(range(MAX_LOGIT_BIAS + 1), 1.0)),
