@@ -1,8 +1,9 @@
 """Decode plans (:mod:`engine.model.decode_plan`): a decode step run as bound calls gives the model's own
-forward bit for bit (hidden states and the K/V it writes), for every family it covers (Llama with llama3
-and dynamic RoPE, Mistral's sliding window, Qwen2's biases and windowed layers), with float32, int8 and
-Q4_1 projections, at one and several sequences; it is not built where it does not apply (q/k norms, Gemma's
-sandwich norms, another cache dtype), and the model runner uses it for decode steps only."""
+forward bit for bit (hidden states and the K/V it writes), for every family (Llama with llama3 and dynamic
+RoPE, Mistral's sliding window, Qwen2's biases and windowed layers, Qwen3's q/k norms, Gemma 3's sandwich
+norms, GELU, embedding scale and two RoPEs), with float32, int8 and Q4_1 projections, at one and several
+sequences; it is not built where it does not apply (unmerged projections, another cache dtype or layout),
+and the model runner uses it for decode steps only."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def _prefilled(model, cfg, prompts: list[list[int]], tables) -> torch.Tensor:
     return kv
 
 
-@pytest.mark.parametrize("family", ["llama3", "llama_dynamic", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["llama3", "llama_dynamic", "mistral", "qwen2", "qwen3", "gemma3"])
 @pytest.mark.parametrize("quantization", ["none", "int8", "q4"])
 def test_plan_equals_the_model_bit_for_bit(family, quantization, tmp_path):
     cfg, model = _model(family, tmp_path, quantization)
@@ -74,9 +75,18 @@ def test_plan_equals_the_model_bit_for_bit(family, quantization, tmp_path):
             assert torch.equal(kv_plan, kv_model)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
-def test_no_plan_for_layers_it_does_not_cover(family, tmp_path):
-    cfg, model = _model(family, tmp_path)
+def test_no_plan_for_unmerged_projections(tmp_path):
+    from family_models import build_tiny
+
+    from engine.attention import get_attention_backend
+    from engine.model import read_state
+    from engine.model.decoder import CausalLM
+    from engine.model.families import load_arch
+
+    folder = build_tiny("llama3", tmp_path / "llama3", vocab_size=128)
+    cfg = ModelConfig.from_hf_folder(folder)
+    model = CausalLM(cfg, load_arch(folder), get_attention_backend("torch")).requires_grad_(False)
+    model.load_weights(read_state(folder))  # built by hand: q/k/v and gate/up stay separate
     kv = allocate_kv_cache(cfg, CacheConfig(block_size=BLOCK, num_blocks=8), torch.device("cpu"))
     assert build_decode_plan(model, kv) is None
     assert ModelRunner(model, kv, BLOCK).decode_plan is None

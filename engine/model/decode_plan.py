@@ -12,15 +12,15 @@ The same kernels run with the same arguments in the same order as :meth:`CausalL
 <engine.model.decoder.CausalLM.forward>`, so the hidden states are bit-identical
 (``tests/test_decode_plan.py``); only the lookups moved.
 
-Scope: steps whose every sequence has one new token (``meta.max_query_len == 1``) on CPU float32, for
-models whose layers are plain pre-norm layers (no q/k norm, no sandwich norms, no embedding scale,
-SiLU-gated MLP) with merged ``qkv_proj`` / ``gate_up_proj``, when the C++ RMSNorm, RoPE + cache write
-and SiLU-and-multiply kernels are built (:func:`build_decode_plan`). Every other model (Gemma 3,
-Qwen3...) and every step with a prompt chunk runs the modules. A projection runs through its module's
-``kernel_call()`` where it has one (:class:`~engine.model.linear.PanelLinear`,
-:class:`~engine.model.quant.Int8Linear`, :class:`~engine.model.quant.Q4Linear`), else through the module
-itself (e.g. a tensor-parallel ``RowParallel``); attention through the C++ paged decode kernel where the
-model's backend would call it, else through the backend.
+Scope: steps whose every sequence has one new token (``meta.max_query_len == 1``) on CPU float32, for every
+family the decoder serves (Llama, Mistral, Qwen2/2.5, Qwen3's q/k norms, Gemma 3's sandwich norms, GELU and
+embedding scale), once ``qkv_proj`` and ``gate_up_proj`` are merged, when the C++ RMSNorm, RoPE + cache write
+and SiLU-and-multiply kernels are built (:func:`build_decode_plan`). Steps with a prompt chunk run the
+modules. A projection runs through its module's ``kernel_call()`` where it has one
+(:class:`~engine.model.linear.PanelLinear`, :class:`~engine.model.quant.Int8Linear`,
+:class:`~engine.model.quant.Q4Linear`), else through the module itself (e.g. a tensor-parallel
+``RowParallel``); attention through the C++ paged decode kernel where the model's backend would call it,
+else through the backend.
 
 The plan binds the model's weights and the KV cache as they are when it is built: build it after the
 model is loaded, quantized, merged and packed (:class:`engine.model_runner.ModelRunner` builds it with
@@ -45,13 +45,16 @@ from engine.model.decoder import CausalLM, DecoderLayer
 Rows = Callable[[torch.Tensor], torch.Tensor]
 """``[T, in]`` float32 rows -> ``[T, out]`` float32."""
 
+Norm = tuple[torch.Tensor, float, float]
+"""An RMSNorm's ``(weight, eps, offset)``, as its C++ kernel takes them."""
+
 
 @dataclass(frozen=True)
 class LayerCalls:
-    """One decoder layer, bound: norms' weights and eps, the projections, the attention shape."""
+    """One decoder layer, bound: its norms, projections, attention shape and cache views."""
 
-    in_norm: tuple[torch.Tensor, float, float]  # (weight, eps, offset) of input_layernorm
-    post_norm: tuple[torch.Tensor, float, float]  # of post_attention_layernorm
+    in_norm: Norm  # input_layernorm (with the residual add before it, from the second layer on)
+    post_norm: Norm  # post_attention_layernorm: the MLP's pre-norm, or (sandwich) the attention output's norm
     qkv: Rows
     o: Rows
     gate_up: Rows
@@ -64,6 +67,9 @@ class LayerCalls:
     window: int  # the layer's sliding window in tokens, 0 = the whole context
     k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim], a view of the layer's K
     v_cache: torch.Tensor
+    qk_norm: tuple[Norm, Norm] | None = None  # Qwen3 / Gemma 3: q_norm, k_norm over each head
+    ffn_norms: tuple[Norm, Norm] | None = None  # Gemma 3's sandwich: pre_feedforward, post_feedforward
+    act: Callable[[torch.Tensor], torch.Tensor] | None = None  # gate's activation; None: the SiLU-and-mul kernel
 
 
 def _rows(module: nn.Module) -> Rows:
@@ -71,14 +77,14 @@ def _rows(module: nn.Module) -> Rows:
     return kernel_call() if callable(kernel_call) else module
 
 
-def _norm(norm: nn.Module) -> tuple[torch.Tensor, float, float]:
+def _norm(norm: nn.Module) -> Norm:
     return norm.weight.detach().contiguous(), float(norm.eps), float(norm.offset)
 
 
-def _plain(layer: DecoderLayer) -> bool:
-    attn, mlp = layer.self_attn, layer.mlp
-    return (not layer.sandwich and attn.q_norm is None and mlp.act is F.silu
-            and attn.qkv_proj is not None and mlp.gate_up_proj is not None)
+def _covered(layer: DecoderLayer) -> bool:
+    """Merged projections (the plan runs one matmul for q/k/v and one for gate/up) and float32 norms."""
+    return (layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
+            and layer.input_layernorm.weight.dtype == torch.float32)
 
 
 class DecodePlan:
@@ -100,6 +106,8 @@ class DecodePlan:
         self._silu_and_mul = load_function("activation", "silu_and_mul")
         self._decode_kernel = (load_function("paged_attention", "decode", "pdcluster::paged_decode_attention")
                                if model.backend is paged_attention_torch else None)
+        scale = model.arch.embed_scale  # as CausalLM.forward: a float32 scalar tensor, cast to the model's dtype
+        self.embed_scale = None if scale == 1.0 else torch.tensor(scale, dtype=torch.float32)
         self.layers = [self._bind(i, layer) for i, layer in enumerate(model.model.layers)]
         self.final_norm = _norm(model.model.norm)
 
@@ -110,7 +118,11 @@ class DecodePlan:
             qkv=_rows(attn.qkv_proj), o=_rows(attn.o_proj), gate_up=_rows(mlp.gate_up_proj), down=_rows(mlp.down_proj),
             sizes=attn.qkv_sizes, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             scale=float(attn.scale), window=int(attn.window or 0),
-            k_cache=self.kv_cache[i, 0], v_cache=self.kv_cache[i, 1])
+            k_cache=self.kv_cache[i, 0], v_cache=self.kv_cache[i, 1],
+            qk_norm=None if attn.q_norm is None else (_norm(attn.q_norm), _norm(attn.k_norm)),
+            ffn_norms=(_norm(layer.pre_feedforward_layernorm), _norm(layer.post_feedforward_layernorm))
+            if layer.sandwich else None,
+            act=None if mlp.act is F.silu else mlp.act)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -126,39 +138,52 @@ class DecodePlan:
             raise ValueError(f"a decode plan runs one new token per sequence, got up to {meta.max_query_len}")
         model, kv_cache = self.model, self.kv_cache
         x = model.model.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale.to(x.dtype)
         ropes = [r.for_step(meta, x.dtype) for r in model.ropes]
         rope_of, t = model.rope_of_layer, x.shape[0]
         slots, tables, lens = meta.slot_mapping, meta.block_tables.contiguous(), meta.seq_lens.contiguous()
-        rope_store, add_rms_norm, silu_and_mul = self._rope_store, self._add_rms_norm, self._silu_and_mul
+        rms_norm, add_rms_norm, rope_store = self._rms_norm, self._add_rms_norm, self._rope_store
         decode_kernel, backend = self._decode_kernel, model.backend
         residual, out = x, None
         for i, c in enumerate(self.layers):
-            h = self._rms_norm(x.contiguous(), *c.in_norm) if out is None else add_rms_norm(out, residual, *c.in_norm)
+            h = rms_norm(x.contiguous(), *c.in_norm) if out is None else add_rms_norm(out, residual, *c.in_norm)
             q, k, v = c.qkv(h).split(c.sizes, dim=-1)
             if t > 1:  # one row's parts are contiguous already
                 q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             q = q.view(t, c.num_heads, c.head_dim)
+            k = k.view(t, c.num_kv_heads, c.head_dim)
+            if c.qk_norm is not None:
+                q, k = rms_norm(q, *c.qk_norm[0]), rms_norm(k, *c.qk_norm[1])
             rope = ropes[rope_of[i]]
-            rope_store(q, k.view(t, c.num_kv_heads, c.head_dim), v.view(t, c.num_kv_heads, c.head_dim),
-                       rope.cos, rope.sin, kv_cache, i, slots)
+            rope_store(q, k, v.view(t, c.num_kv_heads, c.head_dim), rope.cos, rope.sin, kv_cache, i, slots)
             if decode_kernel is not None:
                 a = decode_kernel(q, c.k_cache, c.v_cache, tables, lens, c.scale, c.window, 1)
             else:
                 a = backend(q, c.k_cache, c.v_cache, meta, c.scale, window=c.window or None)
             out = c.o(a.reshape(t, c.num_heads * c.head_dim))
-            h = add_rms_norm(out, residual, *c.post_norm)
-            out = c.down(silu_and_mul(c.gate_up(h)))
+            if c.ffn_norms is None:
+                h = add_rms_norm(out, residual, *c.post_norm)
+            else:
+                h = add_rms_norm(rms_norm(out, *c.post_norm), residual, *c.ffn_norms[0])
+            gate_up = c.gate_up(h)
+            if c.act is None:
+                out = c.down(self._silu_and_mul(gate_up))
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                out = c.down(c.act(gate) * up)
+            if c.ffn_norms is not None:
+                out = rms_norm(out, *c.ffn_norms[1])
         return add_rms_norm(out, residual, *self.final_norm)
 
 
 def build_decode_plan(model: CausalLM, kv_cache: torch.Tensor) -> DecodePlan | None:
     """A :class:`DecodePlan` of ``model`` over ``kv_cache``, or None where it does not apply (see the
-    module docstring): another device or dtype, a non-contiguous cache, a layer that is not a plain
-    pre-norm SiLU layer with merged projections, an embedding scale, or a kernel not built here."""
+    module docstring): another device or dtype, a non-contiguous cache, a layer whose q/k/v or gate/up
+    projections are not merged, a ``head_dim`` the paged kernel does not take, or a kernel not built here."""
     layers = list(model.model.layers)
     if (kv_cache.device.type != "cpu" or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous()
-            or model.arch.embed_scale != 1.0 or not layers or not all(_plain(layer) for layer in layers)
-            or layers[0].input_layernorm.weight.dtype != torch.float32):
+            or not layers or not all(_covered(layer) for layer in layers)):
         return None
     if layers[0].self_attn.head_dim % 8 or not paged_attention.cpu_decode_available():
         return None
