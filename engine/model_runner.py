@@ -20,12 +20,17 @@ from engine.step import ScheduledSeq, StepOutput, StepPlan, TokenLogprobs
 
 
 class ModelRunner:
-    """Runs steps of ``model`` over ``kv_cache``.
+    """Runs steps of ``model`` over ``kv_cache``: decode steps (one new token per sequence) through
+    :attr:`decode_plan` where one could be built, every other step through the model's modules.
 
     Args:
-        model: the loaded decoder.
+        model: the loaded decoder (loaded, quantized, merged and packed: the plan binds it as it is).
         kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
         block_size: tokens per KV block.
+
+    Attributes:
+        decode_plan: :class:`engine.model.decode_plan.DecodePlan` of the model over ``kv_cache``, or None
+            (:func:`~engine.model.decode_plan.build_decode_plan`).
     """
 
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int,
@@ -35,8 +40,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = kv_cache.device
         self.sampler = Sampler(seed=seed)
-        # decode steps as bound calls where the model allows (engine.model.decode_plan): the same kernels
-        # and results, without the module tree's Python (~2 ms of a ~10 ms int8 batch-1 step)
+        # decode steps as bound calls (engine.model.decode_plan): the same kernels and results, without
+        # the module tree's Python (~2 ms of a ~10 ms int8 batch-1 step)
         self.decode_plan = build_decode_plan(model, kv_cache)
 
     @property
