@@ -42,8 +42,11 @@ _KERNELS = {"int8": ("w8a8_gemm", "linear_w8a8"), "q4_1": ("w4a8_gemm", "linear_
 
 
 @functools.cache
-def _kernel(fmt: str):
-    """The built C++ kernel of ``fmt`` (shown in profiler traces as ``pdcluster::<function>``), or None."""
+def kernel(fmt: str):
+    """The built C++ kernel of ``fmt`` (shown in profiler traces as ``pdcluster::<function>``), or None
+    where it is not built: ``"int8"``: ``fn(x, wpack, spack, excess, n, bias)``; ``"q4_1"``:
+    ``fn(x, wpack, dm, n, bias)``; float32 CPU ``x`` only, as :func:`linear_int8` / :func:`linear_q4_1`
+    call it."""
     from engine.kernels.cpu.build import load_function
     try:
         return load_function(*_KERNELS[fmt])
@@ -53,14 +56,7 @@ def _kernel(fmt: str):
 
 def kernel_available(fmt: str = "int8") -> bool:
     """Whether the C++ kernel of ``fmt`` (``"int8"`` or ``"q4_1"``) is built and loaded here."""
-    return _kernel(fmt) is not None
-
-
-def kernel(fmt: str):
-    """The C++ kernel of ``fmt`` (``"int8"``: ``fn(x, wpack, spack, excess, n, bias)``; ``"q4_1"``:
-    ``fn(x, wpack, dm, n, bias)``; float32 CPU ``x`` only, as :func:`linear_int8` / :func:`linear_q4_1` call
-    it), or None where it is not built."""
-    return _kernel(fmt)
+    return kernel(fmt) is not None
 
 
 PANEL = 16
@@ -195,9 +191,9 @@ def linear_int8(x: torch.Tensor, wpack: torch.Tensor, spack: torch.Tensor, exces
     Returns:
         ``[M, n]`` in ``x``'s dtype.
     """
-    kernel = _kernel("int8")  # any row count; checked inline: this runs ~120 times a step
-    if kernel is not None and x.dtype == torch.float32 and x.device.type == "cpu":
-        return kernel(x, wpack, spack, excess, n, bias)  # the kernel makes x contiguous
+    fn = kernel("int8")  # any row count; checked inline: this runs ~120 times a step
+    if fn is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+        return fn(x, wpack, spack, excess, n, bias)  # the kernel makes x contiguous
     return linear_int8_reference(x, wpack, spack, excess, n, bias)
 
 
@@ -323,9 +319,9 @@ def linear_q4_1(x: torch.Tensor, wpack: torch.Tensor, dm: torch.Tensor, n: int,
     Returns:
         ``[M, n]`` in ``x``'s dtype.
     """
-    kernel = _kernel("q4_1")
-    if kernel is not None and x.dtype == torch.float32 and x.device.type == "cpu":
-        return kernel(x, wpack, dm, n, bias)  # the kernel makes x contiguous
+    fn = kernel("q4_1")
+    if fn is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+        return fn(x, wpack, dm, n, bias)  # the kernel makes x contiguous
     return linear_q4_1_reference(x, wpack, dm, n, bias)
 
 
