@@ -2,8 +2,9 @@
 forward bit for bit (hidden states and the K/V it writes), for every family (Llama with llama3 and dynamic
 RoPE, Mistral's sliding window, Qwen2's biases and windowed layers, Qwen3's q/k norms, Gemma 3's sandwich
 norms, GELU, embedding scale and two RoPEs), with float32, int8 and Q4_1 projections, at one and several
-sequences; it is not built where it does not apply (unmerged projections, another cache dtype or layout),
-and the model runner uses it for decode steps only."""
+sequences, through the paged decode kernel or through the ``sdpa`` backend; it is not built where it
+does not apply (unmerged projections, another cache dtype or layout), and the model runner uses it for
+decode steps only."""
 
 from __future__ import annotations
 
@@ -25,12 +26,13 @@ GREEDY = SamplingOptions(temperature=0.0)
 BLOCK = 4
 
 
-def _model(family: str, tmp_path, quantization: str = "none"):
+def _model(family: str, tmp_path, quantization: str = "none", attention_backend: str | None = None):
     from family_models import build_tiny
 
     folder = build_tiny(family, tmp_path / family, vocab_size=128)
     cfg = ModelConfig.from_hf_folder(folder)
-    return cfg, load_model(cfg, torch.device("cpu"), torch.float32, quantization=quantization)
+    return cfg, load_model(cfg, torch.device("cpu"), torch.float32, quantization=quantization,
+                           attention_backend=attention_backend)
 
 
 def _tables(lens: list[int], room: int) -> list[list[int]]:
@@ -51,10 +53,13 @@ def _prefilled(model, cfg, prompts: list[list[int]], tables) -> torch.Tensor:
     return kv
 
 
-@pytest.mark.parametrize("family", ["llama3", "llama_dynamic", "mistral", "qwen2", "qwen3", "gemma3"])
-@pytest.mark.parametrize("quantization", ["none", "int8", "q4"])
-def test_plan_equals_the_model_bit_for_bit(family, quantization, tmp_path):
-    cfg, model = _model(family, tmp_path, quantization)
+@pytest.mark.parametrize("family,quantization,backend", [
+    *((f, q, None) for f in ("llama3", "llama_dynamic", "mistral", "qwen2", "qwen3", "gemma3")
+      for q in ("none", "int8", "q4")),
+    ("mistral", "none", "sdpa"), ("gemma3", "none", "sdpa"),  # attention through the backend, windows masked
+])
+def test_plan_equals_the_model_bit_for_bit(family, quantization, backend, tmp_path):
+    cfg, model = _model(family, tmp_path, quantization, backend)
     g = torch.Generator().manual_seed(3)
     # lengths past the sliding windows (8) and, for llama_dynamic, past max_position_embeddings (32)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 13, 30)]
@@ -63,7 +68,7 @@ def test_plan_equals_the_model_bit_for_bit(family, quantization, tmp_path):
         kv_model = _prefilled(model, cfg, batch, tables)
         kv_plan = kv_model.clone()
         plan = build_decode_plan(model, kv_plan)
-        assert isinstance(plan, DecodePlan)
+        assert isinstance(plan, DecodePlan) and (plan._decode_kernel is None) == (backend == "sdpa")
         lens = [len(p) for p in batch]
         for step in range(4):  # several steps: the plan's writes feed its next step's attention
             ids = torch.randint(3, 128, (len(batch),), generator=g)

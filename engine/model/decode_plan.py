@@ -104,8 +104,11 @@ class DecodePlan:
         self._add_rms_norm = load_function("rms_norm", "add_rms_norm_", "pdcluster::add_rms_norm")
         self._rope_store = load_function("rope_cache", "rope_store")
         self._silu_and_mul = load_function("activation", "silu_and_mul")
+        # the backend's own kernel where it would call it (paged_attention_torch's decode rows), else the backend
+        takes = (model.backend is paged_attention_torch and paged_attention.cpu_decode_available()
+                 and model.config.head_dim % 8 == 0)
         self._decode_kernel = (load_function("paged_attention", "decode", "pdcluster::paged_decode_attention")
-                               if model.backend is paged_attention_torch else None)
+                               if takes else None)
         scale = model.arch.embed_scale  # as CausalLM.forward: a float32 scalar tensor, cast to the model's dtype
         self.embed_scale = None if scale == 1.0 else torch.tensor(scale, dtype=torch.float32)
         self.layers = [self._bind(i, layer) for i, layer in enumerate(model.model.layers)]
@@ -180,12 +183,10 @@ class DecodePlan:
 def build_decode_plan(model: CausalLM, kv_cache: torch.Tensor) -> DecodePlan | None:
     """A :class:`DecodePlan` of ``model`` over ``kv_cache``, or None where it does not apply (see the
     module docstring): another device or dtype, a non-contiguous cache, a layer whose q/k/v or gate/up
-    projections are not merged, a ``head_dim`` the paged kernel does not take, or a kernel not built here."""
+    projections are not merged, or a kernel not built here."""
     layers = list(model.model.layers)
     if (kv_cache.device.type != "cpu" or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous()
             or not layers or not all(_covered(layer) for layer in layers)):
-        return None
-    if layers[0].self_attn.head_dim % 8 or not paged_attention.cpu_decode_available():
         return None
     kernels = [("rms_norm", "rms_norm"), ("rms_norm", "add_rms_norm_"), ("rope_cache", "rope_store"),
                ("activation", "silu_and_mul")]
