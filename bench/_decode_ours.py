@@ -131,15 +131,12 @@ def _drain(q: queue.Queue) -> list:
             return out
 
 
-USE_DECODE_PLAN = True
-"""False: decode steps run the model's modules even where the runner built a decode plan
-(``engine.model.decode_plan``; ``bench/quant_decode.py --no-decode-plan``, to measure what the plan saves)."""
-
-
 def _admitted_batch(model, cfg: ModelConfig, prompts: list[list[int]], prefilled, new_tokens: int,
-                    block_size: int):
+                    block_size: int, decode_plan: bool = True):
     """A decode scheduler holding every prompt as a running request whose KV came from
-    ``prefilled``; returns ``(runner, scheduler, event queues)``.
+    ``prefilled``; returns ``(runner, scheduler, event queues)``. ``decode_plan`` False: decode steps run
+    the model's modules even where the runner built a decode plan (``engine.model.decode_plan``), to
+    measure what the plan saves.
 
     Raises:
         RuntimeError: a request was not admitted at once.
@@ -149,7 +146,7 @@ def _admitted_batch(model, cfg: ModelConfig, prompts: list[list[int]], prefilled
     num_blocks = b * per_req + max(4, b * per_req // 50)
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks)
     runner = ModelRunner(model, allocate_kv_cache(cfg, cache, torch.device("cpu")), block_size)
-    if not USE_DECODE_PLAN:
+    if not decode_plan:
         runner.decode_plan = None
     sched = DecodeScheduler(runner, cache, SchedulerConfig(max_num_seqs=b, max_model_len=len(prompts[0]) + new_tokens + 1),
                             cfg.eos_token_ids)
@@ -196,10 +193,11 @@ def _summary(steps: list[dict[str, float]], b: int, token_ids, events, has_meta:
 
 
 def measure_decode(model, cfg: ModelConfig, prompts: list[list[int]], prefilled: list[tuple[torch.Tensor, int]],
-                   new_tokens: int, block_size: int, step_context=None) -> dict:
+                   new_tokens: int, block_size: int, step_context=None, decode_plan: bool = True) -> dict:
     """Decode ``new_tokens`` greedy tokens (``ignore_eos``) for every prompt as one batch
     through a :class:`DecodeScheduler`; the first token comes from ``prefilled``.
-    ``step_context`` (a context manager, e.g. a profiler) wraps the decode steps only.
+    ``step_context`` (a context manager, e.g. a profiler) wraps the decode steps only; ``decode_plan``
+    as :func:`_admitted_batch`.
 
     Returns:
         ``tpot_ms``: the median of the ``new_tokens - 1`` decode steps' wall times (robust to
@@ -212,7 +210,7 @@ def measure_decode(model, cfg: ModelConfig, prompts: list[list[int]], prefilled:
         RuntimeError: a request was not admitted at once or failed.
     """
     b = len(prompts)
-    runner, sched, streams = _admitted_batch(model, cfg, prompts, prefilled, new_tokens, block_size)
+    runner, sched, streams = _admitted_batch(model, cfg, prompts, prefilled, new_tokens, block_size, decode_plan)
 
     acc = dict.fromkeys(PARTS, 0.0)
     steps: list[dict[str, float]] = []

@@ -65,13 +65,15 @@ def _parse(argv=None) -> argparse.Namespace:
     return a
 
 
-def _interleaved(models: dict, cfg, prompts: list[list[int]], prefilled: dict, new_tokens: int, first: int) -> dict:
+def _interleaved(models: dict, cfg, prompts: list[list[int]], prefilled: dict, new_tokens: int, first: int,
+                 decode_plan: bool = True) -> dict:
     """One decode of ``prompts`` per model, their steps interleaved (model ``first`` first, then the next...):
     each model's step ``i`` runs right after the other models' step ``i``, so a change in the machine's
     speed lasting longer than a few steps reaches every model alike. Step wall times (s) and tokens per model."""
     names = list(models)
     names = names[first % len(names):] + names[:first % len(names)]
-    batches = {q: _decode_ours._admitted_batch(models[q], cfg, prompts, prefilled[q], new_tokens, BLOCK_SIZE)
+    batches = {q: _decode_ours._admitted_batch(models[q], cfg, prompts, prefilled[q], new_tokens, BLOCK_SIZE,
+                                               decode_plan)
                for q in names}
     steps: dict[str, list[float]] = {q: [] for q in names}
     live = set(names)
@@ -96,19 +98,22 @@ def _interleaved(models: dict, cfg, prompts: list[list[int]], prefilled: dict, n
     return {"steps": steps, "tokens": tokens}
 
 
-def run_point(models: dict, cfg, prompts: list[list[int]], new_tokens: int, rounds: int) -> dict:
+def run_point(models: dict, cfg, prompts: list[list[int]], new_tokens: int, rounds: int,
+              decode_plan: bool = True) -> dict:
     """``rounds`` interleaved decodes of ``prompts`` by every model (:func:`_interleaved`, starting model
     rotating), then one plain :func:`_decode_ours.measure_decode` per model for the step's parts. Per model:
     TPOT p50 of each round (ms), the best round, the speed-up over float32 (best rounds) and the median over
-    steps of the paired ratio (float32 step i / this model's step i, every round)."""
+    steps of the paired ratio (float32 step i / this model's step i, every round). ``decode_plan`` False: decode
+    steps through the models' modules (:func:`_decode_ours._admitted_batch`)."""
     prefilled = {q: _decode_ours.prefill_kv(m, cfg, prompts, BLOCK_SIZE) for q, m in models.items()}
-    rounds_out = [_interleaved(models, cfg, prompts, prefilled, new_tokens, r) for r in range(rounds)]
+    rounds_out = [_interleaved(models, cfg, prompts, prefilled, new_tokens, r, decode_plan) for r in range(rounds)]
     ref_tokens = rounds_out[0]["tokens"]["none"]
     out = {}
     for q in models:
         tpots = [statistics.median(r["steps"][q]) * 1e3 for r in rounds_out]
         paired = [a / b for r in rounds_out for a, b in zip(r["steps"]["none"], r["steps"][q])]
-        parts = _decode_ours.measure_decode(models[q], cfg, prompts, prefilled[q], new_tokens, BLOCK_SIZE)
+        parts = _decode_ours.measure_decode(models[q], cfg, prompts, prefilled[q], new_tokens, BLOCK_SIZE,
+                                            decode_plan=decode_plan)
         out[q] = {"tpot_ms": min(tpots), "tpot_ms_runs": tpots, "tokens_per_s": len(prompts) / min(tpots) * 1e3,
                   "median_ms": parts["median_ms"], "paired_speedup_vs_fp32": statistics.median(paired),
                   "identical_to_fp32": sum(a == c for a, c in zip(rounds_out[0]["tokens"][q], ref_tokens))}
@@ -125,7 +130,6 @@ def run(args) -> dict:
     from engine.model_loader import resolve_model_source
 
     torch.set_num_threads(args.threads)
-    _decode_ours.USE_DECODE_PLAN = not args.no_decode_plan
     model_dir, gguf = resolve_model_source(args.model)
     cfg = ModelConfig.from_hf_folder(model_dir, name=args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -143,7 +147,7 @@ def run(args) -> dict:
     for b in args.batches:
         load = _common.load_avg_1m()
         log(f"batch {b}, load {load:.2f}")
-        point = run_point(models, cfg, prompts_all[:b], args.new_tokens, args.rounds)
+        point = run_point(models, cfg, prompts_all[:b], args.new_tokens, args.rounds, not args.no_decode_plan)
         res["points"].append({"batch_size": b, "load_avg_1m_before": load, "models": point})
         log("  " + ", ".join(f"{q} {v['tpot_ms']:.1f} ms ({v['speedup_vs_fp32']:.2f}x)" for q, v in point.items()))
     res["load_avg_1m_end"], res["duration_s"] = _common.load_avg_1m(), time.perf_counter() - t0
