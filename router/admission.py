@@ -77,6 +77,22 @@ class AdmissionConfig:
             raise ValueError(f"max_admitted_requests must be >= 1, got {self.max_admitted_requests}")
 
 
+@dataclass(frozen=True)
+class Room:
+    """What admission decides against, read once per request (:meth:`Admission.room`).
+
+    Attributes:
+        seats: the live decode (or colocated) workers' ``max_num_seqs``, summed.
+        routers: live routers sharing the cluster's capacity (>= 1).
+        capacity: requests this router may hold: ``ceil((seats + max_queued_requests) / routers)``,
+            at most ``max_admitted_requests``.
+    """
+
+    seats: int
+    routers: int
+    capacity: int
+
+
 class Refused(Exception):
     """A request refused by admission: ``reason`` (``queue_full`` / ``ttft_slo``), ``message``,
     ``retry_after_ms``."""
@@ -122,22 +138,29 @@ class Admission:
         """Requests the live decode workers run at once (the sum of their ``max_num_seqs``)."""
         return sum(w.max_num_seqs for w in self._decode_workers())
 
+    def room(self) -> Room:
+        """The seats, live routers and this router's capacity now, read once (a refusal's message
+        and hint use the figures its decision used)."""
+        seats, routers = self.seats(), max(1, self._routers())
+        share = math.ceil((seats + self.cfg.max_queued_requests) / routers)
+        return Room(seats, routers, min(share, self.cfg.max_admitted_requests))
+
     def capacity(self) -> int:
         """Requests this router may hold now: its share of the seats + ``max_queued_requests``."""
-        share = math.ceil((self.seats() + self.cfg.max_queued_requests) / max(1, self._routers()))
-        return min(share, self.cfg.max_admitted_requests)
+        return self.room().capacity
 
-    def queue_full(self, request_id: str, admitted: int, capacity: int) -> Refused:
-        """Count and log a ``queue_full`` refusal; returns it (the caller raises)."""
+    def queue_full(self, request_id: str, admitted: int, room: Room) -> Refused:
+        """Count and log a ``queue_full`` refusal of a request that found ``admitted`` requests held
+        against ``room``; returns it (the caller raises)."""
         with self._lock:
             stay = self._mean_stay_s
-        seats = max(1, math.ceil(self.seats() / max(1, self._routers())))
+        seats = max(1, math.ceil(room.seats / room.routers))
         hint = DEFAULT_RETRY_AFTER_MS if stay is None else stay * 1000 / seats
         return self._refuse(QUEUE_FULL, request_id, hint,
                             f"the router is full: it holds {admitted} requests (running, queued or being admitted), "
-                            f"capacity {capacity} (the decode "
+                            f"capacity {room.capacity} (the decode "
                             f"workers' max_num_seqs + max_queued_requests {self.cfg.max_queued_requests}, "
-                            f"shared by {max(1, self._routers())} router(s)); retry later")
+                            f"shared by {room.routers} router(s)); retry later")
 
     def check_ttft(self, request_id: str, prompt: list[int]) -> None:
         """Refuse a request whose predicted TTFT exceeds ``ttft_slo_ms`` (nothing when unset).

@@ -43,7 +43,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 
 import grpc
 
@@ -58,7 +57,7 @@ from router.placement import Placer
 from router.start_lane import StartLane
 from router.stats import RouterGauges
 from router.stubs import StubCache
-from router.validation import InvalidRequest, PreparedRequest, RequestValidator, request_id_problem
+from router.validation import InvalidRequest, PreparedRequest, RequestValidator, mint_request_id, request_id_problem
 from serving.logs import REQUEST_ID_METADATA, ThrottledLog
 from serving.metrics import ProcessMetrics
 
@@ -80,6 +79,8 @@ class RequestRouter:
         admission: the admission step (``None``: every valid request is admitted).
         max_migrations: how often one request may resume elsewhere after a worker failed
             it (:mod:`router.migration`; 0: never, the worker's status ends it).
+        lane: where admitted requests wait for their placement's turn (:mod:`router.start_lane`;
+            default: a lane of its own, told of arrivals only as this router sees them).
 
     Raises:
         ValueError: ``max_migrations`` outside ``[0, router.migration.MAX_MIGRATIONS_LIMIT]``.
@@ -87,7 +88,7 @@ class RequestRouter:
 
     def __init__(self, validator: RequestValidator, tokenizer, placer: Placer, load: LoadTracker,
                  metrics: ProcessMetrics, stubs: StubCache, admission: Admission | None = None,
-                 max_migrations: int = DEFAULT_MAX_MIGRATIONS) -> None:
+                 max_migrations: int = DEFAULT_MAX_MIGRATIONS, lane: StartLane | None = None) -> None:
         check_max_migrations(max_migrations)
         self.max_migrations = max_migrations
         self.validator = validator
@@ -103,7 +104,7 @@ class RequestRouter:
         self._since: dict[str, float] = {}
         self._owners: dict[str, str] = {}  # request id -> who started it (an API key's digest; "": anyone)
         self._starting = 0  # admitted requests holding a seat, not yet registered
-        self.lane = StartLane()  # placements wait for bursts of arrivals to be refused first
+        self.lane = lane if lane is not None else StartLane()  # placements wait for bursts to be refused first
 
     def start(self, request: router_pb2.GenerateRequest, owner: str = "") -> ActiveRequest:
         """Admit, validate and register ``request``; nothing is allocated yet. A full router
@@ -119,14 +120,14 @@ class RequestRouter:
         """
         self._name(request)
         arrival = self.lane.arrived()
-        capacity = self.admission.capacity() if self.admission is not None else None
+        room = self.admission.room() if self.admission is not None else None
         with self._lock:
             held = len(self._table) + self._starting
-            full = capacity is not None and held >= capacity
+            full = room is not None and held >= room.capacity
             if not full:
                 self._starting += 1
         if full:
-            self._refused(self.admission.queue_full(request.request_id, held, capacity))
+            self._refused(self.admission.queue_full(request.request_id, held, room))
         try:
             prep = self._prepare(request)
             handle = RequestHandle(first_attempt_id(prep.request_id))
@@ -179,14 +180,14 @@ class RequestRouter:
         problem = request_id_problem(request.request_id) if request.request_id else None
         if request.request_id and problem is None:
             return
-        request.request_id = uuid.uuid4().hex
+        request.request_id = mint_request_id()
         if problem is not None:
             raise self._invalid_argument(request.request_id, problem)
 
     def refuse_unparsable(self, reason: str) -> str:
         """Count and log a ``Generate`` request gRPC could not parse (refused with INVALID_ARGUMENT
         before it reached :meth:`start`); returns the id minted to name it."""
-        request_id = uuid.uuid4().hex
+        request_id = mint_request_id()
         self._invalid_argument(request_id, reason)
         return request_id
 

@@ -21,8 +21,9 @@ and the request id (declared in :mod:`router.limits`); a structured output's sha
 
 from __future__ import annotations
 
+import itertools
 import json
-import uuid
+import os
 from dataclasses import dataclass
 
 from jinja2.exceptions import TemplateError
@@ -94,7 +95,7 @@ class RequestValidator:
         chat = req.WhichOneof("prompt") == "messages"
         self._check_length(n, "messages: the rendered chat" if chat else "prompt")
         s = req.sampling
-        rid = req.request_id or uuid.uuid4().hex
+        rid = req.request_id or mint_request_id()
         return PreparedRequest(
             request_id=rid, prompt_token_ids=ids,
             worker_request=worker_pb2.WorkerRequest(
@@ -336,11 +337,22 @@ def _message_bytes(m) -> int:
     return sum(len(x.encode()) for x in (m.role, m.content, m.name, m.tool_call_id)) + calls
 
 
+_ID_PREFIX = os.urandom(10).hex()
+_ID_SERIAL = itertools.count()
+
+
+def mint_request_id() -> str:
+    """A request id for a request that came without one: 32 hex characters, as ``uuid4().hex``,
+    unique across processes (a random 80-bit prefix drawn at import, then a 48-bit serial). No
+    system call: ``uuid4`` reads ``os.urandom``, ~10 us here, paid by every refused request of a burst."""
+    return f"{_ID_PREFIX}{next(_ID_SERIAL) & 0xFFFF_FFFF_FFFF:012x}"
+
+
 def request_id_problem(rid: str) -> str | None:
     """What is wrong with a client's request id, or ``None``: it travels as gRPC metadata
     (``x-request-id``) and into log lines, so it must be printable ASCII, bounded (the message shows
     it escaped and clipped)."""
-    if len(rid) > MAX_REQUEST_ID_CHARS or not all(" " <= c <= "~" for c in rid):
+    if len(rid) > MAX_REQUEST_ID_CHARS or not (rid.isascii() and rid.isprintable()):  # " " to "~"
         return (f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters "
                 f"(got {len(rid)} characters: {_clip(rid)})")
     return None

@@ -61,11 +61,11 @@ def test_capacity_is_the_seats_plus_the_queue_capped():
 
 def test_queue_full_hint_follows_the_time_requests_stay():
     adm, metrics = _admission(AdmissionConfig(max_queued_requests=10))
-    refused = adm.queue_full("r-1", 18, 18)
+    refused = adm.queue_full("r-1", 18, adm.room())
     assert refused.reason == "queue_full" and refused.retry_after_ms == 1000  # nothing measured yet
     assert "it holds 18 requests (running, queued or being admitted), capacity 18" in refused.message
     adm.left(4.0)  # 4 s in the router, 8 seats: a seat frees every 0.5 s
-    assert adm.queue_full("r-2", 18, 18).retry_after_ms == 500
+    assert adm.queue_full("r-2", 18, adm.room()).retry_after_ms == 500
     assert _rejected(metrics, "queue_full") == 2
 
 

@@ -96,7 +96,7 @@ def test_admission_divides_the_capacity_over_live_routers():
     assert adm.capacity() == 19
     routers[0] = 2
     assert adm.capacity() == 10  # ceil(19 / 2)
-    assert "shared by 2 router(s)" in adm.queue_full("r", 10, 10).message
+    assert "shared by 2 router(s)" in adm.queue_full("r", 10, adm.room()).message
 
 
 def test_reuse_port_sockets_share_a_port():
