@@ -50,6 +50,7 @@ from router.peers import RouterPeers
 from router.placement import POLICIES, Placer, make_policy
 from router.policy import Signals
 from router.service import RouterServicer, add_router_service
+from router.start_lane import ArrivalPool, StartLane
 from router.stubs import StubCache
 from router.validation import RequestValidator, prompt_byte_cap
 from router.watch import health_probe, watched_channel
@@ -108,16 +109,18 @@ class RouterServer:
                                  WorkerRegistry(cfg.redis_url, cfg.cluster))
         self.admission = Admission(cfg.admission, partial(self._takers, "decode"), partial(self._takers, "prefill"),
                                    load, self.prefill_rates, self._cached_tokens, self.metrics, self.peers.count)
+        lane = StartLane()
+        threads = cfg.admission.max_admitted_requests + SPARE_THREADS
         self.core = RequestRouter(
             RequestValidator(tokenizer, Limits(max_len, model_cfg.vocab_size, max_prompt_bytes=prompt_bytes),
                              cfg.reasoning_parser),
             tokenizer, Placer(self.view, policy, self.breaker), load, self.metrics,
             StubCache(lambda address: watched_channel(connect(address), address, self.breaker, self.prefill_rates)),
-            self.admission, max_migrations=cfg.max_migrations)
+            self.admission, max_migrations=cfg.max_migrations, lane=lane)
         self.servicer = RouterServicer(self.core, info, GrpcReading(cfg.tool_call_parser, cfg.reasoning_parser,
                                                                     tokenizer))
         self.server = make_server(cfg.security, Plane.PUBLIC,
-                                  max_workers=cfg.admission.max_admitted_requests + SPARE_THREADS,
+                                  max_workers=threads, pool=ArrivalPool(threads, lane),
                                   options=[(k, int(cfg.reuse_port) if k == "grpc.so_reuseport" else v)
                                            for k, v in receive_limit(cfg.max_request_bytes)], bounded=True,
                                   max_connections=cfg.grpc_max_connections)

@@ -209,14 +209,17 @@ def credential_check(security: SecurityConfig, plane: Plane) -> RequireCredentia
 def make_server(security: SecurityConfig, plane: Plane, *, max_workers: int,
                 options: Sequence[tuple[str, Any]] = GRPC_OPTIONS,
                 interceptors: Sequence[grpc.ServerInterceptor] = (), bounded: bool = False,
-                max_connections: int = MAX_INTERNAL_CONNECTIONS) -> grpc.Server:
+                max_connections: int = MAX_INTERNAL_CONNECTIONS,
+                pool: futures.ThreadPoolExecutor | None = None) -> grpc.Server:
     """A threaded gRPC server of ``plane`` (``max_workers`` threads): its credential check runs
     first, then ``interceptors``. ``bounded``: a call arriving while every thread is busy is
     refused at once with RESOURCE_EXHAUSTED instead of waiting in gRPC's queue. At most
     ``max_connections`` connections at once, handshakes included, each handshake within
-    :data:`serving.rpc.HANDSHAKE_TIMEOUT_S` (:func:`serving.rpc.connection_options`)."""
+    :data:`serving.rpc.HANDSHAKE_TIMEOUT_S` (:func:`serving.rpc.connection_options`). ``pool``:
+    the thread pool (of ``max_workers`` threads) if not a plain one, e.g. the router's
+    :class:`router.start_lane.ArrivalPool`."""
     check = credential_check(security, plane)
-    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+    return grpc.server(pool if pool is not None else futures.ThreadPoolExecutor(max_workers=max_workers),
                        options=[*options, *connection_options(max_connections)],
                        interceptors=[*([check] if check else []), *interceptors],
                        maximum_concurrent_rpcs=max_workers if bounded else None)

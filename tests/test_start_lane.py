@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from router.start_lane import StartLane
+from router.start_lane import ArrivalPool, StartLane
 
 
 def test_settings_are_validated():
@@ -77,3 +77,47 @@ def test_under_a_continuous_stream_a_start_waits_at_most_max_defer():
         stop.set()
         feeder.join()
     assert 0.3 <= waited < 1.0, waited
+
+
+def test_a_turn_waits_for_handed_over_calls_to_reach_their_handlers():
+    """A call gRPC handed over but no thread has run yet is part of the burst: placements wait for it."""
+    lane = StartLane(quiet_s=0.01, max_defer_s=5)
+    lane.handed_over()
+    entered = threading.Event()
+
+    def start():
+        with lane.turn(time.monotonic()):
+            entered.set()
+
+    t = threading.Thread(target=start)
+    t.start()
+    assert not entered.wait(0.2) and lane.waiting == 1
+    lane.handler_started()
+    assert entered.wait(1.0)
+    t.join()
+
+
+def test_a_backlog_that_never_drains_defers_a_turn_at_most_max_defer():
+    lane = StartLane(quiet_s=0.01, max_defer_s=0.2)
+    lane.handed_over()
+    mine = time.monotonic()
+    with lane.turn(mine):
+        assert 0.2 <= time.monotonic() - mine < 1.0
+
+
+def test_the_arrival_pool_counts_each_call_until_its_handler_starts():
+    lane = StartLane()
+    pool = ArrivalPool(1, lane)
+    release = threading.Event()
+    try:
+        busy = pool.submit(release.wait, 5)  # holds the pool's one thread
+        queued = pool.submit(lambda a, b=0: a + b, 2, b=3)  # waits for that thread
+        assert lane.waiting == 1 and time.monotonic() - lane._last_arrival < 1.0
+        release.set()
+        assert busy.result(5) is True and queued.result(5) == 5
+        assert lane.waiting == 0
+    finally:
+        pool.shutdown()
+    with pytest.raises(RuntimeError):  # a call a closed pool refuses never counts as waiting
+        pool.submit(time.sleep, 0)
+    assert lane.waiting == 0
