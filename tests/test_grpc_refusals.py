@@ -133,3 +133,14 @@ def test_a_request_without_an_id_takes_its_calls_x_request_id(router_server):
     list(stub.Generate(router_pb2.GenerateRequest(request_id="own", text="hi"),
                        metadata=(("x-request-id", "trace-8"),), timeout=10))
     assert core.seen[-1].request_id == "own"
+
+
+def test_minted_request_ids_are_distinct_valid_and_not_a_sequence():
+    """A request without an id gets one no client can predict (else it could take the next one
+    first and have another client's request refused as ALREADY_EXISTS)."""
+    from router.validation import mint_request_id, request_id_problem
+    ids = [mint_request_id() for _ in range(20000)]
+    assert len(set(ids)) == len(ids)
+    assert all(len(i) == 32 and int(i, 16) >= 0 and request_id_problem(i) is None for i in ids)
+    assert len({i[:8] for i in ids}) > 19000  # no common prefix, no counter in the low digits
+    assert len({i[-8:] for i in ids}) > 19000
