@@ -355,10 +355,14 @@ def request_id_problem(rid: str) -> str | None:
     """What is wrong with a client's request id, or ``None``: it travels as gRPC metadata
     (``x-request-id``) and into log lines, so it must be printable ASCII, bounded (the message shows
     it escaped and clipped)."""
-    if len(rid) > MAX_REQUEST_ID_CHARS or not (rid.isascii() and rid.isprintable()):  # " " to "~"
-        return (f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters "
-                f"(got {len(rid)} characters: {_clip(rid)})")
-    return None
+    if len(rid) > MAX_REQUEST_ID_CHARS:
+        why = f"it has {len(rid)}"
+    elif not (rid.isascii() and rid.isprintable()):  # " " to "~"
+        i = next(i for i, c in enumerate(rid) if not " " <= c <= "~")
+        why = f"character {i} ({rid[i]!r}) is not one"
+    else:
+        return None
+    return f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters: {why} (got {_clip(rid)})"
 
 
 def _check_request_id(rid: str) -> None:

@@ -97,9 +97,11 @@ def test_a_model_without_a_chat_template_refuses_chats():
 
 def test_request_id_and_token_ids():
     v = RequestValidator(NoTokenizer(), Limits(max_model_len=64, vocab_size=1000))
-    _refused(v, [1], "request_id must be at most 256 printable ASCII characters (got 5 characters: 'café\\n')",
+    _refused(v, [1], "request_id must be at most 256 printable ASCII characters: character 3 ('é') is not one "
+             "(got 'café\\n')",
              request_id="café\n")
-    _refused(v, [1], "request_id must be at most 256", request_id="x" * (MAX_REQUEST_ID_CHARS + 1))
+    _refused(v, [1], "request_id must be at most 256 printable ASCII characters: it has 257 (got 'xxx",
+             request_id="x" * (MAX_REQUEST_ID_CHARS + 1))
     assert v.prepare(build_request([1], request_id="~" * MAX_REQUEST_ID_CHARS)).request_id == "~" * 256
     _refused(v, [5] * 1_000_000, "prompt has 1000000 tokens; max_model_len is 64")
     _refused(v, [5, 1000], "prompt: token_ids: id 1000 >= vocab_size 1000")
@@ -146,7 +148,7 @@ def test_http_bodies_over_max_request_bytes_are_413(http):
 
 
 @pytest.mark.parametrize(("body", "path", "param", "needle"), [
-    (b'{"model": "m", "prompt": "\\ud800"}', "/v1/completions", "prompt", "prompt[0] is not valid Unicode"),
+    (b'{"model": "m", "prompt": "\\ud800"}', "/v1/completions", "prompt", "prompt is not valid Unicode"),
     (b'{"model": "m", "prompt": ["a", "b\\udfff"]}', "/v1/completions", "prompt", "prompt[1] is not valid Unicode"),
     (b'{"model": "m", "prompt": [1, 4294967296]}', "/v1/completions", "prompt", "token id 4294967296 is out of range"),
     (b'{"model": "m", "prompt": [[1], [-1]]}', "/v1/completions", "prompt",

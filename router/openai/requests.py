@@ -281,7 +281,7 @@ def completion_requests(body: CompletionRequest, client_id: str | None = None) -
     prompts = []
     for i, x in enumerate(prompt):
         if isinstance(x, str):
-            check_utf8(x, f"prompt[{i}]", "prompt")
+            check_utf8(x, "prompt" if prompt is not body.prompt else f"prompt[{i}]", "prompt")
             prompts.append({"text": x})
         else:
             where = f"prompt[{i}]" if len(prompt) > 1 else "prompt"
