@@ -369,6 +369,11 @@ def write_sampling(msg: Any, values: Mapping[str, Any]) -> None:
             if not low <= value <= high:  # named by the declared range when it is the tighter one
                 limit = f">= {low}" if value < low else f"<= {high}"
                 raise ValueError(p.problem(value) or f"{name} must be {limit}, got {value}")
+        if isinstance(value, (list, tuple)) and field is not None and field.cpp_type in _WIRE_RANGE:
+            low, high = _WIRE_RANGE[field.cpp_type]  # a repeated integer field: each element named
+            for i, v in enumerate(value):
+                if isinstance(v, int) and not low <= v <= high:
+                    raise ValueError(f"{name}[{i}] must be {f'>= {low}' if v < low else f'<= {high}'}, got {v}")
         try:
             p.write(msg, value)
             if isinstance(value, float) and math.isfinite(value) and math.isinf(getattr(msg, name)):

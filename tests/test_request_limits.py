@@ -203,6 +203,7 @@ def test_http_refuses_openai_and_vllm_fields_it_does_not_serve(http, fields, pat
      "include_stop_str_in_output must be a boolean, got 1"),
     ('"min_tokens": true', "min_tokens", "min_tokens must be an integer, got True"),
     ('"min_tokens": -1', "min_tokens", "min_tokens must be >= 0, got -1"),
+    ('"stop_token_ids": [5, -3]', "stop_token_ids", "stop_token_ids[1] must be >= 0, got -3"),
     ('"max_tokens": 1000000000000', "max_tokens", "max_tokens must be <= 4294967295, got 1000000000000"),
     ('"skip_special_tokens": "yes"', "skip_special_tokens", "skip_special_tokens must be a boolean, got 'yes'"),
     ('"skip_special_tokens": 1', "skip_special_tokens", "skip_special_tokens must be a boolean, got 1"),

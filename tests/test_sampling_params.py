@@ -248,6 +248,11 @@ def test_a_value_protobuf_refuses_is_reported_with_its_parameters_name() -> None
         write_sampling(common_pb2.SamplingParams(), {"max_tokens": 10**12})
     with pytest.raises(ValueError, match=r"^top_k must be >= -1, got -2147483649$"):
         write_sampling(common_pb2.SamplingParams(), {"top_k": -(1 << 31) - 1})
+    # a repeated integer field: the element named, with its index (not protobuf's own message)
+    with pytest.raises(ValueError, match=r"^stop_token_ids\[1\] must be >= 0, got -3$"):
+        write_sampling(common_pb2.SamplingParams(), {"stop_token_ids": [7, -3]})
+    with pytest.raises(ValueError, match=r"^stop_token_ids\[0\] must be <= 4294967295, got 4294967296$"):
+        write_sampling(common_pb2.SamplingParams(), {"stop_token_ids": [1 << 32]})
     # types are strict, as in OpenAI's schema: a bool is no integer, nor 1 a bool; an integer is a float
     for values, message in (({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
                             ({"include_stop_str_in_output": 1}, "include_stop_str_in_output must be a boolean, got 1"),
