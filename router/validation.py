@@ -358,7 +358,7 @@ def request_id_problem(rid: str) -> str | None:
     if len(rid) > MAX_REQUEST_ID_CHARS:
         why = f"it has {len(rid)}"
     elif not (rid.isascii() and rid.isprintable()):  # " " to "~"
-        i = next(i for i, c in enumerate(rid) if not " " <= c <= "~")
+        i = next(i for i, c in enumerate(rid) if not (c.isascii() and c.isprintable()))  # the same test, per character
         why = f"character {i} ({rid[i]!r}) is not one"
     else:
         return None
