@@ -259,6 +259,11 @@ _WIRE_RANGE = {1: (-(1 << 31), (1 << 31) - 1), 2: (-(1 << 63), (1 << 63) - 1), 3
                4: (0, UINT64_MAX)}  # protobuf's cpp_type of an integer field -> the values it holds
 
 
+def _beyond(value: int, low: int, high: int) -> str | None:
+    """The wire limit ``value`` breaks (``">= low"`` or ``"<= high"``), or None within ``[low, high]``."""
+    return None if low <= value <= high else (f">= {low}" if value < low else f"<= {high}")
+
+
 def _fits(kind: type, value: Any) -> bool:
     if kind is bool or isinstance(value, bool):  # a bool is no number, nor a number a bool
         return kind is bool and isinstance(value, bool)
@@ -364,16 +369,13 @@ def write_sampling(msg: Any, values: Mapping[str, Any]) -> None:
         if (problem := p.type_problem(value)) is not None:
             raise TypeError(problem)
         field = getattr(getattr(msg, "DESCRIPTOR", None), "fields_by_name", {}).get(name)
-        if isinstance(value, int) and field is not None and field.cpp_type in _WIRE_RANGE:
-            low, high = _WIRE_RANGE[field.cpp_type]
-            if not low <= value <= high:  # named by the declared range when it is the tighter one
-                limit = f">= {low}" if value < low else f"<= {high}"
-                raise ValueError(p.problem(value) or f"{name} must be {limit}, got {value}")
-        if isinstance(value, (list, tuple)) and field is not None and field.cpp_type in _WIRE_RANGE:
-            low, high = _WIRE_RANGE[field.cpp_type]  # a repeated integer field: each element named
+        wire = _WIRE_RANGE.get(field.cpp_type) if field is not None else None
+        if wire and isinstance(value, int) and (limit := _beyond(value, *wire)):  # the declared range if tighter
+            raise ValueError(p.problem(value) or f"{name} must be {limit}, got {value}")
+        if wire and isinstance(value, (list, tuple)):  # a repeated integer field: each element named
             for i, v in enumerate(value):
-                if isinstance(v, int) and not low <= v <= high:
-                    raise ValueError(f"{name}[{i}] must be {f'>= {low}' if v < low else f'<= {high}'}, got {v}")
+                if isinstance(v, int) and (limit := _beyond(v, *wire)):
+                    raise ValueError(f"{name}[{i}] must be {limit}, got {v}")
         try:
             p.write(msg, value)
             if isinstance(value, float) and math.isfinite(value) and math.isinf(getattr(msg, name)):
