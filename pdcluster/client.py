@@ -59,10 +59,13 @@ _HEALTH_CALL_S = 1.0
 
 
 def rpc_error_text(exc: grpc.RpcError) -> str:
-    """``CODE: details`` of a failed call, as the CLI prints it (not the error object's repr)."""
+    """``CODE: details`` of a failed call, as the CLI prints it (not the error object's repr); an
+    ``UNAUTHENTICATED`` one also says where the CLI takes the key from."""
     code = exc.code() if hasattr(exc, "code") else None
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    return f"{code.name if code else 'UNKNOWN'}: {details}"
+    hint = f" (give the router's API key with --api-key or ${API_KEY_ENV})" \
+        if code == grpc.StatusCode.UNAUTHENTICATED else ""
+    return f"{code.name if code else 'UNKNOWN'}: {details}{hint}"
 
 
 class GenerationStream:

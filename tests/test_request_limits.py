@@ -170,6 +170,21 @@ def test_http_refuses_what_protobuf_cannot_carry(http, body, path, param, needle
     assert needle in answer["error"]["message"] and answer["error"]["param"] == param
 
 
+@pytest.mark.parametrize(("body", "message"), [
+    (b"", "the request body is empty: send a JSON object"),
+    (b"[1, 2]", "the request body must be a JSON object, got an array"),
+    (b'"hi"', "the request body must be a JSON object, got a string"),
+    (b"3", "the request body must be a JSON object, got a number"),
+    (b"null", "the request body must be a JSON object, got null"),
+])
+def test_a_json_body_that_is_no_object_is_named_as_such(http, body, message):
+    """Helper finding: these answered pydantic's ``body: Field required`` / ``body: Input should be a
+    valid dictionary ...``."""
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        status, answer = _post(http, body, path)
+        assert status == 400 and answer["error"]["message"] == message and answer["error"]["param"] is None, answer
+
+
 def test_http_error_bodies_render_lone_surrogates(http):
     status, answer = _post(http, b'{"model": "\\ud800", "prompt": "a"}')
     assert status == 404 and "'\\ud800'" in answer["error"]["message"]

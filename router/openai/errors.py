@@ -82,10 +82,23 @@ def validation_error_response(errors: list[dict], content_type: str | None) -> R
         if "json" not in (content_type or ""):
             return error_response(400, "the request body must be a JSON object sent with Content-Type: "
                                        f"application/json (got {content_type or 'no Content-Type'})")
-        return error_response(400, f"body: {first.get('msg', 'invalid request body')}")
+        if first.get("type") == "missing":  # no body at all
+            return error_response(400, "the request body is empty: send a JSON object")
+        return error_response(400, f"the request body must be a JSON object, got {_json_kind(first.get('input'))}")
     same = list(dict.fromkeys(e.get("msg", "") for e in errors if request_field(tuple(e.get("loc", ()))) == field))
     message = same[0] if len(same) == 1 else "fits none of its forms (" + "; ".join(same) + ")"
     return error_response(400, f"{field}: {message}", param=field)
+
+
+def _json_kind(value) -> str:
+    """What JSON calls ``value``'s type, with its article (``"an array"``, ``"null"``)."""
+    if value is None:
+        return "null"
+    for kind, name in ((bool, "a boolean"), (str, "a string"), (list, "an array"), (int, "a number"),
+                       (float, "a number")):
+        if isinstance(value, kind):
+            return name
+    return f"a {type(value).__name__}"
 
 
 UNREADABLE_BODY = "There was an error parsing the body"
