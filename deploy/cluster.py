@@ -13,9 +13,11 @@ within a cluster, so a removed worker's id is never taken by a new one.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, dataclass, field, replace
 
 import ray
+from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -264,16 +266,28 @@ def launch(spec: ClusterSpec) -> dict:
 
 
 def kill_actors(names: list[str], stop_timeout_s: float = 10.0) -> None:
-    """Stop (gracefully, then by force) the named actors; missing ones are skipped."""
+    """Stop the named actors gracefully, all at once, then kill them; missing ones are skipped.
+
+    Each actor's ``stop()`` (it unregisters from Redis, closes its servers) gets ``stop_timeout_s``
+    seconds in all, shared by the actors: an actor that has not stopped by then (Redis paused, the
+    actor hung) is killed without it, and a warning names it.
+    """
+    actors = {}
     for name in names:
         try:
-            actor = ray.get_actor(name, namespace=NAMESPACE)
+            actors[name] = ray.get_actor(name, namespace=NAMESPACE)
         except ValueError:
             continue
+    stops = {name: actor.stop.remote() for name, actor in actors.items()}
+    deadline = time.monotonic() + stop_timeout_s
+    for name, ref in stops.items():
         try:
-            ray.get(actor.stop.remote(), timeout=stop_timeout_s)
+            ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+        except GetTimeoutError:
+            log.warning("stopping %s: it did not stop within %.0f s; killing it", name, stop_timeout_s)
         except Exception as e:  # noqa: BLE001 - killed below anyway
-            log.warning("stopping %s: %s", name, e)
+            log.warning("stopping %s: %s: %s; killing it", name, type(e).__name__, e)
+    for actor in actors.values():
         ray.kill(actor, no_restart=True)
 
 

@@ -214,3 +214,36 @@ def test_role_threads_override_the_cpu_share():
             PlacementConfig(prefill_threads=bad)
     assert PlacementConfig(**{k: v for k, v in asdict(PlacementConfig()).items()
                               if k not in ("prefill_threads", "decode_threads")}).threads("prefill", shape) == 1
+
+
+@ray.remote(num_cpus=0)
+class _SlowToStop:
+    def stop(self) -> None:  # as an actor whose stop() waits on a paused Redis
+        time.sleep(60)
+
+    def ping(self) -> str:
+        return "pong"
+
+
+def test_kill_actors_shares_one_stop_timeout_and_kills_the_hung_ones(ray_head, caplog):
+    """``down`` with the cluster's Redis paused: every actor's ``stop()`` hung in turn for its own 10 s
+    (30 s and Ray's raw ``Get timed out`` for a 1P+1D cluster, helper finding). Now the actors are asked
+    at once, share the timeout, and each one that did not stop is named and killed."""
+    from deploy.cluster import NAMESPACE, kill_actors
+
+    ray.init(address=ray_head, namespace=NAMESPACE, logging_level="WARNING")
+    try:
+        names = ["slow-stop-a", "slow-stop-b", "slow-stop-c"]
+        actors = [_SlowToStop.options(name=n, lifetime="detached").remote() for n in names]
+        assert ray.get([a.ping.remote() for a in actors], timeout=60) == ["pong"] * 3
+        start = time.monotonic()
+        kill_actors(names + ["never-created"], stop_timeout_s=2.0)
+        assert time.monotonic() - start < 5.0  # one shared 2 s, not 2 s each
+        for n in names:
+            assert f"stopping {n}: it did not stop within 2 s; killing it" in caplog.text
+            with pytest.raises(ValueError):  # gone for good (no restart)
+                for _ in range(50):
+                    ray.get_actor(n, namespace=NAMESPACE)
+                    time.sleep(0.2)
+    finally:
+        ray.shutdown()
