@@ -138,5 +138,5 @@ def decide(watch: WorkerWatch, probe: Probe, now: float, cfg: HealConfig, detail
         watch.reason = f"loading (for {quiet:.0f}s)"
         return Action.RESTART if quiet >= cfg.start_timeout_s else Action.NONE
     what = "answers but sends no heartbeat" if probe is Probe.SERVING else "not answering (restarting or hung)"
-    watch.reason = f"{what} for {quiet:.0f}s"
+    watch.reason = f"{what}, missing from the registry for {quiet:.0f}s"  # its record outlives the last beat
     return Action.RESTART if quiet >= cfg.hung_after_s and since_action >= cfg.restart_backoff_s else Action.NONE

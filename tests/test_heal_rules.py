@@ -19,7 +19,8 @@ def test_dead_actor_is_recreated_at_once():
 def test_silent_worker_is_restarted_after_hung_after_s(probe):
     w = WorkerWatch("prefill-0", "prefill")
     assert decide(w, probe, 100.0, CFG) is Action.NONE
-    assert decide(w, probe, 119.0, CFG) is Action.NONE and "19s" in w.reason
+    # counted from the record's expiry, and said so (helper finding: "for 0s" 4 s after a SIGSTOP read as wrong)
+    assert decide(w, probe, 119.0, CFG) is Action.NONE and w.reason.endswith(", missing from the registry for 19s")
     assert decide(w, probe, 120.0, CFG) is Action.RESTART
     w.acted_at, w.restarts = 120.0, 1
     assert decide(w, probe, 130.0, CFG) is Action.NONE  # the quiet period starts again at the restart
