@@ -278,10 +278,11 @@ def completion_requests(body: CompletionRequest, client_id: str | None = None) -
         prompt = [prompt]
     elif not isinstance(prompt[0], (str, list)):
         prompt = [prompt]  # one list of token ids
+    wrapped = prompt is not body.prompt  # one prompt given alone: named "prompt", not "prompt[0]"
     prompts = []
     for i, x in enumerate(prompt):
         if isinstance(x, str):
-            check_utf8(x, "prompt" if prompt is not body.prompt else f"prompt[{i}]", "prompt")
+            check_utf8(x, "prompt" if wrapped else f"prompt[{i}]", "prompt")
             prompts.append({"text": x})
         else:
             where = f"prompt[{i}]" if len(prompt) > 1 else "prompt"
