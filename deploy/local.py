@@ -33,6 +33,7 @@ from deploy.controller import HealConfig, RedisSpec, start_controller
 from deploy.placement import PlacementError
 from deploy.ray_env import STATE_TOKEN_KEY, check_ray_reachable, ray_token
 from deploy.ray_node import start_ray_head, stop_ray_head
+from deploy.ray_watch import HeadWatch, head_answers, head_process_alive
 from deploy.redis_control import stop_redis_at, wait_pid_gone
 from deploy.redis_server import LocalRedisServer
 from deploy.redis_supervisor import server_process
@@ -140,6 +141,7 @@ def up(args) -> dict:
     if args.internal_tls:
         ca = create_ca(args.cluster)
         state.update(internal_ca_cert=ca.cert_pem.decode(), internal_ca_key=ca.key_pem.decode())
+    watch = None
     try:
         if args.ray_address:
             if args.ray_resources:
@@ -155,6 +157,7 @@ def up(args) -> dict:
             state.update(started_ray=True, ray_head_pid=head_pid)
             state[STATE_TOKEN_KEY] = ray_token()  # scale and down present it (deploy.ray_env)
         state["ray_address"] = ray_address
+        watch = _watch_head(state, state_dir).start()
         context = ray.init(address=ray_address, namespace="pdcluster", logging_level="WARNING")
         state["ray_session_dir"] = context.address_info.get("session_dir", "")  # logs: <it>/logs
         state["redis_url"] = args.redis_url or _start_redis(args, state, state_dir)
@@ -167,13 +170,40 @@ def up(args) -> dict:
         _start_controller(state, HealConfig(period_s=spec.worker.heartbeat_s, hung_after_s=args.hung_after_s),
                           args.timeout_s, spec.router)
     except BaseException:
+        if watch is not None:
+            watch.stop()  # _cleanup stops the head itself
         _cleanup(state)
         raise
     finally:
+        if watch is not None:
+            watch.stop()
         if ray.is_initialized():
             ray.shutdown()
     write_state(state_dir, state)
     return state
+
+
+def _watch_head(state: dict, state_dir: Path) -> HeadWatch:
+    """A :class:`~deploy.ray_watch.HeadWatch` over the Ray head ``up`` works with: the head
+    process it started (``--local``), or the address of the one it joined (3 refusals in a row).
+    Should the head end, what ``up`` started outside Ray is stopped and the process exits with 1:
+    Ray would end it 60 s later without running any cleanup."""
+    if state["started_ray"]:
+        pid = state["ray_head_pid"]
+        alive, misses, why = head_process_alive(pid), 1, f"exited (its log: {state_dir / 'ray-head.log'})"
+    else:
+        alive, misses, why = head_answers(state["ray_address"]), 3, "stopped accepting connections"
+
+    def lost() -> None:
+        print(f"error: the Ray head at {state['ray_address']} {why} while `up` was starting the cluster; "
+              "stopping what `up` started", file=sys.stderr, flush=True)
+        if state["started_ray"]:
+            stop_ray_head(state["ray_head_pid"], timeout_s=2.0)  # the rest of its session
+        _cleanup(state, connected=False)
+        sys.stdout.flush()
+        os._exit(1)
+
+    return HeadWatch(alive, lost, period_s=0.5, misses=misses)
 
 
 def _start_controller(state: dict, heal: HealConfig, timeout_s: float, router) -> None:
@@ -240,8 +270,11 @@ def forget_ray_address(address: str | None) -> None:
         pass
 
 
-def _cleanup(state: dict) -> None:
-    connected = ray.is_initialized()  # Ray answered: the cluster's actors are killed here
+def _cleanup(state: dict, connected: bool | None = None) -> None:
+    """Stop what ``state`` records ``up`` started; ``connected``: whether Ray answers (by default
+    whether this process is connected to it), so the cluster's actors can be killed through it."""
+    if connected is None:  # a head that died leaves ray initialized, and a call through it hanging
+        connected = ray.is_initialized() and head_answers(state.get("ray_address", ""))()
     if state.get("workers") and connected:
         teardown(state)
     if connected:
