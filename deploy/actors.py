@@ -24,6 +24,7 @@ import gc
 import logging
 import os
 import threading
+import time
 import traceback
 import warnings
 from dataclasses import replace
@@ -90,12 +91,32 @@ class WorkerActor:
             if self.restarted:
                 log.warning("worker %s restarted after a crash: serving again on %s (generation %d)",
                             cfg.worker_id, address, self.host.info.generation)
+            threading.Thread(target=self._watch_engine, name="engine-watch", daemon=True).start()
         except BaseException:  # noqa: BLE001 - reported by start() / status()
             self.error = traceback.format_exc()
             self.phase = "failed"
             log.error("worker %s failed to start:\n%s", cfg.worker_id, self.error)
         finally:
             self._ready.set()
+
+    def _watch_engine(self) -> None:
+        """Every heartbeat period, whether the worker can still run steps
+        (:meth:`serving.worker_host.WorkerHost.broken`: a tensor-parallel rank gone). One that cannot
+        would fail every request sent to it while it kept beating, so it leaves the registry and ends
+        this process: Ray starts the actor again, with new ranks, and its open requests migrate as a
+        crashed worker's do."""
+        while True:
+            time.sleep(self.cfg.heartbeat_s)
+            host = self.host
+            if host is None:  # stopped
+                return
+            reason = host.broken()
+            if reason:
+                log.error("worker %s cannot run steps any more (%s): leaving the registry and exiting, "
+                          "so that it is started again", self.cfg.worker_id, reason)
+                host.leave()
+                logging.shutdown()
+                os._exit(1)
 
     def start(self, timeout_s: float | None = None) -> dict:
         """Wait until the worker serves; returns ``{address, pid, node_id, node_ip, generation}``.

@@ -53,6 +53,12 @@ class ModelRunner:
     def close(self) -> None:
         """Release what the runner started (nothing here; a tensor-parallel runner stops its ranks)."""
 
+    def broken(self) -> str:
+        """Why this runner can no longer run any step, for good (``""`` while it can): never here; a
+        tensor-parallel runner whose rank process is gone. A failing step fails only its batch; this
+        says that every later step would fail too, so the worker should be replaced."""
+        return ""
+
     def forward_logits(self, plan: StepPlan) -> tuple[torch.Tensor | None, list[ScheduledSeq],
                                                       dict[str, list[TokenLogprobs]]]:
         """Run the plan's tokens (K/V written into their slots) and compute the logits of

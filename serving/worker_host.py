@@ -102,6 +102,9 @@ class WorkerHost:
             of the main server can never starve the transfers that would complete them.
         metrics: the worker's Prometheus metrics; their ``/metrics`` endpoint starts here
             (any free port) and its address is registered with the worker.
+        on_stopped: called once the step loop has ended (e.g. the runner's ``close``).
+        broken: why the worker's engine can no longer run any step (``""`` while it can), e.g.
+            :meth:`engine.model_runner.ModelRunner.broken`; see :meth:`broken`.
 
     Both gRPC servers are internal-plane servers (:func:`serving.security.make_server`): with a
     cluster secret in ``cfg.security`` every call except health checks must carry it, and a
@@ -122,9 +125,11 @@ class WorkerHost:
                  add_servicers: Callable[[grpc.Server], None], services: list[str],
                  port: int = 0, add_kv_servicers: Callable[[grpc.Server], None] | None = None, block_size: int = 0,
                  num_total_blocks: int = 0, node_id: str = "", companions: list | None = None,
-                 metrics: WorkerMetrics | None = None, on_stopped: Callable[[], None] | None = None) -> None:
+                 metrics: WorkerMetrics | None = None, on_stopped: Callable[[], None] | None = None,
+                 broken: Callable[[], str] | None = None) -> None:
         self.cfg = cfg
         self.on_stopped = on_stopped  # after the step loop ended (e.g. stop the tensor-parallel ranks)
+        self._broken = broken
         self.metrics = metrics
         self.scheduler = scheduler
         self.companions = companions or []  # objects with start()/stop() living as long as the server
@@ -282,6 +287,22 @@ class WorkerHost:
         except Exception as e:  # noqa: BLE001 - Redis down: rely on the other conditions
             log.debug("registry read while draining failed: %s", e)
             return False
+
+    def broken(self) -> str:
+        """Why this worker can no longer serve, for good (``""`` while it can): what its engine says
+        (a tensor-parallel rank gone). Its host process should then :meth:`leave` and end, to be
+        started again (:class:`deploy.actors.WorkerActor`)."""
+        return self._broken() if self._broken is not None else ""
+
+    def leave(self) -> None:
+        """Leave the cluster at once, for a worker that is :meth:`broken`: deregister (the router
+        sends nothing more here), health NOT_SERVING, and stop what ``on_stopped`` stops (the
+        tensor-parallel ranks). The servers are left to the process's end, which the caller brings
+        about: its open calls then fail as a crashed worker's do, and their requests migrate."""
+        self.heartbeater.stop(deregister=True)
+        set_serving(self.health, self.services, serving=False)
+        if self.on_stopped is not None:
+            self.on_stopped()
 
     def stop(self, grace_s: float = 1.0) -> None:
         """Deregister, stop the server and the loop."""

@@ -197,9 +197,11 @@ def test_the_prefill_token_budget_reaches_prefill_workers_only(folders):
 def test_a_dead_rank_fails_the_step_instead_of_hanging(folders):
     _, two = build_runner(str(folders["llama3-kv2"]), CACHE, device="cpu", tp=2)
     try:
+        assert two.broken() == ""
         two.procs[0].kill()
         two.procs[0].join(5)
         with pytest.raises(RuntimeError, match=r"ranks \[1\] of this worker are gone"):
             _prefill(two, [[5, 6, 7]])
+        assert two.broken() == "tensor-parallel ranks [1] of this worker are gone"  # the worker host leaves on it
     finally:
         two.close()

@@ -7,13 +7,15 @@ the SmolLM2 vocabulary) whose heads split: 2 KV heads (one per rank) or 1 KV hea
 (replicated on both ranks). The KV transfer re-shards heads between the sides' layouts:
 a TP=2 prefill worker's rank 0 reads both ranks' shares, a TP=2 decode worker writes
 each rank's heads into its share. Every cell ends with a leak check, and after ``down``
-the ranks (processes of the worker actors) are gone.
+the ranks (processes of the worker actors) are gone. In one cell a rank is killed: its worker is
+started again (new ranks, next generation) and serves token-exact.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -30,6 +32,8 @@ from cluster_utils import (
     running_cluster,
     worker_loads,
 )
+
+from serving.registry import WorkerRegistry
 
 # (prefill TP, decode TP) -> (family, KV heads, more `up` flags): the TP=2 prefill worker of (2, 1)
 # streams layer by layer (layer l leaves once both ranks wrote it), (2, 2) moves its KV by torch_dist
@@ -101,3 +105,39 @@ def test_tp_cell_token_exact_vs_hf(cell):
     if "fault=corrupt" in cell["flags"]:
         decode = [w for w in worker_loads(state) if w.worker_id.startswith("decode")]
         assert [(w.num_failed_transfers, w.num_kv_recomputes) for w in decode] == [(1, 1)]
+
+
+def _rank_processes(pid: int) -> list[int]:
+    """The tensor-parallel ranks a worker process spawned (not spawn's resource tracker)."""
+    return [c for c in _children(pid) if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+
+
+def test_a_worker_whose_rank_dies_is_started_again(cell):
+    """A TP=2 decode worker whose rank 1 is killed leaves the registry and ends its process (it
+    would fail every step while it kept beating); Ray starts it again with new ranks, under the
+    next generation, and it serves token-exact. One cell: the others' workers are the same code."""
+    if cell["tp"] != {"prefill": 1, "decode": 2}:
+        pytest.skip("run on the P1-D2 cell")
+    state = cell["state"]
+    reg = WorkerRegistry(state["redis_url"], state["cluster"])
+    (before, _), = reg.live_workers("decode")
+    ranks = _rank_processes(before.pid)
+    assert len(ranks) == 1, ranks
+    os.kill(ranks[0], signal.SIGKILL)
+    deadline, after = time.monotonic() + 120, None
+    while time.monotonic() < deadline:
+        live = [w for w, _ in reg.live_workers("decode")]
+        if live and live[0].generation > before.generation:
+            after = live[0]
+            break
+        time.sleep(0.5)
+    assert after is not None, f"the decode worker was not started again within 120 s (live: {live})"
+    assert after.pid != before.pid and not _alive(before.pid) and not _alive(ranks[0])
+    assert len(_rank_processes(after.pid)) == 1
+    reference = hf_model(cell["folder"])
+    prompt = list(range(300, 300 + 12 * 7, 7))
+    with router_client(state) as client:
+        res = client.generate(prompt, max_tokens=NEW_TOKENS, temperature=0)
+    ref, gaps = hf_greedy(reference, prompt, NEW_TOKENS)
+    assert_greedy_matches(res.token_ids, ref, gaps, label="after the decode worker's rank died")
+    assert_no_leak(state)

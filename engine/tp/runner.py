@@ -49,15 +49,21 @@ class TpModelRunner(ModelRunner):
         Raises:
             RuntimeError: a rank is gone (its pipe closed) or a collective timed out.
         """
-        dead = [r + 1 for r, p in enumerate(self.procs) if not p.is_alive()]
-        if dead:
-            raise RuntimeError(f"tensor-parallel ranks {dead} of this worker are gone; it cannot run steps")
+        reason = self.broken()
+        if reason:
+            raise RuntimeError(f"{reason}; it cannot run steps")
         lean = StepPlan([replace(s, generator=None, prompt_token_ids=(), output_token_ids=(), stop_ids=(),
                                  token_bitmask=None, banned_ids=())
                          for s in plan.seqs])
         for c in self.conns:
             c.send(lean)
         return super().execute(plan)
+
+    def broken(self) -> str:
+        """``"tensor-parallel ranks [r, ...] of this worker are gone"`` once a rank's process has exited
+        (killed, or it failed a step: :func:`~engine.tp.executor.rank_main`), else ``""``."""
+        dead = [r + 1 for r, p in enumerate(self.procs) if not p.is_alive()]
+        return f"tensor-parallel ranks {dead} of this worker are gone" if dead else ""
 
     def close(self) -> None:
         """Stop the ranks (each exits on ``None``; killed after 5 s)."""
