@@ -265,6 +265,9 @@ def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
                         "loaded), least_loaded (fewest requests in flight) or round_robin "
                         f"(default: {DEFAULT_POLICY})")
     p.add_argument("--model", default="smollm2-135m-instruct", help="model name or path")
+    p.add_argument("--model-cache-dir", default=None, metavar="DIR",
+                   help="where a GGUF model is dequantized once and kept, on every node (default: "
+                        "$PDCLUSTER_MODEL_CACHE, else ~/.cache/pdcluster/models)")
     p.add_argument("--port", type=_port, default=50051, help="router port (0: any free port)")
     p.add_argument("--routers", type=_positive, default=1, metavar="N",
                    help="router processes behind the one address: they share --port and --http-port "

@@ -222,7 +222,7 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
             (:func:`fitted_max_model_len`).
     """
     check_flag_shapes(args)
-    folder = resolve_model(args.model)  # dequantize once here, not in every worker
+    folder = resolve_model(args.model, args.model_cache_dir)  # dequantize once here, not in every worker
     model_cfg, arch = checked_model(args, folder)
     kv_dtype = "float32" if args.dtype in ("auto", "float32") and not use_cuda else (
         "bfloat16" if args.dtype == "auto" else args.dtype)
@@ -241,7 +241,8 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
     kv = kv_config_from_args(args, use_cuda)
     log = LogConfig(args.log_format, args.log_level)
     security = security_from_args(args, cluster_secret, internal_ca)
-    worker = WorkerConfig(role="prefill", worker_id="template", model=args.model, redis_url=redis_url,
+    worker = WorkerConfig(role="prefill", worker_id="template", model=args.model,
+                          model_cache_dir=args.model_cache_dir, redis_url=redis_url,
                           cluster=args.cluster, device=args.device, dtype=args.dtype,
                           heartbeat_s=args.heartbeat_s, cache=cache, scheduler=sched, kv=kv,
                           prefill_cache=prefill_cache, prefill_scheduler=prefill_sched, log=log,

@@ -20,7 +20,8 @@ Accepted specs:
 A GGUF file is dequantized with transformers' GGUF loader (built on the ``gguf``
 library; it undoes llama.cpp's Q/K row permutation) and written once as a complete
 HF folder (config, ``model.safetensors`` in float32, tokenizer, chat template)
-under the cache dir, so HF ``transformers`` and other engines load exactly the
+under the cache dir (``--model-cache-dir``, else ``$PDCLUSTER_MODEL_CACHE``, else
+``~/.cache/pdcluster/models``), so HF ``transformers`` and other engines load exactly the
 same weights.
 """
 
@@ -58,9 +59,15 @@ class ModelNotFoundError(FileNotFoundError):
     """The model spec names nothing loadable."""
 
 
-def default_cache_dir() -> Path:
-    """``~/.cache/pdcluster/models`` (the caller may pass another dir)."""
-    return Path.home() / ".cache" / "pdcluster" / "models"
+MODEL_CACHE_ENV = "PDCLUSTER_MODEL_CACHE"
+"""The environment variable naming the model cache (as ``HF_HOME`` names Hugging Face's)."""
+
+
+def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Where dequantized GGUF models are kept unless the caller names a folder: ``$PDCLUSTER_MODEL_CACHE``
+    in ``environ`` (default ``os.environ``), else ``~/.cache/pdcluster/models``."""
+    named = (os.environ if environ is None else environ).get(MODEL_CACHE_ENV)
+    return Path(named).expanduser() if named else Path.home() / ".cache" / "pdcluster" / "models"
 
 
 def hf_hub_cache(environ: Mapping[str, str]) -> Path:
@@ -81,7 +88,8 @@ def resolve_model(spec: str, cache_dir: str | Path | None = None, hub_cache: str
 
     Args:
         spec: a bundled name, a ``.gguf`` path, an HF folder or an ``Org/Name`` model id.
-        cache_dir: where dequantized GGUF models are kept (default :func:`default_cache_dir`).
+        cache_dir: where dequantized GGUF models are kept (default :func:`default_cache_dir`:
+            ``$PDCLUSTER_MODEL_CACHE``, else ``~/.cache/pdcluster/models``).
         hub_cache: the Hugging Face hub cache searched for model ids; None reads it from
             the environment here (:func:`hf_hub_cache`).
 
@@ -100,7 +108,7 @@ def resolve_model_source(spec: str, cache_dir: str | Path | None = None,
     Raises:
         ModelNotFoundError: as :func:`resolve_model`.
     """
-    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+    cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir(os.environ)
     if spec in _BUNDLED:
         gguf = _bundled_gguf(spec, cache_dir)
         return _dequantize_cached(gguf, cache_dir, name=spec), gguf

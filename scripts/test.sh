@@ -6,6 +6,8 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 # the venv first on PATH: the tests start `pdcluster`, `ray` and Python subprocesses from it
 source .venv/bin/activate
+# the model cache inside the checkout: nothing the tests read lies outside the repository
+export PDCLUSTER_MODEL_CACHE="${PDCLUSTER_MODEL_CACHE:-$PWD/.cache/models}"
 # the architecture's layering contracts (pyproject.toml [tool.importlinter])
 lint-imports
 # one line per test, named as it starts: a run that ends abruptly (a process killed) shows where
