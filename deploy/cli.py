@@ -390,7 +390,10 @@ def register(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
     ``--api-key`` / ``--api-key-file`` is given)."""
     _add_up(sub, env_api_key)
     _add_scale(sub)
-    p = sub.add_parser("down", help="stop the local cluster", allow_abbrev=False)
+    p = sub.add_parser("down", help="stop the local cluster", allow_abbrev=False,
+                       description="Stop what `pdcluster up` started, as its state file records it: the workers, "
+                                   "routers and controller, the Redis it started and (with --local) the Ray head. "
+                                   "A Ray head that no longer answers is skipped; its Redis is stopped all the same.")
     _add_state_dir(p)
     p.set_defaults(func=_deploy("cmd_down"))
     p = sub.add_parser("status", help="show the local cluster", allow_abbrev=False,

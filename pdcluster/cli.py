@@ -22,6 +22,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -207,6 +208,19 @@ def _version() -> str:
         return "unknown"
 
 
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Help that shows each option's default, as ``argparse.ArgumentDefaultsHelpFormatter`` does, where
+    its own text does not already say it and there is one worth showing (not None, not a switch's)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or not action.option_strings or action.nargs == 0  # a switch
+                or default is None or default is argparse.SUPPRESS or default in ([], "")):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of all subcommands. ``$PDCLUSTER_API_KEY`` is read here, once: the
     default ``--api-key`` of ``generate``, ``top`` and ``loadtest``, and ``up``'s key when it is
@@ -218,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdcluster", description="pdcluster serving cluster",
                                      allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"pdcluster {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=partial(argparse.ArgumentParser, formatter_class=_HelpWithDefaults))
     clients = [_add_generate(sub), _add_top(sub)]
     register_deploy(sub, env_api_key)
     clients.append(register_loadtest(sub))

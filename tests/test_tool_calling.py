@@ -71,7 +71,7 @@ BAD_TOOLS = [
      "give no response_format or structured_outputs with it", "tool_choice"),
     (dict(messages=[{"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": 3}}]}]),
      "messages[0].tool_calls[0]: id, function.name and function.arguments", "messages[0].tool_calls"),
-    (dict(messages=[{"role": "user"}]), "a 'user' message needs content", "messages[0].content"),
+    (dict(messages=[{"role": "user"}]), "a message of role 'user' needs content", "messages[0].content"),
 ]
 
 

@@ -61,8 +61,8 @@ def chat_text(request: ChatCompletionRequest) -> list[common_pb2.ChatMessage]:
         check_utf8(m.role, f"messages[{i}].role", f"messages[{i}].role")
         content = m.content
         if content is None and not m.tool_calls:  # OpenAI allows it only beside tool calls
-            raise OpenAIRequestError(f"messages[{i}].content: a {m.role!r} message needs content (a string or "
-                                     "a list of text parts)", param=f"messages[{i}].content")
+            raise OpenAIRequestError(f"messages[{i}].content: a message of role {m.role!r} needs content (a "
+                                     "string or a list of text parts)", param=f"messages[{i}].content")
         texts = {"content": _text_parts(content, i) if isinstance(content, list) else content or "",
                  "tool_call_id": m.tool_call_id or "", "name": m.name or ""}
         for name, text in texts.items():  # before protobuf sees them
