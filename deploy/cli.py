@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from deploy import cli_types as t
 from deploy.cli_chat import add_chat_flags
 from deploy.heal import HealConfig
 from engine.config import DTYPES, KV_FAILURE_POLICIES, QUANTIZATIONS
@@ -22,101 +23,15 @@ from router.limits import (
     DEFAULT_HTTP_MAX_CONNECTIONS,
     DEFAULT_MAX_REQUEST_BYTES,
 )
-from router.migration import DEFAULT_MAX_MIGRATIONS, check_max_migrations
-from router.openai.cors import check_origins
+from router.migration import DEFAULT_MAX_MIGRATIONS
 from router.policy_names import DEFAULT_POLICY, POLICY_NAMES
 from serving.logs import LOG_FORMATS, LOG_LEVELS
 from serving.rpc import DEFAULT_MAX_QUEUED_REQUESTS
 from serving.priority import DEFAULT_WORKER_NICE
 
 
-def _port(value: str) -> int:
-    """argparse type: a TCP port number, 0 (any free port) to 65535."""
-    port = _parse_number(value, int)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {port}")
-    return port
-
-
-def _parse_number(value: str, kind: type) -> int | float:
-    """``kind(value)`` (int or float), or the argparse error a flag's message shows (``argparse`` would
-    otherwise name the type function: "invalid _positive value")."""
-    try:
-        return kind(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, got {value!r}") \
-            from None
-
-
-def _positive(value: str) -> int:
-    """argparse type: an integer >= 1."""
-    n = _parse_number(value, int)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
-def _origins(value: str) -> tuple[str, ...]:
-    """argparse type: comma-separated CORS origins (:func:`router.openai.cors.check_origins`)."""
-    origins = tuple(o.strip() for o in value.split(",") if o.strip())
-    try:
-        check_origins(origins)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return origins
-
-
-def _max_migrations(value: str) -> int:
-    """argparse type: ``--max-migrations``, checked by :func:`router.migration.check_max_migrations`."""
-    n = _parse_number(value, int)
-    try:
-        check_max_migrations(n)
-    except ValueError as e:  # argparse names the flag: drop the config field's name from the message
-        raise argparse.ArgumentTypeError(str(e).removeprefix("max_migrations ")) from None
-    return n
-
-
-def _non_negative(value: str) -> int:
-    """argparse type: an integer >= 0."""
-    n = _parse_number(value, int)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
-
-
-def _num_kv_blocks(value: str) -> int:
-    """argparse type: ``--num-kv-blocks``, 0 (derive from ``--kv-cache-gb``) or >= 2 (block 0 is reserved)."""
-    n = _parse_number(value, int)
-    if n != 0 and n < 2:
-        raise argparse.ArgumentTypeError(f"must be 0 (derive from --kv-cache-gb) or >= 2, got {n}")
-    return n
-
-
-def _positive_float(value: str) -> float:
-    """argparse type: a number > 0."""
-    x = _parse_number(value, float)
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return x
-
-
-def _key_value(value: str) -> tuple[str, str]:
-    """argparse type: ``KEY=VALUE`` (a non-empty key; the value may be empty or hold ``=``)."""
-    key, sep, val = value.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {value!r}")
-    return key, val
-
-
-def _state_dir(value: str) -> Path:
-    path = Path(value).expanduser()
-    if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{value} is a file, not a directory (the state file lies inside it)")
-    return path
-
-
 def _add_state_dir(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--state-dir", type=_state_dir, default="~/.pdcluster",
+    p.add_argument("--state-dir", type=t.state_dir, default="~/.pdcluster",
                    help="directory of the local cluster state (default: ~/.pdcluster)")
 
 
@@ -143,33 +58,33 @@ def _add_tls(p: argparse.ArgumentParser) -> None:
 
 def _add_serving(p: argparse.ArgumentParser) -> None:
     """The router's HTTP port and every process' logging."""
-    p.add_argument("--http-port", type=_port, default=8000,
+    p.add_argument("--http-port", type=t.port, default=8000,
                    help="OpenAI-compatible HTTP port of the router, also /metrics and /health (0: any free port)")
     p.add_argument("--no-http", dest="http", action="store_false", help="serve gRPC only")
-    p.add_argument("--max-request-bytes", type=_positive, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+    p.add_argument("--max-request-bytes", type=t.positive, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                    help="largest gRPC message / HTTP body the router's public ports accept "
                         f"(default {DEFAULT_MAX_REQUEST_BYTES}: 4 MiB)")
-    p.add_argument("--http-body-timeout", type=_positive_float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
+    p.add_argument("--http-body-timeout", type=t.positive_float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
                    help="seconds an HTTP request's whole body may take to arrive; later: 408 "
                         f"(default {DEFAULT_BODY_TIMEOUT_S:g})")
-    p.add_argument("--http-header-timeout", type=_positive_float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
+    p.add_argument("--http-header-timeout", type=t.positive_float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
                    help="seconds an HTTP request's head (request line + headers) may take to arrive, from the "
                         "connection's start or the previous response's end; later: 408 and the connection is closed "
                         f"(default {DEFAULT_HEADER_TIMEOUT_S:g})")
-    p.add_argument("--http-max-connections", type=_positive, default=DEFAULT_HTTP_MAX_CONNECTIONS, metavar="N",
+    p.add_argument("--http-max-connections", type=t.positive, default=DEFAULT_HTTP_MAX_CONNECTIONS, metavar="N",
                    help="open connections one router's HTTP port holds at most; one more gets 503 and is closed "
                         f"(default {DEFAULT_HTTP_MAX_CONNECTIONS}; with TLS, as many more may be in their handshake)")
-    p.add_argument("--allowed-origins", type=_origins, default=(), metavar="ORIGINS",
+    p.add_argument("--allowed-origins", type=t.origins, default=(), metavar="ORIGINS",
                    help="comma-separated origins (scheme://host[:port]) whose browser pages may call the HTTP API "
                         "(CORS), or '*' for any (vLLM's default); default: none (CORS off)")
     add_chat_flags(p)
-    p.add_argument("--grpc-max-connections", type=_positive, default=DEFAULT_GRPC_MAX_CONNECTIONS, metavar="N",
+    p.add_argument("--grpc-max-connections", type=t.positive, default=DEFAULT_GRPC_MAX_CONNECTIONS, metavar="N",
                    help="connections one router's gRPC port holds at once, handshakes included; one more is closed "
                         f"at accept (default {DEFAULT_GRPC_MAX_CONNECTIONS})")
-    p.add_argument("--max-prompt-bytes", type=_positive, default=None, metavar="BYTES",
+    p.add_argument("--max-prompt-bytes", type=t.positive, default=None, metavar="BYTES",
                    help="largest prompt (text, or chat roles and contents) the router tokenizes "
                         "(default: max-model-len x the longest token of the vocabulary)")
-    p.add_argument("--max-migrations", type=_max_migrations, default=DEFAULT_MAX_MIGRATIONS, metavar="N",
+    p.add_argument("--max-migrations", type=t.max_migrations, default=DEFAULT_MAX_MIGRATIONS, metavar="N",
                    help="times one request may resume on other workers after a worker failed it mid-request "
                         f"(0: never; then the worker's error ends it; default {DEFAULT_MAX_MIGRATIONS})")
     p.add_argument("--log-format", default="text", choices=list(LOG_FORMATS), help="log lines as text or JSON")
@@ -180,18 +95,18 @@ def _add_serving(p: argparse.ArgumentParser) -> None:
 def _add_admission(p: argparse.ArgumentParser) -> None:
     """Admission control and circuit breaking (the router's :class:`router.admission.AdmissionConfig`
     and :class:`router.breaker.BreakerConfig`; the queue bound goes to the decode workers too)."""
-    p.add_argument("--max-queued-requests", type=_non_negative, default=DEFAULT_MAX_QUEUED_REQUESTS, metavar="N",
+    p.add_argument("--max-queued-requests", type=t.non_negative, default=DEFAULT_MAX_QUEUED_REQUESTS, metavar="N",
                    help="requests the router admits beyond what the decode workers run (the sum of their "
                         "--max-num-seqs); more are refused at once with RESOURCE_EXHAUSTED / HTTP 429 and a "
                         "retry-after hint. Each decode worker also holds at most --max-num-seqs + N reservations "
                         f"(default {DEFAULT_MAX_QUEUED_REQUESTS})")
-    p.add_argument("--ttft-slo-ms", type=_positive_float, default=None, metavar="MS",
+    p.add_argument("--ttft-slo-ms", type=t.positive_float, default=None, metavar="MS",
                    help="refuse a request whose predicted time to first token (prompt tokens queued at the best "
                         "prefill worker at its measured rate) exceeds MS (default: off)")
-    p.add_argument("--breaker-failures", type=_positive, default=3, metavar="N",
+    p.add_argument("--breaker-failures", type=t.positive, default=3, metavar="N",
                    help="consecutive transport failures of a worker's calls after which the router skips it "
                         "(default 3)")
-    p.add_argument("--breaker-cooldown-s", type=_positive_float, default=5.0, metavar="S",
+    p.add_argument("--breaker-cooldown-s", type=t.positive_float, default=5.0, metavar="S",
                    help="seconds the router skips such a worker before probing it (default 5)")
 
 
@@ -205,17 +120,17 @@ def _add_kv(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transport-module", default=None, metavar="MODULE",
                    help="Python module every worker imports before looking the KV transport up, so a transport "
                         "outside pdcluster registers itself (importable on every node)")
-    p.add_argument("--kv-transport-option", dest="kv_transport_options", action="append", type=_key_value,
+    p.add_argument("--kv-transport-option", dest="kv_transport_options", action="append", type=t.key_value,
                    default=[], metavar="KEY=VALUE",
                    help="option passed to the KV transport's factories (repeatable; the transport checks its keys)")
-    p.add_argument("--kv-layers-per-chunk", type=_positive, default=2, help="layers per KV chunk at most")
+    p.add_argument("--kv-layers-per-chunk", type=t.positive, default=2, help="layers per KV chunk at most")
     p.add_argument("--kv-layerwise", dest="kv_layerwise", action="store_true", default=None,
                    help="stream a request's KV layer by layer during its last prefill step (default on GPUs; "
                         "on CPU the sender competes with the prefill for the same cores: bench/results/layerwise.md)")
     p.add_argument("--no-kv-layerwise", dest="kv_layerwise", action="store_false",
                    help="send a request's KV after its last prefill step (default on CPU)")
-    p.add_argument("--kv-timeout-s", type=_positive_float, default=30.0, help="deadline of one KV transfer (seconds)")
-    p.add_argument("--kv-lease-s", type=_positive_float, default=120.0,
+    p.add_argument("--kv-timeout-s", type=t.positive_float, default=30.0, help="deadline of one KV transfer (seconds)")
+    p.add_argument("--kv-lease-s", type=t.positive_float, default=120.0,
                    help="seconds a decode worker holds blocks for a transfer that does not finish")
     p.add_argument("--kv-failure-policy", default="error", choices=list(KV_FAILURE_POLICIES),
                    help="when a KV transfer fails: end the request with UNAVAILABLE, or recompute the prompt's "
@@ -268,23 +183,23 @@ def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
     p.add_argument("--model-cache-dir", default=None, metavar="DIR",
                    help="where a GGUF model is dequantized once and kept, on every node (default: "
                         "$PDCLUSTER_MODEL_CACHE, else ~/.cache/pdcluster/models)")
-    p.add_argument("--port", type=_port, default=50051, help="router port (0: any free port)")
-    p.add_argument("--routers", type=_positive, default=1, metavar="N",
+    p.add_argument("--port", type=t.port, default=50051, help="router port (0: any free port)")
+    p.add_argument("--routers", type=t.positive, default=1, metavar="N",
                    help="router processes behind the one address: they share --port and --http-port "
                         "(SO_REUSEPORT; the kernel spreads client connections over them), each admits its "
                         "share of the cluster's capacity, and one that dies is restarted on the same ports "
                         "while the others keep serving (default 1)")
     p.add_argument("--host", default="127.0.0.1", help="router bind host (0.0.0.0: every interface)")
     p.add_argument("--redis-url", default=None, help="existing Redis URL (default: start one)")
-    p.add_argument("--redis-port", type=_port, default=0, help="port of the Redis `up` starts (0: any free)")
+    p.add_argument("--redis-port", type=t.port, default=0, help="port of the Redis `up` starts (0: any free)")
     _add_engine(p)
     _add_kv(p)
     _add_serving(p)
     _add_admission(p)
     _add_api_keys(p, env_api_key)
     _add_tls(p)
-    p.add_argument("--heartbeat-s", type=_positive_float, default=1.0, help="registry heartbeat period in seconds")
-    p.add_argument("--hung-after-s", type=_positive_float, default=HealConfig.hung_after_s,
+    p.add_argument("--heartbeat-s", type=t.positive_float, default=1.0, help="registry heartbeat period in seconds")
+    p.add_argument("--hung-after-s", type=t.positive_float, default=HealConfig.hung_after_s,
                    help="seconds a worker or router whose process still runs may go without a heartbeat (paused, "
                         f"deadlocked) before the controller kills and restarts it (default {HealConfig.hung_after_s:g})")
     p.add_argument("--worker-nice", type=int, choices=range(20), default=DEFAULT_WORKER_NICE, metavar="N",
@@ -303,9 +218,9 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     """``up``'s flags for the workers' engines: KV cache geometry, step limits, tensor parallelism
     and the prefix cache."""
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
-    p.add_argument("--num-kv-blocks", type=_num_kv_blocks, default=0,
+    p.add_argument("--num-kv-blocks", type=t.num_kv_blocks, default=0,
                    help="KV blocks per worker; 0 = derive from --kv-cache-gb")
-    p.add_argument("--kv-cache-gb", type=_positive_float, default=1.0, help="KV cache per worker in GiB")
+    p.add_argument("--kv-cache-gb", type=t.positive_float, default=1.0, help="KV cache per worker in GiB")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="max prompt+output tokens of a request; must fit one worker's KV pool (default: 2048, "
                         "or what the pool holds when less)")
