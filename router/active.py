@@ -64,7 +64,8 @@ class ActiveRequest:
         self.h = handle
         self.request_id = prep.request_id
         self.client_gone = False
-        self.stats = RequestStats(router.metrics, router.gauges, len(prep.prompt_token_ids))
+        self.stats = RequestStats(router.metrics, router.gauges, len(prep.prompt_token_ids),
+                                  prep.worker_request.sampling.max_tokens)
         self._cached_prompt_tokens: int | None = None  # from the first attempt whose prefill answered
 
     def discard(self, error: RouterError | None = None) -> None:

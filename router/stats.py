@@ -3,7 +3,10 @@
 Definitions (vLLM's, ``vllm/v1/metrics/stats.py``; DistServe's TTFT/TPOT):
 
 * queue time: arrival at the router → the decode worker granted the reservation
-  (blocks admitted; backpressure shows here);
+  (blocks admitted; backpressure shows here): vLLM's "scheduled" moment;
+* prefill time: the reservation → the first output token (the prefill worker's queue, its
+  compute and the KV transfer); decode time: the first → the last token; inference time:
+  the reservation → the last token (the sum of the two), of finished requests;
 * TTFT: arrival → the first output token left the router;
 * ITL: time between consecutive token messages of one request;
 * TPOT: (E2E − TTFT) / (generated tokens − 1), for requests of two tokens or more;
@@ -45,11 +48,14 @@ class RouterGauges:
 class RequestStats:
     """Statistics of one request; every method is called from its handler thread only."""
 
-    def __init__(self, metrics: ProcessMetrics, gauges: RouterGauges, num_prompt_tokens: int) -> None:
+    def __init__(self, metrics: ProcessMetrics, gauges: RouterGauges, num_prompt_tokens: int,
+                 max_tokens: int = 0) -> None:
         self._m = metrics
         self._g = gauges
         self.arrival_s = time.monotonic()
+        self.reserved_s: float | None = None
         self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens  # the request's own, its default resolved (0: not known)
         self.num_tokens = 0
         self.first_token_s: float | None = None
         self.last_token_s: float | None = None
@@ -64,7 +70,8 @@ class RequestStats:
     def reserved(self) -> None:
         """The decode worker admitted the request (queue time ends)."""
         if self._state == "waiting":
-            self._m.observe("request_queue_time_seconds", time.monotonic() - self.arrival_s)
+            self.reserved_s = time.monotonic()
+            self._m.observe("request_queue_time_seconds", self.reserved_s - self.arrival_s)
             self._move("running")
 
     def tokens(self, n: int) -> None:
@@ -92,6 +99,12 @@ class RequestStats:
         m.observe("e2e_request_latency_seconds", now - self.arrival_s)
         m.observe("request_prompt_tokens", self.num_prompt_tokens)
         m.observe("request_generation_tokens", self.num_tokens)
+        if self.max_tokens:
+            m.observe("request_params_max_tokens", self.max_tokens)
+        if self.reserved_s is not None and self.first_token_s is not None:
+            m.observe("request_prefill_time_seconds", self.first_token_s - self.reserved_s)
+            m.observe("request_decode_time_seconds", self.last_token_s - self.first_token_s)
+            m.observe("request_inference_time_seconds", self.last_token_s - self.reserved_s)
         if self.num_tokens > 1 and self.first_token_s is not None:
             m.observe("request_time_per_output_token_seconds",
                       (self.last_token_s - self.first_token_s) / (self.num_tokens - 1))

@@ -81,6 +81,14 @@ METRICS: tuple[MetricSpec, ...] = (
     _h("e2e_request_latency_seconds", "End-to-end request latency (seconds).", (ROUTER,), _E2E_S),
     _h("request_queue_time_seconds", "Time a request waited before its prefill began (seconds).",
        (ROUTER, PREFILL), _LATENCY_S),
+    _h("request_prefill_time_seconds", "Prefill phase of finished requests (seconds): the decode worker's "
+       "reservation to the first token (prefill queue, compute and KV transfer).", (ROUTER,), _LATENCY_S),
+    _h("request_decode_time_seconds", "Decode phase of finished requests (seconds): first to last token.",
+       (ROUTER,), _E2E_S),
+    _h("request_inference_time_seconds", "Prefill and decode phases of finished requests (seconds): the "
+       "reservation to the last token.", (ROUTER,), _E2E_S),
+    _h("request_params_max_tokens", "max_tokens of finished requests (tokens; the default resolved).", (ROUTER,),
+       _TOKENS),
     _h("request_prompt_tokens", "Prompt length of finished requests (tokens).", (ROUTER,), _TOKENS),
     _h("request_generation_tokens", "Generated tokens of finished requests (tokens).", (ROUTER,), _TOKENS),
     MetricSpec("prompt_tokens", "counter", "Prompt tokens prefilled (counted at each request's first token).",
