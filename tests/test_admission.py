@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from deploy.spec import spec_from_args
 from pdcluster.client import build_request
-from pdcluster.v1 import router_pb2, router_pb2_grpc
+from pdcluster.v1 import router_pb2, router_pb2_grpc, worker_pb2
 from router.admission import Admission, AdmissionConfig
 from router.breaker import BreakerConfig
 from router.core import RequestRouter
@@ -104,7 +104,8 @@ class _Validator:
 
     def prepare(self, request):
         self.seen += 1
-        return types.SimpleNamespace(request_id=request.request_id or "minted", prompt_token_ids=[1, 2, 3])
+        return types.SimpleNamespace(request_id=request.request_id or "minted", prompt_token_ids=[1, 2, 3],
+                                     worker_request=worker_pb2.WorkerRequest())
 
 
 def test_the_router_refuses_before_validating_and_holds_nothing():
