@@ -143,22 +143,9 @@ def up(args) -> dict:
         state.update(internal_ca_cert=ca.cert_pem.decode(), internal_ca_key=ca.key_pem.decode())
     watch = None
     try:
-        if args.ray_address:
-            if args.ray_resources:
-                raise ValueError("--ray-resources applies to the Ray head `up --local` starts; with "
-                                 "--ray-address give the resources to `ray start` on each node")
-            ray_address = args.ray_address
-            check_ray_reachable(ray_address)
-        else:
-            if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
-                raise RuntimeError("call deploy.ray_env.use_loopback_ray() before importing ray for --local")
-            resources = _json_object(args.ray_resources, "--ray-resources") if args.ray_resources else None
-            ray_address, head_pid = start_ray_head(state_dir, resources=resources)
-            state.update(started_ray=True, ray_head_pid=head_pid)
-            state[STATE_TOKEN_KEY] = ray_token()  # scale and down present it (deploy.ray_env)
-        state["ray_address"] = ray_address
+        state["ray_address"] = _ray_head(args, state, state_dir)
         watch = _watch_head(state, state_dir).start()
-        context = ray.init(address=ray_address, namespace="pdcluster", logging_level="WARNING")
+        context = ray.init(address=state["ray_address"], namespace="pdcluster", logging_level="WARNING")
         state["ray_session_dir"] = context.address_info.get("session_dir", "")  # logs: <it>/logs
         state["redis_url"] = args.redis_url or _start_redis(args, state, state_dir)
         use_cuda = ray.cluster_resources().get("GPU", 0) >= 1 and args.device in ("auto", "cuda")
@@ -181,6 +168,24 @@ def up(args) -> dict:
             ray.shutdown()
     write_state(state_dir, state)
     return state
+
+
+def _ray_head(args, state: dict, state_dir: Path) -> str:
+    """The address of the Ray head ``up`` works with: ``--ray-address`` once it answers, or (``--local``)
+    a head started here, recorded in ``state``. Raises as :func:`up` says."""
+    if args.ray_address:
+        if args.ray_resources:
+            raise ValueError("--ray-resources applies to the Ray head `up --local` starts; with "
+                             "--ray-address give the resources to `ray start` on each node")
+        check_ray_reachable(args.ray_address)
+        return args.ray_address
+    if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
+        raise RuntimeError("call deploy.ray_env.use_loopback_ray() before importing ray for --local")
+    resources = _json_object(args.ray_resources, "--ray-resources") if args.ray_resources else None
+    ray_address, head_pid = start_ray_head(state_dir, resources=resources)
+    state.update(started_ray=True, ray_head_pid=head_pid)
+    state[STATE_TOKEN_KEY] = ray_token()  # scale and down present it (deploy.ray_env)
+    return ray_address
 
 
 def _watch_head(state: dict, state_dir: Path) -> HeadWatch:
