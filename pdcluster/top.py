@@ -6,7 +6,8 @@ target's ``/metrics`` (parsed by prometheus-client's own parser) and shows, per 
 requests running / waiting, KV-cache usage, and over the last interval the mean prefill
 time and decode step time (from histogram ``_sum`` / ``_count`` deltas), prefill-step seconds
 per decode-step second (P/D), token and KV-transfer rates, prefix-cache hit rate and
-preemptions; for the router, TTFT, ITL and E2E means, the request rate and the errors so far.
+preemptions; for the router, TTFT, ITL and E2E means, the request rate and the errors so far: those
+the cluster failed apart from those refused or left (:data:`CLIENT_CODES`: bad requests, client gone).
 With an API key, every request carries ``Authorization: Bearer KEY`` (the router's discovery
 endpoint and ``/metrics`` need it;
 the workers' ``/metrics`` ignore it, as they do Prometheus' header). With a CA (``tls_ca``)
@@ -36,6 +37,10 @@ from common.grpc_metadata import AUTHORIZATION, bearer
 from pdcluster.client import API_KEY_ENV, read_ca
 
 PREFIX = "pdcluster:"
+CLIENT_CODES = frozenset({"INVALID_ARGUMENT", "NOT_FOUND", "OUT_OF_RANGE", "ALREADY_EXISTS", "FAILED_PRECONDITION",
+                          "UNAUTHENTICATED", "PERMISSION_DENIED", "CANCELLED", "RESOURCE_EXHAUSTED"})
+"""Status codes of ``request_errors_total`` that say the request was refused or left, not that the cluster
+failed it: a bad request (HTTP 4xx), a missing or wrong API key, a client gone, an overload refusal (429)."""
 
 
 @dataclass
@@ -50,6 +55,17 @@ class Scrape:
     def total(self, name: str) -> float:
         """Sum of ``name`` over every label set (``0.0`` when absent)."""
         return sum(v for (n, _), v in self.values.items() if n == name)
+
+    def errors(self) -> tuple[float, float]:
+        """``request_errors_total`` split: ``(failed by the cluster, refused or left: CLIENT_CODES)``."""
+        failed = left = 0.0
+        for (n, labels), v in self.values.items():
+            if n == "request_errors_total":
+                if dict(labels).get("code") in CLIENT_CODES:
+                    left += v
+                else:
+                    failed += v
+        return failed, left
 
 
 def _get(url: str, api_key: str | None, timeout_s: float, context: ssl.SSLContext | None = None) -> bytes:
@@ -159,7 +175,8 @@ def render(scrapes: list[Scrape], previous: dict[str, Scrape]) -> Group:
                 "tok/s", "KV MB/s", "prefix hit", "preempt"):
         workers.add_column(col, justify="right" if col not in ("worker", "role") else "left")
     router = Table(title="router", expand=True)
-    for col in ("router", "run", "wait", "req/s", "TTFT ms", "ITL ms", "E2E ms", "errors (total)", "cluster P/D"):
+    for col in ("router", "run", "wait", "req/s", "TTFT ms", "ITL ms", "E2E ms", "failed", "refused/left",
+                "cluster P/D"):
         router.add_column(col, justify="right" if col != "router" else "left")  # one row per router (--routers N)
     ratio = cluster_ratio(scrapes, previous)
     for s in sorted(scrapes, key=lambda s: (s.role, s.worker_id)):
@@ -171,7 +188,7 @@ def render(scrapes: list[Scrape], previous: dict[str, Scrape]) -> Group:
                            _fmt(_mean_ms(s, b, "time_to_first_token_seconds")),
                            _fmt(_mean_ms(s, b, "inter_token_latency_seconds")),
                            _fmt(_mean_ms(s, b, "e2e_request_latency_seconds")),
-                           _fmt(s.total("request_errors_total"), ".0f"), _fmt(ratio, ".2f"))
+                           *(_fmt(n, ".0f") for n in s.errors()), _fmt(ratio, ".2f"))
             continue
         prefill, decode = _mean_ms(s, b, "prefill_time_seconds"), _mean_ms(s, b, "decode_time_seconds")
         queries = _rate(s, b, "prefix_cache_queries_total")

@@ -77,3 +77,14 @@ def test_a_target_that_left_stays_listed_a_while(monkeypatch):
     assert run_top("http://127.0.0.1:1", interval_s=0.01, iterations=2, console=Console(file=out, width=200)) == 0
     last = out.getvalue().rsplit("router", 1)[-1]  # the final frame
     assert "decode-0" in last and "not answering" in last
+
+
+def test_the_routers_errors_are_split_into_failed_and_refused_or_left():
+    def errors(code: str, n: float):
+        return ("request_errors_total", frozenset({("code", code)})), n
+
+    router = Scrape("router", "router", 10.0, dict([errors("UNAVAILABLE", 2.0), errors("INTERNAL", 1.0),
+                                                    errors("INVALID_ARGUMENT", 50.0), errors("CANCELLED", 4.0)]))
+    assert router.errors() == (3.0, 54.0)
+    view = _text(render([router], {}))
+    assert "failed" in view and "refused/left" in view and re.search(r"\b3 .*\b54\b", view)
