@@ -27,7 +27,8 @@ def build_runner(model: str, cache: CacheConfig, *, device: str = "auto", dtype:
         cache: KV cache geometry (blocks, block size in tokens, dtype).
         device / dtype: ``"auto"`` = CUDA + bfloat16 where available, else CPU + float32.
         num_threads: torch intra-op threads (this worker's CPU share).
-        model_cache_dir: where converted models are kept (default ``~/.cache/pdcluster/models``).
+        model_cache_dir: where converted models are kept (default ``$PDCLUSTER_MODEL_CACHE``, else
+            ``~/.cache/pdcluster/models``: :func:`engine.model_loader.default_cache_dir`).
         tp: tensor-parallel ranks; above 1 this process is rank 0 and starts the others
             (:func:`engine.tp.runner.start_tp_runner`), and ``runner.close()`` stops them.
         quantization: one of :data:`engine.config.QUANTIZATIONS` (decoder projections served as
