@@ -19,6 +19,7 @@ import torch
 from common.model_config import ConfigError, ModelConfig
 from engine.builder import build_runner
 from engine.config import CacheConfig
+from engine.model_runner import ModelRunner
 from engine.sampling import SamplingOptions
 from engine.step import ScheduledSeq, StepPlan
 from engine.tp import TpLayout
@@ -203,5 +204,23 @@ def test_a_dead_rank_fails_the_step_instead_of_hanging(folders):
         with pytest.raises(RuntimeError, match=r"ranks \[1\] of this worker are gone"):
             _prefill(two, [[5, 6, 7]])
         assert two.broken() == "tensor-parallel ranks [1] of this worker are gone"  # the worker host leaves on it
+    finally:
+        two.close()
+
+
+def test_a_failed_forward_on_rank_0_breaks_the_group_for_good(folders, monkeypatch):
+    """Rank 0's forward failing (e.g. a collective that timed out: a rank hung) leaves the other ranks out
+    of step: the runner says it is broken, so its worker is started again (deploy.actors)."""
+    _, two = build_runner(str(folders["llama3-kv2"]), CACHE, device="cpu", tp=2)
+    try:
+        def timed_out(self, plan):
+            raise RuntimeError("Connection closed by peer / timed out")
+
+        monkeypatch.setattr(ModelRunner, "forward_logits", timed_out)  # the base class: the TP override wraps it
+        with pytest.raises(RuntimeError, match="timed out"):
+            _prefill(two, [[5, 6, 7]])
+        assert two.broken().startswith("a tensor-parallel step failed on rank 0 (RuntimeError")
+        with pytest.raises(RuntimeError, match="cannot run steps"):
+            _prefill(two, [[5, 6, 7]])
     finally:
         two.close()

@@ -37,6 +37,7 @@ class TpModelRunner(ModelRunner):
                  store=None) -> None:
         super().__init__(model, shards[0], block_size)
         self.layout, self.shards, self.conns, self.procs, self.store = layout, shards, conns, procs, store
+        self._failed_step = ""  # why a forward failed here: the ranks are out of step for good since
 
     @property
     def kv_parts(self) -> list[tuple[torch.Tensor, int, int]]:
@@ -47,7 +48,8 @@ class TpModelRunner(ModelRunner):
         the sampler alone reads) to every rank, then run it here; see :meth:`ModelRunner.execute`.
 
         Raises:
-            RuntimeError: a rank is gone (its pipe closed) or a collective timed out.
+            RuntimeError: a rank is gone (its pipe closed), a collective timed out (a rank hung: after
+                the group's timeout, 300 s by default), or an earlier step's forward failed.
         """
         reason = self.broken()
         if reason:
@@ -59,11 +61,22 @@ class TpModelRunner(ModelRunner):
             c.send(lean)
         return super().execute(plan)
 
+    def forward_logits(self, plan: StepPlan):
+        """:meth:`ModelRunner.forward_logits`, remembering a failure: the other ranks ran this forward's
+        collectives without this one, or wait in one it never joins (a collective that timed out: a
+        rank hung), so the group cannot run another step (:meth:`broken`)."""
+        try:
+            return super().forward_logits(plan)
+        except Exception as e:
+            self._failed_step = f"a tensor-parallel step failed on rank 0 ({type(e).__name__}: {e})"
+            raise
+
     def broken(self) -> str:
         """``"tensor-parallel ranks [r, ...] of this worker are gone"`` once a rank's process has exited
-        (killed, or it failed a step: :func:`~engine.tp.executor.rank_main`), else ``""``."""
+        (killed, or it failed a step: :func:`~engine.tp.executor.rank_main`), why a forward failed here
+        once one did (a collective timed out, a hung rank), else ``""``."""
         dead = [r + 1 for r, p in enumerate(self.procs) if not p.is_alive()]
-        return f"tensor-parallel ranks {dead} of this worker are gone" if dead else ""
+        return f"tensor-parallel ranks {dead} of this worker are gone" if dead else self._failed_step
 
     def close(self) -> None:
         """Stop the ranks (each exits on ``None``; killed after 5 s)."""
