@@ -55,8 +55,9 @@ class ModelRunner:
 
     def broken(self) -> str:
         """Why this runner can no longer run any step, for good (``""`` while it can): never here; a
-        tensor-parallel runner whose rank process is gone. A failing step fails only its batch; this
-        says that every later step would fail too, so the worker should be replaced."""
+        tensor-parallel runner whose rank process is gone or whose forward failed (its ranks out of
+        step). A failing step fails only its batch; this says that every later step would fail too,
+        so the worker should be replaced."""
         return ""
 
     def forward_logits(self, plan: StepPlan) -> tuple[torch.Tensor | None, list[ScheduledSeq],

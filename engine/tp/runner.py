@@ -37,7 +37,7 @@ class TpModelRunner(ModelRunner):
                  store=None) -> None:
         super().__init__(model, shards[0], block_size)
         self.layout, self.shards, self.conns, self.procs, self.store = layout, shards, conns, procs, store
-        self._failed_step = ""  # why a forward failed here: the ranks are out of step for good since
+        self._failed_step = ""  # why a forward failed here ("": none did); after one the ranks are out of step
 
     @property
     def kv_parts(self) -> list[tuple[torch.Tensor, int, int]]:
