@@ -89,6 +89,8 @@ METRICS: tuple[MetricSpec, ...] = (
        "reservation to the last token.", (ROUTER,), _E2E_S),
     _h("request_params_max_tokens", "max_tokens of finished requests (tokens; the default resolved).", (ROUTER,),
        _TOKENS),
+    _h("request_params_n", "n of the OpenAI HTTP generation requests the router accepted (choices per prompt; a "
+       "gRPC request is one choice and is not counted).", (ROUTER,), (1, 2, 5, 10, 20)),
     _h("request_prompt_tokens", "Prompt length of finished requests (tokens).", (ROUTER,), _TOKENS),
     _h("request_generation_tokens", "Generated tokens of finished requests (tokens).", (ROUTER,), _TOKENS),
     MetricSpec("prompt_tokens", "counter", "Prompt tokens prefilled (counted at each request's first token).",

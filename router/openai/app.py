@@ -220,6 +220,8 @@ async def _answer(state: FrontDoorState, body, kind: str, base: str, subs: list[
         return _counted(state, request, error_response(e.status, e.message, param=e.param, code=e.code))
     except RouterError as e:
         return router_error_response(e, aliases=request_aliases(body))
+    if state.metrics is not None:
+        state.metrics.observe("request_params_n", body.n)
     aliases = request_aliases(body)
     with request_scope(base):
         log.info("%s request: %d sub-request(s), stream=%s, user=%r", kind, len(subs), body.stream, body.user)
