@@ -101,8 +101,7 @@ def create_colocated_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "")
     host = WorkerHost(cfg, loop, lambda server: None, SERVICES, port=port,
                       add_kv_servicers=lambda server: attach_receiver(cfg.kv, server, sink),
                       block_size=cfg.cache.block_size, num_total_blocks=decode.kv.num_usable, node_id=node_id,
-                      metrics=metrics, on_stopped=runner.close,
-                      broken=runner.broken)
+                      metrics=metrics, on_stopped=runner.close, runner=runner)
     device: torch.device = runner.device
     route = local_route(cfg.worker_id, decode,
                         remote_route(create_sender(cfg.kv, partial(internal_channel, cfg.security)),

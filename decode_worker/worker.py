@@ -29,8 +29,7 @@ def create_decode_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") ->
     host = WorkerHost(cfg, sched, lambda server: None, SERVICES, port=port,
                       add_kv_servicers=lambda server: attach_receiver(cfg.kv, server, sink),
                       block_size=cfg.cache.block_size, num_total_blocks=sched.kv.num_usable,
-                      node_id=node_id, metrics=metrics, on_stopped=runner.close,
-                      broken=runner.broken)
+                      node_id=node_id, metrics=metrics, on_stopped=runner.close, runner=runner)
     servicer = DecodeWorkerServicer(sched, cfg.worker_id, host.kv_address, cfg.cache.block_size,
                                     cfg.cache.dtype, runner.device, metrics=metrics,
                                     max_reserves=cfg.scheduler.max_num_seqs + cfg.max_queued_requests,

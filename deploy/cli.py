@@ -222,8 +222,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="KV blocks per worker; 0 = derive from --kv-cache-gb")
     p.add_argument("--kv-cache-gb", type=t.positive_float, default=1.0, help="KV cache per worker in GiB")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="max prompt+output tokens of a request; must fit one worker's KV pool (default: 2048, "
-                        "or what the pool holds when less)")
+                   help="max prompt+output tokens of a request; must fit one worker's KV pool (default: 2048, or "
+                        "less where the pool or the model's context holds less)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="max running sequences per worker")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     p.add_argument("--prefill-max-num-batched-tokens", type=int, default=None, metavar="N",

@@ -156,6 +156,8 @@ def up(args) -> dict:
                      args.timeout_s, router_tls=spec.router.security.public_tls)
         _start_controller(state, HealConfig(period_s=spec.worker.heartbeat_s, hung_after_s=args.hung_after_s),
                           args.timeout_s, spec.router)
+        if not head_answers(state["ray_address"])():  # died since its watch last looked (every 0.5 s)
+            raise RuntimeError(f"the Ray head at {state['ray_address']} stopped answering as the cluster started")
     except BaseException:
         if watch is not None:
             watch.stop()  # _cleanup stops the head itself
@@ -329,12 +331,13 @@ def down(state_dir: Path | str | None = None) -> bool:
 
 def cmd_up(args) -> int:
     """``pdcluster up``; returns 0, 2 on a bad flag or model (found before anything started), or 1 when a
-    cluster is already up from ``--state-dir``, ``--ray-address`` does not answer, the workers could not be
-    placed or were not healthy within ``--timeout-s`` (everything ``up`` started stopped again); each a
-    one-line message on stderr."""
+    cluster is already up from ``--state-dir``, ``--ray-address`` does not answer, Ray, Redis, a worker or
+    the router failed to start, or the workers could not be placed or were not healthy within
+    ``--timeout-s`` (everything ``up`` started stopped again); each a message on stderr (a worker's start
+    error with its traceback)."""
     try:
         state = up(args)
-    except (AlreadyUpError, ConnectionError, PlacementError, TimeoutError) as e:
+    except (AlreadyUpError, ConnectionError, PlacementError, TimeoutError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except (ConfigError, ValueError, ModelNotFoundError) as e:  # a bad flag or model, found before anything started

@@ -117,8 +117,10 @@ def _start_head_once(state_dir: Path, timeout_s: float, flags: list[str]) -> tup
     while time.monotonic() < deadline:
         log = log_path.read_text()
         if proc.poll() is not None or _SUBPROCESS_DIED in log:
+            rc = proc.poll()
             stop_ray_head(proc.pid, timeout_s=2.0)
-            raise _HeadExited(f"`{' '.join(cmd)}` exited with {proc.poll()}:\n{log[-3000:]}")
+            what = f"exited with {rc}" if rc is not None else "saw one of its subprocesses exit"
+            raise _HeadExited(f"`{' '.join(cmd)}` {what}:\n{log_path.read_text()[-3000:]}")
         if checked_at is None and _STARTED in log:
             checked_at = time.monotonic() + _MONITOR_PERIOD_S + 0.3  # past its first check
         if checked_at is not None and time.monotonic() >= checked_at:

@@ -8,6 +8,7 @@ block id and position comes from the scheduler's plan (vLLM v1 ``GPUModelRunner`
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -31,6 +32,9 @@ class ModelRunner:
     Attributes:
         decode_plan: :class:`engine.model.decode_plan.DecodePlan` of the model over ``kv_cache``, or None
             (:func:`~engine.model.decode_plan.build_decode_plan`).
+        on_broken: ``f(reason)``, called once from the stepping thread the moment the runner becomes
+            :meth:`broken`, before the failing step's error propagates (the worker host withdraws the
+            worker then); None: no one is told.
     """
 
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int,
@@ -43,6 +47,7 @@ class ModelRunner:
         # decode steps as bound calls (engine.model.decode_plan): the same kernels and results, without
         # the module tree's Python (~2 ms of a ~10 ms int8 batch-1 step)
         self.decode_plan = build_decode_plan(model, kv_cache)
+        self.on_broken: Callable[[str], None] | None = None
 
     @property
     def kv_parts(self) -> list[tuple[torch.Tensor, int, int]]:

@@ -38,9 +38,11 @@ from pdcluster.client import API_KEY_ENV, read_ca
 
 PREFIX = "pdcluster:"
 CLIENT_CODES = frozenset({"INVALID_ARGUMENT", "NOT_FOUND", "OUT_OF_RANGE", "ALREADY_EXISTS", "FAILED_PRECONDITION",
-                          "UNAUTHENTICATED", "PERMISSION_DENIED", "CANCELLED", "RESOURCE_EXHAUSTED"})
+                          "UNAUTHENTICATED", "PERMISSION_DENIED", "CANCELLED", "RESOURCE_EXHAUSTED",
+                          "DEADLINE_EXCEEDED"})
 """Status codes of ``request_errors_total`` that say the request was refused or left, not that the cluster
-failed it: a bad request (HTTP 4xx), a missing or wrong API key, a client gone, an overload refusal (429)."""
+failed it: a bad request (HTTP 4xx), a missing or wrong API key, a client gone, an overload refusal (429),
+the client's own deadline or a body sent too slowly (408)."""
 
 
 @dataclass

@@ -49,5 +49,4 @@ def create_prefill_worker(cfg: WorkerConfig, port: int = 0, node_id: str = "") -
                                               sched.model_id, cfg.cache.block_size, period_s=cfg.heartbeat_s))
     return WorkerHost(cfg, sched, add, SERVICES, port=port, block_size=cfg.cache.block_size,
                       num_total_blocks=sched.pool.num_usable, node_id=node_id, companions=companions,
-                      metrics=metrics, on_stopped=runner.close,
-                      broken=runner.broken)
+                      metrics=metrics, on_stopped=runner.close, runner=runner)

@@ -172,6 +172,8 @@ class ActiveRequest:
             yield from self._ended_by_client(out)
             return
         tokens = prep.prompt_token_ids + out.token_ids
+        if cause:  # the registry now: a worker that withdrew as it failed the request (broken) is not chosen again
+            self.router.placer.view.refresh()
         # the first placement takes its turn in the start lane (refusals of the burst first); a
         # migration's may wait for a worker and is never deferred behind arrivals
         turn = contextlib.nullcontext() if cause else self.router.lane.turn(self.arrival)

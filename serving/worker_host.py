@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from dataclasses import replace
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -25,6 +25,9 @@ from serving.rpc import MAX_INTERNAL_CONNECTIONS, MarkHandlerStatus, add_health,
 from serving.security import Plane, bind, make_server
 from serving.worker_config import WorkerConfig
 from serving.worker_metrics import WorkerMetrics
+
+if TYPE_CHECKING:  # the type only: importing the runner would load torch here
+    from engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +106,8 @@ class WorkerHost:
         metrics: the worker's Prometheus metrics; their ``/metrics`` endpoint starts here
             (any free port) and its address is registered with the worker.
         on_stopped: called once the step loop has ended (e.g. the runner's ``close``).
-        broken: why the worker's engine can no longer run any step (``""`` while it can), e.g.
-            :meth:`engine.model_runner.ModelRunner.broken`; see :meth:`broken`.
+        runner: the worker's model runner: :meth:`broken` asks it, and it calls :meth:`withdraw` the
+            moment it breaks (its ``on_broken``), before the failing step's error leaves the worker.
 
     Both gRPC servers are internal-plane servers (:func:`serving.security.make_server`): with a
     cluster secret in ``cfg.security`` every call except health checks must carry it, and a
@@ -126,10 +129,12 @@ class WorkerHost:
                  port: int = 0, add_kv_servicers: Callable[[grpc.Server], None] | None = None, block_size: int = 0,
                  num_total_blocks: int = 0, node_id: str = "", companions: list | None = None,
                  metrics: WorkerMetrics | None = None, on_stopped: Callable[[], None] | None = None,
-                 broken: Callable[[], str] | None = None) -> None:
+                 runner: ModelRunner | None = None) -> None:
         self.cfg = cfg
         self.on_stopped = on_stopped  # after the step loop ended (e.g. stop the tensor-parallel ranks)
-        self._broken = broken
+        self.runner = runner
+        if runner is not None:
+            runner.on_broken = lambda reason: self.withdraw()
         self.metrics = metrics
         self.scheduler = scheduler
         self.companions = companions or []  # objects with start()/stop() living as long as the server
@@ -289,18 +294,26 @@ class WorkerHost:
             return False
 
     def broken(self) -> str:
-        """Why this worker can no longer serve, for good (``""`` while it can): what its engine says
-        (a tensor-parallel rank gone). Its host process should then :meth:`leave` and end, to be
-        started again (:class:`deploy.actors.WorkerActor`)."""
-        return self._broken() if self._broken is not None else ""
+        """Why this worker can no longer serve, for good (``""`` while it can): what its runner says
+        (:meth:`engine.model_runner.ModelRunner.broken`: a tensor-parallel rank gone or out of step).
+        Its host process should then :meth:`leave` and end, to be started again
+        (:class:`deploy.actors.WorkerActor`)."""
+        return self.runner.broken() if self.runner is not None else ""
 
-    def leave(self) -> None:
-        """Leave the cluster at once, for a worker that is :meth:`broken`: deregister (the router
-        sends nothing more here), health NOT_SERVING, and stop what ``on_stopped`` stops (the
-        tensor-parallel ranks). The servers are left to the process's end, which the caller brings
-        about: its open calls then fail as a crashed worker's do, and their requests migrate."""
+    def withdraw(self) -> None:
+        """Take no more requests, for good: deregister (heartbeats stop) and health NOT_SERVING;
+        idempotent, never raises (Redis down: logged). The runner calls it the moment it breaks, before
+        the failing step's error reaches the router, so a request migrating off this worker finds it
+        gone from the registry and is not placed here again."""
         self.heartbeater.stop(deregister=True)
         set_serving(self.health, self.services, serving=False)
+
+    def leave(self) -> None:
+        """Leave the cluster at once, for a worker that is :meth:`broken`: :meth:`withdraw`, then stop
+        what ``on_stopped`` stops (the tensor-parallel ranks). The servers are left to the process's
+        end, which the caller brings about: its open calls then fail as a crashed worker's do, and
+        their requests migrate."""
+        self.withdraw()
         if self.on_stopped is not None:
             self.on_stopped()
 

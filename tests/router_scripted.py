@@ -113,6 +113,9 @@ class ScriptedView:
 
     workers_now = workers
 
+    def refresh(self) -> bool:  # a migration re-reads the registry: the scripted list is it
+        return True
+
     def mark_unreachable(self, worker_id: str) -> None:
         self.marked.append(worker_id)
 

@@ -38,6 +38,7 @@ class TpModelRunner(ModelRunner):
         super().__init__(model, shards[0], block_size)
         self.layout, self.shards, self.conns, self.procs, self.store = layout, shards, conns, procs, store
         self._failed_step = ""  # why a forward failed here ("": none did); after one the ranks are out of step
+        self._told = False  # on_broken called
 
     @property
     def kv_parts(self) -> list[tuple[torch.Tensor, int, int]]:
@@ -53,6 +54,7 @@ class TpModelRunner(ModelRunner):
         """
         reason = self.broken()
         if reason:
+            self._tell_broken(reason)
             raise RuntimeError(f"{reason}; it cannot run steps")
         lean = StepPlan([replace(s, generator=None, prompt_token_ids=(), output_token_ids=(), stop_ids=(),
                                  token_bitmask=None, banned_ids=())
@@ -69,7 +71,14 @@ class TpModelRunner(ModelRunner):
             return super().forward_logits(plan)
         except Exception as e:
             self._failed_step = f"a tensor-parallel step failed on rank 0 ({type(e).__name__}: {e})"
+            self._tell_broken(self.broken())
             raise
+
+    def _tell_broken(self, reason: str) -> None:
+        """``on_broken(reason)``, the first time only."""
+        if self.on_broken is not None and not self._told:
+            self._told = True
+            self.on_broken(reason)
 
     def broken(self) -> str:
         """``"tensor-parallel ranks [r, ...] of this worker are gone"`` once a rank's process has exited
