@@ -307,19 +307,6 @@ def test_what_a_vllm_user_expects(oai, grpc_client):
         oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, logprobs=True, top_logprobs=21)
 
 
-def test_the_router_records_each_requests_n_and_phases(oai, base_url):
-    def totals() -> dict[str, float]:
-        s = scrape(base_url.removeprefix("http://"), {})
-        return {n: s.total(f"request_{n}") for n in ("params_n_count", "params_n_sum", "params_max_tokens_sum",
-                                                     "prefill_time_seconds_count", "decode_time_seconds_count")}
-
-    before = totals()
-    oai.completions.create(model=MODEL, prompt="Count to three.", n=3, max_tokens=2, temperature=0.5, seed=1)
-    delta = {k: v - before[k] for k, v in totals().items()}
-    assert delta == {"params_n_count": 1, "params_n_sum": 3, "params_max_tokens_sum": 6,
-                     "prefill_time_seconds_count": 3, "decode_time_seconds_count": 3}, delta
-
-
 def _router_totals(base_url: str) -> dict[str, float]:
     s = scrape(base_url.removeprefix("http://"), {})
 

@@ -1,7 +1,8 @@
 """A real Prometheus scraping a real 1P+2D cluster through the router's service discovery:
 every target up, TTFT/ITL quantiles, the TTFT count equal to the requests completed by a
-short loadtest, the recording rules evaluating, and every Grafana panel's PromQL returning
-data. The config and rules are the shipped ones (``deploy/prometheus``), also checked by
+short loadtest, each finished request's phases (prefill + decode = inference) and max_tokens,
+the recording rules evaluating, every Grafana panel's PromQL returning data, and an OpenAI
+request's n. The config and rules are the shipped ones (``deploy/prometheus``), also checked by
 ``promtool``."""
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import subprocess
 import time
 from pathlib import Path
 
+import openai
 import pytest
 
 from deploy.prometheus_server import PROMETHEUS_DIR, PrometheusServer, find_prometheus
 from pdcluster.cli import main as cli_main
+from pdcluster.top import scrape
 
 from cluster_utils import assert_no_leak, router_client, running_cluster
 
@@ -108,6 +111,13 @@ def test_latency_quantiles_and_counts(observed):
     _wait_for(prom, "sum(pdcluster:prefix_cache_queries_total)", prompt, timeout_s=10)
     # every byte sent was received; the two sides' last scrapes may be a scrape interval apart
     _wait_for(prom, "sum(pdcluster:kv_transfer_bytes_total) - sum(pdcluster:kv_received_bytes_total)", 0, timeout_s=10)
+    # each finished request's phases (vLLM's): prefill + decode = inference, and its max_tokens
+    for phase in ("prefill", "decode", "inference"):
+        assert _value(prom, f"sum(pdcluster:request_{phase}_time_seconds_count)") == summary["completed"], phase
+    sums = [f"sum(pdcluster:request_{phase}_time_seconds_sum)" for phase in ("prefill", "decode", "inference")]
+    phases = _value(prom, f"{sums[0]} + {sums[1]} - {sums[2]}")
+    assert abs(phases) < 1e-6
+    assert _value(prom, "sum(pdcluster:request_params_max_tokens_sum)") == 12 * summary["completed"]  # --output-len
 
 
 def test_recording_rules_evaluate(observed):
@@ -130,3 +140,13 @@ def test_every_dashboard_panel_returns_data(observed):
             if not prom.query(expr):
                 empty.append(f"{panel['title']}: {expr}")
     assert not empty, empty
+
+
+def test_an_openai_requests_n_is_recorded(observed):
+    """Last in the file: it adds a request to those the tests above count."""
+    state, _, _ = observed
+    client = openai.OpenAI(base_url=f"http://{state['router_http_address']}/v1", api_key="unused")
+    before = scrape(state["router_http_address"], {})
+    client.completions.create(model=client.models.list().data[0].id, prompt="Count to three.", n=3, max_tokens=2)
+    after = scrape(state["router_http_address"], {})
+    assert [after.total(k) - before.total(k) for k in ("request_params_n_count", "request_params_n_sum")] == [1, 3]
