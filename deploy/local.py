@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -31,10 +32,10 @@ from common.model_config import ConfigError
 from deploy.cluster import NAMESPACE, WORKER_ROLES, actor_name, head_node_id, launch, teardown
 from deploy.controller import HealConfig, RedisSpec, start_controller
 from deploy.placement import PlacementError
-from deploy.ray_env import STATE_TOKEN_KEY, check_ray_reachable, ray_token
+from deploy.ray_env import STATE_TOKEN_KEY, check_ray_reachable, ray_answers, ray_token
 from deploy.ray_node import start_ray_head, stop_ray_head
-from deploy.ray_watch import HeadWatch, head_answers, head_process_alive
-from deploy.redis_control import stop_redis_at, wait_pid_gone
+from deploy.ray_watch import HeadWatch
+from deploy.redis_control import pid_alive, stop_redis_at, wait_pid_gone
 from deploy.redis_server import LocalRedisServer
 from deploy.redis_supervisor import server_process
 from deploy.spec import exposure_warning, spec_from_args
@@ -156,7 +157,7 @@ def up(args) -> dict:
                      args.timeout_s, router_tls=spec.router.security.public_tls)
         _start_controller(state, HealConfig(period_s=spec.worker.heartbeat_s, hung_after_s=args.hung_after_s),
                           args.timeout_s, spec.router)
-        if not head_answers(state["ray_address"])():  # died since its watch last looked (every 0.5 s)
+        if not ray_answers(state["ray_address"]):  # died since its watch last looked (every 0.5 s)
             raise RuntimeError(f"the Ray head at {state['ray_address']} stopped answering as the cluster started")
     except BaseException:
         if watch is not None:
@@ -197,9 +198,9 @@ def _watch_head(state: dict, state_dir: Path) -> HeadWatch:
     Ray would end it 60 s later without running any cleanup."""
     if state["started_ray"]:
         pid = state["ray_head_pid"]
-        alive, misses, why = head_process_alive(pid), 1, f"exited (its log: {state_dir / 'ray-head.log'})"
+        alive, misses, why = partial(pid_alive, pid), 1, f"exited (its log: {state_dir / 'ray-head.log'})"
     else:
-        alive, misses, why = head_answers(state["ray_address"]), 3, "stopped accepting connections"
+        alive, misses, why = partial(ray_answers, state["ray_address"]), 3, "stopped accepting connections"
 
     def lost() -> None:
         print(f"error: the Ray head at {state['ray_address']} {why} while `up` was starting the cluster; "
@@ -281,7 +282,7 @@ def _cleanup(state: dict, connected: bool | None = None) -> None:
     """Stop what ``state`` records ``up`` started; ``connected``: whether Ray answers (by default
     whether this process is connected to it), so the cluster's actors can be killed through it."""
     if connected is None:  # a head that died leaves ray initialized, and a call through it hanging
-        connected = ray.is_initialized() and head_answers(state.get("ray_address", ""))()
+        connected = ray.is_initialized() and ray_answers(state.get("ray_address", ""))
     if state.get("workers") and connected:
         teardown(state)
     if connected:

@@ -82,3 +82,13 @@ def check_ray_reachable(address: str, timeout_s: float = 5.0) -> None:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as e:
         raise ConnectionError(f"cannot reach the cluster's Ray at {address}: {e}") from None
+
+
+def ray_answers(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether the Ray head at ``address`` accepts a connection within ``timeout_s`` seconds
+    (:func:`check_ray_reachable`; an address it does not check counts as answering)."""
+    try:
+        check_ray_reachable(address, timeout_s)
+    except ConnectionError:
+        return False
+    return True

@@ -6,50 +6,15 @@ GCS within 60 seconds ... The program will terminate"): no ``finally`` runs, so 
 started was left running with no state file for ``down`` to find it by (seen: the GCS killed while
 ``up`` placed the workers). A :class:`HeadWatch` notices the head's end within a second or two, from
 a thread of its own (the main thread may be inside such a call), and hands it to a callback that
-stops what needs no Ray and ends the process itself.
+stops what needs no Ray and ends the process itself. Its probe is any ``() -> bool``: the head
+process alive (:func:`deploy.redis_control.pid_alive`), or its address answering
+(:func:`deploy.ray_env.ray_answers`).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
-
-from deploy.ray_env import check_ray_reachable
-
-
-def head_process_alive(pid: int) -> Callable[[], bool]:
-    """A probe: whether the head process ``pid`` (``ray start --block``, a child of this process,
-    which exits when one of the head's components dies) still runs."""
-
-    def alive() -> bool:
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)  # a child's exit is seen (and reaped) here
-            return done == 0
-        except ChildProcessError:  # not our child (or reaped before): whether it exists
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                return True
-            return True
-
-    return alive
-
-
-def head_answers(address: str, timeout_s: float = 2.0) -> Callable[[], bool]:
-    """A probe: whether the Ray head at ``address`` (``HOST:PORT``, a head ``up`` joined)
-    accepts a TCP connection within ``timeout_s`` seconds."""
-
-    def answers() -> bool:
-        try:
-            check_ray_reachable(address, timeout_s)
-        except ConnectionError:
-            return False
-        return True
-
-    return answers
 
 
 class HeadWatch:

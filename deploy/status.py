@@ -13,6 +13,7 @@ from redis.exceptions import RedisError, ResponseError
 from rich.console import Console
 from rich.table import Table
 
+from deploy.ray_env import ray_answers
 from serving.registry import CONTROLLER_REPORT_KEY, WORKER_ROLES, WorkerRegistry
 
 ROLES = WORKER_ROLES
@@ -58,22 +59,12 @@ def collect(state: dict) -> dict:
                  "Redis restarted; Ray restarts a router on the same address within seconds)",
                  "restarts": router_why.get(str(i), {}).get("restarts")}
                 for i in range(state.get("num_routers", 1)) if i not in live_routers]
-    return {"workers": rows, "missing": missing, "controller": report is not None, "ray_up": _ray_answers(state),
+    return {"workers": rows, "missing": missing, "controller": report is not None,
+            "ray_up": ray_answers(state["ray_address"]),
             "controller_report_age_s": round(time.time() - report.get("updated_at", 0), 2) if report else None,
             "routers": {"desired": state.get("num_routers", 1), "live": routers},
             "desired": {r: sum(w["role"] == r for w in desired_workers) for r in ROLES},
             "live": {r: sum(w["role"] == r for w in rows) for r in ROLES}}
-
-
-def _ray_answers(state: dict) -> bool:
-    """Whether the cluster's Ray head accepts a connection (without it nothing is healed)."""
-    from deploy.ray_env import check_ray_reachable
-
-    try:
-        check_ray_reachable(state["ray_address"], timeout_s=2.0)
-    except ConnectionError:
-        return False
-    return True
 
 
 def redis_down_message(state: dict, state_dir: str | None, error: Exception) -> str:
@@ -81,11 +72,7 @@ def redis_down_message(state: dict, state_dir: str | None, error: Exception) -> 
     controller restarts the local one ``up`` started within seconds) while the cluster's Ray head
     answers; with the Ray head gone too, the cluster is dead and ``pdcluster down`` clears what is
     left of it."""
-    from deploy.ray_env import check_ray_reachable
-
-    try:
-        check_ray_reachable(state["ray_address"], timeout_s=2.0)
-    except ConnectionError:
+    if not ray_answers(state["ray_address"]):
         flag = f" --state-dir {shlex.quote(str(state_dir))}" if state_dir else ""
         return (f"error: neither the cluster's Redis nor its Ray head at {state['ray_address']} answers: the "
                 f"cluster is down (its processes died?); clear what is left of it with `pdcluster down{flag}`")

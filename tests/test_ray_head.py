@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,9 @@ import ray
 from cluster_utils import live_session_members
 
 from deploy import ray_node
-from deploy.ray_watch import HeadWatch, head_answers, head_process_alive
+from deploy.ray_env import ray_answers
+from deploy.ray_watch import HeadWatch
+from deploy.redis_control import pid_alive
 from deploy.state import state_path
 
 
@@ -79,9 +82,9 @@ def test_head_watch_stopped_first_calls_nothing_and_rejects_bad_settings():
         HeadWatch(lambda: True, lambda: None, period_s=0)
 
 
-def test_head_process_alive_sees_a_child_exit():
+def test_pid_alive_sees_a_child_exit():
     child = subprocess.Popen(["sleep", "30"])
-    alive = head_process_alive(child.pid)
+    alive = partial(pid_alive, child.pid)
     assert alive()
     child.kill()
     deadline = time.monotonic() + 5
@@ -132,10 +135,10 @@ def test_up_stops_what_it_started_when_its_head_dies_while_starting(tmp_path):
     assert not live_session_members(heads[0]), "up left processes of the head's session running"
 
 
-def test_head_answers_probes_the_address():
+def test_ray_answers_probes_the_address():
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
         address = f"127.0.0.1:{listening.getsockname()[1]}"
-        assert head_answers(address, timeout_s=1.0)()
-    assert not head_answers(address, timeout_s=1.0)()
+        assert ray_answers(address, timeout_s=1.0)
+    assert not ray_answers(address, timeout_s=1.0)
