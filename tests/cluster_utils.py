@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from functools import partial
@@ -37,6 +38,20 @@ def running_cluster(state_dir, *extra_args: str):
             f"down left {current} naming the stopped head {state['ray_address']}"
         left = live_session_members(state["ray_head_pid"]) if state.get("started_ray") else []
         assert not left, f"down left processes of the Ray head's session running: {left}"
+
+
+def children(pid: int) -> set[int]:
+    """Processes whose parent is ``pid`` (from /proc)."""
+    kids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.add(int(entry))
+    return kids
 
 
 def live_session_members(sid: int, timeout_s: float = 10.0) -> list[str]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from cluster_utils import live_session_members
+from cluster_utils import children, live_session_members
 
 from deploy import ray_node
 from deploy.ray_env import ray_answers
@@ -93,18 +93,6 @@ def test_pid_alive_sees_a_child_exit():
     assert not alive()
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        if int(text[text.rindex(")") + 2:].split()[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
 def test_up_stops_what_it_started_when_its_head_dies_while_starting(tmp_path):
     """The head killed once ``up`` has started Redis: ``up`` says so and exits with 1 within
     seconds (Ray alone would end it 60 s later, leaving Redis running and no state file)."""
@@ -118,7 +106,7 @@ def test_up_stops_what_it_started_when_its_head_dies_while_starting(tmp_path):
             time.sleep(0.1)
         assert logs, f"up did not start Redis: {up.poll()}"
         redis_port = int(logs[0].stem.removeprefix("redis-"))
-        heads = [pid for pid in _children(up.pid) if "ray" in Path(f"/proc/{pid}/cmdline").read_text()]
+        heads = [pid for pid in children(up.pid) if "ray" in Path(f"/proc/{pid}/cmdline").read_text()]
         assert len(heads) == 1, heads
         os.killpg(heads[0], signal.SIGKILL)  # the whole head: GCS, raylet and the `ray start` watching them
         killed_at = time.monotonic()

@@ -27,6 +27,7 @@ from kv_helpers import FAULTY_MODULE
 from cluster_utils import (
     assert_greedy_matches,
     assert_no_leak,
+    children,
     hf_greedy,
     router_client,
     running_cluster,
@@ -48,20 +49,6 @@ LENGTHS = (5, 12, 27)
 NEW_TOKENS = 10
 
 
-def _children(pid: int) -> set[int]:
-    """Processes whose parent is ``pid`` (from /proc)."""
-    kids = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.add(int(entry))
-    return kids
-
-
 def _alive(pid: int) -> bool:
     try:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
@@ -79,7 +66,7 @@ def cell(request, tmp_path_factory, model_dir):
     with running_cluster(tmp_path_factory.mktemp("state"), "--model", str(folder), "--block-size", "4",
                          "--num-kv-blocks", "128", "--max-model-len", "128", "--heartbeat-s", "0.5",
                          "--prefill-tp", str(p_tp), "--decode-tp", str(d_tp), *flags) as state:
-        ranks = {w["role"]: _children(w["pid"]) for w in state["workers"]}
+        ranks = {w["role"]: children(w["pid"]) for w in state["workers"]}
         yield dict(state=state, folder=folder, tp={"prefill": p_tp, "decode": d_tp}, ranks=ranks, flags=flags)
     deadline = time.monotonic() + 15
     while any(_alive(p) for pids in ranks.values() for p in pids) and time.monotonic() < deadline:
@@ -109,7 +96,7 @@ def test_tp_cell_token_exact_vs_hf(cell):
 
 def _rank_processes(pid: int) -> list[int]:
     """The tensor-parallel ranks a worker process spawned (not spawn's resource tracker)."""
-    return [c for c in _children(pid) if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+    return [c for c in children(pid) if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
 
 
 def test_a_worker_whose_rank_dies_is_started_again(cell):
