@@ -132,11 +132,12 @@ def _drain(q: queue.Queue) -> list:
 
 
 def _admitted_batch(model, cfg: ModelConfig, prompts: list[list[int]], prefilled, new_tokens: int,
-                    block_size: int, decode_plan: bool = True):
+                    block_size: int, decode_plan: bool = True, layer_loop: str = "c++"):
     """A decode scheduler holding every prompt as a running request whose KV came from
     ``prefilled``; returns ``(runner, scheduler, event queues)``. ``decode_plan`` False: decode steps run
     the model's modules even where the runner built a decode plan (``engine.model.decode_plan``), to
-    measure what the plan saves.
+    measure what the plan saves; ``layer_loop`` ``"python"``: the plan runs its layer loop in Python even where
+    it has the C++ one (``engine.kernels.cpu.decode_step``), to measure what that saves.
 
     Raises:
         RuntimeError: a request was not admitted at once.
@@ -148,6 +149,8 @@ def _admitted_batch(model, cfg: ModelConfig, prompts: list[list[int]], prefilled
     runner = ModelRunner(model, allocate_kv_cache(cfg, cache, torch.device("cpu")), block_size)
     if not decode_plan:
         runner.decode_plan = None
+    elif layer_loop == "python" and runner.decode_plan is not None:
+        runner.decode_plan.native = None
     sched = DecodeScheduler(runner, cache, SchedulerConfig(max_num_seqs=b, max_model_len=len(prompts[0]) + new_tokens + 1),
                             cfg.eos_token_ids)
     streams: list[queue.Queue] = []
@@ -193,11 +196,12 @@ def _summary(steps: list[dict[str, float]], b: int, token_ids, events, has_meta:
 
 
 def measure_decode(model, cfg: ModelConfig, prompts: list[list[int]], prefilled: list[tuple[torch.Tensor, int]],
-                   new_tokens: int, block_size: int, step_context=None, decode_plan: bool = True) -> dict:
+                   new_tokens: int, block_size: int, step_context=None, decode_plan: bool = True,
+                   layer_loop: str = "c++") -> dict:
     """Decode ``new_tokens`` greedy tokens (``ignore_eos``) for every prompt as one batch
     through a :class:`DecodeScheduler`; the first token comes from ``prefilled``.
     ``step_context`` (a context manager, e.g. a profiler) wraps the decode steps only; ``decode_plan``
-    as :func:`_admitted_batch`.
+    and ``layer_loop`` as :func:`_admitted_batch`.
 
     Returns:
         ``tpot_ms``: the median of the ``new_tokens - 1`` decode steps' wall times (robust to
@@ -210,7 +214,8 @@ def measure_decode(model, cfg: ModelConfig, prompts: list[list[int]], prefilled:
         RuntimeError: a request was not admitted at once or failed.
     """
     b = len(prompts)
-    runner, sched, streams = _admitted_batch(model, cfg, prompts, prefilled, new_tokens, block_size, decode_plan)
+    runner, sched, streams = _admitted_batch(model, cfg, prompts, prefilled, new_tokens, block_size, decode_plan,
+                                             layer_loop)
 
     acc = dict.fromkeys(PARTS, 0.0)
     steps: list[dict[str, float]] = []

@@ -56,6 +56,9 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--name", default="quant_decode", help="output file stem")
     p.add_argument("--no-decode-plan", action="store_true",
                    help="run decode steps through the model's modules (engine.model.decode_plan off), for comparison")
+    p.add_argument("--python-layer-loop", action="store_true",
+                   help="run the decode plan's layer loop in Python (engine.kernels.cpu.decode_step off), for "
+                        "comparison")
     a = p.parse_args(argv)
     if a.quick:
         a.quantizations, a.batches, a.new_tokens, a.rounds = "int8", "1,8", 32, 2
@@ -66,14 +69,14 @@ def _parse(argv=None) -> argparse.Namespace:
 
 
 def _interleaved(models: dict, cfg, prompts: list[list[int]], prefilled: dict, new_tokens: int, first: int,
-                 decode_plan: bool = True) -> dict:
+                 decode_plan: bool = True, layer_loop: str = "c++") -> dict:
     """One decode of ``prompts`` per model, their steps interleaved (model ``first`` first, then the next...):
     each model's step ``i`` runs right after the other models' step ``i``, so a change in the machine's
     speed lasting longer than a few steps reaches every model alike. Step wall times (s) and tokens per model."""
     names = list(models)
     names = names[first % len(names):] + names[:first % len(names)]
     batches = {q: _decode_ours._admitted_batch(models[q], cfg, prompts, prefilled[q], new_tokens, BLOCK_SIZE,
-                                               decode_plan)
+                                               decode_plan, layer_loop)
                for q in names}
     steps: dict[str, list[float]] = {q: [] for q in names}
     live = set(names)
@@ -99,21 +102,23 @@ def _interleaved(models: dict, cfg, prompts: list[list[int]], prefilled: dict, n
 
 
 def run_point(models: dict, cfg, prompts: list[list[int]], new_tokens: int, rounds: int,
-              decode_plan: bool = True) -> dict:
+              decode_plan: bool = True, layer_loop: str = "c++") -> dict:
     """``rounds`` interleaved decodes of ``prompts`` by every model (:func:`_interleaved`, starting model
     rotating), then one plain :func:`_decode_ours.measure_decode` per model for the step's parts. Per model:
     TPOT p50 of each round (ms), the best round, the speed-up over float32 (best rounds) and the median over
     steps of the paired ratio (float32 step i / this model's step i, every round). ``decode_plan`` False: decode
-    steps through the models' modules (:func:`_decode_ours._admitted_batch`)."""
+    steps through the models' modules; ``layer_loop`` ``"python"``: the decode plan's layer loop in Python
+    (:func:`_decode_ours._admitted_batch`)."""
     prefilled = {q: _decode_ours.prefill_kv(m, cfg, prompts, BLOCK_SIZE) for q, m in models.items()}
-    rounds_out = [_interleaved(models, cfg, prompts, prefilled, new_tokens, r, decode_plan) for r in range(rounds)]
+    rounds_out = [_interleaved(models, cfg, prompts, prefilled, new_tokens, r, decode_plan, layer_loop)
+                  for r in range(rounds)]
     ref_tokens = rounds_out[0]["tokens"]["none"]
     out = {}
     for q in models:
         tpots = [statistics.median(r["steps"][q]) * 1e3 for r in rounds_out]
         paired = [a / b for r in rounds_out for a, b in zip(r["steps"]["none"], r["steps"][q])]
         parts = _decode_ours.measure_decode(models[q], cfg, prompts, prefilled[q], new_tokens, BLOCK_SIZE,
-                                            decode_plan=decode_plan)
+                                            decode_plan=decode_plan, layer_loop=layer_loop)
         out[q] = {"tpot_ms": min(tpots), "tpot_ms_runs": tpots, "tokens_per_s": len(prompts) / min(tpots) * 1e3,
                   "median_ms": parts["median_ms"], "paired_speedup_vs_fp32": statistics.median(paired),
                   "identical_to_fp32": sum(a == c for a, c in zip(rounds_out[0]["tokens"][q], ref_tokens))}
@@ -137,7 +142,7 @@ def run(args) -> dict:
               for q in args.quantizations}
     res = {"benchmark": "quant_decode", "quick": args.quick, "model": args.model, "cpu": _common.cpu_name(),
            "threads": args.threads, "torch": torch.__version__, "context": args.context,
-           "decode_plan": not args.no_decode_plan,
+           "decode_plan": not args.no_decode_plan, "layer_loop": _layer_loop(args),
            "new_tokens": args.new_tokens, "rounds": args.rounds, "quantizations": args.quantizations,
            "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "load_avg_1m_start": _common.load_avg_1m(), "copy_GBps_start": _common.copy_bandwidth_GBps(),
@@ -147,16 +152,23 @@ def run(args) -> dict:
     for b in args.batches:
         load = _common.load_avg_1m()
         log(f"batch {b}, load {load:.2f}")
-        point = run_point(models, cfg, prompts_all[:b], args.new_tokens, args.rounds, not args.no_decode_plan)
+        point = run_point(models, cfg, prompts_all[:b], args.new_tokens, args.rounds, not args.no_decode_plan,
+                          _layer_loop(args))
         res["points"].append({"batch_size": b, "load_avg_1m_before": load, "models": point})
         log("  " + ", ".join(f"{q} {v['tpot_ms']:.1f} ms ({v['speedup_vs_fp32']:.2f}x)" for q, v in point.items()))
     res["load_avg_1m_end"], res["duration_s"] = _common.load_avg_1m(), time.perf_counter() - t0
     return res
 
 
+def _layer_loop(args) -> str:
+    return "python" if args.python_layer_loop else "c++"
+
+
 def markdown(res: dict) -> str:
     qs = [q for q in res["quantizations"] if q != "none"]
-    steps = ("the runner's decode plan (`engine/model/decode_plan.py`)" if res.get("decode_plan", True)
+    loop = {"c++": ", its layer loop in C++ (`engine/kernels/cpu/decode_step.py`)",
+            "python": ", its layer loop in Python (`--python-layer-loop`)"}.get(res.get("layer_loop"), "")
+    steps = (f"the runner's decode plan (`engine/model/decode_plan.py`){loop}" if res.get("decode_plan", True)
              else "the model's modules (`--no-decode-plan`)")
     head = ["batch", "load 1m", "fp32 TPOT ms (runs)"] + [f"{q} TPOT ms (runs)" for q in qs] + \
         [f"{q} / fp32 speed (paired)" for q in qs] + [f"{q} identical to fp32" for q in qs]

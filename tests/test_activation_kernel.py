@@ -1,5 +1,6 @@
 """The C++ gated activation (``engine/kernels/cpu/csrc/activation.cpp``): ``silu_and_mul`` bit-identical to
-``F.silu(gate) * up`` for decode and prefill row counts and strided input, its argument check, and the
+``F.silu(gate) * up`` for decode and prefill row counts, sizes with and without elements left over after its
+vector loop, special values and strided input, its argument check, and the
 decoder's MLP taking it for SiLU on CPU (and not for Gemma's GELU).
 
 Skipped, with the reason, where the extension cannot be built (no compiler).
@@ -16,13 +17,23 @@ from engine.kernels.cpu.build import load
 pytestmark = pytest.mark.skipif(load("activation") is None, reason="the activation extension could not be built")
 
 
-@pytest.mark.parametrize("shape", [(1, 3072), (33, 3072), (4, 5, 16), (2, 2)], ids=str)
+# intermediate sizes: whole pairs of AVX2 / AVX-512 vectors, and with elements left over for the scalar loop
+@pytest.mark.parametrize("shape", [(1, 3072), (33, 3072), (4, 5, 16), (2, 2), (3, 66), (2, 200), (1, 2 * 6912)],
+                         ids=str)
 def test_bit_identical_to_torch(shape, threads):
-    x = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape))) * 4
-    out = silu_and_mul(x)
-    assert out.shape == (*shape[:-1], shape[-1] // 2) and torch.equal(out, silu_and_mul_reference(x))
+    for scale in (1.0, 4.0, 30.0):
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape))) * scale
+        out = silu_and_mul(x)
+        assert out.shape == (*shape[:-1], shape[-1] // 2) and torch.equal(out, silu_and_mul_reference(x)), scale
     strided = torch.randn(shape[-1], 3).T  # rows not contiguous
     assert torch.equal(silu_and_mul(strided), silu_and_mul_reference(strided))
+
+
+def test_special_values_as_torch():
+    x = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 88.0, -88.0, -104.0, 1e-40, -1e-40] * 4)
+    x = torch.cat([x, x.flip(0)])[None]
+    out, want = silu_and_mul(x), silu_and_mul_reference(x)
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(), want.nan_to_num())
 
 
 def test_odd_last_dimension_raises():

@@ -36,3 +36,6 @@ def test_one_point_both_models_and_the_report(model_config, tokenizer):
     assert "| 2 | int8 |" in md
     assert "the runner's decode plan" in md
     assert "`--no-decode-plan`" in quant_decode.markdown({**res, "decode_plan": False})
+    assert "layer loop in Python (`--python-layer-loop`)" in quant_decode.markdown({**res, "layer_loop": "python"})
+    python_loop = quant_decode.run_point(models, model_config, prompts, 4, rounds=1, layer_loop="python")
+    assert python_loop["int8"]["identical_to_fp32"] == point["int8"]["identical_to_fp32"]

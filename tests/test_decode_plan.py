@@ -4,7 +4,8 @@ RoPE, Mistral's sliding window, Qwen2's biases and windowed layers, Qwen3's q/k 
 norms, GELU, embedding scale and two RoPEs), with float32, int8 and Q4_1 projections, at one and several
 sequences, through the paged decode kernel or through the ``sdpa`` backend; it is not built where it
 does not apply (unmerged projections, another cache dtype or layout), and the model runner uses it for
-decode steps only."""
+decode steps only. Where the kernels are built the plan runs its layer loop in C++
+(:mod:`engine.kernels.cpu.decode_step`): both loops are checked, and the C++ one's argument errors."""
 
 from __future__ import annotations
 
@@ -53,12 +54,14 @@ def _prefilled(model, cfg, prompts: list[list[int]], tables) -> torch.Tensor:
     return kv
 
 
-@pytest.mark.parametrize("family,quantization,backend", [
-    *((f, q, None) for f in ("llama3", "llama_dynamic", "mistral", "qwen2", "qwen3", "gemma3")
-      for q in ("none", "int8", "q4")),
-    ("mistral", "none", "sdpa"), ("gemma3", "none", "sdpa"),  # attention through the backend, windows masked
+@pytest.mark.parametrize("family,quantization,backend,native", [
+    *((f, q, None, native) for f in ("llama3", "llama_dynamic", "mistral", "qwen2", "qwen3", "gemma3")
+      for q in ("none", "int8", "q4") for native in (True, False)),
+    # attention through the backend, windows masked (the layer loop then stays in Python)
+    ("mistral", "none", "sdpa", False), ("gemma3", "none", "sdpa", False),
 ])
-def test_plan_equals_the_model_bit_for_bit(family, quantization, backend, tmp_path):
+def test_plan_equals_the_model_bit_for_bit(family, quantization, backend, native, tmp_path):
+    """native: the layer loop in C++ (engine.kernels.cpu.decode_step), else the plan's Python loop."""
     cfg, model = _model(family, tmp_path, quantization, backend)
     g = torch.Generator().manual_seed(3)
     # lengths past the sliding windows (8) and, for llama_dynamic, past max_position_embeddings (32)
@@ -69,6 +72,9 @@ def test_plan_equals_the_model_bit_for_bit(family, quantization, backend, tmp_pa
         kv_plan = kv_model.clone()
         plan = build_decode_plan(model, kv_plan)
         assert isinstance(plan, DecodePlan) and (plan._decode_kernel is None) == (backend == "sdpa")
+        assert (plan.native is not None) == (backend is None)
+        if not native:
+            plan.native = None
         lens = [len(p) for p in batch]
         for step in range(4):  # several steps: the plan's writes feed its next step's attention
             ids = torch.randint(3, 128, (len(batch),), generator=g)
@@ -132,3 +138,35 @@ def test_runner_uses_the_plan_for_decode_steps_only(tmp_path):
     for _ in range(3):
         ref += plain.execute(StepPlan([ScheduledSeq("r", ref[-1:], len(ref) - 1, table, True, GREEDY)])).token_ids
     assert ref == tokens
+
+
+def test_native_step_names_what_is_wrong():
+    from engine.kernels.cpu import decode_step
+    from engine.kernels.cpu.build import load
+
+    ext, capsules = load(decode_step.NAME), decode_step.entry_points()
+    if ext is None or capsules is None:
+        pytest.skip("the C++ decode step or a kernel it calls is not built here")
+    with pytest.raises(RuntimeError, match="capsule 'pdcluster.rms_norm', got 'pdcluster.rope_store'"):
+        ext.DecodeStep({**capsules, "rms_norm": capsules["rope_store"]})
+    with pytest.raises(RuntimeError, match="no kernel 'linear_w8a8' given"):
+        ext.DecodeStep({k: v for k, v in capsules.items() if k != "linear_w8a8"})
+    step = ext.DecodeStep(capsules)
+    with pytest.raises(RuntimeError, match="no layers added"):
+        step.run(torch.zeros(1, 8), [], torch.zeros(1, 2, 1, 4, 1, 8), torch.zeros(1, dtype=torch.long),
+                 torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+    norm, w = (torch.ones(8), 1e-6, 0.0), torch.zeros(1, 8, 32)
+    panels = decode_step.ProjSpec("f32_panels", (w,), 8, None)
+    good = dict(in_norm=norm, post_norm=norm, qk_norms=[], ffn_norms=[], projs=[panels] * 4,
+                dims=[8, 8, 8, 1, 1, 8, 0, 0], scale=1.0, act="silu", k_cache=torch.zeros(1, 4, 1, 8),
+                v_cache=torch.zeros(1, 4, 1, 8))
+    for bad, match in ((dict(projs=[panels._replace(kind="fp8")] * 4), "unknown projection kind 'fp8'"),
+                       (dict(projs=[panels._replace(tensors=(w, w))] * 4), "a f32_panels projection takes 1 tensors"),
+                       (dict(projs=[panels] * 3), r"projs must be \(qkv, o, gate_up, down\)"),
+                       (dict(dims=[8, 8]), "dims must hold 8 numbers"),
+                       (dict(act="relu"), "unknown activation 'relu'"),
+                       (dict(qk_norms=[norm]), r"qk_norms must be \(\) or 2 norms")):
+        with pytest.raises(RuntimeError, match=match):
+            step.add_layer(**{**good, **bad})
+    step.add_layer(**good)
+    assert step.num_layers == 1

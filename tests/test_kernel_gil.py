@@ -54,7 +54,30 @@ def _calls() -> dict[str, tuple[str, Callable[[object], object]]]:
         "silu_and_mul": ("activation", lambda e: e.silu_and_mul(gate_up)),
         "decode": ("paged_attention", lambda e: e.decode(q[:4], cache[0, 0], cache[0, 1], tables, lens, 0.125, 0)),
         "rope_store": ("rope_cache", lambda e: e.rope_store(q, k, v, cos, sin, cache, 1, slots)),
+        "DecodeStep.run": ("decode_step", _decode_step_call(g)),
     }
+
+
+def _decode_step_call(g: torch.Generator) -> Callable[[object], object]:
+    """Two SmolLM2-shaped layers (float32 panels) over 4 sequences of 16 tokens, as the C++ decode step runs
+    them (engine.kernels.cpu.decode_step)."""
+    from engine.kernels.cpu.decode_step import ProjSpec, new_step
+
+    step = new_step()
+    if step is None:
+        return lambda e: None  # the test skips: the extension is not built
+
+    def proj(n: int, k: int) -> ProjSpec:
+        return ProjSpec("f32_panels", (panel_gemm.pack(torch.randn(n, k, generator=g) * 0.05),), n, None)
+
+    norm, cache = (torch.ones(576), 1e-5, 0.0), torch.zeros(2, 2, 4, 16, 3, 64)
+    for i in range(2):
+        step.add_layer(norm, norm, [], [], [proj(960, 576), proj(576, 576), proj(3072, 576), proj(576, 1536)],
+                       [576, 192, 192, 9, 3, 64, 0, 0], 0.125, "silu", cache[i, 0], cache[i, 1])
+    x, angle = torch.randn(4, 576, generator=g), torch.randn(4, 1, 64, generator=g)
+    tables, lens = torch.arange(4, dtype=torch.int32)[:, None], torch.full((4,), 16, dtype=torch.int32)
+    ropes, slots = [(angle.cos(), angle.sin())], torch.arange(4) * 16 + 15
+    return lambda e: step.run(x, ropes, cache, slots, tables, lens)
 
 
 CALLS = _calls()

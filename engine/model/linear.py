@@ -31,6 +31,7 @@ from torch import nn
 
 from engine.kernels.cpu import panel_gemm
 from engine.kernels.cpu.build import load_function
+from engine.kernels.cpu.decode_step import ProjSpec
 
 BATCH_HINT = 32
 """Rows oneDNN tunes the packed layout for (any row count works; 1-512 measured within 10%)."""
@@ -172,6 +173,10 @@ class PanelLinear(nn.Module):
         per call; :mod:`engine.model.decode_plan`)."""
         linear, panels, n, bias = self._linear, self.panels, self.out_features, self.bias
         return lambda x: linear(x, panels, n, bias)
+
+    def kernel_spec(self) -> ProjSpec:
+        """This projection as the C++ decode step binds it (:mod:`engine.kernels.cpu.decode_step`)."""
+        return ProjSpec("f32_panels", (self.panels,), self.out_features, self.bias)
 
 
 def _convert_all(model: nn.Module, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> int:

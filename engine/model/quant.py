@@ -28,6 +28,7 @@ from torch import nn
 
 from engine.config import QUANTIZATIONS, check_quantization
 from engine.kernels.cpu import quant_ops
+from engine.kernels.cpu.decode_step import ProjSpec
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,13 @@ class Int8Linear(nn.Module):
         wpack, spack, excess, n, bias = self.wpack, self.spack, self.excess, self.out_features, self.bias
         return lambda x: kernel(x, wpack, spack, excess, n, bias)
 
+    def kernel_spec(self) -> ProjSpec | None:
+        """This projection as the C++ decode step binds it (:mod:`engine.kernels.cpu.decode_step`), or None
+        where the kernel is not built."""
+        if quant_ops.kernel("int8") is None:
+            return None
+        return ProjSpec("w8a8", (self.wpack, self.spack, self.excess), self.out_features, self.bias)
+
 
 class Q4Linear(nn.Module):
     """``y = quantized(x) @ W.T + bias`` with ``W`` in llama.cpp's Q4_1 blocks (32 weights, float ``d`` and ``m``)
@@ -164,6 +172,12 @@ class Q4Linear(nn.Module):
             return self
         wpack, dm, n, bias = self.wpack, self.dm, self.out_features, self.bias
         return lambda x: kernel(x, wpack, dm, n, bias)
+
+    def kernel_spec(self) -> ProjSpec | None:
+        """As :meth:`Int8Linear.kernel_spec`, for this layer's Q4_1 kernel."""
+        if quant_ops.kernel("q4_1") is None:
+            return None
+        return ProjSpec("w4a8", (self.wpack, self.dm), self.out_features, self.bias)
 
 
 def _projections(model: nn.Module):

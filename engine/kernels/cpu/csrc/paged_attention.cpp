@@ -12,6 +12,7 @@
 // parts whose states are merged at the end (Flash-Decoding's split-K; see kPartTokens). float32
 // throughout.
 #include "torch_ext.h"
+#include "kernel_abi.h"
 
 #include <algorithm>
 #include <cmath>
@@ -356,6 +357,8 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("decode_abi") =  // decode_step.cpp
+      pdc_abi::abi_capsule<pdc_abi::PagedDecode>(&decode, "pdcluster.paged_decode");
   m.def("decode", &decode, "Paged decode attention (float32, CPU; see the source's comment)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("window"), py::arg("heads_per_item") = 1,

@@ -19,6 +19,7 @@
 // batched and whole-prompt prefill write the same KV); they agree with F.linear / oneDNN to float
 // rounding (~1e-6 relative), not bit for bit.
 #include "torch_ext.h"
+#include "kernel_abi.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -201,6 +202,8 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& panels, int
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("linear_abi") =  // decode_step.cpp
+      pdc_abi::abi_capsule<pdc_abi::PanelLinear>(&linear, "pdcluster.panel_linear");
   m.def("linear", &linear, "y = x @ W.T + bias, W packed in panels of 32 output features [N/32, K, 32]",
         py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());

@@ -16,6 +16,7 @@
 //   tensor float32 (slot_mapping int64), CPU, contiguous; a bad argument raises RuntimeError
 //   naming it. Tokens are split over torch's intra-op threads (at::parallel_for).
 #include "torch_ext.h"
+#include "kernel_abi.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -107,6 +108,8 @@ void rope_store(torch::Tensor q, const torch::Tensor& k, const torch::Tensor& v,
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("rope_store_abi") =  // decode_step.cpp
+      pdc_abi::abi_capsule<pdc_abi::RopeStore>(&rope_store, "pdcluster.rope_store");
   m.def("rope_store", &rope_store, "rotate q in place; rotated k and v into the paged KV cache at slot_mapping",
         py::call_guard<py::gil_scoped_release>());
 }

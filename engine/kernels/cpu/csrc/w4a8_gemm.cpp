@@ -16,6 +16,7 @@
 // Panels are split over torch's intra-op threads; input rows go in tiles of up to 8 (AVX-512) sharing each
 // loaded weight vector, and in blocks of 256 rows for prefill.
 #include "torch_ext.h"
+#include "kernel_abi.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -169,6 +170,8 @@ torch::Tensor linear_w4a8(const torch::Tensor& x_in, const torch::Tensor& wpack,
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("linear_w4a8_abi") =  // decode_step.cpp
+      pdc_abi::abi_capsule<pdc_abi::LinearW4A8>(&linear_w4a8, "pdcluster.linear_w4a8");
   m.doc() = "Q4_1 weights x per-call int8 activations (AVX-512 VNNI / AVX2 integer dot over panel-packed nibbles)";
   m.def("linear_w4a8", &linear_w4a8, "y = quantize_int8(x) @ dequantize_q4_1(W).T + bias, W packed in panels",
         py::arg("x"), py::arg("wpack"), py::arg("dm"), py::arg("n"), py::arg("bias") = py::none(),
