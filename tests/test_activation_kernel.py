@@ -18,8 +18,8 @@ pytestmark = pytest.mark.skipif(load("activation") is None, reason="the activati
 
 
 # intermediate sizes: whole pairs of AVX2 / AVX-512 vectors, and with elements left over for the scalar loop
-@pytest.mark.parametrize("shape", [(1, 3072), (33, 3072), (4, 5, 16), (2, 2), (3, 66), (2, 200), (1, 2 * 6912)],
-                         ids=str)
+@pytest.mark.parametrize("shape", [(1, 3072), (33, 3072), (4, 5, 16), (2, 2), (3, 66), (2, 200), (1, 2 * 6912),
+                                   (512, 96)], ids=str)
 def test_bit_identical_to_torch(shape, threads):
     for scale in (1.0, 4.0, 30.0):
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape))) * scale
@@ -27,6 +27,20 @@ def test_bit_identical_to_torch(shape, threads):
         assert out.shape == (*shape[:-1], shape[-1] // 2) and torch.equal(out, silu_and_mul_reference(x)), scale
     strided = torch.randn(shape[-1], 3).T  # rows not contiguous
     assert torch.equal(silu_and_mul(strided), silu_and_mul_reference(strided))
+
+
+@pytest.mark.parametrize("threads_n", [3, 5])
+def test_bit_identical_where_a_thread_starts_inside_a_row(threads_n):
+    """ATen splits the elements over threads, not the rows: with 3 threads, 8 rows of Qwen2.5-1.5B's 8960 split
+    mid-row at an offset its vector loop then starts from."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads_n)
+    try:
+        for shape in ((8, 2 * 8960), (7, 2 * 6912), (64, 3072)):
+            x = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0])) * 6
+            assert torch.equal(silu_and_mul(x), silu_and_mul_reference(x)), shape
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_special_values_as_torch():

@@ -157,7 +157,8 @@ def test_native_step_names_what_is_wrong():
                  torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
     norm, w = (torch.ones(8), 1e-6, 0.0), torch.zeros(1, 8, 32)
     panels = decode_step.ProjSpec("f32_panels", (w,), 8, None)
-    good = dict(in_norm=norm, post_norm=norm, qk_norms=[], ffn_norms=[], projs=[panels] * 4,
+    projs = [panels._replace(n=24), panels, panels._replace(n=16), panels]  # qkv, o, gate_up, down: 8 wide
+    good = dict(in_norm=norm, post_norm=norm, qk_norms=[], ffn_norms=[], projs=projs,
                 dims=[8, 8, 8, 1, 1, 8, 0, 0], scale=1.0, act="silu", k_cache=torch.zeros(1, 4, 1, 8),
                 v_cache=torch.zeros(1, 4, 1, 8))
     for bad, match in ((dict(projs=[panels._replace(kind="fp8")] * 4), "unknown projection kind 'fp8'"),
@@ -170,3 +171,27 @@ def test_native_step_names_what_is_wrong():
             step.add_layer(**{**good, **bad})
     step.add_layer(**good)
     assert step.num_layers == 1
+    kv = torch.zeros(1, 2, 1, 4, 1, 8)
+    step.run(torch.ones(1, 8), [(torch.ones(1, 1, 8), torch.zeros(1, 1, 8))], kv, torch.zeros(1, dtype=torch.long),
+             torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="layers are added before the first run"):
+        step.add_layer(**good)
+
+
+def test_a_projection_without_a_kernel_keeps_the_layer_loop_in_python(tmp_path):
+    """A projection the C++ loop cannot call (here a plain nn.Linear; a tensor-parallel one alike): the plan still
+    runs, bit-identical, with its Python loop."""
+    cfg, model = _model("llama3", tmp_path)
+    layer = model.model.layers[1].self_attn
+    dense = torch.nn.Linear(layer.o_proj.in_features, layer.o_proj.out_features, bias=False)
+    dense.weight.data.copy_(layer.o_proj.dense_weight())
+    layer.o_proj = dense.requires_grad_(False)
+    prompt = [5, 9, 17, 33, 4]
+    tables = _tables([len(prompt)], room=4)
+    kv_model = _prefilled(model, cfg, [prompt], tables)
+    kv_plan = kv_model.clone()
+    plan = build_decode_plan(model, kv_plan)
+    assert plan is not None and plan.native is None
+    meta = build_attention_metadata([SeqSlice(len(prompt), 1, tables[0])], BLOCK, sliding_windows=model.sliding_windows)
+    assert torch.equal(plan(torch.tensor([7]), meta), model(torch.tensor([7]), meta, kv_model))
+    assert torch.equal(kv_plan, kv_model)

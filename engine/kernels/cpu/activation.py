@@ -1,6 +1,8 @@
 """A gated MLP's activation in one call on CPU: ``silu_and_mul`` (``csrc/activation.cpp``), vLLM's op of the
-same name. It calls torch's own ``silu`` and ``mul`` from C++, so it is bit-identical to
-``F.silu(gate) * up``; it removes the Python side of three operators per layer (SmolLM2: 90 per decode step).
+same name. Bit-identical to ``F.silu(gate) * up``: float32 rows are computed with ATen's own formula, exp and
+vector width (checked against ATen on probe rows at first use), anything else through torch's ``silu`` and
+``mul`` called from C++. It removes the Python side of three operators per layer and the two operators' set-up
+(SmolLM2: 30 calls per decode step).
 """
 
 from __future__ import annotations

@@ -4,13 +4,16 @@
 // ATen's own formula and exp, in the vector width ATen's dispatch chose on this machine
 // (torch.backends.cpu.get_cpu_capability()): its CPU silu kernel computes x / (1 + exp(-x)) two vectors at a
 // time, exp by SLEEF (Sleef_expf8_u10 for AVX2, Sleef_expf16_u10 for AVX-512), and the elements left over
-// (fewer than two vectors) by its scalar loop through std::exp; then one rounding multiply by up. Anything
-// else (another dtype, a strided view, a capability this build lacks) runs torch's silu and mul operators from
-// C++. Why not always those: two operators cost ~10-20 us of allocation and TensorIterator set-up per call on
-// 2 AVX2 cores, against ~1 us of work on a batch-1 decode step's 1536 floats (SmolLM2: 30 calls a step).
+// (fewer than two vectors) by its scalar loop through std::exp; then one rounding multiply by up. The rows are
+// split over threads as ATen splits the elements, so the same elements reach the scalar loop at any thread
+// count. Anything else (another dtype, a strided view, a capability this build lacks, a torch whose kernel
+// gives other bits on a probe at first use) runs torch's silu and mul operators from C++. Why not always
+// those: two operators cost ~10-20 us of allocation and TensorIterator set-up per call on 2 AVX2 cores, against
+// ~1 us of work on a batch-1 decode step's 1536 floats (SmolLM2: 30 calls a step).
 #include "torch_ext.h"
 #include "kernel_abi.h"
 
+#include <ATen/TensorIterator.h>
 #include <ATen/Version.h>
 
 #include <algorithm>
@@ -26,22 +29,8 @@ namespace {
 
 enum class Lanes { None, Avx2, Avx512 };
 
-// The vector width of ATen's CPU kernels here, where this build has it too (else None: ATen's operators run)
-Lanes aten_lanes() {
-  static const Lanes lanes = [] {
-    const std::string cap = at::get_cpu_capability();
-#ifdef PDC_AVX512
-    if (cap == "AVX512") return Lanes::Avx512;
-#endif
-#ifdef PDC_AVX2
-    if (cap == "AVX2") return Lanes::Avx2;
-#endif
-    return Lanes::None;
-  }();
-  return lanes;
-}
-
-// out[j] = silu(gate[j]) * up[j] for j < n, rounded as torch's silu then mul (see the file comment)
+// out[j] = silu(gate[j]) * up[j] for j < n, rounded as torch's silu then mul (see the file comment); a row or
+// the piece of one that a task of ATen's split holds
 inline void silu_mul_row(Lanes lanes, const float* gate, const float* up, float* out, int64_t n) {
   int64_t j = 0;
 #ifdef PDC_AVX512
@@ -73,6 +62,38 @@ inline void silu_mul_row(Lanes lanes, const float* gate, const float* up, float*
   }
 }
 
+// Whether silu_mul_row with `lanes` gives ATen's bits on probe rows (lengths with and without elements left
+// for the scalar loop, at both vector widths): a torch whose silu kernel took another width or formula than the
+// one this file follows would fail here, and the kernel then runs ATen's operators instead.
+bool agrees_with_aten(Lanes lanes) {
+  for (const int64_t half : {53, 80}) {
+    const torch::Tensor x = at::sin(at::arange(2 * half, at::kFloat) * 0.37) * 9.0;
+    const torch::Tensor want = at::mul(at::silu(x.narrow(0, 0, half)), x.narrow(0, half, half));
+    torch::Tensor got = torch::empty({half}, x.options());
+    const float* xp = x.data_ptr<float>();
+    silu_mul_row(lanes, xp, xp + half, got.data_ptr<float>(), half);
+    if (!at::equal(got, want)) return false;
+  }
+  return true;
+}
+
+// The vector width of ATen's CPU kernels here, where this build has it too and agrees with ATen (else None:
+// ATen's operators run)
+Lanes aten_lanes() {
+  static const Lanes lanes = [] {
+    const std::string cap = at::get_cpu_capability();
+    Lanes l = Lanes::None;
+#ifdef PDC_AVX512
+    if (cap == "AVX512") l = Lanes::Avx512;
+#endif
+#ifdef PDC_AVX2
+    if (cap == "AVX2") l = Lanes::Avx2;
+#endif
+    return l != Lanes::None && agrees_with_aten(l) ? l : Lanes::None;
+  }();
+  return lanes;
+}
+
 }  // namespace
 
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
@@ -86,14 +107,17 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   auto sizes = gate_up.sizes().vec();
   sizes.back() = half;
   torch::Tensor out = torch::empty(sizes, gate_up.options());
-  const int64_t rows = half == 0 ? 0 : out.numel() / half;
   const float* in = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // as TensorIterator splits elementwise work: >= 32768 elements per task
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(half, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      silu_mul_row(lanes, in + r * 2 * half, in + r * 2 * half + half, op + r * half, half);
+  // the output's elements split over threads as ATen's TensorIterator splits them (at::internal::GRAIN_SIZE per
+  // task at least): a task may start or end inside a row, and ATen's vector loop then starts at the task's
+  // first element of that row, so the elements left to its scalar loop are the same here
+  at::parallel_for(0, out.numel(), at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end;) {
+      const int64_t r = i / half, j = i - r * half, n = std::min(half - j, end - i);
+      silu_mul_row(lanes, in + r * 2 * half + j, in + r * 2 * half + half + j, op + i, n);
+      i += n;
+    }
   });
   return out;
 }

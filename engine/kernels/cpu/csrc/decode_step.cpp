@@ -21,6 +21,7 @@
 
 #include <ATen/record_function.h>
 
+#include <atomic>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -102,6 +103,8 @@ class DecodeStep {
                  const std::vector<Norm>& ffn_norms, const std::vector<ProjSpec>& projs,
                  const std::vector<int64_t>& dims, double scale, const std::string& act, torch::Tensor k_cache,
                  torch::Tensor v_cache) {
+    // run() goes without the GIL: a layer added while a step runs would move the layers under it
+    TORCH_CHECK(!ran_.load(), "DecodeStep.add_layer: layers are added before the first run()");
     TORCH_CHECK(projs.size() == 4, "DecodeStep.add_layer: projs must be (qkv, o, gate_up, down), got ",
                 projs.size());
     TORCH_CHECK(dims.size() == 8, "DecodeStep.add_layer: dims must hold 8 numbers, got ", dims.size());
@@ -117,6 +120,7 @@ class DecodeStep {
                     const torch::Tensor& kv_cache, const torch::Tensor& slots, const torch::Tensor& tables,
                     const torch::Tensor& lens) const {
     TORCH_CHECK(!layers_.empty(), "DecodeStep.run: no layers added");
+    ran_.store(true);
     TORCH_CHECK(x.dim() == 2, "DecodeStep.run: x must be [T, hidden], got ", x.sizes());
     const int64_t t = x.size(0);
     torch::Tensor residual = x, out;  // x itself: each layer adds into it, as DecodePlan's loop
@@ -195,6 +199,7 @@ class DecodeStep {
 
   Kernels k_;
   std::vector<Layer> layers_;
+  mutable std::atomic<bool> ran_{false};
 };
 
 }  // namespace
