@@ -64,6 +64,7 @@ from dataclasses import dataclass
 import torch
 
 from common.sampling_params import Target, sampling_param, sampling_params
+from engine.kernels.cpu.argmax import argmax_rows
 from engine.logits_processors import History, apply_logits_processors, ban_early_stops, ban_ids
 from engine.token_bitmask import apply_token_bitmasks
 
@@ -295,7 +296,7 @@ class Sampler:
                                         stop_ids)
         processed = apply_token_bitmasks(ban_ids(processed, raw, banned), raw, bitmasks)
 
-        token_ids = processed.argmax(dim=-1)
+        token_ids = argmax_rows(processed)  # processed.argmax(dim=-1), by the C++ kernel on CPU
         rows = [i for i, opt in enumerate(options) if opt.temperature > 0.0]
         if rows:
             picked = self._sample_rows(processed, rows, options, generators)

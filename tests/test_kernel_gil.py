@@ -44,6 +44,7 @@ def _calls() -> dict[str, tuple[str, Callable[[object], object]]]:
     tables, lens = torch.arange(64, dtype=torch.int32).repeat(4, 1), torch.full((4,), 1024, dtype=torch.int32)
     angle = torch.randn(1024, 1, 64, generator=g)
     cos, sin, slots = angle.cos(), angle.sin(), torch.arange(1024)
+    logits = torch.randn(128, 49152, generator=g)
     return {
         "linear_f32": ("gemv", lambda e: e.linear_f32(x, w, None)),
         "linear": ("panel_gemm", lambda e: e.linear(x, panels, 1536, None)),
@@ -55,6 +56,7 @@ def _calls() -> dict[str, tuple[str, Callable[[object], object]]]:
         "decode": ("paged_attention", lambda e: e.decode(q[:4], cache[0, 0], cache[0, 1], tables, lens, 0.125, 0)),
         "rope_store": ("rope_cache", lambda e: e.rope_store(q, k, v, cos, sin, cache, 1, slots)),
         "DecodeStep.run": ("decode_step", _decode_step_call(g)),
+        "argmax_rows": ("argmax", lambda e: e.argmax_rows(logits)),
     }
 
 
