@@ -31,7 +31,8 @@ def test_same_index_as_torch(shape, threads):
 def test_special_values_as_torch():
     inf, nan = float("inf"), float("nan")
     rows = [[-inf] * 11, [-0.0, 0.0, -1.0] * 4, [0.0, -0.0] * 6, [1.0, nan, 3.0, nan] * 3, [nan] * 9,
-            [1.0] * 20 + [nan], [-inf] * 10 + [inf] + [inf] * 3, [2.0] * 8 + [5.0] + [1.0] * 8]
+            [1.0] * 20 + [nan], [-inf] * 10 + [inf] + [inf] * 3, [2.0] * 8 + [5.0] + [1.0] * 8,
+            [nan] + [0.0] * 7 + [5.0] + [1.0] * 7, [0.0] * 7 + [-1.0] + [nan] * 8 + [3.0]]
     for row in rows:
         x = torch.tensor([row])
         assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), row

@@ -41,7 +41,7 @@ int64_t row_argmax(const float* x, int64_t n) {
   for (; j + 8 <= n; j += 8) {
     const __m256 v = _mm256_loadu_ps(x + j);
     vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    vmax = _mm256_max_ps(vmax, v);  // a NaN lane keeps vmax's value: NaNs are caught by vnan
+    vmax = _mm256_max_ps(v, vmax);  // max_ps returns its second operand where v is NaN: NaNs are caught by vnan
   }
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, vmax);
