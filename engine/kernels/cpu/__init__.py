@@ -23,5 +23,13 @@ Each kernel has a plain-torch fallback that its caller uses when the extension i
   way, one pass over memory: ``gather_framed`` (rows into a new ``bytes`` after a prefix, the CRC
   written into it) and ``gather_crc`` (into a tensor, returning the CRC); used by :mod:`kvtransfer.onepass`.
 
-``bench/gemv.py`` measures them against ``F.linear`` and oneDNN at decode row counts.
+* ``activation`` (:mod:`engine.kernels.cpu.activation`): ``silu_and_mul``, a gated MLP's activation,
+  bit-identical to ``F.silu(gate) * up``.
+* ``argmax`` (:mod:`engine.kernels.cpu.argmax`): ``argmax_rows``, ``torch.argmax(dim=-1)`` of float32 logits
+  rows, the sampler's greedy pick.
+* ``decode_step`` (:mod:`engine.kernels.cpu.decode_step`): a decode step's decoder layers in one call, the
+  layer loop of :class:`engine.model.decode_plan.DecodePlan`; it calls the other kernels through the entry
+  points they export as capsules (``csrc/kernel_abi.h``).
+
+``bench/gemv.py`` measures the matmuls against ``F.linear`` and oneDNN at decode row counts.
 """
