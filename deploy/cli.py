@@ -63,24 +63,24 @@ def _add_serving(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-http", dest="http", action="store_false", help="serve gRPC only")
     p.add_argument("--max-request-bytes", type=t.positive, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                    help="largest gRPC message / HTTP body the router's public ports accept "
-                        f"(default {DEFAULT_MAX_REQUEST_BYTES}: 4 MiB)")
+                        f"(default: {DEFAULT_MAX_REQUEST_BYTES}, 4 MiB)")
     p.add_argument("--http-body-timeout", type=t.positive_float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
                    help="seconds an HTTP request's whole body may take to arrive; later: 408 "
-                        f"(default {DEFAULT_BODY_TIMEOUT_S:g})")
+                        f"(default: {DEFAULT_BODY_TIMEOUT_S:g})")
     p.add_argument("--http-header-timeout", type=t.positive_float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
                    help="seconds an HTTP request's head (request line + headers) may take to arrive, from the "
                         "connection's start or the previous response's end; later: 408 and the connection is closed "
-                        f"(default {DEFAULT_HEADER_TIMEOUT_S:g})")
+                        f"(default: {DEFAULT_HEADER_TIMEOUT_S:g})")
     p.add_argument("--http-max-connections", type=t.positive, default=DEFAULT_HTTP_MAX_CONNECTIONS, metavar="N",
                    help="open connections one router's HTTP port holds at most; one more gets 503 and is closed "
-                        f"(default {DEFAULT_HTTP_MAX_CONNECTIONS}; with TLS, as many more may be in their handshake)")
+                        f"(default: {DEFAULT_HTTP_MAX_CONNECTIONS}; with TLS, as many more may be in their handshake)")
     p.add_argument("--allowed-origins", type=t.origins, default=(), metavar="ORIGINS",
                    help="comma-separated origins (scheme://host[:port]) whose browser pages may call the HTTP API "
                         "(CORS), or '*' for any (vLLM's default); default: none (CORS off)")
     add_chat_flags(p)
     p.add_argument("--grpc-max-connections", type=t.positive, default=DEFAULT_GRPC_MAX_CONNECTIONS, metavar="N",
                    help="connections one router's gRPC port holds at once, handshakes included; one more is closed "
-                        f"at accept (default {DEFAULT_GRPC_MAX_CONNECTIONS})")
+                        f"at accept (default: {DEFAULT_GRPC_MAX_CONNECTIONS})")
     p.add_argument("--max-prompt-bytes", type=t.positive, default=None, metavar="BYTES",
                    help="largest prompt (text, or chat roles and contents) the router tokenizes "
                         "(default: max-model-len x the longest token of the vocabulary)")
@@ -99,15 +99,15 @@ def _add_admission(p: argparse.ArgumentParser) -> None:
                    help="requests the router admits beyond what the decode workers run (the sum of their "
                         "--max-num-seqs); more are refused at once with RESOURCE_EXHAUSTED / HTTP 429 and a "
                         "retry-after hint. Each decode worker also holds at most --max-num-seqs + N reservations "
-                        f"(default {DEFAULT_MAX_QUEUED_REQUESTS})")
+                        f"(default: {DEFAULT_MAX_QUEUED_REQUESTS})")
     p.add_argument("--ttft-slo-ms", type=t.positive_float, default=None, metavar="MS",
                    help="refuse a request whose predicted time to first token (prompt tokens queued at the best "
                         "prefill worker at its measured rate) exceeds MS (default: off)")
     p.add_argument("--breaker-failures", type=t.positive, default=3, metavar="N",
                    help="consecutive transport failures of a worker's calls after which the router skips it "
-                        "(default 3)")
+                        "(default: 3)")
     p.add_argument("--breaker-cooldown-s", type=t.positive_float, default=5.0, metavar="S",
-                   help="seconds the router skips such a worker before probing it (default 5)")
+                   help="seconds the router skips such a worker before probing it (default: 5)")
 
 
 def _add_kv(p: argparse.ArgumentParser) -> None:
@@ -125,10 +125,10 @@ def _add_kv(p: argparse.ArgumentParser) -> None:
                    help="option passed to the KV transport's factories (repeatable; the transport checks its keys)")
     p.add_argument("--kv-layers-per-chunk", type=t.positive, default=2, help="layers per KV chunk at most")
     p.add_argument("--kv-layerwise", dest="kv_layerwise", action="store_true", default=None,
-                   help="stream a request's KV layer by layer during its last prefill step (default on GPUs; "
+                   help="stream a request's KV layer by layer during its last prefill step (default: on GPUs; "
                         "on CPU the sender competes with the prefill for the same cores: bench/results/layerwise.md)")
     p.add_argument("--no-kv-layerwise", dest="kv_layerwise", action="store_false",
-                   help="send a request's KV after its last prefill step (default on CPU)")
+                   help="send a request's KV after its last prefill step (default: on CPU)")
     p.add_argument("--kv-timeout-s", type=t.positive_float, default=30.0, help="deadline of one KV transfer (seconds)")
     p.add_argument("--kv-lease-s", type=t.positive_float, default=120.0,
                    help="seconds a decode worker holds blocks for a transfer that does not finish")
@@ -148,7 +148,7 @@ def _add_placement(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-cpus", type=float, default=None, metavar="C",
                    help="logical CPUs per worker (default: 1 with GPUs, else the cluster's CPUs shared)")
     p.add_argument("--worker-gpus", type=float, default=None, metavar="G",
-                   help="fraction of a GPU per worker where the cluster has GPUs, in (0, 1] (default 1); e.g. 0.5 "
+                   help="fraction of a GPU per worker where the cluster has GPUs, in (0, 1] (default: 1); e.g. 0.5 "
                         "puts a prefill and a decode worker on one GPU (they share its memory; not with TP > 1 "
                         "or --kv-transport torch_dist)")
     p.add_argument("--prefill-threads", type=int, default=None, metavar="N",
@@ -188,7 +188,7 @@ def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
                    help="router processes behind the one address: they share --port and --http-port "
                         "(SO_REUSEPORT; the kernel spreads client connections over them), each admits its "
                         "share of the cluster's capacity, and one that dies is restarted on the same ports "
-                        "while the others keep serving (default 1)")
+                        "while the others keep serving (default: 1)")
     p.add_argument("--host", default="127.0.0.1", help="router bind host (0.0.0.0: every interface)")
     p.add_argument("--redis-url", default=None, help="existing Redis URL (default: start one)")
     p.add_argument("--redis-port", type=t.port, default=0, help="port of the Redis `up` starts (0: any free)")
@@ -201,7 +201,8 @@ def _add_up(sub: argparse._SubParsersAction, env_api_key: str | None) -> None:
     p.add_argument("--heartbeat-s", type=t.positive_float, default=1.0, help="registry heartbeat period in seconds")
     p.add_argument("--hung-after-s", type=t.positive_float, default=HealConfig.hung_after_s,
                    help="seconds a worker or router whose process still runs may go without a heartbeat (paused, "
-                        f"deadlocked) before the controller kills and restarts it (default {HealConfig.hung_after_s:g})")
+                        "deadlocked) before the controller kills and restarts it "
+                        f"(default: {HealConfig.hung_after_s:g})")
     p.add_argument("--worker-nice", type=int, choices=range(20), default=DEFAULT_WORKER_NICE, metavar="N",
                    help="nice steps the worker processes run below the router, Redis and the controller (0-19; "
                         f"default {DEFAULT_WORKER_NICE}): on shared cores those answer first, e.g. refuse an "

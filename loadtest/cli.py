@@ -29,11 +29,12 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "the router's HTTP API of the cluster in --state-dir)")
     p.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
                    help="state directory `pdcluster up --state-dir` wrote, read when no --address / --base-url "
-                        "is given (default ~/.pdcluster)")
+                        "is given (default: ~/.pdcluster)")
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", choices=_WORKLOADS, default="azure-conv", help="trace or synthetic (default azure-conv)")
+    w.add_argument("--workload", choices=_WORKLOADS, default="azure-conv",
+                   help="trace or synthetic (default: azure-conv)")
     w.add_argument("--traces-dir", type=Path, default=None, help="trace folder (default: the traces shipped in loadtest/data)")
-    w.add_argument("--num-requests", type=int, default=100, help="requests to send (default 100)")
+    w.add_argument("--num-requests", type=int, default=100, help="requests to send (default: 100)")
     w.add_argument("--skip", type=int, default=0, help="trace rows to skip before the slice")
     w.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply trace arrival times (0.1 = 10x faster; traces only)")
@@ -49,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     w.add_argument("--max-input-tokens", type=int, default=None, help="clip prompts to this many tokens")
     w.add_argument("--max-output-tokens", type=int, default=None, help="clip outputs to this many tokens")
     w.add_argument("--block-scale", type=float, default=1.0,
-                   help="mooncake: prefix block = 512 x this tokens, inputs scaled alike (default 1)")
+                   help="mooncake: prefix block = 512 x this tokens, inputs scaled alike (default: 1)")
     w.add_argument("--seed", type=int, default=0, help="seed of synthetic draws and prompt text offsets")
     r = p.add_argument_group("run")
     r.add_argument("--concurrency", type=int, default=None, help="closed loop: keep N requests in flight")
@@ -58,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="cancel requests still running this many seconds after sending stopped")
     r.add_argument("--request-timeout", type=float, default=300.0, help="gRPC deadline per request (s)")
     r.add_argument("--max-inflight", type=int, default=512, help="client threads for open-loop sends")
-    r.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default greedy)")
+    r.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: greedy)")
     r.add_argument("--tokenizer", default=None, help="model spec of the prompt tokenizer (default: served model)")
     o = p.add_argument_group("output")
     o.add_argument("--slo", default=None, metavar="ttft=2s,tpot=200ms",
