@@ -16,7 +16,7 @@ Scope: steps whose every sequence has one new token (``meta.max_query_len == 1``
 family the decoder serves (Llama, Mistral, Qwen2/2.5, Qwen3's q/k norms, Gemma 3's sandwich norms, GELU and
 embedding scale), once ``qkv_proj`` and ``gate_up_proj`` are merged, when the C++ RMSNorm, RoPE + cache write
 and SiLU-and-multiply kernels are built (:func:`build_decode_plan`). Steps with a prompt chunk run the
-modules. A projection runs through its module's ``kernel_call()`` where it has one
+modules. A projection runs through the kernel its module's ``kernel_spec()`` names where it has one
 (:class:`~engine.model.linear.PanelLinear`, :class:`~engine.model.quant.Int8Linear`,
 :class:`~engine.model.quant.Q4Linear`), else through the module itself (e.g. a tensor-parallel
 ``RowParallel``); attention through the C++ paged decode kernel where the model's backend would call it,
@@ -80,8 +80,8 @@ class LayerCalls:
 
 
 def _rows(module: nn.Module) -> Rows:
-    kernel_call = getattr(module, "kernel_call", None)
-    return kernel_call() if callable(kernel_call) else module
+    spec = _spec(module)
+    return module if spec is None else decode_step.python_call(spec)
 
 
 def _spec(module: nn.Module) -> decode_step.ProjSpec | None:

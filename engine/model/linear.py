@@ -155,7 +155,7 @@ class PanelLinear(nn.Module):
         self.weight_nbytes = weight.numel() * weight.element_size()
         self.register_buffer("panels", panel_gemm.pack(weight))
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous().clone())
-        self._linear = load_function(panel_gemm.NAME, "linear", "pdcluster::panel_gemm")
+        self._linear = panel_gemm.kernel()
 
     def dense_weight(self) -> torch.Tensor:
         """A plain ``[out_features, in_features]`` float32 copy of the weight."""
@@ -168,14 +168,9 @@ class PanelLinear(nn.Module):
         y = self._linear(x.reshape(-1, self.in_features), self.panels, self.out_features, self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def kernel_call(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """:meth:`forward` of ``[T, in_features]`` float32 rows with the weights bound (no module lookups
-        per call; :mod:`engine.model.decode_plan`)."""
-        linear, panels, n, bias = self._linear, self.panels, self.out_features, self.bias
-        return lambda x: linear(x, panels, n, bias)
-
     def kernel_spec(self) -> ProjSpec:
-        """This projection as the C++ decode step binds it (:mod:`engine.kernels.cpu.decode_step`)."""
+        """This projection as a decode plan binds it, in its C++ or its Python loop
+        (:mod:`engine.kernels.cpu.decode_step`)."""
         return ProjSpec("f32_panels", (self.panels,), self.out_features, self.bias)
 
 

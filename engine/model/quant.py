@@ -110,18 +110,9 @@ class Int8Linear(nn.Module):
         return _rows(quant_ops.linear_int8, x, self.in_features, self.out_features, self.wpack, self.spack,
                      self.excess, self.out_features, self.bias)
 
-    def kernel_call(self) -> Callable[[torch.Tensor], torch.Tensor] | nn.Module:
-        """:meth:`forward` of ``[T, in_features]`` float32 CPU rows with the weights bound (no module lookups
-        per call; :mod:`engine.model.decode_plan`), or this module where the kernel is not built."""
-        kernel = quant_ops.kernel("int8")
-        if kernel is None:
-            return self
-        wpack, spack, excess, n, bias = self.wpack, self.spack, self.excess, self.out_features, self.bias
-        return lambda x: kernel(x, wpack, spack, excess, n, bias)
-
     def kernel_spec(self) -> ProjSpec | None:
-        """This projection as the C++ decode step binds it (:mod:`engine.kernels.cpu.decode_step`), or None
-        where the kernel is not built."""
+        """This projection as a decode plan binds it, in its C++ or its Python loop
+        (:mod:`engine.kernels.cpu.decode_step`), or None where the kernel is not built."""
         if quant_ops.kernel("int8") is None:
             return None
         return ProjSpec("w8a8", (self.wpack, self.spack, self.excess), self.out_features, self.bias)
@@ -164,14 +155,6 @@ class Q4Linear(nn.Module):
         """``[..., in_features]`` -> ``[..., out_features]`` (``x``'s dtype)."""
         return _rows(quant_ops.linear_q4_1, x, self.in_features, self.out_features, self.wpack, self.dm,
                      self.out_features, self.bias)
-
-    def kernel_call(self) -> Callable[[torch.Tensor], torch.Tensor] | nn.Module:
-        """As :meth:`Int8Linear.kernel_call`, for this layer's Q4_1 kernel."""
-        kernel = quant_ops.kernel("q4_1")
-        if kernel is None:
-            return self
-        wpack, dm, n, bias = self.wpack, self.dm, self.out_features, self.bias
-        return lambda x: kernel(x, wpack, dm, n, bias)
 
     def kernel_spec(self) -> ProjSpec | None:
         """As :meth:`Int8Linear.kernel_spec`, for this layer's Q4_1 kernel."""

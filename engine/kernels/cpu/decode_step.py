@@ -11,10 +11,12 @@ Python; measured with a model of 64-wide layers, whose kernels do almost nothing
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
+from engine.kernels.cpu import panel_gemm, quant_ops
 from engine.kernels.cpu.build import load
 
 NAME = "decode_step"
@@ -44,6 +46,28 @@ class ProjSpec(NamedTuple):
     tensors: tuple[torch.Tensor, ...]
     n: int
     bias: torch.Tensor | None
+
+
+# a projection kind -> its kernel as Python calls it, ``fn(x, *tensors, n, bias)`` (None where not built)
+_PYTHON_KERNELS: dict[str, Callable[[], Any]] = {
+    "f32_panels": panel_gemm.kernel,
+    "w8a8": lambda: quant_ops.kernel("int8"),
+    "w4a8": lambda: quant_ops.kernel("q4_1"),
+}
+
+
+def python_call(spec: ProjSpec) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``spec``'s projection with its weights bound, as the decode plan's Python loop calls it: ``[T, in]``
+    float32 rows -> ``[T, n]``, the kernel the C++ loop calls for the same spec.
+
+    Raises:
+        RuntimeError: ``spec``'s kernel is not built here (a module gives no spec then).
+    """
+    kernel = _PYTHON_KERNELS[spec.kind]()
+    if kernel is None:
+        raise RuntimeError(f"the {spec.kind} projection kernel is not built on this machine")
+    tensors, n, bias = spec.tensors, spec.n, spec.bias
+    return lambda x: kernel(x, *tensors, n, bias)
 
 
 def new_step() -> Any | None:

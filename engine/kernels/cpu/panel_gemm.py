@@ -12,11 +12,17 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels.cpu.build import load
+from engine.kernels.cpu.build import load, load_function
 
 NAME = "panel_gemm"
 PANEL = 32
 """Output features per panel (two AVX-512 registers)."""
+
+
+def kernel():
+    """The built kernel ``fn(x, panels, n, bias)`` (shown in profiler traces as ``pdcluster::panel_gemm``), or
+    None where it is not built."""
+    return load_function(NAME, "linear", "pdcluster::panel_gemm")
 
 
 def available() -> bool:
