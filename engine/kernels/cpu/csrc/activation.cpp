@@ -124,7 +124,7 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("silu_and_mul_abi") =  // decode_step.cpp
-      pdc_abi::abi_capsule<pdc_abi::SiluAndMul>(&silu_and_mul, "pdcluster.silu_and_mul");
+      pdc_abi::abi_capsule(pdc_abi::kSiluAndMul, &silu_and_mul);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate_up[..., :I]) * gate_up[..., I:]", py::arg("gate_up"),
         py::call_guard<py::gil_scoped_release>());
 }

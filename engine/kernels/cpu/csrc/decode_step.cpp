@@ -21,7 +21,9 @@
 
 #include <ATen/record_function.h>
 
+#include <algorithm>
 #include <atomic>
+#include <iterator>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -63,19 +65,29 @@ struct Layer {
   torch::Tensor k_cache, v_cache;
 };
 
-template <class Fn>
-Fn take(const py::dict& kernels, const char* key, const char* name) {
+template <class F>
+F take(const py::dict& kernels, const char* key, const pdc_abi::Entry<F>& entry) {
   TORCH_CHECK(kernels.contains(key), "DecodeStep: no kernel '", key, "' given");
-  return pdc_abi::from_capsule<Fn>(kernels[key].cast<py::capsule>(), name);
+  return pdc_abi::from_capsule(kernels[key].cast<py::capsule>(), entry);
 }
+
+// the projection kinds: name, kind, tensors taken
+struct KindInfo {
+  const char* name;
+  ProjKind kind;
+  size_t tensors;
+};
+constexpr KindInfo kKinds[] = {{"f32_panels", ProjKind::F32Panels, 1}, {"w8a8", ProjKind::W8A8, 3},
+                               {"w4a8", ProjKind::W4A8, 2}};
 
 Proj make_proj(const ProjSpec& spec) {
   const auto& [kind, w, n, bias] = spec;
-  const size_t need = kind == "f32_panels" ? 1 : kind == "w8a8" ? 3 : kind == "w4a8" ? 2 : 0;
-  TORCH_CHECK(need > 0, "DecodeStep: unknown projection kind '", kind, "' (f32_panels, w8a8, w4a8)");
-  TORCH_CHECK(w.size() == need, "DecodeStep: a ", kind, " projection takes ", need, " tensors, got ", w.size());
-  const ProjKind k = kind == "f32_panels" ? ProjKind::F32Panels : kind == "w8a8" ? ProjKind::W8A8 : ProjKind::W4A8;
-  return Proj{k, w, n, bias};
+  const KindInfo* k =
+      std::find_if(std::begin(kKinds), std::end(kKinds), [&](const KindInfo& i) { return kind == i.name; });
+  TORCH_CHECK(k != std::end(kKinds), "DecodeStep: unknown projection kind '", kind, "' (f32_panels, w8a8, w4a8)");
+  TORCH_CHECK(w.size() == k->tensors, "DecodeStep: a ", kind, " projection takes ", k->tensors, " tensors, got ",
+              w.size());
+  return Proj{k->kind, w, n, bias};
 }
 
 Act make_act(const std::string& name) {
@@ -88,14 +100,14 @@ Act make_act(const std::string& name) {
 class DecodeStep {
  public:
   explicit DecodeStep(const py::dict& kernels)
-      : k_{take<pdc_abi::RmsNorm>(kernels, "rms_norm", "pdcluster.rms_norm"),
-           take<pdc_abi::AddRmsNorm>(kernels, "add_rms_norm_", "pdcluster.add_rms_norm_"),
-           take<pdc_abi::RopeStore>(kernels, "rope_store", "pdcluster.rope_store"),
-           take<pdc_abi::PagedDecode>(kernels, "paged_decode", "pdcluster.paged_decode"),
-           take<pdc_abi::SiluAndMul>(kernels, "silu_and_mul", "pdcluster.silu_and_mul"),
-           take<pdc_abi::PanelLinear>(kernels, "panel_linear", "pdcluster.panel_linear"),
-           take<pdc_abi::LinearW8A8>(kernels, "linear_w8a8", "pdcluster.linear_w8a8"),
-           take<pdc_abi::LinearW4A8>(kernels, "linear_w4a8", "pdcluster.linear_w4a8")} {}
+      : k_{take(kernels, "rms_norm", pdc_abi::kRmsNorm),
+           take(kernels, "add_rms_norm_", pdc_abi::kAddRmsNorm),
+           take(kernels, "rope_store", pdc_abi::kRopeStore),
+           take(kernels, "paged_decode", pdc_abi::kPagedDecode),
+           take(kernels, "silu_and_mul", pdc_abi::kSiluAndMul),
+           take(kernels, "panel_linear", pdc_abi::kPanelLinear),
+           take(kernels, "linear_w8a8", pdc_abi::kLinearW8A8),
+           take(kernels, "linear_w4a8", pdc_abi::kLinearW4A8)} {}
 
   // projs: qkv, o, gate_up, down; dims: q_size, k_size, v_size, num_heads, num_kv_heads, head_dim, window
   // (0: the whole context), rope (which of run()'s ropes the layer takes).

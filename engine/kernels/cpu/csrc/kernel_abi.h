@@ -2,10 +2,10 @@
 // decode step's layers by calling the other kernels directly). Each kernel exports its entry point as a
 // Python capsule holding the function's address, named after it ("pdcluster.rms_norm"): the mechanism
 // CPython documents for sharing a C API between extension modules (PyCapsule; numpy's C API is shared the
-// same way). The signatures are declared once, here: a kernel exports through abi_capsule<Fn>, so its
-// entry point must match the declared type or it does not compile, and decode_step.cpp imports through the
-// same type after checking the capsule's name. A change here rebuilds every kernel (engine/kernels/cpu/build.py
-// passes a digest of the headers as a flag).
+// same way). The signatures and capsule names are declared once, here (Entry): a kernel exports through
+// abi_capsule(entry, fn), so its entry point must match the declared type or it does not compile, and
+// decode_step.cpp imports through the same entry after checking the capsule's name. A change here rebuilds every
+// kernel (engine/kernels/cpu/build.py passes a digest of the headers as a flag).
 #pragma once
 
 #include "torch_ext.h"
@@ -36,19 +36,35 @@ using LinearW8A8 = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&,
 using LinearW4A8 = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, int64_t,
                                      const c10::optional<torch::Tensor>&);
 
-// `fn` as a capsule named `name` (a string literal: the capsule keeps the pointer).
-template <class Fn>
-py::capsule abi_capsule(Fn fn, const char* name) {
-  return py::capsule(reinterpret_cast<void*>(fn), name);
+// An entry point: its function type and its capsule's name, declared once below for exporter and importer.
+template <class F>
+struct Entry {
+  using Fn = F;
+  const char* name;
+};
+
+inline constexpr Entry<RmsNorm> kRmsNorm{"pdcluster.rms_norm"};
+inline constexpr Entry<AddRmsNorm> kAddRmsNorm{"pdcluster.add_rms_norm_"};
+inline constexpr Entry<RopeStore> kRopeStore{"pdcluster.rope_store"};
+inline constexpr Entry<PagedDecode> kPagedDecode{"pdcluster.paged_decode"};
+inline constexpr Entry<SiluAndMul> kSiluAndMul{"pdcluster.silu_and_mul"};
+inline constexpr Entry<PanelLinear> kPanelLinear{"pdcluster.panel_linear"};
+inline constexpr Entry<LinearW8A8> kLinearW8A8{"pdcluster.linear_w8a8"};
+inline constexpr Entry<LinearW4A8> kLinearW4A8{"pdcluster.linear_w4a8"};
+
+// `fn` as `entry`'s capsule (fn must convert to the entry's function type, or this does not compile).
+template <class F>
+py::capsule abi_capsule(const Entry<F>& entry, typename Entry<F>::Fn fn) {
+  return py::capsule(reinterpret_cast<void*>(fn), entry.name);
 }
 
-// The function a capsule made by abi_capsule<Fn> holds; a RuntimeError when the capsule is not named `name`.
-template <class Fn>
-Fn from_capsule(const py::capsule& capsule, const char* name) {
+// The function `entry`'s capsule holds; a RuntimeError when the capsule is not named as the entry.
+template <class F>
+F from_capsule(const py::capsule& capsule, const Entry<F>& entry) {
   const char* got = capsule.name();
-  TORCH_CHECK(got != nullptr && std::string(got) == name, "expected the kernel capsule '", name, "', got '",
-              got == nullptr ? "(unnamed)" : got, "'");
-  return reinterpret_cast<Fn>(capsule.get_pointer());
+  TORCH_CHECK(got != nullptr && std::string(got) == entry.name, "expected the kernel capsule '", entry.name,
+              "', got '", got == nullptr ? "(unnamed)" : got, "'");
+  return reinterpret_cast<F>(capsule.get_pointer());
 }
 
 }  // namespace pdc_abi

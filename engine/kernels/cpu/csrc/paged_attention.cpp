@@ -358,7 +358,7 @@ at::Tensor decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("decode_abi") =  // decode_step.cpp
-      pdc_abi::abi_capsule<pdc_abi::PagedDecode>(&decode, "pdcluster.paged_decode");
+      pdc_abi::abi_capsule(pdc_abi::kPagedDecode, &decode);
   m.def("decode", &decode, "Paged decode attention (float32, CPU; see the source's comment)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("window"), py::arg("heads_per_item") = 1,

@@ -203,7 +203,7 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& panels, int
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("linear_abi") =  // decode_step.cpp
-      pdc_abi::abi_capsule<pdc_abi::PanelLinear>(&linear, "pdcluster.panel_linear");
+      pdc_abi::abi_capsule(pdc_abi::kPanelLinear, &linear);
   m.def("linear", &linear, "y = x @ W.T + bias, W packed in panels of 32 output features [N/32, K, 32]",
         py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());

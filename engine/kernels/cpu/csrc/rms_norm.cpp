@@ -112,9 +112,9 @@ torch::Tensor add_rms_norm_(const torch::Tensor& x, torch::Tensor& residual, con
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("rms_norm_abi") =  // decode_step.cpp
-      pdc_abi::abi_capsule<pdc_abi::RmsNorm>(&rms_norm, "pdcluster.rms_norm");
+      pdc_abi::abi_capsule(pdc_abi::kRmsNorm, &rms_norm);
   m.attr("add_rms_norm__abi") =  // decode_step.cpp
-      pdc_abi::abi_capsule<pdc_abi::AddRmsNorm>(&add_rms_norm_, "pdcluster.add_rms_norm_");
+      pdc_abi::abi_capsule(pdc_abi::kAddRmsNorm, &add_rms_norm_);
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim: (x * rsqrt(mean(x^2) + eps)) * (offset + weight)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("offset") = 0.0,
         py::call_guard<py::gil_scoped_release>());

@@ -109,7 +109,7 @@ void rope_store(torch::Tensor q, const torch::Tensor& k, const torch::Tensor& v,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("rope_store_abi") =  // decode_step.cpp
-      pdc_abi::abi_capsule<pdc_abi::RopeStore>(&rope_store, "pdcluster.rope_store");
+      pdc_abi::abi_capsule(pdc_abi::kRopeStore, &rope_store);
   m.def("rope_store", &rope_store, "rotate q in place; rotated k and v into the paged KV cache at slot_mapping",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -171,7 +171,7 @@ torch::Tensor linear_w4a8(const torch::Tensor& x_in, const torch::Tensor& wpack,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("linear_w4a8_abi") =  // decode_step.cpp
-      pdc_abi::abi_capsule<pdc_abi::LinearW4A8>(&linear_w4a8, "pdcluster.linear_w4a8");
+      pdc_abi::abi_capsule(pdc_abi::kLinearW4A8, &linear_w4a8);
   m.doc() = "Q4_1 weights x per-call int8 activations (AVX-512 VNNI / AVX2 integer dot over panel-packed nibbles)";
   m.def("linear_w4a8", &linear_w4a8, "y = quantize_int8(x) @ dequantize_q4_1(W).T + bias, W packed in panels",
         py::arg("x"), py::arg("wpack"), py::arg("dm"), py::arg("n"), py::arg("bias") = py::none(),

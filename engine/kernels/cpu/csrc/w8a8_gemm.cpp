@@ -192,7 +192,7 @@ torch::Tensor linear_w8a8(const torch::Tensor& x_in, const torch::Tensor& wpack,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("linear_w8a8_abi") =  // decode_step.cpp
-      pdc_abi::abi_capsule<pdc_abi::LinearW8A8>(&linear_w8a8, "pdcluster.linear_w8a8");
+      pdc_abi::abi_capsule(pdc_abi::kLinearW8A8, &linear_w8a8);
   m.doc() = "int8 weights x per-call int8 activations (AVX-512 VNNI / AVX2 integer dot over panel-packed weights)";
   m.def("linear_w8a8", &linear_w8a8, "y = quantize_int8(x) @ W.T + bias, W int8 packed in panels of 16 x 4",
         py::arg("x"), py::arg("wpack"), py::arg("spack"), py::arg("excess"), py::arg("n"),
