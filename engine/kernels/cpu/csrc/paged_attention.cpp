@@ -59,6 +59,35 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+// scores() for four rows at once: each row's sum exactly as scores()' one-row loop forms it (the same two
+// accumulators, then hsum's pairing: lanes j + (j+4), then (0 + 2) + (1 + 3)), the four horizontal sums
+// done together in shuffles instead of four dependent chains: bit-identical (checked with torch.equal on
+// the kernel's outputs before and after, batch 1-8, contexts 64-1024), 5-15% less attention time here.
+inline void scores4(const float* q, const float* k, int64_t stride, int64_t d, float* s) {
+  __m256 a0[4], a1[4];
+  for (int j = 0; j < 4; ++j) a0[j] = a1[j] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    const __m256 qa = _mm256_loadu_ps(q + i), qb = _mm256_loadu_ps(q + i + 8);
+    for (int j = 0; j < 4; ++j) {
+      a0[j] = _mm256_fmadd_ps(qa, _mm256_loadu_ps(k + j * stride + i), a0[j]);
+      a1[j] = _mm256_fmadd_ps(qb, _mm256_loadu_ps(k + j * stride + i + 8), a1[j]);
+    }
+  }
+  if (i < d)
+    for (int j = 0; j < 4; ++j) a0[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + j * stride + i), a0[j]);
+  __m256 c[4];
+  for (int j = 0; j < 4; ++j) c[j] = _mm256_add_ps(a0[j], a1[j]);
+  // z: lanes j + (j+4) of rows 0 | 1 (z01) and 2 | 3 (z23), one row per 128-bit half
+  const __m256 z01 = _mm256_add_ps(_mm256_permute2f128_ps(c[0], c[1], 0x20), _mm256_permute2f128_ps(c[0], c[1], 0x31));
+  const __m256 z23 = _mm256_add_ps(_mm256_permute2f128_ps(c[2], c[3], 0x20), _mm256_permute2f128_ps(c[2], c[3], 0x31));
+  // each half as (z0, z2, z1, z3): hadd pairs 0 + 2 and 1 + 3, the second hadd adds those two
+  const __m256 h = _mm256_hadd_ps(_mm256_permute_ps(z01, 0xD8), _mm256_permute_ps(z23, 0xD8));
+  alignas(32) float out[8];
+  _mm256_store_ps(out, _mm256_hadd_ps(h, h));  // rows 0, 2, 0, 2 | 1, 3, 1, 3
+  s[0] = out[0], s[1] = out[4], s[2] = out[1], s[3] = out[5];
+}
+
 // s[t] = <q, k_t> for the n rows k_0.. (stride floats apart); head_dim % 8 == 0.
 void scores(const float* q, const float* k, int64_t n, int64_t stride, int64_t d, float* s) {
 #if defined(PDC_AVX512)
@@ -76,7 +105,9 @@ void scores(const float* q, const float* k, int64_t n, int64_t stride, int64_t d
     return;
   }
 #endif
-  for (int64_t t = 0; t < n; ++t, k += stride) {
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4, k += 4 * stride) scores4(q, k, stride, d, s + t);
+  for (; t < n; ++t, k += stride) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= d; i += 16) {
