@@ -1,6 +1,7 @@
 """Name -> attention backend registry (``"torch"`` serves on CPU: the C++ paged decode kernel for
 decode rows where it is built, gather + SDPA for the rest; ``"sdpa"``: gather + SDPA only, the
-plain-torch path; ``"triton"`` on CUDA)."""
+plain-torch path; ``"batch-invariant"``: every row through the C++ paged decode kernel, each row's
+output the same whatever the step holds; ``"triton"`` on CUDA)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,15 @@ def _sdpa_factory() -> AttentionBackend:
 
 
 register_attention_backend("sdpa", _sdpa_factory)
+
+
+def _batch_invariant_factory() -> AttentionBackend:
+    from engine.attention.torch_backend import paged_attention_batch_invariant
+
+    return paged_attention_batch_invariant
+
+
+register_attention_backend("batch-invariant", _batch_invariant_factory)
 
 
 def _triton_factory() -> AttentionBackend:

@@ -12,6 +12,17 @@ row of a decode step, those of a mixed step) go to the C++ paged decode kernel
 (:mod:`engine.kernels.cpu.paged_attention`, K/V read in place, no gathered copy) when it is
 built and takes the inputs (CPU float32); the other rows, or all of them without the kernel,
 go to :func:`paged_attention_sdpa`.
+
+:func:`paged_attention_batch_invariant`: every row to the C++ paged decode kernel, each new token
+attending as a decode row of its own (its sequence's block table, its position + 1 as its length).
+A row's output is then computed the same way whatever the step holds: alone or batched, in a
+whole-prompt prefill, a chunk, after a cached prefix, or as a decode row (batch invariance, as in
+vLLM's batch-invariant mode; He et al., "Defeating Nondeterminism in LLM Inference", Thinking
+Machines Lab, 2025). With the row-invariant linear kernels, a prefix-cache hit, chunked prefill,
+a preempted request's recompute and a migrated request's new prefill write bit-identical KV, which
+int8 / Q4_1 models need: their per-call activation quantization turns SDPA's shape-dependent
+rounding (~1e-6) into logit changes of ~0.1. Its cost: each row reads its own context, O(T^2) K/V
+reads per prompt of T tokens where SDPA tiles them.
 """
 
 from __future__ import annotations
@@ -46,6 +57,28 @@ def paged_attention_torch(
     out[rows] = paged_decode_attention_cpu(q.index_select(0, rows), k_cache, v_cache,
                                            meta.block_tables.index_select(0, dec), meta.seq_lens.index_select(0, dec),
                                            scale, window)
+    return out
+
+
+def paged_attention_batch_invariant(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Attention of the step's new tokens, each as a decode row of its own through the C++ paged
+    decode kernel (see the module docstring); :func:`paged_attention_sdpa` where the kernel is not
+    built or does not take the inputs (not batch-invariant then). Arguments, result and errors as
+    :func:`paged_attention_sdpa`."""
+    if not supports(q, k_cache):
+        return paged_attention_sdpa(q, k_cache, v_cache, meta, scale, window)
+    if meta.max_query_len == 1:  # a decode step: T == num_seqs
+        return paged_decode_attention_cpu(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window)
+    tables, lens, order = meta.rows_as_sequences
+    out = torch.empty_like(q)
+    out[order] = paged_decode_attention_cpu(q.index_select(0, order), k_cache, v_cache, tables, lens, scale, window)
     return out
 
 

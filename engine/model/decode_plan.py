@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata
-from engine.attention.torch_backend import paged_attention_torch
+from engine.attention.torch_backend import paged_attention_batch_invariant, paged_attention_torch
 from engine.kernels.cpu import decode_step, paged_attention
 from engine.kernels.cpu.build import load_function
 from engine.model.decoder import CausalLM, DecoderLayer
@@ -116,9 +116,10 @@ class DecodePlan:
         self._add_rms_norm = load_function("rms_norm", "add_rms_norm_", "pdcluster::add_rms_norm")
         self._rope_store = load_function("rope_cache", "rope_store")
         self._silu_and_mul = load_function("activation", "silu_and_mul")
-        # the backend's own kernel where it would call it (paged_attention_torch's decode rows), else the backend
-        takes = (model.backend is paged_attention_torch and paged_attention.cpu_decode_available()
-                 and model.config.head_dim % 8 == 0)
+        # the backend's own kernel where it would call it (the decode rows of paged_attention_torch and
+        # paged_attention_batch_invariant), else the backend
+        takes = (model.backend in (paged_attention_torch, paged_attention_batch_invariant)
+                 and paged_attention.cpu_decode_available() and model.config.head_dim % 8 == 0)
         self._decode_kernel = (load_function("paged_attention", "decode", "pdcluster::paged_decode_attention")
                                if takes else None)
         scale = model.arch.embed_scale  # as CausalLM.forward: a float32 scalar tensor, cast to the model's dtype
