@@ -9,6 +9,12 @@ error shape when it does not arrive (vLLM and SGLang leave this to a proxy in fr
 router is the front door here). A body without a ``Content-Length`` that grows past
 ``max_bytes`` is refused with 413 as it arrives (one with a larger length never gets here:
 :class:`DeclaredSizeLimit`).
+
+Before a 413 the rest of the refused body is read and dropped (:func:`drain`, bounded in bytes and
+time), as a server's lingering close does (nginx's ``lingering_close``): a client that sends its
+whole body before reading the answer (Python's urllib, ``requests``) otherwise gets a connection
+reset instead of the 413. A client that sent ``Expect: 100-continue`` (curl, for large bodies) gets
+the 413 before it sends its body.
 """
 
 from __future__ import annotations
@@ -21,6 +27,26 @@ from router.limits import DEFAULT_BODY_TIMEOUT_S
 from router.openai.errors import error_response
 
 log = logging.getLogger(__name__)
+
+
+DRAIN_BYTES = 64 << 20  # the most of a refused body read and dropped before its 413
+DRAIN_S = 2.0  # seconds
+
+
+async def drain(receive, max_bytes: int = DRAIN_BYTES, timeout_s: float = DRAIN_S) -> None:
+    """Read and drop the request's remaining body: until its last part, a disconnect, ``max_bytes`` bytes
+    or ``timeout_s`` seconds, whichever comes first (then the 413 goes out and the connection closes; past
+    those bounds the client may see a reset). Call it before the response starts: uvicorn gives no more
+    body once a response is complete."""
+    deadline, got = time.monotonic() + timeout_s, 0
+    while got <= max_bytes:
+        try:
+            msg = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            return
+        got += len(msg.get("body", b""))
+        if msg["type"] != "http.request" or not msg.get("more_body", False):
+            return
 
 
 def too_large(limit: int):
@@ -70,6 +96,8 @@ class BodyDeadline:
             chunks.append(msg.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
+                if msg.get("more_body", False):
+                    await drain(receive)
                 await too_large(self.max_bytes)(scope, receive, send)
                 return
             if not msg.get("more_body", False):
@@ -90,7 +118,7 @@ def _replay(body: bytes, receive):
 
 class DeclaredSizeLimit:
     """ASGI layer: a request whose ``Content-Length`` exceeds ``limit`` bytes gets the
-    413 in OpenAI's error shape before anything reads it (FastAPI's own limit, which still counts
+    413 in OpenAI's error shape, its body dropped unparsed (:func:`drain`; FastAPI's own limit, which still counts
     the bytes of a body sent without a length, answers this case in plain text). A request with
     both ``Content-Length`` and ``Transfer-Encoding`` gets a 400 (RFC 9112 6.1 lets a server refuse
     it; a proxy in front that reads the other header would see another request boundary: request
@@ -108,6 +136,8 @@ class DeclaredSizeLimit:
                                      code="invalid_request")(scope, receive, send)
                 return
             if length.isdigit() and int(length) > self.limit:
+                if headers.get(b"expect", b"").lower() != b"100-continue":  # else its body is not sent yet
+                    await drain(receive)
                 await too_large(self.limit)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
