@@ -107,6 +107,9 @@ def markdown(r: dict) -> str:
     out = [
         f"# Prefill throughput: {r['model']} float32 on CPU" + (" (quick)" if r["quick"] else ""),
         "",
+        f"Weights: {r.get('quantization', 'none')} (`--quantization`); attention backend "
+        f"`{r.get('attention_backend', 'torch')}`.",
+        "",
         f"Run {r['started_at']}, {r['duration_s'] / 60:.1f} min; {r['cpu']}, {r['cpu_count']} cores; torch "
         f"{r['torch']}; {r['thread_budget']}. 1-minute load average {r['load_avg_1m_start']:.2f} at the start, "
         f"{r['load_avg_1m_end']:.2f} at the end (other jobs share the machine; per point below).",

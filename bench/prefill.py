@@ -1,5 +1,6 @@
 """Prefill throughput of SmolLM2-135M (float32, CPU) through our model runner, against the
-float32 GEMM roofline measured in the same run.
+float32 GEMM roofline measured in the same run (``--quantization``, ``--attention-backend``: another
+weight format or attention path, same measurement).
 
 For each prompt length (default 128, 512, 2048 tokens) and mode:
 
@@ -57,6 +58,9 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--gemm-n", type=int, default=2048, help="size of the square GEMM of the roofline")
     p.add_argument("--model", default="smollm2-135m-instruct", help="model spec (engine.model_loader)")
+    p.add_argument("--quantization", default="none", help="none|int8|q4 (engine.model.load_model)")
+    p.add_argument("--attention-backend", default=None,
+                   help="a registered attention backend (default: the model's default for CPU and --quantization)")
     p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler run")
     p.add_argument("--diag-threads", type=int, default=1,
                    help="re-measure the shortest and longest length (single) at this many threads, same run "
@@ -77,17 +81,20 @@ def _parse(argv=None) -> argparse.Namespace:
 log = _common.logger("prefill")
 
 
-def load(model_spec: str):
-    """(model config, float32 model on CPU, tokenizer) of ``model_spec``."""
+def load(model_spec: str, quantization: str = "none", attention_backend: str | None = None):
+    """(model config, float32 model on CPU, tokenizer) of ``model_spec``, its decoder projections served as
+    ``quantization``, its attention through ``attention_backend`` (None: the default)."""
     from transformers import AutoTokenizer
 
     from common.model_config import ModelConfig
     from engine.model import load_model
-    from engine.model_loader import resolve_model
+    from engine.model_loader import resolve_model_source
 
-    folder = resolve_model(model_spec)
+    folder, gguf = resolve_model_source(model_spec)
     cfg = ModelConfig.from_hf_folder(folder, name=model_spec)
-    return cfg, load_model(cfg, torch.device("cpu"), torch.float32), AutoTokenizer.from_pretrained(folder)
+    model = load_model(cfg, torch.device("cpu"), torch.float32, attention_backend=attention_backend,
+                       quantization=quantization, gguf_path=gguf)
+    return cfg, model, AutoTokenizer.from_pretrained(folder)
 
 
 def run_point(model, cfg, params: int, prompts: list[list[int]], mode: str, budget: int, reps: int,
@@ -109,10 +116,12 @@ def run_point(model, cfg, params: int, prompts: list[list[int]], mode: str, budg
 
 
 def run(args) -> dict:
+    from engine.model import default_attention_backend
+
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     load_start = _common.load_avg_1m()
-    cfg, model, tok = load(args.model)
+    cfg, model, tok = load(args.model, args.quantization, args.attention_backend)
     params = pm.non_embedding_params(model)
     log(f"model loaded, {params / 1e6:.1f} M non-embedding parameters, load {load_start:.2f}")
     points, profile = [], None
@@ -141,6 +150,8 @@ def run(args) -> dict:
                     "attention_variants": pm.attention_variants(cfg, n)}
     res = {
         "benchmark": "prefill", "quick": args.quick, "model": args.model, "dtype": "float32", "device": "cpu",
+        "quantization": args.quantization,
+        "attention_backend": args.attention_backend or default_attention_backend(torch.device("cpu"), args.quantization),
         "cpu": _common.cpu_name(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "threads": args.threads, "thread_budget": f"{args.threads} torch intra-op threads, one process",
