@@ -12,6 +12,7 @@ from engine.kernels.cpu.paged_attention import (
     cpu_decode_available,
     paged_decode_attention_cpu,
     paged_decode_attention_cpu_reference,
+    paged_rows_attention_cpu,
 )
 
 pytestmark = pytest.mark.skipif(not cpu_decode_available(),
@@ -129,6 +130,49 @@ def test_bad_inputs_raise_value_error():
         paged_decode_attention_cpu(q, k, v, tables, lens, 0.1, heads_per_item=2)
     with pytest.raises(ValueError, match="window"):
         paged_decode_attention_cpu(q, k, v, tables, lens, 0.1, window=0)
+
+
+ROW_CASES = [  # (prompts as (cached, new) tokens, q heads, kv heads, head_dim, window)
+    ([(0, 37)], 9, 3, 64, None),
+    ([(0, 1100), (17, 2), (5, 60)], 9, 3, 64, None),  # over 512 tokens: parts; a prefix hit leaving 2 rows
+    ([(30, 700), (0, 9)], 4, 1, 256, 512),  # a sliding window: one row per item
+    ([(3, 41)], 14, 2, 64, None),
+]
+
+
+@pytest.mark.parametrize("rows_per_item", [1, 3, 4, 8])
+@pytest.mark.parametrize("case", ROW_CASES, ids=lambda c: "{}-h{}/{}-d{}-w{}".format(*c))
+def test_rows_equal_one_row_decode_calls_bit_for_bit(case, rows_per_item, threads):
+    """The "batch-invariant" backend's kernel: each row of a prompt, attended in items of several rows,
+    gives exactly what a one-row decode call for that token gives (the same folds), and matches the
+    reference."""
+    slices, heads, kv_heads, head_dim, window = case
+    gen = torch.Generator().manual_seed(len(slices) * 7 + heads)
+    k, v, tables = _paged(gen, [nc + nn for nc, nn in slices], kv_heads, head_dim, 16)
+    seq_of_row = torch.cat([torch.full((nn,), i, dtype=torch.int32) for i, (_, nn) in enumerate(slices)])
+    lens = torch.cat([torch.arange(nc + 1, nc + nn + 1, dtype=torch.int32) for nc, nn in slices])
+    q = torch.randn(len(lens), heads, head_dim, generator=gen)
+    out = paged_rows_attention_cpu(q, k, v, tables, seq_of_row, lens, head_dim**-0.5, window, rows_per_item)
+    for t in range(len(lens)):
+        s = int(seq_of_row[t])
+        alone = paged_decode_attention_cpu(q[t:t + 1], k, v, tables[s:s + 1], lens[t:t + 1], head_dim**-0.5, window)
+        assert torch.equal(out[t], alone[0]), f"row {t}"
+    ref = paged_decode_attention_cpu_reference(q, k, v, tables.index_select(0, seq_of_row.long()), lens,
+                                               head_dim**-0.5, window)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_rows_bad_inputs_raise_value_error():
+    gen = torch.Generator().manual_seed(5)
+    k, v, tables = _paged(gen, [20], 1, 64, 16)
+    q = torch.randn(2, 4, 64, generator=gen)
+    lens = torch.tensor([19, 20], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"seq_of_row\[1\] = 1 outside \[0, 1\)"):
+        paged_rows_attention_cpu(q, k, v, tables, torch.tensor([0, 1]), lens, 0.1)
+    with pytest.raises(ValueError, match="rows_per_item 9 outside"):
+        paged_rows_attention_cpu(q, k, v, tables, torch.tensor([0, 0]), lens, 0.1, rows_per_item=9)
+    with pytest.raises(ValueError, match="seq_of_row"):
+        paged_rows_attention_cpu(q, k, v, tables, torch.tensor([0]), lens, 0.1)
 
 
 def _step(gen: torch.Generator, slices: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int,

@@ -101,18 +101,13 @@ class AttentionMetadata:
         return self._context[2]
 
     @functools.cached_property
-    def rows_as_sequences(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each new token as a one-token sequence of its own, for a backend that attends every row
-        as a decode row: ``([T, max_blocks] int32`` its sequence's block table, ``[T] int32`` its
-        context length (position + 1), ``[T] int64`` the row of each``)``, in an order that gives
-        both halves about the same work (a prompt's rows by even positions up, then odd ones down:
-        a decode kernel splits its rows over the threads in contiguous ranges)."""
+    def rows_as_sequences(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each new token as a query row of its own, for a backend that attends every row as a decode
+        row: ``([T] int32`` the row's sequence (its row of ``block_tables``), ``[T] int32`` its context
+        length (position + 1)``)``."""
         num_new = (self.query_start_loc[1:] - self.query_start_loc[:-1]).long()
-        rows = torch.arange(int(num_new.sum()))
-        order = torch.cat([rows[0::2], rows[1::2].flip(0)])
-        seq_of_row = torch.repeat_interleave(torch.arange(self.num_seqs), num_new).index_select(0, order)
-        tables = self.block_tables.index_select(0, seq_of_row).to(torch.int32).contiguous()
-        return tables, (self.positions.index_select(0, order) + 1).to(torch.int32), order
+        seq_of_row = torch.repeat_interleave(torch.arange(self.num_seqs, dtype=torch.int32), num_new)
+        return seq_of_row, (self.positions + 1).to(torch.int32)
 
     @functools.cached_property
     def _context(self) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:

@@ -21,8 +21,10 @@ vLLM's batch-invariant mode; He et al., "Defeating Nondeterminism in LLM Inferen
 Machines Lab, 2025). With the row-invariant linear kernels, a prefix-cache hit, chunked prefill,
 a preempted request's recompute and a migrated request's new prefill write bit-identical KV, which
 int8 / Q4_1 models need: their per-call activation quantization turns SDPA's shape-dependent
-rounding (~1e-6) into logit changes of ~0.1. Its cost: each row reads its own context, O(T^2) K/V
-reads per prompt of T tokens where SDPA tiles them.
+rounding (~1e-6) into logit changes of ~0.1. Its cost: each row folds its own context, O(T^2) K/V
+reads per prompt of T tokens as with SDPA, but in the decode kernel's block-by-block online softmax;
+the kernel shares each block among 4 consecutive rows of a prompt (read from L1), which changes no
+row's arithmetic.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
-from engine.kernels.cpu.paged_attention import paged_decode_attention_cpu, supports
+from engine.kernels.cpu.paged_attention import paged_decode_attention_cpu, paged_rows_attention_cpu, supports
 
 
 def paged_attention_torch(
@@ -69,17 +71,15 @@ def paged_attention_batch_invariant(
     window: int | None = None,
 ) -> torch.Tensor:
     """Attention of the step's new tokens, each as a decode row of its own through the C++ paged
-    decode kernel (see the module docstring); :func:`paged_attention_sdpa` where the kernel is not
+    attention kernel (see the module docstring); :func:`paged_attention_sdpa` where the kernel is not
     built or does not take the inputs (not batch-invariant then). Arguments, result and errors as
     :func:`paged_attention_sdpa`."""
     if not supports(q, k_cache):
         return paged_attention_sdpa(q, k_cache, v_cache, meta, scale, window)
     if meta.max_query_len == 1:  # a decode step: T == num_seqs
         return paged_decode_attention_cpu(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window)
-    tables, lens, order = meta.rows_as_sequences
-    out = torch.empty_like(q)
-    out[order] = paged_decode_attention_cpu(q.index_select(0, order), k_cache, v_cache, tables, lens, scale, window)
-    return out
+    seq_of_row, lens = meta.rows_as_sequences
+    return paged_rows_attention_cpu(q, k_cache, v_cache, meta.block_tables, seq_of_row, lens, scale, window)
 
 
 def paged_attention_sdpa(

@@ -8,6 +8,8 @@ vLLM's CPU paged attention (``csrc/cpu/attention.cpp``): one work item per (sequ
 folds the context block by block into a running max, sum and unnormalised output, all the query
 heads of the kv head's group together (grouped-query attention without repeating K/V), AVX2/FMA
 over ``head_dim``, items split over torch's intra-op threads (``torch.set_num_threads``).
+:func:`paged_rows_attention_cpu` runs a prompt's rows through the same per-row folds (the
+``"batch-invariant"`` backend), consecutive rows of a sequence sharing each K/V block.
 """
 
 from __future__ import annotations
@@ -70,6 +72,44 @@ def paged_decode_attention_cpu(
         raise ValueError(f"window must be >= 1 token, got {window}")
     return kernel(q.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(),
                       float(scale), 0 if window is None else int(window), int(heads_per_item))
+
+
+def paged_rows_attention_cpu(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_of_row: torch.Tensor, row_lens: torch.Tensor, scale: float, window: int | None = None,
+    rows_per_item: int = 4,
+) -> torch.Tensor:
+    """Attention of query rows of several sequences, each row as a decode row of its own (C++ kernel):
+    row ``t`` attends the first ``row_lens[t]`` tokens of sequence ``seq_of_row[t]`` (its position + 1),
+    with the arithmetic :func:`paged_decode_attention_cpu` applies to that row alone, so its output
+    is bit-identical to a one-row decode call's. Consecutive rows of one sequence share a work item
+    of up to ``rows_per_item`` rows, which reads each K/V block once for all of them.
+
+    Args:
+        q: ``[T, num_heads, head_dim]`` float32 (made contiguous here).
+        k_cache, v_cache: as :func:`paged_decode_attention_cpu`, every row's K/V already written.
+        block_tables: ``[S, max_blocks]`` int32/int64 physical block ids per sequence.
+        seq_of_row: ``[T]`` int32 each row's sequence, in ``[0, S)``.
+        row_lens: ``[T]`` int32 each row's context length in tokens (position + 1), >= 1.
+        scale, window: as :func:`paged_decode_attention_cpu`.
+        rows_per_item: rows per work item, 1..8 (4: as fast as 8 here, and more items to share).
+
+    Returns:
+        ``[T, num_heads, head_dim]`` float32.
+
+    Raises:
+        RuntimeError: the kernel cannot be built here.
+        ValueError: as :func:`paged_decode_attention_cpu`, and for a ``seq_of_row`` entry outside
+            ``[0, S)`` or a ``rows_per_item`` outside 1..8.
+    """
+    kernel = load_function(NAME, "rows", "pdcluster::paged_rows_attention")
+    if kernel is None:
+        raise RuntimeError("the C++ paged-attention kernel is not built on this machine")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 token, got {window}")
+    return kernel(q.contiguous(), k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
+                  seq_of_row.to(torch.int32).contiguous(), row_lens.to(torch.int32).contiguous(),
+                  float(scale), 0 if window is None else int(window), int(rows_per_item))
 
 
 def _decode():
