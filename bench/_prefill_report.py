@@ -105,7 +105,7 @@ CLOSE = [
 def markdown(r: dict) -> str:
     """The report: run conditions, formula, the main table, targets, the profile."""
     out = [
-        f"# Prefill throughput: {r['model']} float32 on CPU" + (" (quick)" if r["quick"] else ""),
+        f"# Prefill throughput: {r['model']} on CPU, float32 activations" + (" (quick)" if r["quick"] else ""),
         "",
         f"Weights: {r.get('quantization', 'none')} (`--quantization`); attention backend "
         f"`{r.get('attention_backend', 'torch')}`.",
