@@ -14,7 +14,7 @@ from pathlib import Path
 from deploy import cli_types as t
 from deploy.cli_chat import add_chat_flags
 from deploy.heal import HealConfig
-from engine.config import DTYPES, KV_FAILURE_POLICIES, QUANTIZATIONS
+from engine.config import ATTENTION_BACKENDS, DTYPES, KV_FAILURE_POLICIES, QUANTIZATIONS
 from pdcluster.client import API_KEY_ENV
 from router.limits import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -243,12 +243,17 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
 
 
 def _add_weights(p: argparse.ArgumentParser) -> None:
-    """``up``'s flags for how the model's weights are held: ``--dtype`` and ``--quantization``."""
+    """``up``'s flags for how the model is computed: ``--dtype``, ``--quantization`` and
+    ``--attention-backend``."""
     p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
                    help="model dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--quantization", default=QUANTIZATIONS[0], choices=QUANTIZATIONS,
                    help="serve the decoder's projection weights quantized: int8 (one scale per 64 weights, the LM head "
                         "too) or q4 (llama.cpp Q4_1; a GGUF's own blocks where it stores them so); none = float (default)")
+    p.add_argument("--attention-backend", default=ATTENTION_BACKENDS[0], choices=ATTENTION_BACKENDS,
+                   help="attention kernels: auto (default) = batch-invariant for int8/q4 on CPU (a request's output "
+                        "bit-identical however it is batched, chunked or cached), torch for float on CPU, triton on "
+                        "CUDA; or name one: torch, sdpa, batch-invariant (CPU), triton (CUDA)")
 
 
 def _add_scale(sub: argparse._SubParsersAction) -> None:

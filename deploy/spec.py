@@ -10,7 +10,7 @@ from common.model_arch import DecoderArch
 from common.model_config import ConfigError, FieldError, ModelConfig
 from deploy.cluster import ClusterSpec
 from deploy.placement import PlacementConfig
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import CacheConfig, SchedulerConfig, check_attention_backend
 from engine.model.families import load_arch
 from engine.model_loader import resolve_model
 from engine.tp import TpLayout
@@ -219,7 +219,7 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
             transport that cannot be loaded (:func:`kv_config_from_args`), bad API keys
             (:func:`api_keys_from_args`) or TLS files (:func:`public_tls_from_args`), ``--http-port``
             equal to ``--port``, a ``--max-model-len`` one worker's KV pool cannot hold
-            (:func:`fitted_max_model_len`).
+            (:func:`fitted_max_model_len`), an ``--attention-backend`` the workers' device does not run.
     """
     check_flag_shapes(args)
     folder = resolve_model(args.model, args.model_cache_dir)  # dequantize once here, not in every worker
@@ -239,6 +239,7 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
         prefill_cache = replace(cache, block_size=pbs, num_blocks=max(2, blocks * args.block_size // pbs))
     prefill_sched = prefill_scheduler(sched, args.prefill_max_num_batched_tokens)
     kv = kv_config_from_args(args, use_cuda)
+    check_attention_backend(args.attention_backend, "cuda" if use_cuda else "cpu", "--attention-backend")
     log = LogConfig(args.log_format, args.log_level)
     security = security_from_args(args, cluster_secret, internal_ca)
     worker = WorkerConfig(role="prefill", worker_id="template", model=args.model,
@@ -249,7 +250,7 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
                           security=security.for_workers(),
                           max_queued_requests=args.max_queued_requests, cpu_nice=args.worker_nice,
                           prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, quantization=args.quantization,
-                          arch=arch)
+                          attention_backend=args.attention_backend, arch=arch)
     router = _router_config(args, str(folder), redis_url, max_model_len, log, security)
     return cluster_from_args(args, worker, router)
 

@@ -99,3 +99,28 @@ def check_quantization(value: str, field: str = "quantization") -> str:
     if value not in QUANTIZATIONS:
         raise ConfigError(f"{field} must be one of {QUANTIZATIONS}, got {value!r}")
     return value
+
+
+ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "batch-invariant", "triton")
+"""``--attention-backend`` choices: ``auto`` picks :func:`engine.model.default_attention_backend` for
+the device and quantization (``batch-invariant`` for int8/q4 on CPU, ``torch`` for float on CPU,
+``triton`` on CUDA); the others name a backend of :mod:`engine.attention.registry` (a test keeps the
+two lists equal). ``batch-invariant``, ``torch`` and ``sdpa`` run on CPU, ``triton`` on CUDA."""
+
+CPU_ATTENTION_BACKENDS = ("torch", "sdpa", "batch-invariant")
+
+
+def check_attention_backend(value: str, device: str = "auto", field: str = "attention_backend") -> str:
+    """``value`` when it is one of :data:`ATTENTION_BACKENDS` and runs on ``device`` (``"cpu"``,
+    ``"cuda"``; ``"auto"``: not checked against a device).
+
+    Raises:
+        ConfigError: naming ``field`` and the choices, or the device the backend needs.
+    """
+    if value not in ATTENTION_BACKENDS:
+        raise ConfigError(f"{field} must be one of {ATTENTION_BACKENDS}, got {value!r}")
+    if device == "cpu" and value == "triton":
+        raise ConfigError(f"{field} 'triton' runs on CUDA only; on CPU use one of {CPU_ATTENTION_BACKENDS}")
+    if device == "cuda" and value in CPU_ATTENTION_BACKENDS:
+        raise ConfigError(f"{field} {value!r} runs on CPU only; on CUDA use 'triton' or 'auto'")
+    return value

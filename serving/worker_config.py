@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, replace
 
 from common.model_arch import DecoderArch
 from common.model_config import ConfigError
-from engine.config import DTYPES, QUANTIZATIONS, CacheConfig, SchedulerConfig, check_quantization
+from engine.config import (ATTENTION_BACKENDS, DTYPES, QUANTIZATIONS, CacheConfig, SchedulerConfig,
+                           check_attention_backend, check_quantization)
 from kvtransfer.config import KvTransferConfig
 from serving.logs import LogConfig
 from serving.priority import DEFAULT_WORKER_NICE
@@ -35,6 +36,8 @@ class WorkerConfig:
         quantization: how the decoder's projection weights are served, one of
             :data:`engine.config.QUANTIZATIONS` (``pdcluster up --quantization``): ``"none"`` (float,
             token-exact vs HF), ``"int8"`` or ``"q4"`` (:mod:`engine.model.quant`); not with ``tp > 1``.
+        attention_backend: one of :data:`engine.config.ATTENTION_BACKENDS` (``pdcluster up
+            --attention-backend``); ``"auto"`` picks by device and quantization; not with ``tp > 1``.
         num_threads: torch intra-op threads (CPU share of this worker).
         heartbeat_s: registry heartbeat period (seconds): liveness expires 1.5x this after
             the last beat (a dead worker is dropped within 2 periods); beats go out twice per period.
@@ -83,6 +86,7 @@ class WorkerConfig:
     prefill_tp: int | None = None
     decode_tp: int | None = None
     quantization: str = "none"
+    attention_backend: str = "auto"
     arch: DecoderArch | None = None
 
     def __post_init__(self) -> None:
@@ -103,9 +107,12 @@ class WorkerConfig:
             if v is not None and not (isinstance(v, int) and 1 <= v <= MAX_TP):
                 raise ConfigError(f"{name} must be an integer in [1, {MAX_TP}], got {v!r}")
         check_quantization(self.quantization)
+        check_attention_backend(self.attention_backend, self.device)
         tps = {n: getattr(self, n) for n in ("tp", "prefill_tp", "decode_tp") if (getattr(self, n) or 1) > 1}
         if self.quantization != QUANTIZATIONS[0] and tps:
             raise ConfigError(f"quantization {self.quantization!r} needs tensor parallelism off, got {tps}")
+        if self.attention_backend != ATTENTION_BACKENDS[0] and tps:
+            raise ConfigError(f"attention_backend {self.attention_backend!r} needs tensor parallelism off, got {tps}")
 
     def runner_options(self) -> dict:
         """The keyword arguments of :func:`engine.builder.build_runner` (after ``model`` and
@@ -113,7 +120,7 @@ class WorkerConfig:
         how many threads and tensor-parallel ranks."""
         return {"device": self.device, "dtype": self.dtype, "num_threads": self.num_threads,
                 "model_cache_dir": self.model_cache_dir, "tp": self.tp, "quantization": self.quantization,
-                "arch": self.arch}
+                "attention_backend": self.attention_backend, "arch": self.arch}
 
     def for_role(self, role: str, worker_id: str, **changes) -> "WorkerConfig":
         """This template as the config of one worker: ``role`` and ``worker_id`` set,

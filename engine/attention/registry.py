@@ -34,6 +34,12 @@ def register_attention_backend(name: str, factory: Callable[[], AttentionBackend
     _BACKENDS[name] = factory
 
 
+def attention_backend_names() -> list[str]:
+    """The registered backends' names, sorted (:data:`engine.config.ATTENTION_BACKENDS` lists them
+    with ``"auto"`` for the flags and configs that cannot import torch)."""
+    return sorted(_BACKENDS)
+
+
 def get_attention_backend(name: str) -> AttentionBackend:
     """Raises KeyError naming the known backends."""
     if name not in _BACKENDS:
