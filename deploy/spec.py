@@ -239,7 +239,7 @@ def spec_from_args(args, redis_url: str, use_cuda: bool = False, cluster_secret:
         prefill_cache = replace(cache, block_size=pbs, num_blocks=max(2, blocks * args.block_size // pbs))
     prefill_sched = prefill_scheduler(sched, args.prefill_max_num_batched_tokens)
     kv = kv_config_from_args(args, use_cuda)
-    check_attention_backend(args.attention_backend, "cuda" if use_cuda else "cpu", "--attention-backend")
+    check_attention_backend(args.attention_backend, "cuda" if use_cuda else "cpu", "--attention-backend", args.dtype)
     log = LogConfig(args.log_format, args.log_level)
     security = security_from_args(args, cluster_secret, internal_ca)
     worker = WorkerConfig(role="prefill", worker_id="template", model=args.model,

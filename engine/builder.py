@@ -48,7 +48,7 @@ def build_runner(model: str, cache: CacheConfig, *, device: str = "auto", dtype:
             resolved device.
     """
     check_quantization(quantization)
-    check_attention_backend(attention_backend)
+    check_attention_backend(attention_backend, dtype=dtype)
     if quantization != "none" and tp > 1:
         raise ConfigError(f"quantization {quantization!r} is not supported with tp={tp} (tensor-parallel "
                           f"layers are float only); use quantization='none' or tp=1")

@@ -110,12 +110,14 @@ two lists equal). ``batch-invariant``, ``torch`` and ``sdpa`` run on CPU, ``trit
 CPU_ATTENTION_BACKENDS = ("torch", "sdpa", "batch-invariant")
 
 
-def check_attention_backend(value: str, device: str = "auto", field: str = "attention_backend") -> str:
-    """``value`` when it is one of :data:`ATTENTION_BACKENDS` and runs on ``device`` (``"cpu"``,
-    ``"cuda"``; ``"auto"``: not checked against a device).
+def check_attention_backend(value: str, device: str = "auto", field: str = "attention_backend",
+                            dtype: str = "auto") -> str:
+    """``value`` when it is one of :data:`ATTENTION_BACKENDS`, runs on ``device`` (``"cpu"``,
+    ``"cuda"``; ``"auto"``: not checked against a device) and takes ``dtype`` (``batch-invariant``:
+    float32 only, its kernel's; ``"auto"`` is float32 on CPU).
 
     Raises:
-        ConfigError: naming ``field`` and the choices, or the device the backend needs.
+        ConfigError: naming ``field`` and the choices, the device the backend needs, or the dtype.
     """
     if value not in ATTENTION_BACKENDS:
         raise ConfigError(f"{field} must be one of {ATTENTION_BACKENDS}, got {value!r}")
@@ -123,4 +125,7 @@ def check_attention_backend(value: str, device: str = "auto", field: str = "atte
         raise ConfigError(f"{field} 'triton' runs on CUDA only; on CPU use one of {CPU_ATTENTION_BACKENDS}")
     if device == "cuda" and value in CPU_ATTENTION_BACKENDS:
         raise ConfigError(f"{field} {value!r} runs on CPU only; on CUDA use 'triton' or 'auto'")
+    if value == "batch-invariant" and dtype not in ("auto", "float32"):
+        raise ConfigError(f"{field} 'batch-invariant' needs float32 (its kernel computes in float32 only), "
+                          f"got dtype {dtype!r}")
     return value

@@ -107,7 +107,7 @@ class WorkerConfig:
             if v is not None and not (isinstance(v, int) and 1 <= v <= MAX_TP):
                 raise ConfigError(f"{name} must be an integer in [1, {MAX_TP}], got {v!r}")
         check_quantization(self.quantization)
-        check_attention_backend(self.attention_backend, self.device)
+        check_attention_backend(self.attention_backend, self.device, dtype=self.dtype)
         tps = {n: getattr(self, n) for n in ("tp", "prefill_tp", "decode_tp") if (getattr(self, n) or 1) > 1}
         if self.quantization != QUANTIZATIONS[0] and tps:
             raise ConfigError(f"quantization {self.quantization!r} needs tensor parallelism off, got {tps}")

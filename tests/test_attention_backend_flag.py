@@ -31,6 +31,9 @@ def test_flag_parsed_validated_and_passed_to_the_workers():
     assert spec.worker.runner_options()["attention_backend"] == "batch-invariant"
     with pytest.raises(ConfigError, match="--attention-backend 'triton' runs on CUDA only"):
         spec_from_args(parse_up("--attention-backend", "triton"), "redis://127.0.0.1:1")
+    # its kernel is float32 only: with bfloat16 it would fall back to SDPA unseen (a helper's trial)
+    with pytest.raises(ConfigError, match="'batch-invariant' needs float32.*got dtype 'bfloat16'"):
+        spec_from_args(parse_up("--attention-backend", "batch-invariant", "--dtype", "bfloat16"), "redis://127.0.0.1:1")
 
 
 def test_worker_config_checks_the_backend():
@@ -41,6 +44,8 @@ def test_worker_config_checks_the_backend():
         WorkerConfig(**base, attention_backend="flash")
     with pytest.raises(ConfigError, match="runs on CPU only"):
         WorkerConfig(**base, device="cuda", attention_backend="batch-invariant")
+    with pytest.raises(ConfigError, match="needs float32"):
+        WorkerConfig(**base, dtype="bfloat16", attention_backend="batch-invariant")
     with pytest.raises(ConfigError, match="needs tensor parallelism off"):
         WorkerConfig(**base, attention_backend="torch", tp=2)
     assert check_attention_backend("triton", "cuda") == "triton"
