@@ -175,10 +175,12 @@ def checked_model(args, folder) -> tuple[ModelConfig, DecoderArch]:
 
 
 def check_tp(args, model_cfg: ModelConfig) -> None:
-    """``--prefill-tp`` / ``--decode-tp`` in range, and the model splits over that many ranks.
+    """``--prefill-tp`` / ``--decode-tp`` in range, the model splits over that many ranks, and neither
+    ``--quantization`` nor a named ``--attention-backend`` is asked of a tensor-parallel worker.
 
     Raises:
-        ConfigError: naming the flag and the dimension that does not divide.
+        ConfigError: naming the flag and the dimension that does not divide, or the flag not
+            served with tensor parallelism.
     """
     tp = {"prefill": args.prefill_tp, "decode": args.decode_tp}
     for role, n in tp.items():
@@ -190,6 +192,12 @@ def check_tp(args, model_cfg: ModelConfig) -> None:
             raise ConfigError(f"--{role}-tp {n}: {e}") from None
     if args.colocated and max(tp.values()) > 1:
         raise ConfigError("--prefill-tp / --decode-tp apply to disaggregated workers, not --colocated")
+    split = {f"--{role}-tp": n for role, n in tp.items() if n > 1}
+    if split and args.quantization != "none":
+        raise ConfigError(f"--quantization {args.quantization} needs --prefill-tp and --decode-tp 1, got {split}")
+    if split and args.attention_backend != "auto":
+        raise ConfigError(f"--attention-backend {args.attention_backend} needs --prefill-tp and --decode-tp 1 "
+                          f"(the tensor-parallel model picks its own), got {split}")
     if args.worker_gpus is not None and args.worker_gpus < 1:
         # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected")
         if max(tp.values()) > 1:

@@ -34,7 +34,7 @@ def build_runner(model: str, cache: CacheConfig, *, device: str = "auto", dtype:
         quantization: one of :data:`engine.config.QUANTIZATIONS` (decoder projections served as
             int8 or Q4_1, :func:`engine.model.load_model`); only with ``tp == 1``.
         attention_backend: one of :data:`engine.config.ATTENTION_BACKENDS`; ``"auto"``:
-            :func:`engine.model.default_attention_backend` for the device and quantization; another
+            :func:`engine.model.default_attention_backend` for the device, quantization and dtype; another
             only with ``tp == 1`` (the tensor-parallel model picks its own).
         arch: the model family's layer differences, when the caller has read them already
             (``pdcluster up`` has: a worker then does not import ``transformers`` to read them

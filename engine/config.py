@@ -86,8 +86,9 @@ class SchedulerConfig:
 
 QUANTIZATIONS = ("none", "int8", "q4")
 """``--quantization`` choices: ``none`` serves the float weights (the default, token-exact vs HF);
-``int8`` quantizes the decoder projections and the LM head (one scale per 64 weights); ``q4`` serves the projections as llama.cpp Q4_1
-blocks (a GGUF's own where it stores them so). Implemented by :data:`engine.model.quant.QUANT_BACKENDS`."""
+``int8`` quantizes the decoder projections and the LM head (one scale per 64 weights); ``q4`` serves the
+projections as llama.cpp Q4_1 blocks (a GGUF's own where it stores them so). Implemented by
+:data:`engine.model.quant.QUANT_BACKENDS`."""
 
 
 def check_quantization(value: str, field: str = "quantization") -> str:
@@ -103,7 +104,7 @@ def check_quantization(value: str, field: str = "quantization") -> str:
 
 ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "batch-invariant", "triton")
 """``--attention-backend`` choices: ``auto`` picks :func:`engine.model.default_attention_backend` for
-the device and quantization (``batch-invariant`` for int8/q4 on CPU, ``torch`` for float on CPU,
+the device, quantization and dtype (``batch-invariant`` for int8/q4 in float32 on CPU, else ``torch`` on CPU,
 ``triton`` on CUDA); the others name a backend of :mod:`engine.attention.registry` (a test keeps the
 two lists equal). ``batch-invariant``, ``torch`` and ``sdpa`` run on CPU, ``triton`` on CUDA."""
 

@@ -139,7 +139,9 @@ METRICS: tuple[MetricSpec, ...] = (
     _h("decode_time_seconds", "Wall time of one decode step (seconds).", (DECODE,), _LATENCY_S),
     _h("decode_batch_size", "Requests in one decode step.", (DECODE,), _BATCH),
     MetricSpec("num_preemptions", "counter", "Requests preempted (their blocks taken back).", (DECODE,)),
-    MetricSpec("num_kv_recomputes", "counter", "Requests whose KV was recomputed on the decode worker.", (DECODE,)),
+    MetricSpec("num_kv_recomputes", "counter",
+               "Requests whose KV transfer failed and whose prompt KV was recomputed on the decode worker instead "
+               "(preemptions are counted by num_preemptions).", (DECODE,)),
     MetricSpec("kv_received_bytes", "counter", "KV payload bytes received from prefill workers.", (DECODE,)),
     _h("kv_reservation_wait_seconds", "Time a request waited for its KV blocks on the decode worker (seconds).",
        (DECODE,), _LATENCY_S),

@@ -33,7 +33,14 @@ def test_flag_parsed_validated_and_passed_to_the_workers():
         spec_from_args(parse_up("--attention-backend", "triton"), "redis://127.0.0.1:1")
     # its kernel is float32 only: with bfloat16 it would fall back to SDPA unseen (a helper's trial)
     with pytest.raises(ConfigError, match="'batch-invariant' needs float32.*got dtype 'bfloat16'"):
-        spec_from_args(parse_up("--attention-backend", "batch-invariant", "--dtype", "bfloat16"), "redis://127.0.0.1:1")
+        spec_from_args(parse_up("--attention-backend", "batch-invariant", "--dtype", "bfloat16"),
+                       "redis://127.0.0.1:1")
+    # with tensor parallelism, `up` names its own flags (not the worker config's fields)
+    with pytest.raises(ConfigError, match=r"--attention-backend sdpa needs --prefill-tp and --decode-tp 1"
+                                          r".*'--decode-tp': 3"):
+        spec_from_args(parse_up("--attention-backend", "sdpa", "--decode-tp", "3"), "redis://127.0.0.1:1")
+    with pytest.raises(ConfigError, match=r"--quantization int8 needs --prefill-tp and --decode-tp 1"):
+        spec_from_args(parse_up("--quantization", "int8", "--prefill-tp", "3"), "redis://127.0.0.1:1")
 
 
 def test_worker_config_checks_the_backend():

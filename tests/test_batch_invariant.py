@@ -103,4 +103,6 @@ def test_a_recompute_of_decoded_tokens_writes_the_kv_the_decode_steps_wrote(runn
 def test_quantized_models_take_the_batch_invariant_backend_on_cpu():
     assert default_attention_backend(CPU, "int8") == default_attention_backend(CPU, "q4") == "batch-invariant"
     assert default_attention_backend(CPU) == "torch"
+    # the kernel is float32-only: quantized weights in bfloat16 keep "torch" (which runs SDPA in bfloat16)
+    assert default_attention_backend(CPU, "int8", torch.bfloat16) == "torch"
     assert default_attention_backend(torch.device("cuda"), "int8") == "triton"

@@ -38,15 +38,17 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
     return dev, _DTYPES[dtype]
 
 
-def default_attention_backend(device: torch.device, quantization: str = "none") -> str:
+def default_attention_backend(device: torch.device, quantization: str = "none",
+                              dtype: torch.dtype = torch.float32) -> str:
     """``"triton"`` (the paged Triton kernels) on CUDA; elsewhere ``"torch"`` (the C++ paged decode kernel for
     decode rows where it is built, vectorized SDPA for the rest), and for quantized weights
-    (``quantization`` int8 / q4) ``"batch-invariant"`` (every row through that kernel): their per-call
-    activation quantization turns SDPA's shape-dependent rounding into different tokens after a
-    prefix-cache hit, a chunked prefill or a recompute (:mod:`engine.attention.torch_backend`)."""
+    (``quantization`` int8 / q4) in float32 ``"batch-invariant"`` (every row through that kernel): their
+    per-call activation quantization turns SDPA's shape-dependent rounding into different tokens after a
+    prefix-cache hit, a chunked prefill or a recompute (:mod:`engine.attention.torch_backend`). That
+    kernel is float32-only, so another ``dtype`` keeps ``"torch"``."""
     if torch.device(device).type == "cuda":
         return "triton"
-    return "torch" if quantization == "none" else "batch-invariant"
+    return "batch-invariant" if quantization != "none" and dtype == torch.float32 else "torch"
 
 
 def read_state(folder: str | Path) -> dict[str, torch.Tensor]:
@@ -99,7 +101,7 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
     (:func:`engine.model.families.load_arch`).
 
     ``attention_backend`` names a registered backend; None picks
-    :func:`default_attention_backend` for ``device`` and ``quantization``. ``linear_backend`` names one of
+    :func:`default_attention_backend` for ``device``, ``quantization`` and ``dtype``. ``linear_backend`` names one of
     :data:`engine.model.linear.LINEAR_BACKENDS` (``"torch"``, ``"panel"``, ``"onednn"``, ...); None picks
     :func:`~engine.model.linear.default_linear_backend` (panel-packed weights for CPU
     float32). A packed model's decoder weights are buffers, no longer parameters.
@@ -121,7 +123,7 @@ def load_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
     check_quantization(quantization)
     arch = arch or load_arch(cfg.path)
     state = read_state(cfg.path)
-    backend = get_attention_backend(attention_backend or default_attention_backend(device, quantization))
+    backend = get_attention_backend(attention_backend or default_attention_backend(device, quantization, dtype))
     model = build_unloaded(lambda: CausalLM(cfg, arch, backend), device, dtype)
     model.load_weights(state)  # writes every parameter (raises KeyError for one the checkpoint lacks)
     model.eval()
