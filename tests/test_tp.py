@@ -224,3 +224,29 @@ def test_a_failed_forward_on_rank_0_breaks_the_group_for_good(folders, monkeypat
             _prefill(two, [[5, 6, 7]])
     finally:
         two.close()
+
+
+def test_a_hung_rank_fails_the_step_after_the_step_timeout(folders):
+    """A rank that stops answering (SIGSTOP: alive, so not "gone") fails rank 0's step once a collective
+    has waited ``step_timeout_s`` (not the 300 s the ranks' start may take), and the runner is broken
+    from then on, so its worker leaves and is started again."""
+    import os
+    import signal
+    import time
+
+    from engine.tp.runner import STEP_TIMEOUT_S, start_tp_runner
+
+    assert STEP_TIMEOUT_S <= 60
+    cfg = ModelConfig.from_hf_folder(str(folders["llama3-kv2"]))
+    two = start_tp_runner(cfg, CACHE, 2, torch.device("cpu"), torch.float32, 1, step_timeout_s=2.0)
+    try:
+        assert len(_prefill(two, [[5, 6, 7]])) == 1  # serves while every rank answers
+        os.kill(two.procs[0].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError):
+            _prefill(two, [[5, 6, 7]])
+        assert 1.5 < time.monotonic() - t0 < 30
+        assert two.broken().startswith("a tensor-parallel step failed on rank 0")
+    finally:
+        os.kill(two.procs[0].pid, signal.SIGCONT)
+        two.close()

@@ -34,7 +34,9 @@ class RankSpec:
         model: the whole model's config; layout: how it splits.
         cache: KV cache geometry (blocks, block size, dtype) of every rank's share.
         device / dtype: resolved (``"cuda:1"``, ``torch.float32``...).
-        num_threads: torch intra-op threads of the rank; timeout_s: collective timeout.
+        num_threads: torch intra-op threads of the rank; timeout_s: how long joining the group and
+            loading may wait for the other ranks; step_timeout_s: how long a step's collective may
+            wait for a peer (a hung rank) once the rank serves.
         arch: the model family's layer differences (read once, by rank 0).
     """
 
@@ -48,6 +50,7 @@ class RankSpec:
     num_threads: int
     timeout_s: float
     arch: DecoderArch
+    step_timeout_s: float
 
 
 def share(kv: torch.Tensor) -> torch.Tensor:
@@ -62,6 +65,7 @@ def build_rank(spec: RankSpec) -> ModelRunner:
     group = connect(spec.port, spec.rank, spec.layout.size, dev, spec.timeout_s)
     model = load_tp_model(spec.model, spec.layout, group, dev, spec.dtype, arch=spec.arch)
     kv = share(allocate_kv_cache(spec.layout.local_config(spec.model), spec.cache, dev))
+    group.set_timeout(spec.step_timeout_s)
     return ModelRunner(model, kv, spec.cache.block_size)
 
 

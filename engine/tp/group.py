@@ -41,6 +41,11 @@ class TpGroup:
         else:
             self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
 
+    def set_timeout(self, timeout_s: float) -> None:
+        """Let every later collective wait ``timeout_s`` seconds for a peer before it raises (the group
+        is built with a longer one, which covers the ranks' start and model load)."""
+        self.pg.set_timeout(datetime.timedelta(seconds=timeout_s))
+
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks, in place; returns ``t``."""
         self.pg.allreduce([t]).wait()

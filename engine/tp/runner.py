@@ -50,7 +50,7 @@ class TpModelRunner(ModelRunner):
 
         Raises:
             RuntimeError: a rank is gone (its pipe closed), a collective timed out (a rank hung: after
-                the group's timeout, 300 s by default), or an earlier step's forward failed.
+                :data:`STEP_TIMEOUT_S` by default), or an earlier step's forward failed.
         """
         reason = self.broken()
         if reason:
@@ -121,11 +121,21 @@ def _collect_shards(kv_queue, n: int, timeout_s: float) -> dict[int, torch.Tenso
     return got
 
 
+STEP_TIMEOUT_S = 30.0
+"""Seconds a step's collective waits for a peer rank before it raises (seconds; a rank that hung, e.g.
+stopped with SIGSTOP): the step fails, the runner reports itself broken and its worker leaves the registry
+to be started again (:mod:`serving.worker_host`). Ranks run the same layers in step, so a healthy peer is
+late by one layer's imbalance at most; the ranks' start and model load have ``timeout_s`` instead."""
+
+
 def start_tp_runner(model_cfg: ModelConfig, cache: CacheConfig, size: int, device: torch.device,
                     dtype: torch.dtype, num_threads: int, timeout_s: float = 300.0,
-                    arch: DecoderArch | None = None) -> TpModelRunner:
+                    arch: DecoderArch | None = None, step_timeout_s: float = STEP_TIMEOUT_S) -> TpModelRunner:
     """Start ranks ``1..size-1`` (rank ``r`` on ``cuda:r`` when ``device`` is CUDA), load
     this rank's shard, and return rank 0's runner once every rank holds its KV share.
+
+    ``timeout_s``: seconds the ranks' start, the group's rendezvous and the model load may take;
+    ``step_timeout_s``: seconds a step's collective then waits for a peer (:data:`STEP_TIMEOUT_S`).
 
     ``arch``: the family's layer differences; None reads them here, once for every rank
     (:func:`engine.model.families.load_arch`).
@@ -142,7 +152,8 @@ def start_tp_runner(model_cfg: ModelConfig, cache: CacheConfig, size: int, devic
     conns, procs = [], []
     for r in range(1, size):
         dev = f"cuda:{r}" if device.type == "cuda" else str(device)
-        spec = RankSpec(r, store.port, model_cfg, layout, cache, dev, dtype, num_threads, timeout_s, arch)
+        spec = RankSpec(r, store.port, model_cfg, layout, cache, dev, dtype, num_threads, timeout_s, arch,
+                        step_timeout_s)
         here, there = ctx.Pipe()
         p = ctx.Process(target=rank_main, args=(spec, there, kv_queue), daemon=True, name=f"tp-rank{r}")
         p.start()
@@ -154,6 +165,7 @@ def start_tp_runner(model_cfg: ModelConfig, cache: CacheConfig, size: int, devic
         model = load_tp_model(model_cfg, layout, group, device, dtype, arch=arch)
         own = allocate_kv_cache(layout.local_config(model_cfg), cache, device)  # read by this process only
         others = _collect_shards(kv_queue, size - 1, timeout_s)
+        group.set_timeout(step_timeout_s)
     except BaseException:
         stop_ranks(conns, procs)
         raise
