@@ -10,5 +10,6 @@ source .venv/bin/activate
 export PDCLUSTER_MODEL_CACHE="${PDCLUSTER_MODEL_CACHE:-$PWD/.cache/models}"
 # the architecture's layering contracts (pyproject.toml [tool.importlinter])
 lint-imports
-# one line per test, named as it starts: a run that ends abruptly (a process killed) shows where
-python -m pytest -v tests "$@"
+# one line per test, named as it starts: a run that ends abruptly (a process killed) shows where; the 30
+# slowest tests listed at the end (what to trim when the run nears its time budget)
+python -m pytest -v --durations=30 tests "$@"
