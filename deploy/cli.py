@@ -251,9 +251,9 @@ def _add_weights(p: argparse.ArgumentParser) -> None:
                    help="serve the decoder's projection weights quantized: int8 (one scale per 64 weights, the LM head "
                         "too) or q4 (llama.cpp Q4_1; a GGUF's own blocks where it stores them so); none = float (default)")
     p.add_argument("--attention-backend", default=ATTENTION_BACKENDS[0], choices=ATTENTION_BACKENDS,
-                   help="attention kernels: auto (default) = batch-invariant for int8/q4 on CPU (a request's output "
-                        "bit-identical however it is batched, chunked or cached), torch for float on CPU, triton on "
-                        "CUDA; or name one: torch, sdpa, batch-invariant (CPU), triton (CUDA)")
+                   help="attention kernels: auto (default) = batch-invariant for int8/q4 in float32 on CPU (a "
+                        "request's output bit-identical however it is batched, chunked or cached), else torch on CPU, "
+                        "triton on CUDA; or name one: torch, sdpa, batch-invariant (CPU, float32), triton (CUDA)")
 
 
 def _add_scale(sub: argparse._SubParsersAction) -> None:
