@@ -167,18 +167,23 @@ def _restarted(now: Scrape, before: Scrape) -> bool:
     return any(now_sums.get(name, 0.0) < value for name, value in _counter_sums(before).items())
 
 
+WORKERS_CAPTION = ("rates and means over the refresh interval; (total): since the process started. tok/s: prompt "
+                   "tokens computed (prefill), rows decoded (decode). prefill ms: per request, the steps it was in. "
+                   "P/D: prefill / decode step time of a colocated worker")
+
+
 def render(scrapes: list[Scrape], previous: dict[str, Scrape]) -> Group:
     """The tables for one refresh (``previous``: the last scrape of each worker id; one whose process
     restarted since gives no rates this time, as Prometheus' ``rate`` treats a counter reset)."""
     now_by_id = {s.worker_id: s for s in scrapes}
     previous = {w: b for w, b in previous.items() if w not in now_by_id or not _restarted(now_by_id[w], b)}
-    workers = Table(title="workers", expand=True)
+    workers = Table(title="workers", expand=True, caption=WORKERS_CAPTION)
     for col in ("worker", "role", "run", "wait", "KV used", "prefill ms", "decode step ms", "P/D",
-                "tok/s", "KV MB/s", "prefix hit", "preempt"):
+                "tok/s", "KV MB/s", "prefix hit", "preempts (total)"):
         workers.add_column(col, justify="right" if col not in ("worker", "role") else "left")
     router = Table(title="router", expand=True)
-    for col in ("router", "run", "wait", "req/s", "TTFT ms", "ITL ms", "E2E ms", "failed", "refused/left",
-                "cluster P/D"):
+    for col in ("router", "run", "wait", "req/s", "TTFT ms", "ITL ms", "E2E ms", "failed (total)",
+                "refused/left (total)", "cluster P/D"):
         router.add_column(col, justify="right" if col != "router" else "left")  # one row per router (--routers N)
     ratio = cluster_ratio(scrapes, previous)
     for s in sorted(scrapes, key=lambda s: (s.role, s.worker_id)):

@@ -40,7 +40,7 @@ from pdcluster.cli import main as cli_main  # noqa: E402
 from pdcluster.top import render, snapshot  # noqa: E402
 
 PANELS = ("TTFT p50 / p99", "ITL p50 / p99", "Prefill time vs prompt length", "Decode step time vs batch size",
-          "KV cache usage per worker", "Queue lengths")
+          "KV cache usage per worker", "Requests waiting and running")
 
 
 def draw(prom: PrometheusServer, start: float, end: float, out: Path) -> None:

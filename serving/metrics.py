@@ -26,9 +26,10 @@ ROUTER, PREFILL, DECODE = "router", "prefill", "decode"
 WORKERS = (PREFILL, DECODE)
 
 # Buckets (seconds / tokens). vLLM's request-latency buckets, widened at the low end
-# for CPU decode steps of tens of milliseconds.
-_LATENCY_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
-              7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+# for CPU decode steps of tens of milliseconds, and finer from 1 to 5 s, where CPU TTFTs fall (a p50
+# interpolated inside one 2.5-5 s bucket read 3.7 s for TTFTs of at most 3.1 s).
+_LATENCY_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5,
+              3.0, 4.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _E2E_S = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
           480.0, 960.0, 1920.0)
 _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
@@ -79,8 +80,9 @@ METRICS: tuple[MetricSpec, ...] = (
     _h("request_time_per_output_token_seconds", "Mean time per output token after the first (TPOT, seconds).",
        (ROUTER,), _LATENCY_S),
     _h("e2e_request_latency_seconds", "End-to-end request latency (seconds).", (ROUTER,), _E2E_S),
-    _h("request_queue_time_seconds", "Time a request waited before its prefill began (seconds).",
-       (ROUTER, PREFILL), _LATENCY_S),
+    _h("request_queue_time_seconds", "Time a request waited before its prefill began (seconds): router: arrival "
+       "to the decode worker's reservation (a worker and KV blocks); prefill worker: arrival there to its first "
+       "prefill step. Filter by role.", (ROUTER, PREFILL), _LATENCY_S),
     _h("request_prefill_time_seconds", "Prefill phase of finished requests (seconds): the decode worker's "
        "reservation to the first token (prefill queue, compute and KV transfer).", (ROUTER,), _LATENCY_S),
     _h("request_decode_time_seconds", "Decode phase of finished requests (seconds): first to last token.",
@@ -93,11 +95,12 @@ METRICS: tuple[MetricSpec, ...] = (
        "gRPC request is one choice and is not counted).", (ROUTER,), (1, 2, 5, 10, 20)),
     _h("request_prompt_tokens", "Prompt length of finished requests (tokens).", (ROUTER,), _TOKENS),
     _h("request_generation_tokens", "Generated tokens of finished requests (tokens).", (ROUTER,), _TOKENS),
-    MetricSpec("prompt_tokens", "counter", "Prompt tokens prefilled (counted at each request's first token).",
-               (ROUTER,)),
+    MetricSpec("prompt_tokens", "counter", "Prompt tokens of requests, prefix-cache hits included (as vLLM), counted "
+               "at each request's first token; an HTTP request with n > 1 counts once per choice.", (ROUTER,)),
     MetricSpec("generation_tokens", "counter", "Generated tokens (counted as they leave the router, also those of "
                "requests that are cancelled or fail later).", (ROUTER,)),
-    MetricSpec("request_success", "counter", "Finished requests by finish reason.", (ROUTER,),
+    MetricSpec("request_success", "counter", "Finished requests by finish reason (an HTTP request with n > 1: "
+               "each choice).", (ROUTER,),
                labels=("finished_reason",), preset=("stop", "length", "abort")),
     MetricSpec("request_errors", "counter", "Failed requests by status code.", (ROUTER,), labels=("code",)),
     MetricSpec("http_requests", "counter", "Requests on the router's HTTP port by method, route and answer status "
@@ -122,16 +125,18 @@ METRICS: tuple[MetricSpec, ...] = (
                "a crash, or the cluster controller).", (ROUTER,), labels=("target_worker",)),
     MetricSpec("num_requests_running", "gauge", "Requests running (router: relayed; workers: in a batch).",
                (ROUTER, PREFILL, DECODE)),
-    MetricSpec("num_requests_waiting", "gauge", "Requests waiting (router: for a worker; workers: for a step).",
+    MetricSpec("num_requests_waiting", "gauge", "Requests waiting (router: for a worker; prefill workers: for a "
+               "step; decode workers: for their KV transfer, blocks or a seat, or preempted).",
                (ROUTER, PREFILL, DECODE)),
     # -- prefill worker ---------------------------------------------------------------------
-    _h("prefill_time_seconds", "Prefill compute time of one request (seconds), summed over its steps.",
-       (PREFILL,), _LATENCY_S),
+    _h("prefill_time_seconds", "Prefill compute time of one request (seconds): the wall time of every prefill step "
+       "it was in, summed (a step that batched several requests counts whole for each).", (PREFILL,), _LATENCY_S),
     _h("prefill_step_seconds", "Wall time of one prefill step (seconds).", (PREFILL,), _LATENCY_S),
     _h("prefill_batch_tokens", "Tokens computed in one prefill step.", (PREFILL,), _TOKENS),
     MetricSpec("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.", (PREFILL,)),
     MetricSpec("prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache.", (PREFILL,)),
-    MetricSpec("kv_transfer_bytes", "counter", "KV payload bytes sent to decode workers.", (PREFILL,)),
+    MetricSpec("kv_transfer_bytes", "counter", "KV bytes sent to decode workers, in whole blocks (a prompt's "
+               "partial last block counts full).", (PREFILL,)),
     _h("kv_transfer_seconds", "Wall time of one request's KV transfer (seconds).", (PREFILL,), _LATENCY_S),
     MetricSpec("kv_transfer_failures", "counter", "Failed KV transfers by reason (the failure's status).",
                (PREFILL,), labels=("reason",)),
@@ -142,7 +147,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("num_kv_recomputes", "counter",
                "Requests whose KV transfer failed and whose prompt KV was recomputed on the decode worker instead "
                "(preemptions are counted by num_preemptions).", (DECODE,)),
-    MetricSpec("kv_received_bytes", "counter", "KV payload bytes received from prefill workers.", (DECODE,)),
+    MetricSpec("kv_received_bytes", "counter", "KV bytes received from prefill workers, in whole blocks (a "
+               "prompt's partial last block counts full).", (DECODE,)),
     _h("kv_reservation_wait_seconds", "Time a request waited for its KV blocks on the decode worker (seconds).",
        (DECODE,), _LATENCY_S),
     # -- both workers -----------------------------------------------------------------------
