@@ -60,8 +60,10 @@ def draw(prom: PrometheusServer, start: float, end: float, out: Path) -> None:
                 xs = [float(t) - start for t, _ in series["values"]]
                 ys = [float(v) for _, v in series["values"]]
                 axis.plot(xs, ys, label=label, color=f"C{i + 2}" if axis is twin else None)
-        if title == "KV cache usage per worker":
-            ax.axhline(0.9, color="red", linestyle="--", label="throttle")
+        steps = panels[title].get("fieldConfig", {}).get("defaults", {}).get("thresholds", {}).get("steps", [])
+        for step in steps:  # the panel's threshold lines, as Grafana draws them
+            if step.get("value") is not None:
+                ax.axhline(step["value"], color=step["color"], linestyle="--", label=f"threshold {step['value']}")
         ax.set_title(title)
         ax.set_xlabel("seconds")
         ax.legend(fontsize=7, loc="upper left")
