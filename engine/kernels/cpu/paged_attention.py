@@ -65,7 +65,7 @@ def paged_decode_attention_cpu(
             ``heads_per_item`` that does not divide ``num_kv_heads``, or a length / block id out
             of range.
     """
-    kernel, window_arg = _entry("decode", "pdcluster::paged_decode_attention", window)
+    kernel, window_arg = _built(_decode(), window)
     return kernel(q.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(),
                   float(scale), window_arg, int(heads_per_item))
 
@@ -98,16 +98,15 @@ def paged_rows_attention_cpu(
         ValueError: as :func:`paged_decode_attention_cpu`, and for a ``seq_of_row`` entry outside
             ``[0, S)`` or a ``rows_per_item`` outside 1..8.
     """
-    kernel, window_arg = _entry("rows", "pdcluster::paged_rows_attention", window)
+    kernel, window_arg = _built(load_function(NAME, "rows", "pdcluster::paged_rows_attention"), window)
     return kernel(q.contiguous(), k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
                   seq_of_row.to(torch.int32).contiguous(), row_lens.to(torch.int32).contiguous(),
                   float(scale), window_arg, int(rows_per_item))
 
 
-def _entry(function: str, op: str, window: int | None):
-    """The kernel's entry point ``function`` (torch op ``op``) and ``window`` as the kernel takes it
-    (0: no window). Raises RuntimeError where the kernel is not built, ValueError for a window < 1."""
-    kernel = load_function(NAME, function, op)
+def _built(kernel, window: int | None):
+    """``kernel`` (an entry point of the kernel, None where it is not built) and ``window`` as the kernel
+    takes it (0: no window). Raises RuntimeError where the kernel is not built, ValueError for a window < 1."""
     if kernel is None:
         raise RuntimeError("the C++ paged-attention kernel is not built on this machine")
     if window is not None and window < 1:
