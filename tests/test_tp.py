@@ -12,6 +12,9 @@ written into TP=2 shards (and back) lets the other side decode on exactly.
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -23,6 +26,7 @@ from engine.model_runner import ModelRunner
 from engine.sampling import SamplingOptions
 from engine.step import ScheduledSeq, StepPlan
 from engine.tp import TpLayout
+from engine.tp.runner import STEP_TIMEOUT_S, start_tp_runner
 from family_models import build_tiny, hf_model
 from kvtransfer import HeadShards, gather_blocks, scatter_tokens
 
@@ -230,12 +234,6 @@ def test_a_hung_rank_fails_the_step_after_the_step_timeout(folders):
     """A rank that stops answering (SIGSTOP: alive, so not "gone") fails rank 0's step once a collective
     has waited ``step_timeout_s`` (not the 300 s the ranks' start may take), and the runner is broken
     from then on, so its worker leaves and is started again."""
-    import os
-    import signal
-    import time
-
-    from engine.tp.runner import STEP_TIMEOUT_S, start_tp_runner
-
     assert STEP_TIMEOUT_S <= 60
     cfg = ModelConfig.from_hf_folder(str(folders["llama3-kv2"]))
     two = start_tp_runner(cfg, CACHE, 2, torch.device("cpu"), torch.float32, 1, step_timeout_s=2.0)
